@@ -1,0 +1,13 @@
+"""Errors of the distributed layer (the family's base types live in ``potentials.errors``)."""
+from potentials.errors import InvalidStructureError, MLIPError, UnknownSpeciesError
+
+
+class DecompositionError(MLIPError, ValueError):
+    """The system cannot be split as asked: a grid that does not match the ranks, no atoms, ..."""
+
+
+class LostAtomsError(MLIPError, RuntimeError):
+    """Atoms went missing or were duplicated while moving between ranks."""
+
+
+__all__ = ["DecompositionError", "InvalidStructureError", "LostAtomsError", "MLIPError", "UnknownSpeciesError"]

@@ -1,0 +1,13 @@
+"""Exception types shared by the whole toolkit (the lowest package defines them; others import them)."""
+
+
+class MLIPError(Exception):
+    """Base class of every error this toolkit raises on purpose."""
+
+
+class UnknownSpeciesError(MLIPError, ValueError):
+    """The structure holds an element the model was not built for."""
+
+
+class InvalidStructureError(MLIPError, ValueError):
+    """The structure cannot be evaluated: non-finite positions, a degenerate cell, ..."""

@@ -1,0 +1,99 @@
+"""The graph a model reads, the halo hook, structure checks and the neighbour list.
+
+Edge convention (torch-geometric's ``source_to_target`` flow): ``edge_index[0]`` holds senders j,
+``edge_index[1]`` receivers i, and ``edge_vec[e] = r_j - r_i`` (Å) points from the receiver to the
+sender, periodic image included.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+import vesin
+from ase.cell import Cell
+
+from .errors import InvalidStructureError
+
+
+class NoHalo:
+    """The halo hook of a graph with no ghost atoms: refreshing ghost rows is the identity."""
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+
+@dataclass
+class AtomGraph:
+    """Input of every model.
+
+    species:    [n] long, index into ``model.species`` (owned rows first, then ghosts).
+    edge_index: [2, E] long, (sender j, receiver i).
+    edge_vec:   [E, 3] float64, r_j - r_i in Å (differentiable w.r.t. positions and strain).
+    n_local:    number of owned rows; models return per-atom energies for these rows only.
+    halo:       ``halo(h)`` with h [n, ...] returns h with its ghost rows refreshed from their owners.
+                A model calls it before every message-passing layer after the first, on the node
+                features that layer reads from senders.
+    """
+
+    species: torch.Tensor
+    edge_index: torch.Tensor
+    edge_vec: torch.Tensor
+    n_local: int
+    halo: Callable[[torch.Tensor], torch.Tensor] = field(default_factory=NoHalo)
+
+    @property
+    def n_nodes(self) -> int:
+        return int(self.species.shape[0])
+
+
+def complete_cell(cell, pbc) -> np.ndarray:
+    """Return a full-rank 3×3 cell (rows = lattice vectors, Å) for the given pbc flags.
+
+    Zero vectors along non-periodic directions are replaced by orthogonal unit vectors (ASE's
+    ``Cell.complete``). Raises InvalidStructureError when a periodic direction has no length or the
+    cell has zero volume.
+    """
+    cell = np.asarray(cell, dtype=np.float64).reshape(3, 3)
+    pbc = np.broadcast_to(np.asarray(pbc, dtype=bool), (3,))
+    if not np.all(np.isfinite(cell)):
+        raise InvalidStructureError(f"cell contains non-finite values: {cell.tolist()}")
+    lengths = np.linalg.norm(cell, axis=1)
+    for d in range(3):
+        if pbc[d] and lengths[d] < 1e-8:
+            raise InvalidStructureError(
+                f"zero-volume cell: direction {'xyz'[d]} is periodic but cell vector {d} is {cell[d].tolist()}")
+    full = np.asarray(Cell(cell).complete())
+    volume = abs(np.linalg.det(full))
+    if volume < 1e-8 * max(1.0, float(np.prod(np.maximum(np.linalg.norm(full, axis=1), 1e-300)))):
+        raise InvalidStructureError(f"zero-volume cell (volume {volume:.3g} Å^3): {cell.tolist()}")
+    return full
+
+
+def check_positions(positions) -> np.ndarray:
+    """Return positions as float64 [N, 3]; raise InvalidStructureError on non-finite rows."""
+    positions = np.asarray(positions, dtype=np.float64)
+    if positions.ndim != 2 or positions.shape[1] != 3:
+        raise InvalidStructureError(f"positions must have shape (N, 3), got {positions.shape}")
+    bad = np.flatnonzero(~np.all(np.isfinite(positions), axis=1))
+    if bad.size:
+        raise InvalidStructureError(
+            f"non-finite positions (NaN or inf) for {bad.size} atom(s), first indices {bad[:5].tolist()}")
+    return positions
+
+
+def neighbour_list(positions: np.ndarray, cell: np.ndarray, pbc, cutoff: float):
+    """Pairs closer than ``cutoff`` (both directions), via vesin.
+
+    Returns (i, j, shifts): int64 [E], int64 [E], int64 [E, 3] with r_j - r_i + shifts @ cell the pair
+    vector. Without periodicity the cell is ignored and shifts are zero.
+    """
+    pbc = [bool(p) for p in np.broadcast_to(pbc, (3,))]
+    if len(positions) == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, np.zeros((0, 3), dtype=np.int64)
+    box = cell if any(pbc) else np.zeros((3, 3))
+    i, j, s = vesin.NeighborList(cutoff=float(cutoff), full_list=True).compute(
+        points=positions, box=box, periodic=pbc, quantities="ijS")
+    return i.astype(np.int64), j.astype(np.int64), s.astype(np.int64)

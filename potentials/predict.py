@@ -1,0 +1,51 @@
+"""Single-process reference evaluation: a periodic neighbour list and autograd, nothing else."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .base import Potential
+from .graph import AtomGraph, check_positions, complete_cell, neighbour_list
+
+
+def voigt_stress(dE_dstrain: np.ndarray, volume: float) -> np.ndarray:
+    """(1/V) dE/dε as 6 Voigt components (xx, yy, zz, yz, xz, xy), eV/Å³ — ASE's order and sign."""
+    s = 0.5 * (dE_dstrain + dE_dstrain.T) / volume
+    return np.array([s[0, 0], s[1, 1], s[2, 2], s[1, 2], s[0, 2], s[0, 1]])
+
+
+def energy_forces(model: Potential, atoms, create_graph: bool = False):
+    """Differentiable single-process evaluation.
+
+    Returns torch float64 (energies [N], forces [N, 3], dE/dstrain [3, 3]) on the model's device;
+    with ``create_graph`` they stay differentiable w.r.t. the model's parameters (force training).
+    """
+    positions = check_positions(atoms.positions)
+    cell = complete_cell(atoms.cell, atoms.pbc)
+    device = model.device
+    species = torch.as_tensor(model.species_index(atoms.numbers), device=device)
+    i, j, shifts = neighbour_list(positions, cell, atoms.pbc, model.cutoff)
+
+    pos = torch.tensor(positions, dtype=torch.float64, device=device, requires_grad=True)
+    strain = torch.zeros(3, 3, dtype=torch.float64, device=device, requires_grad=True)
+    deform = torch.eye(3, dtype=torch.float64, device=device) + strain
+    pos_s = pos @ deform
+    cell_s = torch.as_tensor(cell, device=device) @ deform
+    i_t, j_t = torch.as_tensor(i, device=device), torch.as_tensor(j, device=device)
+    edge_vec = pos_s[j_t] - pos_s[i_t] + torch.as_tensor(shifts, dtype=torch.float64, device=device) @ cell_s
+    graph = AtomGraph(species=species, edge_index=torch.stack([j_t, i_t]), edge_vec=edge_vec,
+                      n_local=len(positions))
+    energies = model(graph).to(torch.float64)
+    dE_dpos, dE_dstrain = torch.autograd.grad(energies.sum(), [pos, strain], create_graph=create_graph)
+    return energies, -dE_dpos, dE_dstrain
+
+
+def predict(model: Potential, atoms, stress: bool = True) -> dict:
+    """Energy (float, eV), energies (N,), forces (N, 3) eV/Å, and stress (6,) eV/Å³ when asked for and
+    the cell has a volume. numpy float64, atom order of ``atoms``. Runs on the model's device."""
+    energies, forces, dE_dstrain = energy_forces(model, atoms)
+    energies = energies.detach().cpu().numpy()
+    result = {"energy": float(energies.sum()), "energies": energies, "forces": forces.cpu().numpy()}
+    if stress and atoms.cell.rank == 3:
+        result["stress"] = voigt_stress(dE_dstrain.cpu().numpy(), atoms.cell.volume)
+    return result

@@ -1,0 +1,48 @@
+"""SchNet (Schütt et al., 2018) built from torch-geometric's interaction blocks, with a halo hook."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch_geometric.nn.models.schnet import GaussianSmearing, InteractionBlock, ShiftedSoftplus
+
+from .base import Potential
+from .graph import AtomGraph
+
+
+class SchNet(Potential):
+    """Continuous-filter convolutions over edges within ``cutoff`` (cosine envelope, Gaussian RBFs).
+
+    h0 = embedding(species); for each layer l: [l > 0: h = halo(h)]; h = h + interaction_l(h, edges);
+    e_i = energy_scale[z_i] * MLP(h_i) + energy_shift[z_i]   (eV).
+    """
+
+    def __init__(self, species: Sequence[str], cutoff: float, features: int = 64, layers: int = 3,
+                 rbf: int = 50, filters: int | None = None):
+        super().__init__(species)
+        if not species:
+            raise ValueError("SchNet needs a non-empty species list")
+        if cutoff <= 0 or features < 2 or layers < 1 or rbf < 2:
+            raise ValueError(f"invalid SchNet hyper-parameters: cutoff={cutoff}, features={features}, "
+                             f"layers={layers}, rbf={rbf}")
+        self.cutoff, self.features, self.layers = float(cutoff), int(features), int(layers)
+        self.embedding = torch.nn.Embedding(len(self.species), features)
+        self.distance_expansion = GaussianSmearing(0.0, self.cutoff, rbf)
+        self.interactions = torch.nn.ModuleList(
+            InteractionBlock(features, rbf, filters or features, self.cutoff) for _ in range(layers))
+        self.readout = torch.nn.Sequential(
+            torch.nn.Linear(features, features // 2), ShiftedSoftplus(), torch.nn.Linear(features // 2, 1))
+        self.register_buffer("energy_shift", torch.zeros(len(self.species)))
+        self.register_buffer("energy_scale", torch.ones(len(self.species)))
+
+    def forward(self, graph: AtomGraph) -> torch.Tensor:
+        distance = graph.edge_vec.to(self.dtype).norm(dim=1)
+        expanded = self.distance_expansion(distance)
+        h = self.embedding(graph.species)
+        for layer, interaction in enumerate(self.interactions):
+            if layer > 0:
+                h = graph.halo(h)
+            h = h + interaction(h, graph.edge_index, distance, expanded)
+        z = graph.species[: graph.n_local]
+        out = self.readout(h[: graph.n_local]).squeeze(-1)
+        return out * self.energy_scale[z] + self.energy_shift[z]

@@ -1,0 +1,133 @@
+"""The geometry set every distributed test runs over, and the comparison helpers.
+
+Imported by pytest tests and by the MPI scripts in tests/mpi/ (which put this folder on sys.path).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from ase import Atoms
+from ase.build import bulk, fcc111
+
+import potentials
+
+SPECIES = ["Ag", "Cu"]
+LJ_PARAMS = dict(epsilon=0.4, sigma=2.3, cutoff=5.0)  # Cu-like Lennard-Jones
+
+
+def _alloy(atoms, seed):
+    """Make roughly a third of the atoms Ag, deterministically."""
+    rng = np.random.default_rng(seed)
+    numbers = atoms.numbers.copy()
+    numbers[rng.random(len(atoms)) < 0.33] = 47
+    atoms.numbers = numbers
+    return atoms
+
+
+def fcc_bulk():
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat((3, 3, 3))
+    atoms.rattle(0.08, seed=1)
+    return _alloy(atoms, 1)
+
+
+def hcp_triclinic():
+    atoms = bulk("Cu", "hcp", a=2.55, c=4.16).repeat((4, 4, 3))  # 120° cell
+    atoms.rattle(0.08, seed=2)
+    return _alloy(atoms, 2)
+
+
+def sheared():
+    atoms = bulk("Cu", "fcc", a=3.61).repeat((4, 4, 4))  # rhombohedral 60° primitive cell
+    cell = atoms.cell[:] @ np.array([[1.0, 0.0, 0.0], [0.15, 1.0, 0.0], [-0.1, 0.2, 1.0]])
+    atoms.set_cell(cell, scale_atoms=True)
+    atoms.rattle(0.08, seed=3)
+    return _alloy(atoms, 3)
+
+
+def slab():
+    atoms = fcc111("Cu", size=(3, 3, 4), a=3.61, vacuum=7.0)
+    atoms.pbc = (True, True, False)
+    atoms.rattle(0.08, seed=4)
+    return _alloy(atoms, 4)
+
+
+def clusters():
+    """Two clusters 14 Å apart along z, no pbc, no cell: middle subdomains own no atoms."""
+    blob = bulk("Cu", "fcc", a=3.61, cubic=True).repeat((2, 2, 2))
+    blob.rattle(0.08, seed=5)
+    other = blob.copy()
+    other.positions += [1.0, 0.5, 14.0 + blob.positions[:, 2].max()]
+    atoms = Atoms(numbers=np.concatenate([blob.numbers, other.numbers]),
+                  positions=np.concatenate([blob.positions, other.positions]), pbc=False)
+    return _alloy(atoms, 5)
+
+
+def small_cell():
+    """A cell whose edges (2.55 Å, 5.1 Å) are shorter than the cutoff: atoms see images of themselves."""
+    atoms = bulk("Cu", "fcc", a=3.61).repeat((1, 2, 1))
+    atoms.rattle(0.1, seed=6)
+    atoms.numbers = [29, 47]
+    return atoms
+
+
+def on_boundaries():
+    """An unrattled lattice (atoms exactly on the cut planes of 2- and 4-way splits), a few atoms
+    displaced, and some atoms moved by whole cell vectors out of the cell."""
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat((4, 2, 2))
+    positions = atoms.positions.copy()
+    positions[[3, 17, 40]] += [[0.2, -0.1, 0.05], [-0.1, 0.15, 0.1], [0.05, 0.05, -0.2]]
+    cell = atoms.cell[:]
+    positions[[0, 5, 9]] += [cell[0], -2 * cell[1], cell[0] + cell[2]]
+    positions[12] -= 3 * cell[2]
+    atoms.positions = positions
+    return _alloy(atoms, 7)
+
+
+GEOMETRIES = {
+    "fcc_bulk": fcc_bulk,
+    "hcp_triclinic": hcp_triclinic,
+    "sheared": sheared,
+    "slab": slab,
+    "clusters": clusters,
+    "small_cell": small_cell,
+    "on_boundaries": on_boundaries,
+}
+
+
+def lennard_jones():
+    return potentials.LennardJones(**LJ_PARAMS)
+
+
+def schnet(dtype=torch.float64, seed=0, cutoff=4.0, features=16, layers=3):
+    """A randomly initialised SchNet with non-trivial per-species shift and scale."""
+    torch.manual_seed(seed)
+    model = potentials.SchNet(SPECIES, cutoff=cutoff, features=features, layers=layers)
+    model.energy_shift.copy_(torch.tensor([-2.1, -3.4]))
+    model.energy_scale.copy_(torch.tensor([0.7, 1.3]))
+    return model.to(dtype)
+
+
+def ase_lj_results(atoms):
+    """ASE's own LennardJones: the independent oracle for the Lennard-Jones tests."""
+    from ase.calculators.lj import LennardJones as AseLJ
+
+    atoms = atoms.copy()
+    p = LJ_PARAMS
+    atoms.calc = AseLJ(epsilon=p["epsilon"], sigma=p["sigma"], rc=p["cutoff"], smooth=False)
+    result = {"energy": atoms.get_potential_energy(), "energies": atoms.get_potential_energies(),
+              "forces": atoms.get_forces()}
+    if atoms.cell.rank == 3:
+        result["stress"] = atoms.get_stress()
+    return result
+
+
+def max_relative_error(result: dict, reference: dict) -> dict:
+    """Per key: max |result - reference| / max |reference| (keys must match)."""
+    if set(result) != set(reference):
+        raise AssertionError(f"keys differ: {sorted(result)} vs {sorted(reference)}")
+    errors = {}
+    for key, ref in reference.items():
+        ref = np.asarray(ref, dtype=np.float64)
+        diff = np.max(np.abs(np.asarray(result[key]) - ref))
+        errors[key] = float(diff / max(np.max(np.abs(ref)), 1e-300))
+    return errors
