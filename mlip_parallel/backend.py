@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 
-def _launched_by_mpiexec() -> bool:
+def launched_by_mpiexec() -> bool:
+    """True when this process was started by an MPI launcher (mpiexec / mpirun / srun with PMI)."""
     return any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK",
                                           "MPI_LOCALNRANKS", "HYDRA_CONTROL_FD"))
 
@@ -138,7 +139,7 @@ class MPIBackend:
 
     @property
     def library(self) -> str:
-        return self.MPI.Get_library_version().splitlines()[0].strip()
+        return " ".join(self.MPI.Get_library_version().splitlines()[0].split())
 
 
 _BACKENDS: dict = {}
@@ -151,7 +152,7 @@ def get_backend(comm=None):
     if isinstance(comm, (SerialBackend, MPIBackend)):
         return comm
     if comm is None:
-        if not _launched_by_mpiexec():
+        if not launched_by_mpiexec():
             return _BACKENDS.setdefault("serial", SerialBackend())
         from mpi4py import MPI
         if MPI.COMM_WORLD.Get_size() == 1:
@@ -181,6 +182,8 @@ def install_abort_on_error():
         return
     from mpi4py import MPI
 
+    if MPI.COMM_WORLD.Get_size() == 1:
+        return
     previous = sys.excepthook
 
     def hook(exc_type, exc, tb):

@@ -1,0 +1,93 @@
+"""Contracts of the four comm verbs (run under mpiexec -n P):
+
+* exchange: atoms scattered at random over ranks, some far outside the cell, end on the rank whose
+  subdomain holds them, each exactly once, with their per-atom data;
+* borders: the ghosts are exactly the atom images within r_ghost of the subdomain (brute force);
+* reverse_comm is the adjoint of forward_comm: sum over ranks of <F x, y> == <x, R y>.
+"""
+import itertools
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import mlip_parallel  # noqa: E402
+from systems import GEOMETRIES  # noqa: E402
+
+torch.set_num_threads(1)
+world = MPI.COMM_WORLD
+rank, P = world.Get_rank(), world.Get_size()
+backend = mlip_parallel.get_backend()
+failures = []
+
+
+def check(condition, message):
+    if not condition:
+        failures.append(message)
+
+
+# ---- exchange: random scatter → every atom on its owner, ids conserved, data moved along
+for name in ("fcc_bulk", "sheared", "slab", "clusters"):
+    atoms = GEOMETRIES[name]()
+    n = len(atoms)
+    rng = np.random.default_rng(42)
+    shifts = rng.integers(-2, 3, size=(n, 3)) * atoms.pbc  # whole-cell moves along periodic dims only
+    unwrapped = atoms.positions + shifts @ atoms.cell[:]
+    start_rank = rng.integers(0, P, size=n)
+    mine = np.flatnonzero(start_rank == rank)
+    domain = mlip_parallel.Domain.from_positions(atoms.positions[mine], atoms.cell, atoms.pbc, backend)
+    grid = mlip_parallel.Grid.for_ranks(P, domain)
+    comm = mlip_parallel.Comm(backend, grid, domain)
+    moved = comm.exchange({"positions": unwrapped[mine], "ids": mine, "image": np.zeros((len(mine), 3), int),
+                           "tag": np.sin(mine.astype(float))[:, None] * [1.0, 2.0]})
+    owner = grid.owner(domain.fractional(moved["positions"]))
+    check(np.all(owner == rank), f"exchange {name}: {np.sum(owner != rank)} atoms on the wrong rank")
+    all_ids = np.concatenate(world.allgather(moved["ids"]))
+    check(np.array_equal(np.sort(all_ids), np.arange(n)), f"exchange {name}: ids not conserved")
+    check(np.allclose(moved["tag"], np.sin(moved["ids"].astype(float))[:, None] * [1.0, 2.0], rtol=0, atol=0),
+          f"exchange {name}: per-atom data did not move with the atoms")
+    back = moved["positions"] + moved["image"] @ domain.cell
+    check(np.allclose(back, unwrapped[moved["ids"]], atol=1e-9), f"exchange {name}: image flags wrong")
+
+# ---- borders: ghost images == brute-force images within the ghost shell
+for name, r_ghost in itertools.product(("fcc_bulk", "hcp_triclinic", "slab", "clusters", "small_cell"), (4.0, 9.0)):
+    atoms = GEOMETRIES[name]()
+    part = mlip_parallel.Decomposition(atoms, r_ghost, backend)
+    domain, comm = part.domain, part.comm
+    lo, hi = part.grid.bounds(rank)
+    cut = domain.fractional_distance(r_ghost)
+    wrapped, _ = domain.wrap(atoms.positions)
+    frac = domain.fractional(wrapped)
+    reach = [int(np.ceil(cut[d])) + 1 if domain.pbc[d] else 0 for d in range(3)]
+    expected, allowed = set(), set()
+    for image in itertools.product(*[range(-k, k + 1) for k in reach]):
+        s = frac + np.array(image)
+        inside = np.all((s >= lo - cut + 1e-9) & (s < hi + cut - 1e-9), axis=1)
+        owned_here = np.all(np.array(image) == 0) & np.all((s >= lo) & (s < hi), axis=1)
+        expected |= {(int(i),) + image for i in np.flatnonzero(inside & ~owned_here)}
+        near = np.all((s >= lo - cut - 1e-6) & (s < hi + cut + 1e-6), axis=1)
+        allowed |= {(int(i),) + image for i in np.flatnonzero(near & ~owned_here)}
+    got = {(int(i),) + tuple(int(v) for v in im) for i, im in zip(comm.ghost_ids, comm.ghost_image)}
+    check(len(got) == comm.n_ghost, f"borders {name} r={r_ghost}: duplicate ghosts")
+    missing = expected - got
+    check(got <= allowed, f"borders {name} r={r_ghost}: {len(got - allowed)} ghosts outside the shell")
+    check(not missing, f"borders {name} r={r_ghost}: {len(missing)} ghost images missing, e.g. {sorted(missing)[:3]}")
+
+    # ---- adjoint: <forward(x), y> summed over ranks == <x, reverse(y)> summed over ranks
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(comm.n_local, 5, generator=g, dtype=torch.float64)
+    y = torch.randn(comm.n_ghost, 5, generator=g, dtype=torch.float64)
+    lhs = backend.allreduce(float((comm.forward_comm(x) * y).sum()))
+    rhs = backend.allreduce(float((x * comm.reverse_comm(y)).sum()))
+    check(abs(lhs - rhs) <= 1e-12 * max(1.0, abs(lhs)), f"adjoint {name}: {lhs} != {rhs}")
+
+failures = world.allgather(failures)
+if rank == 0:
+    flat = [f for fs in failures for f in fs]
+    print(f"P={P}: comm contracts, {len(flat)} failures")
+    for f in flat:
+        print("FAIL", f)
+sys.exit(1 if any(failures) else 0)

@@ -1,0 +1,188 @@
+"""Single-process contracts: geometry and grid, models against independent oracles (ASE, finite
+differences), the serial halo (self-images) and its autograd, bad input."""
+import numpy as np
+import pytest
+import torch
+from ase import Atoms
+from ase.build import bulk, fcc111
+
+import mlip_parallel
+import potentials
+from mlip_parallel import Comm, Decomposition, Domain, Grid, SerialBackend
+from systems import GEOMETRIES, ase_lj_results, lennard_jones, max_relative_error, schnet
+
+torch.set_num_threads(1)
+
+
+# ------------------------------------------------------------------------ domain and grid
+def test_choose_dims_minimises_surface():
+    cube = Domain.from_positions(np.zeros((1, 3)), np.eye(3) * 20, True)
+    assert mlip_parallel.choose_dims(8, cube) == (2, 2, 2)
+    long_box = Domain.from_positions(np.zeros((1, 3)), np.diag([80.0, 20.0, 20.0]), True)
+    assert mlip_parallel.choose_dims(4, long_box) == (4, 1, 1)
+    slab = fcc111("Cu", size=(8, 8, 3), vacuum=20.0)
+    slab.pbc = (True, True, False)
+    domain = Domain.from_positions(slab.positions, slab.cell, slab.pbc)
+    assert domain.hi[2] - domain.lo[2] < 0.3  # the vacuum is not decomposed
+    assert mlip_parallel.choose_dims(4, domain) == (2, 2, 1)
+
+
+def test_grid_neighbours_and_owner():
+    domain = Domain.from_positions(np.zeros((1, 3)), np.eye(3) * 10, (True, True, False))
+    domain.lo[2], domain.hi[2] = 0.0, 1.0
+    grid = Grid.uniform((2, 3, 2), domain)
+    assert [grid.rank_of(grid.coords(r)) for r in range(12)] == list(range(12))
+    assert grid.neighbour(0, 0, -1) == grid.rank_of((1, 0, 0))  # periodic wrap
+    assert grid.neighbour(0, 2, -1) is None and grid.neighbour(1, 2, 1) is None  # non-periodic ends
+    # points on a cut plane belong to the upper subdomain; past the ends to the end subdomain
+    frac = np.array([[0.5, 1 / 3, 0.5], [0.0, 0.0, -0.2], [0.999, 0.999, 1.5]])
+    assert grid.owner(frac).tolist() == [grid.rank_of((1, 1, 1)), 0, grid.rank_of((1, 2, 1))]
+
+
+def test_hops_cover_the_ghost_cut():
+    domain = Domain.from_positions(np.zeros((1, 3)), np.eye(3) * 10, True)
+    grid = Grid.uniform((4, 1, 1), domain)
+    assert grid.hops(0, 0.2) == 1 and grid.hops(0, 0.25) == 1 and grid.hops(0, 0.26) == 2
+    assert grid.hops(1, 2.5) == 3  # one rank, cutoff 2.5 cells: three periodic self-images
+    domain.pbc[:] = False
+    assert Grid.uniform((4, 1, 1), domain).hops(0, 5.0) == 3 and Grid.uniform((1, 1, 1), domain).hops(0, 5.0) == 0
+
+
+def test_wrap_images_and_rounding():
+    domain = Domain.from_positions(np.zeros((1, 3)), [[4.0, 0, 0], [1.0, 4.0, 0], [0, 0, 5.0]], (True, True, False))
+    positions = np.array([[-1e-17, 0.5, 0.5], [9.0, -3.0, 12.0], [2.0, 2.0, -7.0]])
+    wrapped, image = domain.wrap(positions)
+    assert np.allclose(wrapped + image @ domain.cell, positions)
+    frac = domain.fractional(wrapped)
+    assert np.all(frac[:, :2] >= 0) and np.all(frac[:, :2] < 1)
+    assert np.all(image[:, 2] == 0)  # non-periodic: never wrapped
+
+
+def test_plan_is_printable():
+    atoms = GEOMETRIES["small_cell"]()
+    part = Decomposition(atoms, 5.0, SerialBackend())
+    text = part.comm.describe()
+    assert "rank 0" in text and "swap 0: dim x up" in text and "image [-1, 0, 0]" in text
+
+
+# ---------------------------------------------------------------------- models vs oracles
+@pytest.mark.parametrize("name", sorted(GEOMETRIES))
+def test_lennard_jones_matches_ase(name):
+    atoms = GEOMETRIES[name]()
+    errors = max_relative_error(potentials.predict(lennard_jones(), atoms), ase_lj_results(atoms))
+    assert max(errors.values()) < 1e-10, errors
+
+
+@pytest.mark.parametrize("name", sorted(GEOMETRIES))
+def test_serial_decomposition_matches_predict(name):
+    """One rank: every neighbour comes through the halo's periodic self-images."""
+    atoms = GEOMETRIES[name]()
+    backend = SerialBackend()
+    reference_lj = ase_lj_results(atoms)
+    assert max(max_relative_error(mlip_parallel.evaluate(lennard_jones(), atoms, comm=backend),
+                                  reference_lj).values()) < 1e-10
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
+        model = schnet(dtype)
+        reference = potentials.predict(model, atoms)
+        for mode in ("layerwise", "wide"):
+            errors = max_relative_error(mlip_parallel.evaluate(model, atoms, mode=mode, comm=backend), reference)
+            assert max(errors.values()) < tol, (dtype, mode, errors)
+
+
+def _energy(model, atoms):
+    return potentials.predict(model, atoms, stress=False)["energy"]
+
+
+@pytest.mark.parametrize("model_name", ["LennardJones", "SchNet"])
+@pytest.mark.parametrize("name", ["sheared", "slab", "small_cell"])
+def test_forces_and_stress_are_finite_differences(model_name, name):
+    atoms = GEOMETRIES[name]()
+    model = lennard_jones() if model_name == "LennardJones" else schnet(torch.float64)
+    result = mlip_parallel.evaluate(model, atoms, comm=SerialBackend())
+    h = 1e-5
+    rng = np.random.default_rng(0)
+    for index in rng.choice(len(atoms), size=min(4, len(atoms)), replace=False):
+        for d in range(3):
+            plus, minus = atoms.copy(), atoms.copy()
+            plus.positions[index, d] += h
+            minus.positions[index, d] -= h
+            fd = -(_energy(model, plus) - _energy(model, minus)) / (2 * h)
+            assert abs(fd - result["forces"][index, d]) < 1e-6 * max(1.0, abs(fd)), (index, d)
+    if "stress" in result:
+        voigt = [(0, 0), (1, 1), (2, 2), (1, 2), (0, 2), (0, 1)]
+        for k, (a, b) in enumerate(voigt):
+            strain = np.zeros((3, 3))
+            strain[a, b] = strain[b, a] = h  # symmetric: an off-diagonal pair moves E by 2·(dE/dε_ab)·h
+            values = []
+            for sign in (1, -1):
+                deformed = atoms.copy()
+                deformed.set_cell(atoms.cell[:] @ (np.eye(3) + sign * strain), scale_atoms=True)
+                values.append(_energy(model, deformed))
+            dE = (values[0] - values[1]) / (2 * h) / (1 if a == b else 2)
+            assert abs(dE / atoms.get_volume() - result["stress"][k]) < 1e-8, (k, result["stress"][k])
+
+
+def test_schnet_seeded_float64_and_translation_rotation_invariant():
+    a, b = schnet(torch.float32, seed=3), schnet(torch.float32, seed=3)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    model = schnet(torch.float64)
+    assert all(p.dtype == torch.float64 for p in model.parameters())
+    atoms = GEOMETRIES["clusters"]()
+    ref = potentials.predict(model, atoms)
+    moved = atoms.copy()
+    rotation = np.linalg.qr(np.random.default_rng(1).normal(size=(3, 3)))[0]
+    moved.positions = atoms.positions @ rotation.T + [3.0, -1.0, 2.0]
+    out = potentials.predict(model, moved)
+    assert abs(out["energy"] - ref["energy"]) < 1e-10 * abs(ref["energy"])
+    assert np.allclose(out["forces"], ref["forces"] @ rotation.T, atol=1e-10)
+
+
+# ------------------------------------------------------------------- halo autograd, serial
+def _small_cell_comm():
+    atoms = GEOMETRIES["small_cell"]()
+    return Decomposition(atoms, 6.0, SerialBackend()).comm
+
+
+def test_halo_forward_and_reverse_are_adjoint_and_twice_differentiable():
+    comm = _small_cell_comm()
+    assert comm.n_ghost > 50  # many self-images
+    x = torch.randn(comm.n_local, 2, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(comm.n_ghost, 2, dtype=torch.float64, requires_grad=True)
+    assert torch.allclose((comm.forward_comm(x) * y).sum(), (x * comm.reverse_comm(y)).sum())
+    assert torch.autograd.gradcheck(comm.forward_comm, (x,))
+    assert torch.autograd.gradcheck(comm.reverse_comm, (y,))
+    assert torch.autograd.gradgradcheck(lambda v: comm.forward_comm(v) ** 2, (x,))
+    assert torch.autograd.gradgradcheck(lambda v: comm.reverse_comm(v) ** 2, (y,))
+
+
+# ------------------------------------------------------------------------------ bad input
+def test_unknown_element_names_it_and_the_known_species():
+    atoms = GEOMETRIES["fcc_bulk"]()
+    atoms.numbers[0] = 26
+    with pytest.raises(potentials.UnknownSpeciesError, match=r"\['Fe'\].*\['Ag', 'Cu'\]"):
+        mlip_parallel.evaluate(schnet(), atoms)
+    with pytest.raises(potentials.UnknownSpeciesError, match="Fe"):
+        potentials.predict(schnet(), atoms)
+
+
+def test_non_finite_positions_and_degenerate_cells():
+    atoms = GEOMETRIES["fcc_bulk"]()
+    atoms.positions[4, 2] = np.inf
+    with pytest.raises(potentials.InvalidStructureError, match="non-finite"):
+        mlip_parallel.evaluate(lennard_jones(), atoms)
+    with pytest.raises(potentials.InvalidStructureError, match="non-finite"):
+        potentials.predict(lennard_jones(), atoms)
+    flat = Atoms("Cu2", positions=[[0, 0, 0], [2, 0, 0]], cell=[[4, 0, 0], [8, 0, 0], [0, 0, 4]], pbc=True)
+    with pytest.raises(potentials.InvalidStructureError, match="zero-volume"):
+        mlip_parallel.evaluate(lennard_jones(), flat)
+
+
+def test_grid_must_match_ranks():
+    with pytest.raises(mlip_parallel.DecompositionError, match=r"grid \(2, 1, 1\).*1 rank"):
+        mlip_parallel.evaluate(lennard_jones(), GEOMETRIES["fcc_bulk"](), grid=(2, 1, 1))
+
+
+def test_molecule_without_cell_has_no_stress_like_ase():
+    atoms = GEOMETRIES["clusters"]()
+    result = mlip_parallel.evaluate(lennard_jones(), atoms)
+    assert "stress" not in result and "stress" not in ase_lj_results(atoms)
