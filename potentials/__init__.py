@@ -1,11 +1,15 @@
 """Interatomic potentials as torch modules (no MPI here): models, the graph they read, the reference
-single-process ``predict``."""
-from .base import Potential
+single-process ``predict``, and safe checkpoints."""
+from .base import Potential, SpeciesScaleShift
+from .checkpoint import CheckpointError, load, save
 from .errors import InvalidStructureError, MLIPError, UnknownSpeciesError
 from .graph import AtomGraph, NoHalo
 from .lj import LennardJones
-from .predict import predict
+from .nequip import NequIP
+from .painn import PaiNN
+from .predict import energy_forces, predict
 from .schnet import SchNet
 
-__all__ = ["AtomGraph", "InvalidStructureError", "LennardJones", "MLIPError", "NoHalo", "Potential",
-           "SchNet", "UnknownSpeciesError", "predict"]
+__all__ = ["AtomGraph", "CheckpointError", "InvalidStructureError", "LennardJones", "MLIPError", "NequIP", "NoHalo",
+           "PaiNN", "Potential", "SchNet", "SpeciesScaleShift", "UnknownSpeciesError", "energy_forces", "load",
+           "predict", "save"]

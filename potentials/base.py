@@ -18,12 +18,14 @@ class Potential(torch.nn.Module):
       * ``cutoff`` (Å): edges are the pairs closer than this.
       * ``layers``: message-passing steps; the receptive field is ``layers * cutoff`` (wide mode's shell).
       * ``species``: element symbols the model knows, or None for an element-agnostic model.
+      * ``hyperparameters``: the constructor's keyword arguments, JSON-able.
       * ``forward(graph) -> [graph.n_local]`` per-atom energies (eV) in the model's dtype, reading
         ghost-row features only after ``graph.halo`` refreshed them.
     """
 
     cutoff: float
     layers: int
+    hyperparameters: dict  # constructor keyword arguments: rebuilds the same architecture (checkpoints)
 
     def __init__(self, species: Sequence[str] | None):
         super().__init__()
@@ -64,3 +66,18 @@ class Potential(torch.nn.Module):
 
     def forward(self, graph: AtomGraph) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+class SpeciesScaleShift(torch.nn.Module):
+    """e_i = scale[z_i] * out_i + shift[z_i]: per-species energy scale and reference energy (eV).
+
+    Buffers (fitted from data, e.g. least-squares reference energies, not trained by gradient).
+    """
+
+    def __init__(self, num_species: int):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(num_species))
+        self.register_buffer("shift", torch.zeros(num_species))
+
+    def forward(self, out: torch.Tensor, species: torch.Tensor) -> torch.Tensor:
+        return out * self.scale[species] + self.shift[species]

@@ -18,6 +18,7 @@ class LennardJones(Potential):
         if not (epsilon > 0 and sigma > 0 and cutoff > 0):
             raise ValueError(f"epsilon, sigma and cutoff must be positive: {epsilon}, {sigma}, {cutoff}")
         self.epsilon, self.sigma, self.cutoff = float(epsilon), float(sigma), float(cutoff)
+        self.hyperparameters = dict(epsilon=self.epsilon, sigma=self.sigma, cutoff=self.cutoff)
         self.double()
 
     def forward(self, graph: AtomGraph) -> torch.Tensor:

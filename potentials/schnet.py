@@ -6,7 +6,7 @@ from typing import Sequence
 import torch
 from torch_geometric.nn.models.schnet import GaussianSmearing, InteractionBlock, ShiftedSoftplus
 
-from .base import Potential
+from .base import Potential, SpeciesScaleShift
 from .graph import AtomGraph
 
 
@@ -14,7 +14,7 @@ class SchNet(Potential):
     """Continuous-filter convolutions over edges within ``cutoff`` (cosine envelope, Gaussian RBFs).
 
     h0 = embedding(species); for each layer l: [l > 0: h = halo(h)]; h = h + interaction_l(h, edges);
-    e_i = energy_scale[z_i] * MLP(h_i) + energy_shift[z_i]   (eV).
+    e_i = scale[z_i] * MLP(h_i) + shift[z_i]   (eV, ``scale_shift``).
     """
 
     def __init__(self, species: Sequence[str], cutoff: float, features: int = 64, layers: int = 3,
@@ -26,14 +26,15 @@ class SchNet(Potential):
             raise ValueError(f"invalid SchNet hyper-parameters: cutoff={cutoff}, features={features}, "
                              f"layers={layers}, rbf={rbf}")
         self.cutoff, self.features, self.layers = float(cutoff), int(features), int(layers)
+        self.hyperparameters = dict(species=self.species, cutoff=self.cutoff, features=self.features,
+                                    layers=self.layers, rbf=int(rbf), filters=filters)
         self.embedding = torch.nn.Embedding(len(self.species), features)
         self.distance_expansion = GaussianSmearing(0.0, self.cutoff, rbf)
         self.interactions = torch.nn.ModuleList(
             InteractionBlock(features, rbf, filters or features, self.cutoff) for _ in range(layers))
         self.readout = torch.nn.Sequential(
             torch.nn.Linear(features, features // 2), ShiftedSoftplus(), torch.nn.Linear(features // 2, 1))
-        self.register_buffer("energy_shift", torch.zeros(len(self.species)))
-        self.register_buffer("energy_scale", torch.ones(len(self.species)))
+        self.scale_shift = SpeciesScaleShift(len(self.species))
 
     def forward(self, graph: AtomGraph) -> torch.Tensor:
         distance = graph.edge_vec.to(self.dtype).norm(dim=1)
@@ -43,6 +44,5 @@ class SchNet(Potential):
             if layer > 0:
                 h = graph.halo(h)
             h = h + interaction(h, graph.edge_index, distance, expanded)
-        z = graph.species[: graph.n_local]
         out = self.readout(h[: graph.n_local]).squeeze(-1)
-        return out * self.energy_scale[z] + self.energy_shift[z]
+        return self.scale_shift(out, graph.species[: graph.n_local])

@@ -102,8 +102,8 @@ def schnet(dtype=torch.float64, seed=0, cutoff=4.0, features=16, layers=3):
     """A randomly initialised SchNet with non-trivial per-species shift and scale."""
     torch.manual_seed(seed)
     model = potentials.SchNet(SPECIES, cutoff=cutoff, features=features, layers=layers)
-    model.energy_shift.copy_(torch.tensor([-2.1, -3.4]))
-    model.energy_scale.copy_(torch.tensor([0.7, 1.3]))
+    model.scale_shift.shift.copy_(torch.tensor([-2.1, -3.4]))
+    model.scale_shift.scale.copy_(torch.tensor([0.7, 1.3]))
     return model.to(dtype)
 
 

@@ -1,0 +1,84 @@
+"""Checkpoints that are safe to load: a state_dict plus a JSON config, read with weights_only=True.
+
+File layout (torch.save of a plain dict): {"config": <JSON string>, "state_dict": {name: tensor}}.
+The config holds format, version, class, hyperparameters, species, cutoff, units and dtype. Nothing
+is unpickled beyond tensors and plain containers, so a file cannot execute code on load.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import zipfile
+
+import torch
+
+from .errors import MLIPError
+from .lj import LennardJones
+from .nequip import NequIP
+from .painn import PaiNN
+from .schnet import SchNet
+
+FORMAT = "mlip-parallel-potential"
+VERSION = 1
+MODEL_CLASSES = {cls.__name__: cls for cls in (LennardJones, SchNet, PaiNN, NequIP)}
+_DTYPES = {"torch.float32": torch.float32, "torch.float64": torch.float64}
+
+
+class CheckpointError(MLIPError, ValueError):
+    """A checkpoint file is unreadable, corrupt, of another format/version/class, or holds objects."""
+
+
+def save(model, path) -> None:
+    """Write ``model`` (a potentials model) to ``path``."""
+    name = type(model).__name__
+    if MODEL_CLASSES.get(name) is not type(model):
+        raise CheckpointError(f"cannot save {name}: checkpoints support {sorted(MODEL_CLASSES)}")
+    config = {"format": FORMAT, "version": VERSION, "class": name, "hyperparameters": model.hyperparameters,
+              "species": model.species, "cutoff": model.cutoff, "units": {"energy": "eV", "length": "Angstrom"},
+              "dtype": str(model.dtype)}
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    torch.save({"config": json.dumps(config), "state_dict": state}, path)
+
+
+def load(path, map_location="cpu"):
+    """Rebuild the model saved at ``path`` (eval mode, saved dtype, on ``map_location``).
+
+    Raises CheckpointError for a missing, truncated or corrupt file, pickled objects, another format,
+    a newer version, an unknown class, or weights that do not fit the class.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: no such checkpoint file")
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(f"{path}: holds pickled Python objects, refused (only tensors and a JSON config "
+                              f"are allowed): {str(exc).splitlines()[0]}") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: truncated or corrupt checkpoint ({str(exc).splitlines()[0]})") from None
+    if not isinstance(payload, dict) or not {"config", "state_dict"} <= set(payload):
+        raise CheckpointError(f"{path}: not an {FORMAT} checkpoint (expected keys 'config' and 'state_dict')")
+    try:
+        config = json.loads(payload["config"])
+    except (TypeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: config is not valid JSON ({exc})") from None
+    if config.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {config.get('format')!r}, expected {FORMAT!r}")
+    if not isinstance(config.get("version"), int) or config["version"] > VERSION:
+        raise CheckpointError(f"{path}: format version {config.get('version')!r}; this mlip-parallel reads "
+                              f"versions up to {VERSION}")
+    cls = MODEL_CLASSES.get(config.get("class"))
+    if cls is None:
+        raise CheckpointError(f"{path}: unknown model class {config.get('class')!r}; known {sorted(MODEL_CLASSES)}")
+    try:
+        model = cls(**config["hyperparameters"])
+    except (TypeError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"{path}: hyper-parameters do not build a {cls.__name__}: {exc}") from None
+    model.to(_DTYPES.get(config.get("dtype"), torch.float32))
+    try:
+        model.load_state_dict(payload["state_dict"], strict=True)
+    except (RuntimeError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{path}: weights do not fit a {cls.__name__} with these hyper-parameters: "
+                              f"{str(exc).splitlines()[0]}") from None
+    return model.to(map_location).eval()

@@ -1,0 +1,107 @@
+"""An E(3)-equivariant NequIP-style model (Batzner et al., 2022) built from e3nn's irreps operations."""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from e3nn import nn as enn
+from e3nn import o3
+
+from .base import Potential, SpeciesScaleShift
+from .graph import AtomGraph
+from .radial import SincBasis, polynomial_cutoff
+
+
+class Interaction(torch.nn.Module):
+    """NequIP interaction: linear → uvu tensor product of sender features with Y(r̂), weights from a
+    radial MLP → sum over neighbours / sqrt(avg_neighbors) → linear, plus a species-dependent
+    self-connection. h [n, irreps_in.dim] → [n, irreps_out.dim]."""
+
+    def __init__(self, irreps_in, irreps_out, irreps_sh, irreps_attr, radial: int, radial_hidden: int,
+                 avg_neighbors: float):
+        super().__init__()
+        irreps_in, irreps_out, irreps_sh = o3.Irreps(irreps_in), o3.Irreps(irreps_out), o3.Irreps(irreps_sh)
+        self.linear_in = o3.Linear(irreps_in, irreps_in)
+        mid, instructions = [], []
+        for i, (mul, ir_in) in enumerate(irreps_in):
+            for j, (_, ir_sh) in enumerate(irreps_sh):
+                for ir_out in ir_in * ir_sh:
+                    if ir_out in irreps_out:
+                        instructions.append((i, j, len(mid), "uvu", True))
+                        mid.append((mul, ir_out))
+        mid = o3.Irreps(mid)
+        mid_sorted, permutation, _ = mid.sort()
+        instructions = [(i, j, permutation[k], mode, train) for i, j, k, mode, train in instructions]
+        self.tp = o3.TensorProduct(irreps_in, irreps_sh, mid_sorted, instructions,
+                                   shared_weights=False, internal_weights=False)
+        self.radial_net = enn.FullyConnectedNet([radial, radial_hidden, radial_hidden, self.tp.weight_numel],
+                                                torch.nn.functional.silu)
+        self.linear_out = o3.Linear(mid_sorted.simplify(), irreps_out)
+        self.self_connection = o3.FullyConnectedTensorProduct(irreps_in, irreps_attr, irreps_out)
+        self.norm = 1.0 / math.sqrt(avg_neighbors)
+
+    def forward(self, h, attr, sender, receiver, sh, radial_embedding):
+        x = self.linear_in(h)
+        messages = self.tp(x[sender], sh, self.radial_net(radial_embedding))
+        summed = torch.zeros(h.shape[0], messages.shape[1], dtype=messages.dtype, device=messages.device)
+        summed = summed.index_add(0, receiver, messages) * self.norm
+        return self.linear_out(summed) + self.self_connection(h, attr)
+
+
+class NequIP(Potential):
+    """Node features Fx0e + Fx1o + Fx2e + … up to ``l_max``; edges carry spherical harmonics Y_l(r̂),
+    l ≤ l_max, and a Bessel radial basis with NequIP's polynomial envelope.
+
+    h0 = linear(one-hot species); each layer: [l > 0: h = halo(h)]; h = h + gate(interaction(h));
+    e_i = scale[z_i] * MLP(scalars of h_i) + shift[z_i] (eV).
+    """
+
+    def __init__(self, species: Sequence[str], cutoff: float, l_max: int = 2, features: int = 16,
+                 layers: int = 3, radial: int = 8, radial_hidden: int = 32, avg_neighbors: float = 12.0):
+        super().__init__(species)
+        if not species or cutoff <= 0 or l_max < 0 or features < 1 or layers < 1 or avg_neighbors <= 0:
+            raise ValueError(f"invalid NequIP hyper-parameters: species={species}, cutoff={cutoff}, l_max={l_max}, "
+                             f"features={features}, layers={layers}, avg_neighbors={avg_neighbors}")
+        self.cutoff, self.l_max, self.features, self.layers = float(cutoff), int(l_max), int(features), int(layers)
+        self.hyperparameters = dict(species=self.species, cutoff=self.cutoff, l_max=self.l_max, features=self.features,
+                                    layers=self.layers, radial=int(radial), radial_hidden=int(radial_hidden),
+                                    avg_neighbors=float(avg_neighbors))
+        n = len(self.species)
+        self.irreps_attr = o3.Irreps(f"{n}x0e")
+        self.irreps_sh = o3.Irreps.spherical_harmonics(l_max)
+        scalars = o3.Irreps(f"{features}x0e")
+        gated = o3.Irreps([(features, (l, (-1) ** l)) for l in range(1, l_max + 1)])
+        self.irreps_hidden = (scalars + gated).simplify()
+        self.embedding = o3.Linear(self.irreps_attr, scalars)
+        self.radial_basis = SincBasis(self.cutoff, radial)
+        self.interactions = torch.nn.ModuleList()
+        self.gates = torch.nn.ModuleList()
+        irreps = scalars
+        for _ in range(layers):
+            gate = enn.Gate(scalars, [torch.nn.functional.silu], o3.Irreps(f"{gated.num_irreps}x0e"),
+                            [torch.sigmoid], gated)
+            self.interactions.append(Interaction(irreps, gate.irreps_in, self.irreps_sh, self.irreps_attr,
+                                                 radial, radial_hidden, avg_neighbors))
+            self.gates.append(gate)
+            irreps = gate.irreps_out
+        self.readout_linear = o3.Linear(irreps, scalars)
+        self.readout = torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Linear(features, 1))
+        self.scale_shift = SpeciesScaleShift(n)
+
+    def forward(self, graph: AtomGraph) -> torch.Tensor:
+        vec = graph.edge_vec.to(self.dtype)
+        r = vec.norm(dim=1)
+        sh = o3.spherical_harmonics(self.irreps_sh, vec, normalize=True, normalization="component")
+        radial = self.radial_basis(r) * polynomial_cutoff(r, self.cutoff)[:, None]
+        sender, receiver = graph.edge_index
+        attr = torch.nn.functional.one_hot(graph.species, len(self.species)).to(self.dtype)
+        h = self.embedding(attr)
+        for layer, (interaction, gate) in enumerate(zip(self.interactions, self.gates)):
+            if layer > 0:
+                h = graph.halo(h)
+            update = gate(interaction(h, attr, sender, receiver, sh, radial))
+            h = h + update if update.shape == h.shape else update
+        n_local = graph.n_local
+        out = self.readout(self.readout_linear(h[:n_local])).squeeze(-1)
+        return self.scale_shift(out, graph.species[:n_local])

@@ -1,0 +1,80 @@
+"""PaiNN (Schütt, Unke, Gastegger 2021): scalar and vector node features, equivariant messages."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .base import Potential, SpeciesScaleShift
+from .graph import AtomGraph
+from .radial import SincBasis, cosine_cutoff
+
+
+class PaiNNLayer(torch.nn.Module):
+    """One message + update block on scalars s [n, F] and vectors v [n, 3, F]."""
+
+    def __init__(self, features: int, rbf: int):
+        super().__init__()
+        self.features = features
+        self.message_mlp = torch.nn.Sequential(
+            torch.nn.Linear(features, features), torch.nn.SiLU(), torch.nn.Linear(features, 3 * features))
+        self.filter = torch.nn.Linear(rbf, 3 * features)
+        self.mix_vectors = torch.nn.Linear(features, 2 * features, bias=False)  # U and V
+        self.update_mlp = torch.nn.Sequential(
+            torch.nn.Linear(2 * features, features), torch.nn.SiLU(), torch.nn.Linear(features, 3 * features))
+
+    def forward(self, s, v, sender, receiver, unit, radial, envelope):
+        n, f = s.shape[0], self.features
+        # message: Δs_i = Σ_j φ_s(s_j) W_s(r_ij); Δv_i = Σ_j v_j φ_vv W_vv + r̂_ij φ_vs W_vs
+        x = self.message_mlp(s)[sender] * (self.filter(radial) * envelope[:, None])
+        ds, dvv, dvs = torch.split(x, f, dim=1)
+        dv = v[sender] * dvv[:, None, :] + unit[:, :, None] * dvs[:, None, :]
+        s = s + torch.zeros(n, f, dtype=s.dtype, device=s.device).index_add(0, receiver, ds)
+        v = v + torch.zeros(n, 3, f, dtype=v.dtype, device=v.device).index_add(0, receiver, dv)
+        # update: node-local mixing of scalars and vector norms / inner products
+        uv, vv = torch.split(self.mix_vectors(v), f, dim=2)
+        vv_norm = torch.sqrt(vv.pow(2).sum(dim=1) + 1e-8)
+        a_vv, a_sv, a_ss = torch.split(self.update_mlp(torch.cat([s, vv_norm], dim=1)), f, dim=1)
+        v = v + a_vv[:, None, :] * uv
+        s = s + a_ss + a_sv * (uv * vv).sum(dim=1)
+        return s, v
+
+
+class PaiNN(Potential):
+    """Polarizable atom interaction neural network.
+
+    s0 = embedding(species), v0 = 0; each layer: [l > 0: (s, v) = halo(s, v)]; message; update.
+    e_i = scale[z_i] * MLP(s_i) + shift[z_i] (eV, ``scale_shift``). The halo carries s and v in one
+    exchange ([n, 4F] rows).
+    """
+
+    def __init__(self, species: Sequence[str], cutoff: float, features: int = 64, layers: int = 3, rbf: int = 20):
+        super().__init__(species)
+        if not species or cutoff <= 0 or features < 1 or layers < 1 or rbf < 1:
+            raise ValueError(f"invalid PaiNN hyper-parameters: species={species}, cutoff={cutoff}, "
+                             f"features={features}, layers={layers}, rbf={rbf}")
+        self.cutoff, self.features, self.layers = float(cutoff), int(features), int(layers)
+        self.hyperparameters = dict(species=self.species, cutoff=self.cutoff, features=self.features,
+                                    layers=self.layers, rbf=int(rbf))
+        self.embedding = torch.nn.Embedding(len(self.species), features)
+        self.radial = SincBasis(self.cutoff, rbf)
+        self.blocks = torch.nn.ModuleList(PaiNNLayer(features, rbf) for _ in range(layers))
+        self.readout = torch.nn.Sequential(
+            torch.nn.Linear(features, features // 2 or 1), torch.nn.SiLU(), torch.nn.Linear(features // 2 or 1, 1))
+        self.scale_shift = SpeciesScaleShift(len(self.species))
+
+    def forward(self, graph: AtomGraph) -> torch.Tensor:
+        vec = graph.edge_vec.to(self.dtype)
+        r = vec.norm(dim=1)
+        unit, radial, envelope = vec / r[:, None], self.radial(r), cosine_cutoff(r, self.cutoff)
+        sender, receiver = graph.edge_index
+        s = self.embedding(graph.species)
+        v = s.new_zeros(s.shape[0], 3, self.features)
+        n, f = s.shape[0], self.features
+        for layer, block in enumerate(self.blocks):
+            if layer > 0:
+                sv = graph.halo(torch.cat([s, v.reshape(n, 3 * f)], dim=1))
+                s, v = sv[:, :f], sv[:, f:].reshape(n, 3, f)
+            s, v = block(s, v, sender, receiver, unit, radial, envelope)
+        out = self.readout(s[: graph.n_local]).squeeze(-1)
+        return self.scale_shift(out, graph.species[: graph.n_local])

@@ -1,0 +1,30 @@
+"""Radial bases and cutoff envelopes shared by the models. Inputs r: [E] distances (Å) below the cutoff."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def cosine_cutoff(r: torch.Tensor, cutoff: float) -> torch.Tensor:
+    """0.5 (cos(π r / rc) + 1): 1 at r = 0, 0 with zero slope at rc. [E] → [E]."""
+    return 0.5 * (torch.cos(r * (math.pi / cutoff)) + 1.0)
+
+
+def polynomial_cutoff(r: torch.Tensor, cutoff: float, p: int = 6) -> torch.Tensor:
+    """NequIP's envelope 1 − (p+1)(p+2)/2 x^p + p(p+2) x^(p+1) − p(p+1)/2 x^(p+2), x = r / rc:
+    zero value, slope and curvature at rc. [E] → [E]."""
+    x = r / cutoff
+    return (1.0 - (p + 1) * (p + 2) / 2 * x**p + p * (p + 2) * x ** (p + 1) - p * (p + 1) / 2 * x ** (p + 2))
+
+
+class SincBasis(torch.nn.Module):
+    """sin(n π r / rc) / r, n = 1..num (the Bessel basis of DimeNet/PaiNN/NequIP up to a constant).
+    [E] → [E, num]."""
+
+    def __init__(self, cutoff: float, num: int):
+        super().__init__()
+        self.register_buffer("frequencies", torch.arange(1, num + 1) * math.pi / cutoff)
+
+    def forward(self, r: torch.Tensor) -> torch.Tensor:
+        return torch.sin(r[:, None] * self.frequencies) / r[:, None]
