@@ -1,4 +1,5 @@
-"""Molecular dynamics on top of mlip_parallel: the ASE calculator and the native MD engine.
+"""Molecular dynamics on top of mlip_parallel. So far: the ASE calculator (the native MD engine is
+issue 4's)."""
+from .calculator import MLIPCalculator
 
-Not built yet (issue 4); nothing here is importable API so far.
-"""
+__all__ = ["MLIPCalculator"]

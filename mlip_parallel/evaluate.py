@@ -34,6 +34,14 @@ class Decomposition:
         self.numbers = np.asarray(atoms.numbers)[self.local_ids]  # atomic numbers of local rows
 
 
+def _within_shell(part: Decomposition, positions: np.ndarray, r: float) -> np.ndarray:
+    """[n] bool: local atoms within fractional distance ``r`` (Å) of this rank's subdomain."""
+    lo, hi = part.grid.bounds(part.comm.rank)
+    cut = part.domain.fractional_distance(r) * (1 + 1e-9) + 1e-12
+    frac = part.domain.fractional(positions)
+    return np.all((frac >= lo - cut) & (frac < hi + cut), axis=1)
+
+
 def forward_decomposed(model, part: Decomposition, mode: str = "layerwise", create_graph: bool = False):
     """Differentiable evaluation of this rank's share (collective: every rank calls it together).
 
@@ -55,8 +63,11 @@ def forward_decomposed(model, part: Decomposition, mode: str = "layerwise", crea
 
     i, j, _ = neighbour_list(all_pos.detach().cpu().numpy(), part.domain.cell, False, model.cutoff)
     if mode == "layerwise":
-        keep = i < halo.n_local
-        i, j = i[keep], j[keep]
+        receives = np.arange(len(all_pos)) < halo.n_local
+    else:  # atoms farther than (layers - 1) cutoffs from the subdomain only ever send
+        receives = _within_shell(part, all_pos.detach().cpu().numpy(), (model.layers - 1) * model.cutoff)
+    keep = receives[i]
+    i, j = i[keep], j[keep]
     i_t, j_t = torch.as_tensor(i, device=device), torch.as_tensor(j, device=device)
     graph = AtomGraph(
         species=torch.as_tensor(model.species_index(part.numbers), device=device),

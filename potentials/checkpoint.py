@@ -53,8 +53,11 @@ def load(path, map_location="cpu"):
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise CheckpointError(f"{path}: holds pickled Python objects, refused (only tensors and a JSON config "
-                              f"are allowed): {str(exc).splitlines()[0]}") from None
+        objects = [line.strip() for line in str(exc).splitlines() if "GLOBAL" in line]
+        if objects:
+            raise CheckpointError(f"{path}: holds pickled Python objects, refused (only tensors and a JSON config "
+                                  f"are allowed): {objects[0]}") from None
+        raise CheckpointError(f"{path}: truncated or corrupt checkpoint (not a torch.save file)") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: truncated or corrupt checkpoint ({str(exc).splitlines()[0]})") from None
     if not isinstance(payload, dict) or not {"config", "state_dict"} <= set(payload):

@@ -131,3 +131,48 @@ def max_relative_error(result: dict, reference: dict) -> dict:
         diff = np.max(np.abs(np.asarray(result[key]) - ref))
         errors[key] = float(diff / max(np.max(np.abs(ref)), 1e-300))
     return errors
+
+
+# ------------------------------------------------------------------ SevenNet-0 structures
+def silicon_diamond():
+    atoms = bulk("Si", "diamond", a=5.43, cubic=True).repeat(2)
+    atoms.rattle(0.05, seed=11)
+    return atoms
+
+
+def oxide_triclinic():
+    """Rock-salt (Mg, Ca)O in its sheared 60° primitive cell: triclinic, three elements."""
+    atoms = bulk("MgO", "rocksalt", a=4.21).repeat((2, 2, 2))
+    atoms.set_cell(atoms.cell[:] @ np.array([[1.0, 0.05, 0.0], [0.0, 1.0, -0.04], [0.03, 0.0, 1.0]]), scale_atoms=True)
+    numbers = atoms.numbers.copy()
+    numbers[[0, 6]] = 20  # Ca on two Mg sites
+    atoms.numbers = numbers
+    atoms.rattle(0.05, seed=12)
+    return atoms
+
+
+def silicon_cluster():
+    """A 35-atom diamond-lattice Si cluster, no pbc (wide mode stays affordable: no periodic images)."""
+    atoms = bulk("Si", "diamond", a=5.43, cubic=True).repeat(3)
+    centre = atoms.positions.mean(axis=0)
+    atoms = atoms[np.linalg.norm(atoms.positions - centre, axis=1) < 5.0]
+    atoms.pbc = False
+    atoms.set_cell(np.zeros((3, 3)))
+    atoms.rattle(0.05, seed=13)
+    return atoms
+
+
+SEVENNET_STRUCTURES = {"silicon_diamond": silicon_diamond, "oxide_triclinic": oxide_triclinic,
+                       "silicon_cluster": silicon_cluster}
+
+
+def sevennet_reference(atoms):
+    """sevenn's own SevenNetCalculator('7net-0') on one process: the oracle for the adapter."""
+    from sevenn.calculator import SevenNetCalculator
+
+    atoms = atoms.copy()
+    atoms.calc = SevenNetCalculator("7net-0")
+    result = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces()}
+    if atoms.cell.rank == 3:
+        result["stress"] = atoms.get_stress()
+    return result

@@ -54,3 +54,11 @@ def test_self_check_entry_point(mpirun):
     assert rc == 0, out
     for text in ("2 rank(s)", "MPI: MPICH", "CUDA-aware MPI", "rank 1: host", "largest force difference", "OK"):
         assert text in out, out
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_sevennet_distributed_equals_sevenn_calculator(mpirun, ranks):
+    pytest.importorskip("sevenn", reason="SevenNet adapter needs the sevenn extra: pip install -e .[sevenn]")
+    rc, out, _ = mpirun(ranks, MPI_DIR / "sevennet.py", timeout=400)
+    assert rc == 0, out
+    assert "SevenNet-0 0 failures" in out, out

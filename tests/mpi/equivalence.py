@@ -6,6 +6,7 @@ atoms so that the empty-rank path is known to have run.
 """
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import numpy as np  # noqa: E402
@@ -14,26 +15,51 @@ from mpi4py import MPI  # noqa: E402
 
 import mlip_parallel  # noqa: E402
 import potentials  # noqa: E402
-from systems import GEOMETRIES, ase_lj_results, lennard_jones, max_relative_error, schnet  # noqa: E402
+from systems import GEOMETRIES, SPECIES, ase_lj_results, lennard_jones, max_relative_error, schnet  # noqa: E402
 
 torch.set_num_threads(1)
 world = MPI.COMM_WORLD
 P = world.Get_size()
 GRIDS = {1: [None], 2: [None, (2, 1, 1), (1, 1, 2)], 3: [None, (3, 1, 1), (1, 3, 1), (1, 1, 3)],
          4: [None, (1, 1, 4), (2, 2, 1), (4, 1, 1), (1, 2, 2)]}[P]
-models = {"LJ": lennard_jones(), "SchNet64": schnet(torch.float64), "SchNet32": schnet(torch.float32)}
-tolerance = {"LJ": 1e-10, "SchNet64": 1e-10, "SchNet32": 1e-5}
+
+
+def small(cls, dtype):
+    torch.manual_seed(1)
+    return cls(SPECIES, cutoff=4.0, features=8, layers=3).to(dtype)
+
+
+models = {"LJ": lennard_jones(), "SchNet64": schnet(torch.float64), "SchNet32": schnet(torch.float32),
+          "PaiNN64": small(potentials.PaiNN, torch.float64), "PaiNN32": small(potentials.PaiNN, torch.float32),
+          "NequIP64": small(potentials.NequIP, torch.float64), "NequIP32": small(potentials.NequIP, torch.float32)}
+tolerance = {label: 1e-5 if label.endswith("32") else 1e-10 for label in models}
+
+
+def grids_for(label):
+    """Lennard-Jones and float64 SchNet run on every grid, the other float64 models on the automatic
+    grid and the first explicit one, the float32 models on the automatic grid (keeps the suite short)."""
+    if label in ("LJ", "SchNet64"):
+        return GRIDS
+    return GRIDS[:1] if label.endswith("32") else GRIDS[:2]
+
 
 failures, cases, empty_cases = [], 0, 0
+seconds = {label: 0.0 for label in models}
 for name, build in GEOMETRIES.items():
     atoms = build()
-    references = {"LJ": ase_lj_results(atoms)}
-    references["SchNet64"] = potentials.predict(models["SchNet64"], atoms)
-    references["SchNet32"] = potentials.predict(models["SchNet32"], atoms)
+    references = None
+    if world.rank == 0:  # one process computes the references, the others receive them
+        references = {"LJ": ase_lj_results(atoms)}
+        references.update({label: potentials.predict(model, atoms) for label, model in models.items() if label != "LJ"})
+    references = world.bcast(references)
     for grid in GRIDS:
         for label, model in models.items():
+            if grid not in grids_for(label):
+                continue
             for mode in (("layerwise",) if label == "LJ" else ("layerwise", "wide")):
+                start = time.perf_counter()
                 result = mlip_parallel.evaluate(model, atoms, mode=mode, grid=grid)
+                seconds[label] += time.perf_counter() - start
                 errors = max_relative_error(result, references[label])
                 worst = max(errors.values())
                 cases += 1
@@ -49,6 +75,7 @@ for name, build in GEOMETRIES.items():
 
 failures = world.allgather(failures)[0]
 if world.rank == 0:
+    print("seconds per model:", {label: round(t, 1) for label, t in seconds.items()})
     print(f"P={P}: {cases} cases, {len(failures)} failures, {empty_cases} (geometry, grid, rank) with no atoms")
     for f in failures:
         print("FAIL", f)

@@ -1,0 +1,179 @@
+"""Model contracts for every potential: symmetry (rotation, translation, permutation, e3nn's own
+equivariance check), smoothness at the cutoff, per-species scale/shift, dtypes, safe checkpoints."""
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from ase import Atoms
+
+import potentials
+from systems import GEOMETRIES, SPECIES
+
+torch.set_num_threads(1)
+ML_MODELS = ["SchNet", "PaiNN", "NequIP"]
+
+
+def build(name, dtype=torch.float64, seed=0):
+    torch.manual_seed(seed)
+    if name == "LennardJones":
+        return potentials.LennardJones(epsilon=0.4, sigma=2.3, cutoff=5.0)
+    cls = getattr(potentials, name)
+    model = cls(SPECIES, cutoff=4.0, features=8, layers=3)
+    model.scale_shift.shift.copy_(torch.tensor([-2.1, -3.4]))
+    model.scale_shift.scale.copy_(torch.tensor([0.7, 1.3]))
+    return model.to(dtype)
+
+
+def random_rotation(seed):
+    q = np.linalg.qr(np.random.default_rng(seed).normal(size=(3, 3)))[0]
+    return q * np.sign(np.linalg.det(q))  # proper rotation
+
+
+@pytest.mark.parametrize("name", ML_MODELS)
+@pytest.mark.parametrize("geometry", ["sheared", "clusters"])
+def test_rotation_translation_permutation(name, geometry):
+    model = build(name)
+    atoms = GEOMETRIES[geometry]()
+    ref = potentials.predict(model, atoms)
+    rot = random_rotation(7)
+    perm = np.random.default_rng(3).permutation(len(atoms))
+    moved = atoms[perm]
+    moved.positions = moved.positions @ rot.T + [1.3, -2.2, 0.7]
+    if atoms.cell.rank == 3:
+        moved.set_cell(atoms.cell[:] @ rot.T, scale_atoms=False)
+    out = potentials.predict(model, moved)
+    scale = np.abs(ref["forces"]).max()
+    assert abs(out["energy"] - ref["energy"]) <= 1e-10 * abs(ref["energy"])
+    assert np.abs(out["energies"] - ref["energies"][perm]).max() <= 1e-10 * np.abs(ref["energies"]).max()
+    assert np.abs(out["forces"] - ref["forces"][perm] @ rot.T).max() <= 1e-10 * scale
+    if "stress" in ref:
+        def full(v):
+            return np.array([[v[0], v[5], v[4]], [v[5], v[1], v[3]], [v[4], v[3], v[2]]])
+        assert np.abs(full(out["stress"]) - rot @ full(ref["stress"]) @ rot.T).max() <= 1e-10 * np.abs(ref["stress"]).max()
+
+
+def test_nequip_interaction_passes_e3nn_equivariance_check():
+    from e3nn.util.test import assert_equivariant
+
+    model = build("NequIP")
+    block = model.interactions[1]
+    n, e = 6, 12
+    g = torch.Generator().manual_seed(0)
+    sender, receiver = torch.randint(0, n, (e,), generator=g), torch.randint(0, n, (e,), generator=g)
+    attr = torch.nn.functional.one_hot(torch.randint(0, 2, (n,), generator=g), 2).double()
+    radial = torch.rand(e, 8, generator=g, dtype=torch.float64)
+    h = model.irreps_hidden.randn(n, -1, dtype=torch.float64)
+    vec = torch.randn(e, 3, generator=g, dtype=torch.float64)
+
+    def func(h, vec):
+        from e3nn import o3
+        sh = o3.spherical_harmonics(model.irreps_sh, vec, normalize=True, normalization="component")
+        return block(h, attr, sender, receiver, sh, radial)
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # e3nn draws its test rotations in the default dtype
+    try:
+        assert_equivariant(func, args_in=[h, vec], irreps_in=[model.irreps_hidden, "1o"],
+                           irreps_out=[block.linear_out.irreps_out], tolerance=1e-8)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@pytest.mark.parametrize("name", ML_MODELS)
+def test_energy_and_forces_continuous_across_cutoff(name):
+    model = build(name)
+    rc = model.cutoff
+
+    def dimer(r):
+        return Atoms("CuAg", positions=[[0, 0, 0], [r, 0, 0]], pbc=False)
+
+    apart = potentials.predict(model, dimer(rc + 1.0))
+    for delta in (1e-3, 1e-5):
+        inside = potentials.predict(model, dimer(rc - delta))
+        assert abs(inside["energy"] - apart["energy"]) < 1e-4 * (delta / 1e-3) ** 2
+        assert np.abs(inside["forces"]).max() < 1e-3 * (delta / 1e-3)
+    assert np.abs(apart["forces"]).max() == 0.0
+
+
+@pytest.mark.parametrize("name", ML_MODELS)
+def test_per_species_scale_and_shift(name):
+    model = build(name)
+    atoms = GEOMETRIES["fcc_bulk"]()
+    before = potentials.predict(model, atoms)["energies"]
+    model.scale_shift.shift.add_(torch.tensor([1.0, 0.5], dtype=torch.float64))
+    after = potentials.predict(model, atoms)["energies"]
+    assert np.allclose(after - before, np.where(atoms.numbers == 47, 1.0, 0.5), atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ML_MODELS)
+def test_float32_matches_float64(name):
+    atoms = GEOMETRIES["hcp_triclinic"]()
+    e64 = potentials.predict(build(name, torch.float64), atoms)
+    e32 = potentials.predict(build(name, torch.float32), atoms)
+    assert abs(e32["energy"] - e64["energy"]) < 1e-5 * abs(e64["energy"])
+    assert np.abs(e32["forces"] - e64["forces"]).max() < 1e-4 * np.abs(e64["forces"]).max()
+
+
+# ---------------------------------------------------------------------------- checkpoints
+@pytest.mark.parametrize("name", ["LennardJones"] + ML_MODELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_checkpoint_round_trip(tmp_path, name, dtype):
+    model = build(name, dtype, seed=5)
+    path = tmp_path / "model.pt"
+    potentials.save(model, path)
+    loaded = potentials.load(path)
+    assert type(loaded) is type(model) and loaded.dtype == model.dtype
+    atoms = GEOMETRIES["sheared"]()
+    a, b = potentials.predict(model, atoms), potentials.predict(loaded, atoms)
+    for key in a:
+        assert np.array_equal(a[key], b[key]), key
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, (f"touch {os.environ.get('EXPLOIT_MARKER', '/tmp/exploit')}",))
+
+
+def test_bad_checkpoints_raise_and_never_run_code(tmp_path, monkeypatch):
+    good = tmp_path / "good.pt"
+    potentials.save(build("SchNet"), good)
+    data = good.read_bytes()
+
+    def check(path, pattern):
+        with pytest.raises(potentials.CheckpointError, match=pattern):
+            potentials.load(path)
+
+    check(tmp_path / "missing.pt", "no such checkpoint")
+    (tmp_path / "truncated.pt").write_bytes(data[: len(data) // 2])
+    check(tmp_path / "truncated.pt", "truncated or corrupt")
+    (tmp_path / "garbage.pt").write_bytes(os.urandom(4096))
+    check(tmp_path / "garbage.pt", "truncated or corrupt")
+
+    marker = tmp_path / "pwned"
+    monkeypatch.setenv("EXPLOIT_MARKER", str(marker))
+    with open(tmp_path / "exploit.pt", "wb") as f:
+        pickle.dump({"config": "{}", "state_dict": _Exploit()}, f)
+    check(tmp_path / "exploit.pt", "pickled|truncated or corrupt")
+    torch.save({"config": "{}", "state_dict": _Exploit()}, tmp_path / "exploit_zip.pt")
+    check(tmp_path / "exploit_zip.pt", "pickled")
+    torch.save(build("PaiNN"), tmp_path / "module.pt")  # a whole pickled module
+    check(tmp_path / "module.pt", "pickled")
+    assert not marker.exists(), "loading a checkpoint executed code"
+
+    payload = torch.load(good, weights_only=True)
+    import json
+
+    def variant(name, **changes):
+        config = json.loads(payload["config"])
+        config.update(changes)
+        torch.save({"config": json.dumps(config), "state_dict": payload["state_dict"]}, tmp_path / name)
+        return tmp_path / name
+
+    check(variant("other_class.pt", **{"class": "PaiNN"}), "do not fit a PaiNN|do not build a PaiNN")
+    check(variant("unknown_class.pt", **{"class": "Allegro"}), "unknown model class 'Allegro'")
+    check(variant("future.pt", version=99), "version 99")
+    check(variant("format.pt", format="something-else"), "format 'something-else'")
+    torch.save({"weights": payload["state_dict"]}, tmp_path / "keys.pt")
+    check(tmp_path / "keys.pt", "not an mlip-parallel-potential checkpoint")
