@@ -218,12 +218,13 @@ class _ReverseComm(torch.autograd.Function):
 
 
 class FeatureHalo:
-    """The halo hook of a decomposed graph: ``h`` [n_local + n_ghost, ...] → the same rows with the
-    ghost rows replaced by their owners' current values (one forward exchange)."""
+    """The halo hook of a decomposed graph: ``h`` [m ≥ n_local, ...] → [n_local + n_ghost, ...], the
+    owned rows followed by the ghost rows copied from their owners' current values (one exchange)."""
 
     def __init__(self, comm: Comm):
         self.comm = comm
 
+    @torch.compiler.disable  # MPI inside: a torch.compile'd model breaks its graph here and runs it eagerly
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         owned = h[: self.comm.n_local]
         return torch.cat([owned, self.comm.forward_comm(owned)])

@@ -75,6 +75,7 @@ def forward_decomposed(model, part: Decomposition, mode: str = "layerwise", crea
         edge_vec=all_pos[j_t] - all_pos[i_t],
         n_local=halo.n_local,
         halo=FeatureHalo(halo) if mode == "layerwise" else NoHalo(),
+        n_receivers=halo.n_local if mode == "layerwise" else None,
     )
     energies = model(graph).to(torch.float64)
     # Every rank differentiates the same op sequence, so the reverse exchanges run in lock-step.

@@ -18,7 +18,7 @@ from .errors import InvalidStructureError
 
 
 class NoHalo:
-    """The halo hook of a graph with no ghost atoms: refreshing ghost rows is the identity."""
+    """The halo hook when every row is computed locally (no ghosts, or wide mode): the identity."""
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         return h
@@ -32,9 +32,13 @@ class AtomGraph:
     edge_index: [2, E] long, (sender j, receiver i).
     edge_vec:   [E, 3] float64, r_j - r_i in Å (differentiable w.r.t. positions and strain).
     n_local:    number of owned rows; models return per-atom energies for these rows only.
-    halo:       ``halo(h)`` with h [n, ...] returns h with its ghost rows refreshed from their owners.
-                A model calls it before every message-passing layer after the first, on the node
-                features that layer reads from senders.
+    n_receivers: rows [0, n_receivers) are the only receivers of edges (None: every row may be).
+                A model may update node features of these rows only: the other rows are refreshed
+                by ``halo`` before they are read again.
+    halo:       ``halo(h)``, h [m, ...] with m ≥ n_receivers rows, returns [n, ...]: the owned rows
+                of h, then the ghost rows freshly copied from their owners. A model calls it before
+                every message-passing layer after the first, on the node features that layer reads
+                from senders.
     """
 
     species: torch.Tensor
@@ -42,10 +46,16 @@ class AtomGraph:
     edge_vec: torch.Tensor
     n_local: int
     halo: Callable[[torch.Tensor], torch.Tensor] = field(default_factory=NoHalo)
+    n_receivers: int | None = None
 
     @property
     def n_nodes(self) -> int:
         return int(self.species.shape[0])
+
+    @property
+    def receivers(self) -> int:
+        """Number of leading rows whose features a layer must update."""
+        return self.n_nodes if self.n_receivers is None else self.n_receivers
 
 
 def complete_cell(cell, pbc) -> np.ndarray:

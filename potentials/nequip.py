@@ -41,12 +41,14 @@ class Interaction(torch.nn.Module):
         self.self_connection = o3.FullyConnectedTensorProduct(irreps_in, irreps_attr, irreps_out)
         self.norm = 1.0 / math.sqrt(avg_neighbors)
 
-    def forward(self, h, attr, sender, receiver, sh, radial_embedding):
+    def forward(self, h, attr, sender, receiver, sh, radial_embedding, n_receivers=None):
+        """Output rows [0, n_receivers) (all rows when None)."""
+        n = h.shape[0] if n_receivers is None else n_receivers
         x = self.linear_in(h)
         messages = self.tp(x[sender], sh, self.radial_net(radial_embedding))
-        summed = torch.zeros(h.shape[0], messages.shape[1], dtype=messages.dtype, device=messages.device)
+        summed = torch.zeros(n, messages.shape[1], dtype=messages.dtype, device=messages.device)
         summed = summed.index_add(0, receiver, messages) * self.norm
-        return self.linear_out(summed) + self.self_connection(h, attr)
+        return self.linear_out(summed) + self.self_connection(h[:n], attr[:n])
 
 
 class NequIP(Potential):
@@ -100,8 +102,8 @@ class NequIP(Potential):
         for layer, (interaction, gate) in enumerate(zip(self.interactions, self.gates)):
             if layer > 0:
                 h = graph.halo(h)
-            update = gate(interaction(h, attr, sender, receiver, sh, radial))
-            h = h + update if update.shape == h.shape else update
+            update = gate(interaction(h, attr, sender, receiver, sh, radial, graph.receivers))
+            h = update + h[: update.shape[0]] if update.shape[1] == h.shape[1] else update
         n_local = graph.n_local
         out = self.readout(self.readout_linear(h[:n_local])).squeeze(-1)
         return self.scale_shift(out, graph.species[:n_local])

@@ -23,14 +23,15 @@ class PaiNNLayer(torch.nn.Module):
         self.update_mlp = torch.nn.Sequential(
             torch.nn.Linear(2 * features, features), torch.nn.SiLU(), torch.nn.Linear(features, 3 * features))
 
-    def forward(self, s, v, sender, receiver, unit, radial, envelope):
-        n, f = s.shape[0], self.features
+    def forward(self, s, v, sender, receiver, unit, radial, envelope, n_receivers):
+        """Updates rows [0, n_receivers) of s and v; returns only those rows."""
+        f = self.features
         # message: Δs_i = Σ_j φ_s(s_j) W_s(r_ij); Δv_i = Σ_j v_j φ_vv W_vv + r̂_ij φ_vs W_vs
         x = self.message_mlp(s)[sender] * (self.filter(radial) * envelope[:, None])
         ds, dvv, dvs = torch.split(x, f, dim=1)
         dv = v[sender] * dvv[:, None, :] + unit[:, :, None] * dvs[:, None, :]
-        s = s + torch.zeros(n, f, dtype=s.dtype, device=s.device).index_add(0, receiver, ds)
-        v = v + torch.zeros(n, 3, f, dtype=v.dtype, device=v.device).index_add(0, receiver, dv)
+        s = s[:n_receivers].index_add(0, receiver, ds)
+        v = v[:n_receivers].index_add(0, receiver, dv)
         # update: node-local mixing of scalars and vector norms / inner products
         uv, vv = torch.split(self.mix_vectors(v), f, dim=2)
         vv_norm = torch.sqrt(vv.pow(2).sum(dim=1) + 1e-8)
@@ -73,8 +74,8 @@ class PaiNN(Potential):
         n, f = s.shape[0], self.features
         for layer, block in enumerate(self.blocks):
             if layer > 0:
-                sv = graph.halo(torch.cat([s, v.reshape(n, 3 * f)], dim=1))
+                sv = graph.halo(torch.cat([s, v.reshape(s.shape[0], 3 * f)], dim=1))
                 s, v = sv[:, :f], sv[:, f:].reshape(n, 3, f)
-            s, v = block(s, v, sender, receiver, unit, radial, envelope)
+            s, v = block(s, v, sender, receiver, unit, radial, envelope, graph.receivers)
         out = self.readout(s[: graph.n_local]).squeeze(-1)
         return self.scale_shift(out, graph.species[: graph.n_local])
