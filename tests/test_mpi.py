@@ -62,3 +62,10 @@ def test_sevennet_distributed_equals_sevenn_calculator(mpirun, ranks):
     rc, out, _ = mpirun(ranks, MPI_DIR / "sevennet.py", timeout=400)
     assert rc == 0, out
     assert "SevenNet-0 0 failures" in out, out
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_ase_dynamics_with_distributed_calculator_equal_serial(mpirun, ranks):
+    rc, out, _ = mpirun(ranks, "-W", "ignore", MPI_DIR / "ase_dynamics.py")
+    assert rc == 0, out
+    assert "ASE dynamics 0 failures" in out, out
