@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from potentials.graph import AtomGraph, NoHalo, check_positions, neighbour_list
-from potentials.predict import voigt_stress
+from potentials.predict import strained_coordinates, voigt_stress
 
 from .backend import get_backend, rank_device
 from .comm import Comm, FeatureHalo
@@ -54,11 +54,7 @@ def forward_decomposed(model, part: Decomposition, mode: str = "layerwise", crea
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     halo, device = part.comm, model.device
-    pos = torch.tensor(part.positions, dtype=torch.float64, device=device, requires_grad=True)
-    strain = torch.zeros(3, 3, dtype=torch.float64, device=device, requires_grad=True)
-    deform = torch.eye(3, dtype=torch.float64, device=device) + strain
-    pos_s = pos @ deform
-    cell_s = torch.as_tensor(part.domain.cell, device=device) @ deform
+    pos, strain, pos_s, cell_s = strained_coordinates(part.positions, part.domain.cell, device)
     all_pos = torch.cat([pos_s, halo.ghost_positions(pos_s, cell_s)])
 
     i, j, _ = neighbour_list(all_pos.detach().cpu().numpy(), part.domain.cell, False, model.cutoff)

@@ -14,6 +14,16 @@ def voigt_stress(dE_dstrain: np.ndarray, volume: float) -> np.ndarray:
     return np.array([s[0, 0], s[1, 1], s[2, 2], s[1, 2], s[0, 2], s[0, 1]])
 
 
+def strained_coordinates(positions: np.ndarray, cell: np.ndarray, device):
+    """Leaves for forces and stress: ``pos`` [N, 3] and ``strain`` [3, 3] (zero), float64, requiring
+    grad, and the deformed ``pos @ (1 + strain)`` and ``cell @ (1 + strain)`` that models read.
+    Returns (pos, strain, deformed_pos, deformed_cell)."""
+    pos = torch.tensor(positions, dtype=torch.float64, device=device, requires_grad=True)
+    strain = torch.zeros(3, 3, dtype=torch.float64, device=device, requires_grad=True)
+    deform = torch.eye(3, dtype=torch.float64, device=device) + strain
+    return pos, strain, pos @ deform, torch.as_tensor(cell, dtype=torch.float64, device=device) @ deform
+
+
 def energy_forces(model: Potential, atoms, create_graph: bool = False):
     """Differentiable single-process evaluation.
 
@@ -26,11 +36,7 @@ def energy_forces(model: Potential, atoms, create_graph: bool = False):
     species = torch.as_tensor(model.species_index(atoms.numbers), device=device)
     i, j, shifts = neighbour_list(positions, cell, atoms.pbc, model.cutoff)
 
-    pos = torch.tensor(positions, dtype=torch.float64, device=device, requires_grad=True)
-    strain = torch.zeros(3, 3, dtype=torch.float64, device=device, requires_grad=True)
-    deform = torch.eye(3, dtype=torch.float64, device=device) + strain
-    pos_s = pos @ deform
-    cell_s = torch.as_tensor(cell, device=device) @ deform
+    pos, strain, pos_s, cell_s = strained_coordinates(positions, cell, device)
     i_t, j_t = torch.as_tensor(i, device=device), torch.as_tensor(j, device=device)
     edge_vec = pos_s[j_t] - pos_s[i_t] + torch.as_tensor(shifts, dtype=torch.float64, device=device) @ cell_s
     graph = AtomGraph(species=species, edge_index=torch.stack([j_t, i_t]), edge_vec=edge_vec,
