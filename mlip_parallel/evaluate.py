@@ -18,7 +18,14 @@ MODES = ("layerwise", "wide")
 
 class Decomposition:
     """One rank's share of a replicated structure: the grid, the halo (``comm``) with its ghosts, and
-    ``owned`` [n_local] indices of this rank's atoms in the caller's order."""
+    ``owned`` [n_local] indices of this rank's atoms in the caller's order.
+
+    What ``forward_decomposed`` reads (MD builds the same attributes from rank-local atoms):
+    ``domain``, ``grid``, ``comm`` (after borders), ``positions`` [n_local, 3] Å, ``numbers``
+    [n_local + n_ghost] atomic numbers of the local rows, ``skin`` (Å) the ghost shell holds beyond the
+    model's reach."""
+
+    skin = 0.0
 
     def __init__(self, atoms, r_ghost: float, backend, grid=None):
         positions = check_positions(atoms.positions)
@@ -42,14 +49,17 @@ def _within_shell(part: Decomposition, positions: np.ndarray, r: float) -> np.nd
     return np.all((frac >= lo - cut) & (frac < hi + cut), axis=1)
 
 
-def forward_decomposed(model, part: Decomposition, mode: str = "layerwise", create_graph: bool = False):
+def forward_decomposed(model, part: Decomposition, mode: str = "layerwise", create_graph: bool = False,
+                       candidates=None):
     """Differentiable evaluation of this rank's share (collective: every rank calls it together).
 
     Returns torch float64 (energies [n_local], forces [n_local, 3], dE/dstrain [3, 3]) for the owned
     atoms, on the model's device. Forces are those of the *total* energy (ghost gradients come home
     through the reverse exchange); dE/dstrain is this rank's part — sum it over ranks. With
     ``create_graph`` the results stay differentiable w.r.t. the parameters: a loss on them
-    backpropagates through the halo (training on decomposed structures).
+    backpropagates through the halo (training on decomposed structures). ``candidates``: (i, j) local
+    row pairs known to include every pair closer than the cutoff (a neighbour list with a skin); by
+    default the pairs are searched anew.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -57,12 +67,18 @@ def forward_decomposed(model, part: Decomposition, mode: str = "layerwise", crea
     pos, strain, pos_s, cell_s = strained_coordinates(part.positions, part.domain.cell, device)
     all_pos = torch.cat([pos_s, halo.ghost_positions(pos_s, cell_s)])
 
-    i, j, _ = neighbour_list(all_pos.detach().cpu().numpy(), part.domain.cell, False, model.cutoff)
+    positions = all_pos.detach().cpu().numpy()
+    if candidates is None:
+        i, j, _ = neighbour_list(positions, part.domain.cell, False, model.cutoff)
+        near = np.ones(len(i), dtype=bool)
+    else:
+        i, j = candidates
+        near = np.einsum("ij,ij->i", positions[j] - positions[i], positions[j] - positions[i]) < model.cutoff**2
     if mode == "layerwise":
         receives = np.arange(len(all_pos)) < halo.n_local
-    else:  # atoms farther than (layers - 1) cutoffs from the subdomain only ever send
-        receives = _within_shell(part, all_pos.detach().cpu().numpy(), (model.layers - 1) * model.cutoff)
-    keep = receives[i]
+    else:  # atoms farther than (layers - 1) cutoffs (+ skin) from the subdomain only ever send
+        receives = _within_shell(part, positions, (model.layers - 1) * model.cutoff + part.skin)
+    keep = receives[i] & near
     i, j = i[keep], j[keep]
     i_t, j_t = torch.as_tensor(i, device=device), torch.as_tensor(j, device=device)
     graph = AtomGraph(

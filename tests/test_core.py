@@ -9,7 +9,7 @@ from ase.build import bulk, fcc111
 import mlip_parallel
 import potentials
 from mlip_parallel import Comm, Decomposition, Domain, Grid, SerialBackend
-from systems import GEOMETRIES, ase_lj_results, lennard_jones, max_relative_error, schnet
+from systems import GEOMETRIES, SPECIES, ase_lj_results, lennard_jones, max_relative_error, schnet
 
 torch.set_num_threads(1)
 
@@ -75,18 +75,20 @@ def test_lennard_jones_matches_ase(name):
 
 @pytest.mark.parametrize("name", sorted(GEOMETRIES))
 def test_serial_decomposition_matches_predict(name):
-    """One rank: every neighbour comes through the halo's periodic self-images."""
+    """One rank, every model, both modes: every neighbour comes through the halo's periodic self-images."""
     atoms = GEOMETRIES[name]()
     backend = SerialBackend()
     reference_lj = ase_lj_results(atoms)
     assert max(max_relative_error(mlip_parallel.evaluate(lennard_jones(), atoms, comm=backend),
                                   reference_lj).values()) < 1e-10
-    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
-        model = schnet(dtype)
-        reference = potentials.predict(model, atoms)
-        for mode in ("layerwise", "wide"):
-            errors = max_relative_error(mlip_parallel.evaluate(model, atoms, mode=mode, comm=backend), reference)
-            assert max(errors.values()) < tol, (dtype, mode, errors)
+    for cls in (potentials.SchNet, potentials.PaiNN, potentials.NequIP):
+        for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
+            torch.manual_seed(2)
+            model = schnet(dtype) if cls is potentials.SchNet else cls(SPECIES, cutoff=4.0, features=8).to(dtype)
+            reference = potentials.predict(model, atoms)
+            for mode in ("layerwise", "wide"):
+                errors = max_relative_error(mlip_parallel.evaluate(model, atoms, mode=mode, comm=backend), reference)
+                assert max(errors.values()) < tol, (cls.__name__, dtype, mode, errors)
 
 
 def _energy(model, atoms):

@@ -69,3 +69,10 @@ def test_ase_dynamics_with_distributed_calculator_equal_serial(mpirun, ranks):
     rc, out, _ = mpirun(ranks, "-W", "ignore", MPI_DIR / "ase_dynamics.py")
     assert rc == 0, out
     assert "ASE dynamics 0 failures" in out, out
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_md_engine_rank_independent_and_conserves_atoms(mpirun, ranks):
+    rc, out, _ = mpirun(ranks, MPI_DIR / "md_engine.py", "300")
+    assert rc == 0, out
+    assert "MD engine 0 failures" in out and "ids conserved: True" in out, out
