@@ -90,12 +90,21 @@ class MDSystem:
         self.reference = self.atoms["positions"].copy()
         self.rebuilds += 1
 
-    def maybe_rebuild(self) -> bool:
-        """Rebuild when any atom moved more than skin/2 since the last rebuild (decided collectively)."""
-        moved = np.sqrt(((self.atoms["positions"] - self.reference) ** 2).sum(axis=1))
-        farthest = self.backend.allreduce(float(moved.max()) if len(moved) else 0.0, op="max")
-        if not np.isfinite(farthest):
+    def maybe_rebuild(self, previous: np.ndarray | None = None) -> bool:
+        """Rebuild when any atom moved more than skin/2 since the last rebuild (decided collectively).
+        With ``previous`` positions (before this step), an atom that moved farther than the thinnest
+        subdomain in one step ends the run: the dynamics has blown up."""
+        positions = self.atoms["positions"]
+        moved = np.sqrt(((positions - self.reference) ** 2).sum(axis=1))
+        step = np.sqrt(((positions - previous) ** 2).sum(axis=1)) if previous is not None else moved[:0]
+        farthest, jump = self.backend.allreduce(
+            np.array([moved.max() if len(moved) else 0.0, step.max() if len(step) else 0.0]), op="max")
+        if not (np.isfinite(farthest) and np.isfinite(jump)):
             raise InvalidStructureError("non-finite positions during MD")
+        thinnest = min(np.diff(self.grid.planes[d]).min() / np.linalg.norm(self.domain.inverse[:, d]) for d in range(3))
+        if jump > thinnest:
+            raise InvalidStructureError(f"an atom moved {jump:.3g} A in one step, farther than the thinnest "
+                                        f"subdomain ({thinnest:.3g} A): unstable dynamics (time step too large?)")
         if farthest > 0.5 * self.skin:
             self.rebuild()
             return True
@@ -198,8 +207,9 @@ def run(system: MDSystem, integrator, steps: int, thermo_every: int = 1, start_s
         system.compute_forces()
     rows = [system.thermo(start_step, integrator.dt)]
     for step in range(start_step + 1, start_step + steps + 1):
+        previous = system.atoms["positions"]
         integrator.first_half(system, step)
-        system.maybe_rebuild()
+        system.maybe_rebuild(previous)
         system.compute_forces()
         integrator.second_half(system, step)
         if step % thermo_every == 0:

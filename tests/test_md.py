@@ -64,3 +64,11 @@ def test_langevin_holds_temperature():
 def test_bad_md_input():
     with pytest.raises(ValueError, match="skin"):
         MDSystem.from_atoms(potentials.LennardJones(**LJ), argon(), skin=-1.0)
+
+
+def test_exploding_dynamics_ends_the_run_with_a_message():
+    atoms = argon(300)
+    atoms.set_velocities(atoms.get_velocities() * 1e4)  # ~ 0.5 Å/fs × 1e4: crosses the box in one step
+    system = MDSystem.from_atoms(potentials.LennardJones(**LJ), atoms, skin=1.0)
+    with pytest.raises(potentials.InvalidStructureError, match="in one step"):
+        run(system, VelocityVerlet(5.0), 10)
