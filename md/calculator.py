@@ -4,7 +4,7 @@ from __future__ import annotations
 from ase.calculators.calculator import Calculator, all_changes
 
 import mlip_parallel
-from mlip_parallel.evaluate import MODES
+from mlip_parallel import MODES
 
 
 class MLIPCalculator(Calculator):

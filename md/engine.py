@@ -18,9 +18,7 @@ import numpy as np
 import torch
 from ase import units
 
-from mlip_parallel import Comm, Domain, Grid, get_backend
-from mlip_parallel.errors import LostAtomsError
-from mlip_parallel.evaluate import MODES, forward_decomposed
+from mlip_parallel import MODES, Comm, Domain, Grid, LostAtomsError, forward_decomposed, get_backend
 from potentials.errors import InvalidStructureError
 from potentials.graph import neighbour_list
 
