@@ -1,0 +1,245 @@
+"""``mlip-md CONFIG.yaml``: a native distributed MD job (run it under ``mpiexec -n P``).
+
+Every rank reads the same config and builds the same start; each rank then holds only its own atoms.
+Writes OUTPUT/thermo.csv, OUTPUT/trajectory.extxyz (atoms in global id order) and OUTPUT/final.extxyz,
+and prints a thermo table with a progress bar on rank 0.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+# key: (types, default, help); a dict value is a nested section. Missing keys take the defaults.
+SCHEMA = {
+    "model": {
+        "lennard_jones": (dict, None, "Lennard-Jones parameters {epsilon: eV, sigma: Å, cutoff: Å}"),
+        "checkpoint": (str, None, "path of a potentials checkpoint (potentials.save)"),
+        "sevennet": (str, None, "a SevenNet checkpoint name or path, e.g. 7net-0 (needs the sevenn extra)"),
+        "dtype": (str, "float64", "float32 or float64 for the ML models"),
+    },
+    "structure": {
+        "file": (str, None, "any ASE-readable structure file"),
+        "element": (str, "Cu", "built structure: element symbol"),
+        "crystal": (str, "fcc", "built structure: ase.build.bulk crystal structure"),
+        "a": (float, 3.61, "built structure: lattice constant, Å"),
+        "repeat": (list, [10, 10, 10], "built structure: cubic cells per direction"),
+    },
+    "temperature_K": (float, 300.0, "initial Maxwell-Boltzmann temperature (seeded); 0 keeps the file's velocities"),
+    "ensemble": (str, "nve", "nve or langevin"),
+    "thermostat": {
+        "temperature_K": (float, 300.0, "langevin: target temperature"),
+        "friction_per_fs": (float, 0.01, "langevin: friction, 1/fs"),
+    },
+    "timestep_fs": (float, 2.0, "time step, fs"),
+    "steps": (int, 1000, "number of steps"),
+    "seed": (int, 0, "seed of the initial velocities and of the thermostat noise"),
+    "skin": (float, 1.0, "neighbour skin, Å: rebuild when an atom moved more than skin/2"),
+    "mode": (str, "layerwise", "layerwise or wide halo"),
+    "output": {
+        "directory": (str, "md_output", "output directory"),
+        "thermo_every": (int, 10, "thermo row every N steps"),
+        "trajectory_every": (int, 100, "trajectory frame every N steps (0: none)"),
+    },
+}
+CHOICES = {"ensemble": ("nve", "langevin"), "mode": ("layerwise", "wide"), "model.dtype": ("float32", "float64")}
+
+
+class ConfigError(ValueError):
+    """An invalid mlip-md configuration; the message names the key."""
+
+
+def schema_help(schema=SCHEMA, prefix="") -> str:
+    lines = []
+    for key, spec in schema.items():
+        if isinstance(spec, dict):
+            lines.append(f"{prefix}{key}:")
+            lines.append(schema_help(spec, prefix + "  "))
+        else:
+            types, default, text = spec
+            lines.append(f"{prefix}{key}: {text} (default: {default})")
+    return "\n".join(lines)
+
+
+def validate(config, schema=SCHEMA, path="") -> dict:
+    """Fill defaults and check every key and type; raise ConfigError naming the key."""
+    if config is None:
+        config = {}
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path or 'the config'} must be a mapping, got {type(config).__name__}")
+    unknown = sorted(set(config) - set(schema))
+    if unknown:
+        raise ConfigError(f"unknown key {path}{unknown[0]!s} (known: {', '.join(schema)})")
+    out = {}
+    for key, spec in schema.items():
+        name = f"{path}{key}"
+        if isinstance(spec, dict):
+            out[key] = validate(config.get(key), spec, name + ".")
+            continue
+        types, default, _ = spec
+        value = config.get(key, default)
+        if value is not None:
+            if types is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, types) or isinstance(value, bool):
+                raise ConfigError(f"{name} must be {types.__name__}, got {value!r}")
+            if name in CHOICES and value not in CHOICES[name]:
+                raise ConfigError(f"{name} must be one of {CHOICES[name]}, got {value!r}")
+            if types in (int, float) and value < 0:
+                raise ConfigError(f"{name} must be >= 0, got {value}")
+        out[key] = value
+    return out
+
+
+def build_model(section):
+    import torch
+
+    import potentials
+
+    given = [k for k in ("lennard_jones", "checkpoint", "sevennet") if section[k] is not None]
+    if len(given) != 1:
+        raise ConfigError(f"model needs exactly one of lennard_jones, checkpoint, sevennet (got {given or 'none'})")
+    if section["lennard_jones"] is not None:
+        try:
+            return potentials.LennardJones(**section["lennard_jones"])
+        except TypeError as exc:
+            raise ConfigError(f"model.lennard_jones: {exc}") from None
+    if section["checkpoint"] is not None:
+        model = potentials.load(section["checkpoint"])
+        return model.to(torch.float32 if section["dtype"] == "float32" else torch.float64)
+    from potentials.sevennet import SevenNet
+
+    return SevenNet(section["sevennet"])
+
+
+def build_atoms(config):
+    from ase.build import bulk
+    from ase.io import read
+    from ase.md.velocitydistribution import thermalize_momenta
+    from ase.parallel import DummyMPI
+
+    section = config["structure"]
+    if section["file"] is not None:
+        try:
+            atoms = read(section["file"])
+        except Exception as exc:  # ASE raises many types for unreadable files
+            raise ConfigError(f"structure.file: cannot read {section['file']!r}: {exc}") from None
+    else:
+        repeat = section["repeat"]
+        if len(repeat) != 3 or not all(isinstance(r, int) and r > 0 for r in repeat):
+            raise ConfigError(f"structure.repeat must be three positive integers, got {repeat}")
+        try:
+            atoms = bulk(section["element"], section["crystal"], a=section["a"], cubic=True).repeat(repeat)
+        except (ValueError, KeyError) as exc:
+            raise ConfigError(f"structure: cannot build {section['element']} {section['crystal']}: {exc}") from None
+    if config["temperature_K"] > 0:
+        thermalize_momenta(atoms, temperature_K=config["temperature_K"], rng=np.random.default_rng(config["seed"]),
+                           comm=DummyMPI())  # every rank draws the same velocities
+    return atoms
+
+
+THERMO_COLUMNS = ("step", "time_fs", "temperature_K", "epot_eV", "ekin_eV", "etot_eV", "pressure_GPa",
+                  "volume_A3", "seconds_per_step")
+
+
+def simulate(config) -> list:
+    """Run the validated ``config``; return the thermo rows (every rank)."""
+    from ase import Atoms
+    from ase.io import write
+
+    from mlip_parallel import get_backend
+
+    from .engine import Langevin, MDSystem, VelocityVerlet, run
+
+    backend = get_backend()
+    model = build_model(config["model"])
+    atoms = build_atoms(config)
+    system = MDSystem.from_atoms(model, atoms, skin=config["skin"], mode=config["mode"])
+    if config["ensemble"] == "langevin":
+        t = config["thermostat"]
+        integrator = Langevin(config["timestep_fs"], t["temperature_K"], t["friction_per_fs"], seed=config["seed"])
+    else:
+        integrator = VelocityVerlet(config["timestep_fs"])
+    out = config["output"]
+    directory = Path(out["directory"])
+    every, traj_every, steps = max(1, out["thermo_every"]), out["trajectory_every"], config["steps"]
+    root = backend.rank == 0
+    if root:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "trajectory.extxyz").unlink(missing_ok=True)
+        csv_file = open(directory / "thermo.csv", "w", newline="")
+        writer = csv.DictWriter(csv_file, fieldnames=THERMO_COLUMNS)
+        writer.writeheader()
+        print(f"mlip-md: {len(atoms)} atoms on {backend.size} rank(s), {config['ensemble']}, "
+              f"{steps} steps of {config['timestep_fs']} fs")
+        print(" ".join(f"{c:>14s}" for c in THERMO_COLUMNS))
+        from tqdm import tqdm
+        bar = tqdm(total=steps, unit="step", file=sys.stderr, dynamic_ncols=True)
+
+    def snapshot(name, append):  # collective: gathers in global id order, rank 0 writes
+        positions, numbers, velocities = (system.gather(k) for k in ("positions", "numbers", "velocities"))
+        if root:
+            frame = Atoms(numbers=numbers, positions=positions, cell=atoms.cell, pbc=atoms.pbc)
+            frame.set_velocities(velocities)
+            write(directory / name, frame, format="extxyz", append=append)
+
+    rows, step = [], 0
+    boundaries = sorted({*range(every, steps + 1, every), *(range(traj_every, steps + 1, traj_every)
+                                                              if traj_every else []), steps} - {0})
+    system.compute_forces()
+    start = time.perf_counter()
+    for target in [0] + boundaries:
+        if target > step:
+            t0 = time.perf_counter()
+            run(system, integrator, target - step, thermo_every=target - step, start_step=step)
+            per_step = (time.perf_counter() - t0) / (target - step)
+            step = target
+        else:
+            per_step = 0.0
+        if step % every == 0 or step == steps:
+            row = dict(system.thermo(step, integrator.dt), seconds_per_step=per_step)
+            rows.append(row)
+            if root:
+                writer.writerow(row)
+                csv_file.flush()
+                bar.clear()
+                print(" ".join(f"{row[c]:14.6g}" for c in THERMO_COLUMNS), flush=True)
+        if traj_every and step % traj_every == 0:
+            snapshot("trajectory.extxyz", append=True)
+        if root:
+            bar.update(step - bar.n)
+    snapshot("final.extxyz", append=False)
+    if root:
+        bar.close()
+        csv_file.close()
+        print(f"mlip-md: done in {time.perf_counter() - start:.1f} s, {system.rebuilds} neighbour rebuilds; "
+              f"output in {directory}/")
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="mlip-md", description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="configuration keys (YAML):\n" + schema_help())
+    parser.add_argument("config", help="YAML configuration file")
+    args = parser.parse_args(argv)
+    try:
+        try:
+            with open(args.config) as f:
+                raw = yaml.safe_load(f)
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config {args.config!r}: {exc}") from None
+        simulate(validate(raw))
+    except ConfigError as exc:  # raised alike on every rank, before any collective
+        print(f"mlip-md: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
