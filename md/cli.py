@@ -31,10 +31,11 @@ SCHEMA = {
         "repeat": (list, [10, 10, 10], "built structure: cubic cells per direction"),
     },
     "temperature_K": (float, 300.0, "initial Maxwell-Boltzmann temperature (seeded); 0 keeps the file's velocities"),
-    "ensemble": (str, "nve", "nve or langevin"),
+    "ensemble": (str, "nve", "nve, langevin (BAOAB) or bussi (stochastic velocity rescaling)"),
     "thermostat": {
-        "temperature_K": (float, 300.0, "langevin: target temperature"),
+        "temperature_K": (float, 300.0, "langevin/bussi: target temperature"),
         "friction_per_fs": (float, 0.01, "langevin: friction, 1/fs"),
+        "tau_fs": (float, 100.0, "bussi: relaxation time, fs"),
     },
     "timestep_fs": (float, 2.0, "time step, fs"),
     "steps": (int, 1000, "number of steps"),
@@ -47,7 +48,7 @@ SCHEMA = {
         "trajectory_every": (int, 100, "trajectory frame every N steps (0: none)"),
     },
 }
-CHOICES = {"ensemble": ("nve", "langevin"), "mode": ("layerwise", "wide"), "model.dtype": ("float32", "float64")}
+CHOICES = {"ensemble": ("nve", "langevin", "bussi"), "mode": ("layerwise", "wide"), "model.dtype": ("float32", "float64")}
 
 
 class ConfigError(ValueError):
@@ -154,15 +155,17 @@ def simulate(config) -> list:
 
     from mlip_parallel import get_backend
 
-    from .engine import Langevin, MDSystem, VelocityVerlet, run
+    from .engine import Bussi, Langevin, MDSystem, VelocityVerlet, run
 
     backend = get_backend()
     model = build_model(config["model"])
     atoms = build_atoms(config)
     system = MDSystem.from_atoms(model, atoms, skin=config["skin"], mode=config["mode"])
+    t = config["thermostat"]
     if config["ensemble"] == "langevin":
-        t = config["thermostat"]
         integrator = Langevin(config["timestep_fs"], t["temperature_K"], t["friction_per_fs"], seed=config["seed"])
+    elif config["ensemble"] == "bussi":
+        integrator = Bussi(config["timestep_fs"], t["temperature_K"], t["tau_fs"], seed=config["seed"])
     else:
         integrator = VelocityVerlet(config["timestep_fs"])
     out = config["output"]

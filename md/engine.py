@@ -198,6 +198,33 @@ class Langevin(VelocityVerlet):
         a["positions"] = a["positions"] + 0.5 * self.dt * a["velocities"]
 
 
+class Bussi(VelocityVerlet):
+    """NVT by stochastic velocity rescaling (Bussi, Donadio, Parrinello 2007, CSVR) after each velocity
+    Verlet step. ``tau_fs``: relaxation time. The rescaling draws are global, from (seed, step): the
+    same on every rank and for any number of ranks."""
+
+    def __init__(self, dt_fs: float, temperature_K: float, tau_fs: float, seed: int = 0):
+        super().__init__(dt_fs)
+        if tau_fs <= 0 or temperature_K <= 0:
+            raise ValueError(f"Bussi needs tau_fs > 0 and temperature_K > 0, got {tau_fs}, {temperature_K}")
+        self.temperature, self.c = temperature_K, float(np.exp(-dt_fs / tau_fs))
+        self.seed = int(seed)
+
+    def second_half(self, system: MDSystem, step: int) -> None:
+        super().second_half(system, step)
+        a = system.atoms
+        kinetic = float(system.backend.allreduce(np.array([0.5 * np.sum(a["masses"][:, None] * a["velocities"] ** 2)]))[0])
+        dof = 3 * system.n_atoms
+        target = 0.5 * dof * units.kB * self.temperature
+        rng = np.random.default_rng([self.seed, step])
+        r1 = rng.standard_normal()
+        rest = 2.0 * rng.standard_gamma(0.5 * (dof - 1)) if dof > 1 else 0.0
+        c, ratio = self.c, target / (dof * kinetic)
+        alpha2 = c + (1 - c) * ratio * (r1 * r1 + rest) + 2.0 * r1 * np.sqrt(c * (1 - c) * ratio)
+        sign = np.sign(r1 + np.sqrt(c / ((1 - c) * ratio)))
+        a["velocities"] = a["velocities"] * (sign * np.sqrt(alpha2))
+
+
 def run(system: MDSystem, integrator, steps: int, thermo_every: int = 1, start_step: int = 0) -> list:
     """Advance ``steps`` steps; return the thermo rows (identical on every rank) every ``thermo_every``
     steps, step ``start_step`` included."""

@@ -10,7 +10,7 @@ from ase.md.velocitydistribution import thermalize_momenta
 from ase.md.verlet import VelocityVerlet as AseVelocityVerlet
 
 import potentials
-from md.engine import Langevin, MDSystem, VelocityVerlet, gaussian, run
+from md.engine import Bussi, Langevin, MDSystem, VelocityVerlet, gaussian, run
 
 torch.set_num_threads(1)
 LJ = dict(epsilon=0.0104, sigma=3.4, cutoff=8.0)
@@ -57,6 +57,13 @@ def test_gaussian_depends_only_on_seed_step_and_id():
 def test_langevin_holds_temperature():
     system = MDSystem.from_atoms(potentials.LennardJones(**LJ), argon(50, seed=2), skin=1.0)
     rows = run(system, Langevin(4.0, temperature_K=90.0, friction=0.02, seed=1), 600, thermo_every=5)
+    temperatures = np.array([r["temperature_K"] for r in rows[len(rows) // 2:]])
+    assert abs(temperatures.mean() - 90.0) < 0.08 * 90.0, temperatures.mean()
+
+
+def test_bussi_holds_temperature():
+    system = MDSystem.from_atoms(potentials.LennardJones(**LJ), argon(50, seed=3), skin=1.0)
+    rows = run(system, Bussi(4.0, temperature_K=90.0, tau_fs=100.0, seed=2), 600, thermo_every=5)
     temperatures = np.array([r["temperature_K"] for r in rows[len(rows) // 2:]])
     assert abs(temperatures.mean() - 90.0) < 0.08 * 90.0, temperatures.mean()
 

@@ -1,6 +1,6 @@
 """Native distributed MD (run under mpiexec -n P):
 
-* NVE and Langevin, Lennard-Jones argon, float64, 200 steps: the thermo columns on P ranks equal the
+* NVE, Langevin and Bussi, Lennard-Jones argon, float64, 200 steps: the thermo columns on P ranks equal the
   serial run (computed on rank 0 with the serial backend) to 1e-8 relative;
 * a hot, dilute Lennard-Jones gas (atoms cross subdomains many times): atom count and the set of ids
   conserved at every rebuild and at the end.
@@ -18,7 +18,7 @@ from mpi4py import MPI  # noqa: E402
 
 import mlip_parallel  # noqa: E402
 import potentials  # noqa: E402
-from md.engine import Langevin, MDSystem, VelocityVerlet, run  # noqa: E402
+from md.engine import Bussi, Langevin, MDSystem, VelocityVerlet, run  # noqa: E402
 
 torch.set_num_threads(1)
 world = MPI.COMM_WORLD
@@ -41,7 +41,8 @@ def simulate(integrator, comm):
 
 
 failures = []
-for name, make in (("NVE", lambda: VelocityVerlet(4.0)), ("Langevin", lambda: Langevin(4.0, 150.0, 0.01, seed=7))):
+for name, make in (("NVE", lambda: VelocityVerlet(4.0)), ("Langevin", lambda: Langevin(4.0, 150.0, 0.01, seed=7)),
+                   ("Bussi", lambda: Bussi(4.0, 150.0, 100.0, seed=8))):
     table, rebuilds = simulate(make(), None)
     reference = world.bcast(simulate(make(), mlip_parallel.SerialBackend())[0] if world.rank == 0 else None)
     err = float(np.max(np.abs(table - reference) / np.maximum(np.abs(reference), 1e-12)))
