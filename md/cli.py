@@ -42,10 +42,12 @@ SCHEMA = {
     "seed": (int, 0, "seed of the initial velocities and of the thermostat noise"),
     "skin": (float, 1.0, "neighbour skin, Å: rebuild when an atom moved more than skin/2"),
     "mode": (str, "layerwise", "layerwise or wide halo"),
+    "restart_from": (str, None, "continue from a restart.npz (structure, velocities and step come from it)"),
     "output": {
         "directory": (str, "md_output", "output directory"),
         "thermo_every": (int, 10, "thermo row every N steps"),
         "trajectory_every": (int, 100, "trajectory frame every N steps (0: none)"),
+        "restart_every": (int, 0, "write OUTPUT/restart.npz every N steps and at the end (0: at the end only)"),
     },
 }
 CHOICES = {"ensemble": ("nve", "langevin", "bussi"), "mode": ("layerwise", "wide"), "model.dtype": ("float32", "float64")}
@@ -159,8 +161,16 @@ def simulate(config) -> list:
 
     backend = get_backend()
     model = build_model(config["model"])
-    atoms = build_atoms(config)
-    system = MDSystem.from_atoms(model, atoms, skin=config["skin"], mode=config["mode"])
+    if config["restart_from"] is not None:
+        try:
+            system, first_step = MDSystem.from_restart(model, config["restart_from"], skin=config["skin"],
+                                                       mode=config["mode"])
+        except (OSError, KeyError, ValueError) as exc:
+            raise ConfigError(f"restart_from: cannot read {config['restart_from']!r}: {exc}") from None
+        atoms = Atoms(cell=system.cell, pbc=system.pbc)
+    else:
+        atoms, first_step = build_atoms(config), 0
+        system = MDSystem.from_atoms(model, atoms, skin=config["skin"], mode=config["mode"])
     t = config["thermostat"]
     if config["ensemble"] == "langevin":
         integrator = Langevin(config["timestep_fs"], t["temperature_K"], t["friction_per_fs"], seed=config["seed"])
@@ -170,19 +180,23 @@ def simulate(config) -> list:
         integrator = VelocityVerlet(config["timestep_fs"])
     out = config["output"]
     directory = Path(out["directory"])
-    every, traj_every, steps = max(1, out["thermo_every"]), out["trajectory_every"], config["steps"]
+    every, traj_every, restart_every = max(1, out["thermo_every"]), out["trajectory_every"], out["restart_every"]
+    steps = first_step + config["steps"]
     root = backend.rank == 0
+    continuing = config["restart_from"] is not None  # append to thermo.csv and the trajectory
     if root:
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / "trajectory.extxyz").unlink(missing_ok=True)
-        csv_file = open(directory / "thermo.csv", "w", newline="")
+        if not continuing:
+            (directory / "trajectory.extxyz").unlink(missing_ok=True)
+        csv_file = open(directory / "thermo.csv", "a" if continuing else "w", newline="")
         writer = csv.DictWriter(csv_file, fieldnames=THERMO_COLUMNS)
-        writer.writeheader()
-        print(f"mlip-md: {len(atoms)} atoms on {backend.size} rank(s), {config['ensemble']}, "
-              f"{steps} steps of {config['timestep_fs']} fs")
+        if csv_file.tell() == 0:
+            writer.writeheader()
+        print(f"mlip-md: {system.n_atoms} atoms on {backend.size} rank(s), {config['ensemble']}, "
+              f"steps {first_step} to {steps} of {config['timestep_fs']} fs")
         print(" ".join(f"{c:>14s}" for c in THERMO_COLUMNS))
         from tqdm import tqdm
-        bar = tqdm(total=steps, unit="step", file=sys.stderr, dynamic_ncols=True)
+        bar = tqdm(total=steps, initial=first_step, unit="step", file=sys.stderr, dynamic_ncols=True)
 
     def snapshot(name, append):  # collective: gathers in global id order, rank 0 writes
         positions, numbers, velocities = (system.gather(k) for k in ("positions", "numbers", "velocities"))
@@ -191,12 +205,11 @@ def simulate(config) -> list:
             frame.set_velocities(velocities)
             write(directory / name, frame, format="extxyz", append=append)
 
-    rows, step = [], 0
-    boundaries = sorted({*range(every, steps + 1, every), *(range(traj_every, steps + 1, traj_every)
-                                                              if traj_every else []), steps} - {0})
+    rows, step = [], first_step
+    stops = {steps} | {s for n in (every, traj_every, restart_every) if n for s in range(0, steps + 1, n)}
     system.compute_forces()
     start = time.perf_counter()
-    for target in [0] + boundaries:
+    for target in sorted(s for s in stops if s >= first_step):
         if target > step:
             t0 = time.perf_counter()
             run(system, integrator, target - step, thermo_every=target - step, start_step=step)
@@ -204,7 +217,7 @@ def simulate(config) -> list:
             step = target
         else:
             per_step = 0.0
-        if step % every == 0 or step == steps:
+        if (step % every == 0 or step == steps) and not (continuing and step == first_step):
             row = dict(system.thermo(step, integrator.dt), seconds_per_step=per_step)
             rows.append(row)
             if root:
@@ -214,6 +227,8 @@ def simulate(config) -> list:
                 print(" ".join(f"{row[c]:14.6g}" for c in THERMO_COLUMNS), flush=True)
         if traj_every and step % traj_every == 0:
             snapshot("trajectory.extxyz", append=True)
+        if step == steps or (restart_every and step % restart_every == 0):
+            system.save_restart(directory / "restart.npz", step)
         if root:
             bar.update(step - bar.n)
     snapshot("final.extxyz", append=False)

@@ -58,6 +58,24 @@ class MDSystem:
         mine = np.arange(n) % backend.size == backend.rank  # any split: the first rebuild migrates them
         return cls(model, {k: np.asarray(v)[mine] for k, v in local.items()}, atoms.cell[:], atoms.pbc, **kwargs)
 
+    def save_restart(self, path, step: int) -> None:
+        """Write the full state (all atoms in global id order, cell, pbc, step) to ``path`` (.npz) from
+        rank 0 (collective). Random numbers are counter-based, so nothing else is needed to continue."""
+        state = {key: self.gather(key) for key in PER_ATOM}
+        if self.backend.rank == 0:
+            np.savez(path, step=step, cell=self.cell, pbc=self.pbc, **state)
+        self.backend.barrier()
+
+    @classmethod
+    def from_restart(cls, model, path, **kwargs):
+        """(system, step) continuing the run saved by ``save_restart``; every rank reads the file."""
+        with np.load(path) as data:
+            state = {key: data[key] for key in PER_ATOM}
+            cell, pbc, step = data["cell"], data["pbc"], int(data["step"])
+        backend = get_backend(kwargs.get("comm"))
+        mine = state["ids"] % backend.size == backend.rank
+        return cls(model, {k: v[mine] for k, v in state.items()}, cell, pbc, **kwargs), step
+
     # --------------------------------------------------------------- decomposition
     @property
     def positions(self) -> np.ndarray:

@@ -37,6 +37,20 @@ def test_mlip_md_job_under_mpiexec(mpirun, tmp_path):
     final = read(tmp_path / "out" / "final.extxyz")
     assert abs(final.get_temperature() - float(rows[-1]["temperature_K"])) < 1e-6
 
+    # 20 steps, then 20 more from the restart file == the 40-step run (here in one process: the
+    # trajectory does not depend on the number of ranks; restarts under MPI: tests/mpi/md_engine.py)
+    from md.cli import main
+    half = dict(config, steps=20, output=dict(config["output"], directory=str(tmp_path / "half")))
+    (tmp_path / "half.yaml").write_text(yaml.safe_dump(half))
+    rest = dict(half, restart_from=str(tmp_path / "half" / "restart.npz"))
+    (tmp_path / "rest.yaml").write_text(yaml.safe_dump(rest))
+    assert main([str(tmp_path / "half.yaml")]) == 0 and main([str(tmp_path / "rest.yaml")]) == 0
+    with open(tmp_path / "half" / "thermo.csv") as f:
+        resumed = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in resumed] == [0, 10, 20, 30, 40]
+    for a, b in zip(rows, resumed):
+        assert abs(float(a["etot_eV"]) - float(b["etot_eV"])) < 1e-9 * abs(float(a["etot_eV"]))
+
 
 def test_bad_config_names_the_key(tmp_path):
     cases = [

@@ -2,11 +2,13 @@
 
 * NVE, Langevin and Bussi, Lennard-Jones argon, float64, 200 steps: the thermo columns on P ranks equal the
   serial run (computed on rank 0 with the serial backend) to 1e-8 relative;
+* restart: 100 + 100 steps == 200 steps;
 * a hot, dilute Lennard-Jones gas (atoms cross subdomains many times): atom count and the set of ids
   conserved at every rebuild and at the end.
 """
 import os
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import numpy as np  # noqa: E402
@@ -51,6 +53,28 @@ for name, make in (("NVE", lambda: VelocityVerlet(4.0)), ("Langevin", lambda: La
               f"T {table[0, 0]:.1f} -> {table[-1, 0]:.1f} K, etot drift {table[-1, 3] - table[0, 3]:+.2e} eV", flush=True)
     if err > 1e-8:
         failures.append(name)
+
+# restart: 100 steps + save + load + 100 steps == 200 steps (Langevin: the noise must continue too)
+straight = MDSystem.from_atoms(model, argon(120), skin=1.0)
+run(straight, Langevin(4.0, 150.0, 0.01, seed=9), 200, thermo_every=200)
+first = MDSystem.from_atoms(model, argon(120), skin=1.0)
+run(first, Langevin(4.0, 150.0, 0.01, seed=9), 100, thermo_every=100)
+path = world.bcast(os.path.join(tempfile.mkdtemp(), "restart.npz") if world.rank == 0 else None)
+first.save_restart(path, 100)
+resumed, step = MDSystem.from_restart(model, path, skin=1.0)
+rows = run(resumed, Langevin(4.0, 150.0, 0.01, seed=9), 100, thermo_every=100, start_step=step)
+
+
+def unwrapped(system):
+    return system.gather("positions") + system.gather("image") @ system.cell
+
+
+diff = max(float(np.abs(unwrapped(resumed) - unwrapped(straight)).max()),
+           float(np.abs(resumed.gather("velocities") - straight.gather("velocities")).max()))
+if world.rank == 0:
+    print(f"restart: 100 + 100 steps vs 200 steps, max |diff| of positions/velocities {diff:.2e}", flush=True)
+if diff > 1e-10 or rows[-1]["step"] != 200:
+    failures.append("restart")
 
 # hot dilute gas: many crossings of subdomain boundaries
 gas = bulk("Ar", "fcc", a=9.0, cubic=True).repeat(3)
