@@ -217,7 +217,8 @@ def simulate(config) -> list:
             step = target
         else:
             per_step = 0.0
-        if (step % every == 0 or step == steps) and not (continuing and step == first_step):
+        already_written = continuing and step == first_step  # the previous run's last row and frame
+        if (step % every == 0 or step == steps) and not already_written:
             row = dict(system.thermo(step, integrator.dt), seconds_per_step=per_step)
             rows.append(row)
             if root:
@@ -225,7 +226,7 @@ def simulate(config) -> list:
                 csv_file.flush()
                 bar.clear()
                 print(" ".join(f"{row[c]:14.6g}" for c in THERMO_COLUMNS), flush=True)
-        if traj_every and step % traj_every == 0:
+        if traj_every and step % traj_every == 0 and not already_written:
             snapshot("trajectory.extxyz", append=True)
         if step == steps or (restart_every and step % restart_every == 0):
             system.save_restart(directory / "restart.npz", step)

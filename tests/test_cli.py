@@ -48,6 +48,7 @@ def test_mlip_md_job_under_mpiexec(mpirun, tmp_path):
     with open(tmp_path / "half" / "thermo.csv") as f:
         resumed = list(csv.DictReader(f))
     assert [int(r["step"]) for r in resumed] == [0, 10, 20, 30, 40]
+    assert len(read(tmp_path / "half" / "trajectory.extxyz", index=":")) == 3  # steps 0, 20, 40: none twice
     for a, b in zip(rows, resumed):
         assert abs(float(a["etot_eV"]) - float(b["etot_eV"])) < 1e-9 * abs(float(a["etot_eV"]))
 
