@@ -26,3 +26,26 @@ def launch(ranks, script, worker_args):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def schnet_worker_setup(cells, features=64, cutoff=5.0):
+    """In a worker: one torch thread, the backend, the Cu crystal and a seeded SchNet (same on all ranks).
+    Returns (backend, atoms, model)."""
+    import torch
+
+    import mlip_parallel
+    import potentials
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = potentials.SchNet(["Cu"], cutoff=cutoff, features=features, layers=3)
+    return mlip_parallel.get_backend(), cu_crystal(cells), model
+
+
+def alternate(script, worker_args, rounds, ranks=(1, 2)):
+    """Launch the worker on each rank count in turn, ``rounds`` times: {ranks: [results]}."""
+    runs = {r: [] for r in ranks}
+    for _ in range(rounds):
+        for r in ranks:
+            runs[r].append(launch(r, script, worker_args))
+    return runs

@@ -13,25 +13,18 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cu_crystal, launch  # noqa: E402
+from common import alternate, schnet_worker_setup  # noqa: E402
 
 
 def worker(args):
     import numpy as np
-    import torch
     from ase.md.velocitydistribution import thermalize_momenta
     from ase.parallel import DummyMPI
 
-    import mlip_parallel
-    import potentials
     from md.engine import Langevin, MDSystem, run
 
-    torch.set_num_threads(1)
-    backend = mlip_parallel.get_backend()
-    atoms = cu_crystal(args.cells)
+    backend, atoms, model = schnet_worker_setup(args.cells)
     thermalize_momenta(atoms, temperature_K=600, rng=np.random.default_rng(0), comm=DummyMPI())
-    torch.manual_seed(0)
-    model = potentials.SchNet(["Cu"], cutoff=5.0, features=64, layers=3)
     system = MDSystem.from_atoms(model, atoms, skin=0.5)
     force_seconds = [0.0]
     compute = system.compute_forces
@@ -62,10 +55,7 @@ def main():
     args = parser.parse_args()
     if args.worker:
         return worker(args)
-    runs = {1: [], 2: []}
-    for _ in range(args.rounds):
-        for ranks in (1, 2):
-            runs[ranks].append(launch(ranks, __file__, ["--cells", args.cells, "--steps", args.steps]))
+    runs = alternate(__file__, ["--cells", args.cells, "--steps", args.steps], args.rounds)
     n = runs[1][0]["n_atoms"]
     t1 = statistics.median(r["seconds_per_step"] for r in runs[1])
     t2 = statistics.median(r["seconds_per_step"] for r in runs[2])

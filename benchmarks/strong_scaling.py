@@ -15,20 +15,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cu_crystal, launch  # noqa: E402
+from common import alternate, schnet_worker_setup  # noqa: E402
 
 
 def worker(args):
-    import torch
-
     import mlip_parallel
-    import potentials
 
-    torch.set_num_threads(1)
-    backend = mlip_parallel.get_backend()
-    atoms = cu_crystal(args.cells)
-    torch.manual_seed(0)
-    model = potentials.SchNet(["Cu"], cutoff=args.cutoff, features=args.features, layers=3)
+    backend, atoms, model = schnet_worker_setup(args.cells, args.features, args.cutoff)
     mlip_parallel.evaluate(model, atoms, mode=args.mode)  # warm-up
     times, comm = [], []
     for _ in range(args.repeat):
@@ -57,12 +50,8 @@ def main():
     args = parser.parse_args()
     if args.worker:
         return worker(args)
-    runs = {1: [], 2: []}
-    for _ in range(args.rounds):
-        for ranks in (1, 2):
-            runs[ranks].append(launch(ranks, __file__, [
-                "--cells", args.cells, "--repeat", args.repeat, "--mode", args.mode, "--features", args.features,
-                "--cutoff", args.cutoff]))
+    runs = alternate(__file__, ["--cells", args.cells, "--repeat", args.repeat, "--mode", args.mode,
+                                "--features", args.features, "--cutoff", args.cutoff], args.rounds)
     t1 = statistics.median(r["time"] for r in runs[1])
     t2 = statistics.median(r["time"] for r in runs[2])
     comm_min = statistics.median(r["comm_min"] for r in runs[2])
