@@ -212,14 +212,14 @@ def simulate(config) -> list:
     for target in sorted(s for s in stops if s >= first_step):
         if target > step:
             t0 = time.perf_counter()
-            run(system, integrator, target - step, thermo_every=target - step, start_step=step)
+            state = run(system, integrator, target - step, thermo_every=target - step, start_step=step)[-1]
             per_step = (time.perf_counter() - t0) / (target - step)
             step = target
         else:
-            per_step = 0.0
+            state, per_step = system.thermo(step, integrator.dt), 0.0
         already_written = continuing and step == first_step  # the previous run's last row and frame
         if (step % every == 0 or step == steps) and not already_written:
-            row = dict(system.thermo(step, integrator.dt), seconds_per_step=per_step)
+            row = dict(state, seconds_per_step=per_step)
             rows.append(row)
             if root:
                 writer.writerow(row)

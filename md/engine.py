@@ -89,6 +89,8 @@ class MDSystem:
         self.domain = Domain.from_positions(positions, self.cell, self.pbc, self.backend)
         self.grid = Grid.for_ranks(self.backend.size, self.domain, self.grid_dims)
         self.comm = Comm(self.backend, self.grid, self.domain)
+        self.thinnest = min(np.diff(self.grid.planes[d]).min() / np.linalg.norm(self.domain.inverse[:, d])
+                            for d in range(3))  # Å: the smallest subdomain width, for the blow-up check
         self.atoms = self.comm.exchange(self.atoms)
         count = int(self.backend.allreduce(len(self.atoms["ids"])))
         if count != self.n_atoms:
@@ -117,10 +119,9 @@ class MDSystem:
             np.array([moved.max() if len(moved) else 0.0, step.max() if len(step) else 0.0]), op="max")
         if not (np.isfinite(farthest) and np.isfinite(jump)):
             raise InvalidStructureError("non-finite positions during MD")
-        thinnest = min(np.diff(self.grid.planes[d]).min() / np.linalg.norm(self.domain.inverse[:, d]) for d in range(3))
-        if jump > thinnest:
+        if jump > self.thinnest:
             raise InvalidStructureError(f"an atom moved {jump:.3g} A in one step, farther than the thinnest "
-                                        f"subdomain ({thinnest:.3g} A): unstable dynamics (time step too large?)")
+                                        f"subdomain ({self.thinnest:.3g} A): unstable dynamics (time step too large?)")
         if farthest > 0.5 * self.skin:
             self.rebuild()
             return True
@@ -141,10 +142,14 @@ class MDSystem:
         self.virial = self.backend.allreduce(dE_dstrain.cpu().numpy())
 
     # -------------------------------------------------------------------- thermo
+    def kinetic_energy(self) -> float:
+        """Σ ½ m v² over all atoms (eV, collective)."""
+        v, m = self.atoms["velocities"], self.atoms["masses"]
+        return float(self.backend.allreduce(np.array([0.5 * np.sum(m[:, None] * v * v)]))[0])
+
     def thermo(self, step: int, dt: float) -> dict:
         """Global thermodynamic quantities (collective): ASE's conventions (3N degrees of freedom)."""
-        v, m = self.atoms["velocities"], self.atoms["masses"]
-        kinetic = float(self.backend.allreduce(np.array([0.5 * np.sum(m[:, None] * v * v)]))[0])
+        kinetic = self.kinetic_energy()
         volume = abs(np.linalg.det(self.domain.cell))
         temperature = 2.0 * kinetic / (3.0 * self.n_atoms * units.kB)
         pressure = (2.0 * kinetic - np.trace(self.virial)) / (3.0 * volume)
@@ -231,7 +236,7 @@ class Bussi(VelocityVerlet):
     def second_half(self, system: MDSystem, step: int) -> None:
         super().second_half(system, step)
         a = system.atoms
-        kinetic = float(system.backend.allreduce(np.array([0.5 * np.sum(a["masses"][:, None] * a["velocities"] ** 2)]))[0])
+        kinetic = system.kinetic_energy()
         dof = 3 * system.n_atoms
         target = 0.5 * dof * units.kB * self.temperature
         rng = np.random.default_rng([self.seed, step])

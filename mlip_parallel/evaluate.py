@@ -73,7 +73,8 @@ def forward_decomposed(model, part: Decomposition, mode: str = "layerwise", crea
         near = np.ones(len(i), dtype=bool)
     else:
         i, j = candidates
-        near = np.einsum("ij,ij->i", positions[j] - positions[i], positions[j] - positions[i]) < model.cutoff**2
+        delta = positions[j] - positions[i]
+        near = np.einsum("ij,ij->i", delta, delta) < model.cutoff**2
     if mode == "layerwise":
         receives = np.arange(len(all_pos)) < halo.n_local
     else:  # atoms farther than (layers - 1) cutoffs (+ skin) from the subdomain only ever send
