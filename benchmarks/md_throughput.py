@@ -21,7 +21,8 @@ def worker(args):
     from ase.md.velocitydistribution import thermalize_momenta
     from ase.parallel import DummyMPI
 
-    from md.engine import Langevin, MDSystem, run
+    from md.engine import MDSystem, run
+    from md.integrators import Langevin
 
     backend, atoms, model = schnet_worker_setup(args.cells)
     thermalize_momenta(atoms, temperature_K=600, rng=np.random.default_rng(0), comm=DummyMPI())

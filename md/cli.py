@@ -157,7 +157,8 @@ def simulate(config) -> list:
 
     from mlip_parallel import get_backend
 
-    from .engine import Bussi, Langevin, MDSystem, VelocityVerlet, run
+    from .engine import MDSystem, run
+    from .integrators import Bussi, Langevin, VelocityVerlet
 
     backend = get_backend()
     model = build_model(config["model"])

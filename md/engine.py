@@ -2,12 +2,13 @@
 
 One step, written once (``run``):
 
-    integrator.first_half(state)        half-kick, drift (+ O-step), owned atoms only
-    system.maybe_rebuild()              any atom moved > skin/2 (allreduce MAX)?
+    integrator.first_half(system)       thermostat/barostat, half-kick, drift (+ O-step, new cell)
+    system.maybe_rebuild()              any atom (or ghost, through a cell change) moved > skin/2
+                                        (allreduce MAX)? [every balance_every steps: new cut planes]
                                           wrap → exchange() → borders() → pairs within cutoff + skin
                                         else ghosts follow their owners (forward_comm in the force call)
     system.compute_forces()             model + reverse exchange of ghost gradients (autograd)
-    integrator.second_half(state)       half-kick
+    integrator.second_half(system)      half-kick, thermostat/barostat
     thermo (allreduced)
 
 Units are ASE's: Å, eV, amu, time in ASE units (``dt_fs * ase.units.fs``).
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 from ase import units
 
-from mlip_parallel import MODES, Comm, Domain, Grid, LostAtomsError, forward_decomposed, get_backend
+from mlip_parallel import MODES, Comm, DecompositionError, Domain, Grid, LostAtomsError, forward_decomposed, get_backend
 from potentials.errors import InvalidStructureError
 from potentials.graph import neighbour_list
 
@@ -32,10 +33,14 @@ class MDSystem:
     [n, 3] Å/ASE-time, masses [n] amu, numbers [n], ids [n] global ids, image [n, 3]). After
     ``compute_forces``: ``forces`` [n, 3] eV/Å, ``energy`` (eV, global), ``virial`` [3, 3] = dE/dε
     (global).
+
+    ``balance``: cut planes shifted per dimension so that ranks own similar atom counts (slabs,
+    droplets), set at the start and at every ``rebalance()``; otherwise uniform planes. ``cuts``:
+    given cut planes (three arrays of relative positions 0 … 1; restarts keep the decomposition).
     """
 
     def __init__(self, model, atoms: dict, cell, pbc, *, skin: float = 1.0, mode: str = "layerwise",
-                 grid=None, comm=None):
+                 grid=None, comm=None, balance: bool = False, cuts=None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if skin < 0:
@@ -45,8 +50,14 @@ class MDSystem:
         self.cell, self.pbc = np.asarray(cell, dtype=np.float64), np.asarray(pbc, dtype=bool)
         self.atoms = {k: np.asarray(atoms[k]) for k in PER_ATOM}
         self.n_atoms = int(self.backend.allreduce(len(self.atoms["ids"])))
-        self.rebuilds = 0
-        self.rebuild()
+        if self.n_atoms == 0:
+            raise InvalidStructureError("the system has no atoms")
+        self.rebuilds, self.cuts, self.dims = 0, cuts, None  # relative cut planes (None: uniform)
+        if cuts is not None:
+            self.dims = tuple(len(c) - 1 for c in cuts)
+            if int(np.prod(self.dims)) != self.backend.size:
+                raise DecompositionError(f"cut planes for a {self.dims} grid, but the job has {self.backend.size} rank(s)")
+        self.rebuild(rebalance=balance)
 
     @classmethod
     def from_atoms(cls, model, atoms, **kwargs):
@@ -58,22 +69,40 @@ class MDSystem:
         mine = np.arange(n) % backend.size == backend.rank  # any split: the first rebuild migrates them
         return cls(model, {k: np.asarray(v)[mine] for k, v in local.items()}, atoms.cell[:], atoms.pbc, **kwargs)
 
-    def save_restart(self, path, step: int) -> None:
-        """Write the full state (all atoms in global id order, cell, pbc, step) to ``path`` (.npz) from
-        rank 0 (collective). Random numbers are counter-based, so nothing else is needed to continue."""
+    def save_restart(self, path, step: int, integrator=None) -> None:
+        """Write the full state (all atoms in global id order, cell, pbc, step, the cut planes and the
+        ``integrator``'s variables) to ``path`` (.npz) from rank 0 (collective). Random numbers are
+        counter-based, so nothing else is needed to continue exactly."""
         state = {key: self.gather(key) for key in PER_ATOM}
+        if integrator is not None:
+            state["integrator"] = np.array(type(integrator).__name__)
+            state.update({f"integrator.{k}": v for k, v in integrator.state_dict().items()})
+        if self.cuts is not None:
+            state.update({f"cuts.{d}": c for d, c in enumerate(self.cuts)})
         if self.backend.rank == 0:
             np.savez(path, step=step, cell=self.cell, pbc=self.pbc, **state)
         self.backend.barrier()
 
     @classmethod
-    def from_restart(cls, model, path, **kwargs):
-        """(system, step) continuing the run saved by ``save_restart``; every rank reads the file."""
+    def from_restart(cls, model, path, integrator=None, **kwargs):
+        """(system, step) continuing the run saved by ``save_restart``; every rank reads the file. The
+        saved integrator variables are loaded into ``integrator`` (which must be of the saved type)."""
         with np.load(path) as data:
             state = {key: data[key] for key in PER_ATOM}
             cell, pbc, step = data["cell"], data["pbc"], int(data["step"])
+            saved = str(data["integrator"]) if "integrator" in data else None
+            variables = {k[len("integrator."):]: data[k] for k in data.files if k.startswith("integrator.")}
+            cuts = [data[f"cuts.{d}"] for d in range(3)] if "cuts.0" in data else None
+        if integrator is not None:
+            if saved not in (None, type(integrator).__name__):
+                raise ValueError(f"{path} was written by a {saved} run, not {type(integrator).__name__}")
+            integrator.load_state_dict(variables)
         backend = get_backend(kwargs.get("comm"))
         mine = state["ids"] % backend.size == backend.rank
+        if cuts is not None and np.prod([len(c) - 1 for c in cuts]) == backend.size:
+            kwargs.setdefault("cuts", cuts)  # the saved decomposition: forces summed in the same order
+        elif cuts is not None:
+            kwargs.setdefault("balance", True)  # another number of ranks: balance anew
         return cls(model, {k: v[mine] for k, v in state.items()}, cell, pbc, **kwargs), step
 
     # --------------------------------------------------------------- decomposition
@@ -81,13 +110,20 @@ class MDSystem:
     def positions(self) -> np.ndarray:
         return self.atoms["positions"]
 
-    def rebuild(self) -> None:
-        """Wrap, migrate atoms to their owners, rebuild ghosts and the pair candidates (collective)."""
+    def rebuild(self, rebalance: bool = False) -> None:
+        """Wrap, migrate atoms to their owners, rebuild ghosts and the pair candidates (collective).
+        ``rebalance``: first move the cut planes so that ranks own similar atom counts."""
         positions = self.atoms["positions"]
         if not np.all(np.isfinite(positions)):
             raise InvalidStructureError(f"rank {self.backend.rank}: non-finite positions at rebuild")
         self.domain = Domain.from_positions(positions, self.cell, self.pbc, self.backend)
-        self.grid = Grid.for_ranks(self.backend.size, self.domain, self.grid_dims)
+        if self.dims is None:  # chosen once: the grid keeps its shape when the cell changes
+            self.dims = Grid.for_ranks(self.backend.size, self.domain, self.grid_dims).dims
+        if rebalance:
+            wrapped, _ = self.domain.wrap(positions)
+            self.cuts = Grid.balanced_cuts(self.dims, self.domain, wrapped, self.backend)
+        self.grid = Grid.from_cuts(self.dims, self.domain, self.cuts) if self.cuts is not None else \
+            Grid.uniform(self.dims, self.domain)
         self.comm = Comm(self.backend, self.grid, self.domain)
         self.thinnest = min(np.diff(self.grid.planes[d]).min() / np.linalg.norm(self.domain.inverse[:, d])
                             for d in range(3))  # Å: the smallest subdomain width, for the blow-up check
@@ -105,25 +141,39 @@ class MDSystem:
             keep = i < len(self.atoms["ids"])
             i, j = i[keep], j[keep]
         self.candidates = (i, j)
-        self.reference = self.atoms["positions"].copy()
+        self.reference, self.reference_cell = self.atoms["positions"].copy(), self.cell.copy()
         self.rebuilds += 1
 
-    def maybe_rebuild(self, previous: np.ndarray | None = None) -> bool:
-        """Rebuild when any atom moved more than skin/2 since the last rebuild (decided collectively).
-        With ``previous`` positions (before this step), an atom that moved farther than the thinnest
-        subdomain in one step ends the run: the dynamics has blown up."""
+    def set_cell(self, cell) -> None:
+        """A new periodic cell [3, 3] (barostats). Ghosts follow it at once (their image shifts use the
+        current cell); ``maybe_rebuild`` re-decomposes when they may have moved past the skin."""
+        if not self.pbc.all():
+            raise InvalidStructureError(f"the cell can change only in fully periodic systems, pbc={self.pbc.tolist()}")
+        self.cell = np.asarray(cell, dtype=np.float64)
+        if not np.all(np.isfinite(self.cell)) or abs(np.linalg.det(self.cell)) < 1e-9:
+            raise InvalidStructureError(f"the cell became degenerate or non-finite: {self.cell.tolist()}")
+        self.domain = self.comm.domain = Domain(self.cell, self.pbc, self.domain.lo, self.domain.hi)
+
+    def maybe_rebuild(self, previous: np.ndarray | None = None, rebalance: bool = False) -> bool:
+        """Rebuild when any atom moved more than skin/2 since the last rebuild (decided collectively);
+        a changed cell moves ghosts further, by their image shift @ Δcell. With ``previous`` positions
+        (before this step), an atom that moved farther than the thinnest subdomain in one step ends the
+        run: the dynamics has blown up. ``rebalance``: rebuild now, with new cut planes."""
         positions = self.atoms["positions"]
         moved = np.sqrt(((positions - self.reference) ** 2).sum(axis=1))
         step = np.sqrt(((positions - previous) ** 2).sum(axis=1)) if previous is not None else moved[:0]
-        farthest, jump = self.backend.allreduce(
-            np.array([moved.max() if len(moved) else 0.0, step.max() if len(step) else 0.0]), op="max")
+        image = self.comm.ghost_image
+        cell_shift = np.sqrt(((image @ (self.cell - self.reference_cell)) ** 2).sum(axis=1)) if len(image) else moved[:0]
+        farthest, jump, ghost_extra = self.backend.allreduce(
+            np.array([moved.max() if len(moved) else 0.0, step.max() if len(step) else 0.0,
+                      cell_shift.max() if len(cell_shift) else 0.0]), op="max")
         if not (np.isfinite(farthest) and np.isfinite(jump)):
             raise InvalidStructureError("non-finite positions during MD")
         if jump > self.thinnest:
             raise InvalidStructureError(f"an atom moved {jump:.3g} A in one step, farther than the thinnest "
                                         f"subdomain ({self.thinnest:.3g} A): unstable dynamics (time step too large?)")
-        if farthest > 0.5 * self.skin:
-            self.rebuild()
+        if rebalance or farthest + ghost_extra > 0.5 * self.skin:
+            self.rebuild(rebalance)
             return True
         return False
 
@@ -138,14 +188,18 @@ class MDSystem:
         self.forces = forces.detach().cpu().numpy()
         if not np.all(np.isfinite(self.forces)):
             raise InvalidStructureError(f"rank {self.backend.rank}: non-finite forces")
-        self.energy = float(self.backend.allreduce(np.array([energies.detach().sum().item()]))[0])
-        self.virial = self.backend.allreduce(dE_dstrain.cpu().numpy())
+        totals = self.backend.allreduce(np.append(dE_dstrain.cpu().numpy().ravel(), energies.detach().sum().item()))
+        self.energy, self.virial = float(totals[9]), totals[:9].reshape(3, 3)
 
     # -------------------------------------------------------------------- thermo
+    def kinetic_tensor(self) -> np.ndarray:
+        """[3, 3] Σ m v⊗v over all atoms (eV, collective)."""
+        v, m = self.atoms["velocities"], self.atoms["masses"]
+        return self.backend.allreduce((m[:, None] * v).T @ v)
+
     def kinetic_energy(self) -> float:
         """Σ ½ m v² over all atoms (eV, collective)."""
-        v, m = self.atoms["velocities"], self.atoms["masses"]
-        return float(self.backend.allreduce(np.array([0.5 * np.sum(m[:, None] * v * v)]))[0])
+        return 0.5 * float(np.trace(self.kinetic_tensor()))
 
     def thermo(self, step: int, dt: float) -> dict:
         """Global thermodynamic quantities (collective): ASE's conventions (3N degrees of freedom)."""
@@ -167,97 +221,17 @@ class MDSystem:
         return out
 
 
-# ------------------------------------------------------------------ integrators
-def gaussian(seed: int, step: int, ids: np.ndarray) -> np.ndarray:
-    """[n, 3] standard normal numbers that depend only on (seed, step, global atom id): the same
-    trajectory whatever the number of ranks. Counter-based (splitmix64 hash + Box–Muller)."""
-    def mix(x):
-        x = (x + np.uint64(0x9E3779B97F4A7C15)) & np.uint64(0xFFFFFFFFFFFFFFFF)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
-
-    with np.errstate(over="ignore"):
-        base = mix(mix(np.uint64(seed)) ^ np.uint64(step))
-        keys = mix(base ^ np.asarray(ids, dtype=np.uint64))[:, None] * np.uint64(8) + np.arange(6, dtype=np.uint64)
-        u = (mix(keys) >> np.uint64(11)).astype(np.float64) * 2.0**-53
-    u1, u2 = 1.0 - u[:, :3], u[:, 3:]  # u1 in (0, 1]
-    return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
-
-
-class VelocityVerlet:
-    """NVE: half-kick, drift | forces | half-kick."""
-
-    def __init__(self, dt_fs: float):
-        self.dt = dt_fs * units.fs
-
-    def first_half(self, system: MDSystem, step: int) -> None:
-        a = system.atoms
-        a["velocities"] = a["velocities"] + 0.5 * self.dt * system.forces / a["masses"][:, None]
-        a["positions"] = a["positions"] + self.dt * a["velocities"]
-
-    def second_half(self, system: MDSystem, step: int) -> None:
-        a = system.atoms
-        a["velocities"] = a["velocities"] + 0.5 * self.dt * system.forces / a["masses"][:, None]
-
-
-class Langevin(VelocityVerlet):
-    """NVT Langevin, BAOAB splitting (Leimkuhler–Matthews): B A O A | forces | B. ``friction`` in 1/fs;
-    noise from ``gaussian(seed, step, id)``."""
-
-    def __init__(self, dt_fs: float, temperature_K: float, friction: float, seed: int = 0):
-        super().__init__(dt_fs)
-        self.kT = units.kB * temperature_K
-        self.c1 = np.exp(-friction / units.fs * self.dt)
-        self.c2 = np.sqrt(1.0 - self.c1**2)
-        self.seed = int(seed)
-
-    def first_half(self, system: MDSystem, step: int) -> None:
-        a = system.atoms
-        a["velocities"] = a["velocities"] + 0.5 * self.dt * system.forces / a["masses"][:, None]
-        a["positions"] = a["positions"] + 0.5 * self.dt * a["velocities"]
-        noise = gaussian(self.seed, step, a["ids"]) * np.sqrt(self.kT / a["masses"])[:, None]
-        a["velocities"] = self.c1 * a["velocities"] + self.c2 * noise
-        a["positions"] = a["positions"] + 0.5 * self.dt * a["velocities"]
-
-
-class Bussi(VelocityVerlet):
-    """NVT by stochastic velocity rescaling (Bussi, Donadio, Parrinello 2007, CSVR) after each velocity
-    Verlet step. ``tau_fs``: relaxation time. The rescaling draws are global, from (seed, step): the
-    same on every rank and for any number of ranks."""
-
-    def __init__(self, dt_fs: float, temperature_K: float, tau_fs: float, seed: int = 0):
-        super().__init__(dt_fs)
-        if tau_fs <= 0 or temperature_K <= 0:
-            raise ValueError(f"Bussi needs tau_fs > 0 and temperature_K > 0, got {tau_fs}, {temperature_K}")
-        self.temperature, self.c = temperature_K, float(np.exp(-dt_fs / tau_fs))
-        self.seed = int(seed)
-
-    def second_half(self, system: MDSystem, step: int) -> None:
-        super().second_half(system, step)
-        a = system.atoms
-        kinetic = system.kinetic_energy()
-        dof = 3 * system.n_atoms
-        target = 0.5 * dof * units.kB * self.temperature
-        rng = np.random.default_rng([self.seed, step])
-        r1 = rng.standard_normal()
-        rest = 2.0 * rng.standard_gamma(0.5 * (dof - 1)) if dof > 1 else 0.0
-        c, ratio = self.c, target / (dof * kinetic)
-        alpha2 = c + (1 - c) * ratio * (r1 * r1 + rest) + 2.0 * r1 * np.sqrt(c * (1 - c) * ratio)
-        sign = np.sign(r1 + np.sqrt(c / ((1 - c) * ratio)))
-        a["velocities"] = a["velocities"] * (sign * np.sqrt(alpha2))
-
-
-def run(system: MDSystem, integrator, steps: int, thermo_every: int = 1, start_step: int = 0) -> list:
+def run(system: MDSystem, integrator, steps: int, thermo_every: int = 1, start_step: int = 0,
+        balance_every: int = 0) -> list:
     """Advance ``steps`` steps; return the thermo rows (identical on every rank) every ``thermo_every``
-    steps, step ``start_step`` included."""
+    steps, step ``start_step`` included. ``balance_every``: new cut planes every N steps (0: never)."""
     if not hasattr(system, "forces"):
         system.compute_forces()
     rows = [system.thermo(start_step, integrator.dt)]
     for step in range(start_step + 1, start_step + steps + 1):
         previous = system.atoms["positions"]
         integrator.first_half(system, step)
-        system.maybe_rebuild(previous)
+        system.maybe_rebuild(previous, rebalance=bool(balance_every) and step % balance_every == 0)
         system.compute_forces()
         integrator.second_half(system, step)
         if step % thermo_every == 0:

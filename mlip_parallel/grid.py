@@ -49,9 +49,50 @@ class Grid:
         dims = tuple(dims)
         if len(dims) != 3 or any(int(p) != p or p < 1 for p in dims):
             raise DecompositionError(f"grid must be three positive integers, got {dims}")
-        planes = [domain.lo[d] + (domain.hi[d] - domain.lo[d]) * np.arange(dims[d] + 1) / dims[d]
+        return cls.from_cuts(dims, domain, [np.arange(p + 1) / p for p in dims])
+
+    @classmethod
+    def from_cuts(cls, dims, domain: Domain, cuts):
+        """Cut planes given relative to the decomposed region: ``cuts[d]`` = p_d + 1 increasing values
+        from 0 to 1 (0 = ``domain.lo[d]``, 1 = ``domain.hi[d]``)."""
+        planes = [domain.lo[d] + (domain.hi[d] - domain.lo[d]) * np.asarray(cuts[d], dtype=np.float64)
                   for d in range(3)]
         return cls(dims, domain.pbc, planes)
+
+    @staticmethod
+    def balanced_cuts(dims, domain: Domain, positions: np.ndarray, backend=None, bins: int = 4096):
+        """Relative cut planes (see ``from_cuts``) that give every slab along each dimension a similar
+        number of atoms (LAMMPS ``balance shift``, one dimension at a time).
+
+        ``positions``: [n, 3] Å, wrapped; with ``backend`` each rank passes its own atoms and the
+        per-dimension histograms (``bins`` bins) are summed over ranks (collective). The planes are at
+        the histogram's quantiles, so counts match to about one bin's worth of atoms; no slab is
+        thinner than one bin.
+        """
+        span = domain.hi - domain.lo
+        t = (domain.fractional(np.asarray(positions, dtype=np.float64)) - domain.lo) / span
+        cuts = []
+        for d, p in enumerate(dims):
+            if p == 1:
+                cuts.append(np.array([0.0, 1.0]))
+                continue
+            counts = np.histogram(np.clip(t[:, d], 0.0, 1.0), bins=bins, range=(0.0, 1.0))[0].astype(np.float64)
+            if backend is not None and backend.size > 1:
+                counts = backend.allreduce(counts)
+            cumulative = np.concatenate([[0.0], np.cumsum(counts)])
+            targets = cumulative[-1] * np.arange(1, p) / p
+            k = np.clip(np.searchsorted(cumulative, targets, side="left"), 1, bins)  # target in bin k - 1
+            inside = (targets - cumulative[k - 1]) / np.maximum(counts[k - 1], 1.0)
+            inner = (k - 1 + np.clip(inside, 0.0, 1.0)) / bins
+            width = 1.0 / bins
+            for i in range(p - 1):  # strictly increasing, each slab at least one bin wide
+                low = (inner[i - 1] if i else 0.0) + width
+                inner[i] = max(inner[i], low)
+            for i in reversed(range(p - 1)):
+                high = (inner[i + 1] if i < p - 2 else 1.0) - width
+                inner[i] = min(inner[i], high)
+            cuts.append(np.concatenate([[0.0], inner, [1.0]]))
+        return cuts
 
     @classmethod
     def for_ranks(cls, size: int, domain: Domain, dims=None):

@@ -1,5 +1,6 @@
-"""Native MD engine on one process against independent oracles: ASE's VelocityVerlet with ASE's
-LennardJones, energy conservation, and the counter-based random numbers."""
+"""Native MD engine on one process against independent oracles: ASE's VelocityVerlet,
+NoseHooverChainNVT, IsotropicMTKNPT and MTKNPT with ASE's LennardJones; energy conservation;
+thermostats and barostats reaching their targets; the counter-based random numbers."""
 import numpy as np
 import pytest
 import torch
@@ -7,10 +8,12 @@ from ase import units
 from ase.build import bulk
 from ase.calculators.lj import LennardJones as AseLJ
 from ase.md.velocitydistribution import thermalize_momenta
+from ase.md.nose_hoover_chain import IsotropicMTKNPT, MTKNPT, NoseHooverChainNVT
 from ase.md.verlet import VelocityVerlet as AseVelocityVerlet
 
 import potentials
-from md.engine import Bussi, Langevin, MDSystem, VelocityVerlet, gaussian, run
+from md.engine import MDSystem, run
+from md.integrators import MTK, Bussi, Langevin, NoseHoover, VelocityVerlet, gaussian
 
 torch.set_num_threads(1)
 LJ = dict(epsilon=0.0104, sigma=3.4, cutoff=8.0)
@@ -54,23 +57,89 @@ def test_gaussian_depends_only_on_seed_step_and_id():
     assert abs(z.mean()) < 0.02 and abs(z.var() - 1) < 0.02
 
 
-def test_langevin_holds_temperature():
-    system = MDSystem.from_atoms(potentials.LennardJones(**LJ), argon(50, seed=2), skin=1.0)
-    rows = run(system, Langevin(4.0, temperature_K=90.0, friction=0.02, seed=1), 600, thermo_every=5)
-    temperatures = np.array([r["temperature_K"] for r in rows[len(rows) // 2:]])
-    assert abs(temperatures.mean() - 90.0) < 0.08 * 90.0, temperatures.mean()
+def block_error(x, blocks=10):
+    """Standard error of the mean of a correlated series, from ``blocks`` block means."""
+    means = x[: len(x) // blocks * blocks].reshape(blocks, -1).mean(axis=1)
+    return means.std(ddof=1) / np.sqrt(blocks)
 
 
-def test_bussi_holds_temperature():
-    system = MDSystem.from_atoms(potentials.LennardJones(**LJ), argon(50, seed=3), skin=1.0)
-    rows = run(system, Bussi(4.0, temperature_K=90.0, tau_fs=100.0, seed=2), 600, thermo_every=5)
+@pytest.mark.parametrize("thermostat", ["langevin", "bussi", "nose-hoover"])
+def test_thermostat_reaches_and_holds_temperature(thermostat):
+    """500 atoms started at twice the target: the mean over the second half is within 2 %."""
+    target = 80.0
+    integrator = {"langevin": lambda: Langevin(6.0, target, friction=0.02, seed=1),
+                  "bussi": lambda: Bussi(6.0, target, tau_fs=100.0, seed=2),
+                  "nose-hoover": lambda: NoseHoover(6.0, target, tdamp_fs=200.0)}[thermostat]()
+    atoms = bulk("Ar", "fcc", a=5.30, cubic=True).repeat(5)
+    thermalize_momenta(atoms, temperature_K=2 * target, rng=np.random.default_rng(3))
+    system = MDSystem.from_atoms(potentials.LennardJones(epsilon=0.0104, sigma=3.4, cutoff=5.5), atoms, skin=1.0)
+    rows = run(system, integrator, 1200, thermo_every=5)
     temperatures = np.array([r["temperature_K"] for r in rows[len(rows) // 2:]])
-    assert abs(temperatures.mean() - 90.0) < 0.08 * 90.0, temperatures.mean()
+    assert abs(temperatures.mean() - target) < 0.02 * target, (temperatures.mean(), block_error(temperatures))
+
+
+ASE_LJ = dict(epsilon=LJ["epsilon"], sigma=LJ["sigma"], rc=LJ["cutoff"], smooth=False)
+
+
+@pytest.mark.parametrize("ensemble", ["nose-hoover", "npt-isotropic", "npt-anisotropic"])
+def test_nose_hoover_and_mtk_match_ase(ensemble):
+    """Same start, same parameters: our trajectory (positions, velocities, cell, conserved energy) equals
+    ASE's integrators to 1e-8 after 60 steps, through rebuilds and (NPT) a changing cell."""
+    atoms = bulk("Ar", "fcc", a=5.26, cubic=True).repeat((3, 2, 2))
+    atoms.rattle(0.05, seed=1)
+    thermalize_momenta(atoms, temperature_K=150, rng=np.random.default_rng(0))
+    reference = atoms.copy()
+    reference.calc = AseLJ(**ASE_LJ)
+    common = dict(timestep=5 * units.fs, temperature_K=100.0, tdamp=100 * units.fs)
+    if ensemble == "nose-hoover":
+        ase_md, ours = NoseHooverChainNVT(reference, **common), NoseHoover(5.0, 100.0, tdamp_fs=100.0)
+    else:
+        isotropic = ensemble == "npt-isotropic"
+        ase_md = (IsotropicMTKNPT if isotropic else MTKNPT)(reference, pressure_au=0.05 * units.GPa,
+                                                             pdamp=300 * units.fs, **common)
+        ours = MTK(5.0, 100.0, 0.05, tdamp_fs=100.0, pdamp_fs=300.0, isotropic=isotropic)
+    ase_md.run(60)
+    system = MDSystem.from_atoms(potentials.LennardJones(**LJ), atoms, skin=1.0)
+    run(system, ours, 60, thermo_every=60)
+    unwrapped = system.gather("positions") + system.gather("image") @ system.cell
+    assert system.rebuilds > 1
+    assert np.abs(unwrapped - reference.positions).max() < 1e-8
+    assert np.abs(system.gather("velocities") - reference.get_velocities()).max() < 1e-8
+    assert np.abs(system.cell - reference.cell[:]).max() < 1e-8
+    if ensemble != "nose-hoover":
+        assert abs(reference.get_volume() / atoms.get_volume() - 1) > 1e-3  # the cell did change
+    assert abs(ours.conserved_energy(system) - ase_md.get_conserved_energy()) < 1e-8
+
+
+@pytest.mark.parametrize("isotropic", [True, False], ids=["isotropic", "anisotropic"])
+def test_npt_reaches_target_pressure(isotropic):
+    """MTK barostat from a start ~0.2 GPa off the target: the mean pressure over the second half equals
+    the target within three block-average standard errors."""
+    target = 0.2
+    atoms = bulk("Ar", "fcc", a=5.30, cubic=True).repeat(3)
+    thermalize_momenta(atoms, temperature_K=120, rng=np.random.default_rng(0))
+    system = MDSystem.from_atoms(potentials.LennardJones(epsilon=0.0104, sigma=3.4, cutoff=6.5), atoms, skin=1.0)
+    rows = run(system, MTK(5.0, 60.0, target, tdamp_fs=100.0, pdamp_fs=250.0, isotropic=isotropic), 1600,
+               thermo_every=2)
+    pressure = np.array([r["pressure_GPa"] for r in rows])
+    second = pressure[len(pressure) // 2:]
+    error = block_error(second)
+    assert abs(pressure[0] - target) > 0.15 and error < 0.01, (pressure[0], error)
+    assert abs(second.mean() - target) < 3 * error, (second.mean(), error)
 
 
 def test_bad_md_input():
     with pytest.raises(ValueError, match="skin"):
         MDSystem.from_atoms(potentials.LennardJones(**LJ), argon(), skin=-1.0)
+    with pytest.raises(ValueError, match="time step"):
+        VelocityVerlet(0.0)
+    with pytest.raises(ValueError, match="Nose-Hoover chain"):
+        NoseHoover(1.0, 300.0, tdamp_fs=0.0)
+    slab = argon()
+    slab.pbc = (True, True, False)
+    system = MDSystem.from_atoms(potentials.LennardJones(**LJ), slab, skin=1.0)
+    with pytest.raises(potentials.InvalidStructureError, match="fully periodic"):
+        run(system, MTK(2.0, 100.0, 0.0, 100.0, 1000.0), 1)
 
 
 def test_exploding_dynamics_ends_the_run_with_a_message():

@@ -1,8 +1,12 @@
 """Native distributed MD (run under mpiexec -n P):
 
-* NVE, Langevin and Bussi, Lennard-Jones argon, float64, 200 steps: the thermo columns on P ranks equal the
-  serial run (computed on rank 0 with the serial backend) to 1e-8 relative;
-* restart: 100 + 100 steps == 200 steps;
+* NVE, Langevin, Bussi, Nosé–Hoover chain and MTK NPT (isotropic and anisotropic), Lennard-Jones argon,
+  float64, 200 steps: the thermo columns on P ranks equal the serial run (computed on rank 0 with the
+  serial backend) to 1e-8 relative;
+* load balance: a droplet in a large periodic box, cut planes rebalanced every 20 steps: ranks own
+  similar atom counts, and the thermo columns still equal serial;
+* restart: 100 + 100 steps == 200 steps (Langevin; and MTK with balanced planes, whose barostat and
+  thermostat variables and cut planes go through the restart file);
 * a hot, dilute Lennard-Jones gas (atoms cross subdomains many times): atom count and the set of ids
   conserved at every rebuild and at the end.
 """
@@ -20,11 +24,13 @@ from mpi4py import MPI  # noqa: E402
 
 import mlip_parallel  # noqa: E402
 import potentials  # noqa: E402
-from md.engine import Bussi, Langevin, MDSystem, VelocityVerlet, run  # noqa: E402
+from md.engine import MDSystem, run  # noqa: E402
+from md.integrators import MTK, Bussi, Langevin, NoseHoover, VelocityVerlet  # noqa: E402
 
 torch.set_num_threads(1)
 world = MPI.COMM_WORLD
-GAS_STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
+ARGS = dict(zip(sys.argv[1::2], sys.argv[2::2]))  # --gas-steps N (0: skip), --restarts 0/1
+GAS_STEPS, RESTARTS = int(ARGS.get("--gas-steps", 2000)), ARGS.get("--restarts", "1") == "1"
 model = potentials.LennardJones(epsilon=0.0104, sigma=3.4, cutoff=8.0)
 COLUMNS = ("temperature_K", "epot_eV", "ekin_eV", "etot_eV", "pressure_GPa")
 
@@ -36,59 +42,120 @@ def argon(temperature):
     return atoms
 
 
-def simulate(integrator, comm):
-    system = MDSystem.from_atoms(model, argon(120), skin=1.0, comm=comm)
-    rows = run(system, integrator, 200, thermo_every=20)
-    return np.array([[row[c] for c in COLUMNS] for row in rows]), system.rebuilds
+COLUMNS += ("volume_A3",)
+
+
+def simulate(integrator, comm, atoms=None, steps=200, **balance):
+    system = MDSystem.from_atoms(model, argon(120) if atoms is None else atoms, skin=1.0, comm=comm,
+                                 balance=bool(balance))
+    rows = run(system, integrator, steps, thermo_every=20, **balance)
+    return np.array([[row[c] for c in COLUMNS] for row in rows]), system
 
 
 failures = []
-for name, make in (("NVE", lambda: VelocityVerlet(4.0)), ("Langevin", lambda: Langevin(4.0, 150.0, 0.01, seed=7)),
-                   ("Bussi", lambda: Bussi(4.0, 150.0, 100.0, seed=8))):
-    table, rebuilds = simulate(make(), None)
-    reference = world.bcast(simulate(make(), mlip_parallel.SerialBackend())[0] if world.rank == 0 else None)
-    err = float(np.max(np.abs(table - reference) / np.maximum(np.abs(reference), 1e-12)))
+CASES = [("NVE", lambda: VelocityVerlet(4.0), {}),
+         ("Langevin", lambda: Langevin(4.0, 150.0, 0.01, seed=7), {}),
+         ("Bussi", lambda: Bussi(4.0, 150.0, 100.0, seed=8), {}),
+         ("Nose-Hoover", lambda: NoseHoover(4.0, 150.0, 100.0), {}),
+         ("MTK isotropic", lambda: MTK(4.0, 150.0, 0.1, 100.0, 300.0), {}),
+         ("MTK anisotropic", lambda: MTK(4.0, 150.0, 0.1, 100.0, 300.0, isotropic=False), {})]
+# load balance: a droplet off-centre in a periodic box, cut planes rebalanced every 20 steps
+droplet = bulk("Ar", "fcc", a=5.26, cubic=True).repeat(4)
+droplet = droplet[np.linalg.norm(droplet.positions - droplet.positions.mean(axis=0), axis=1) < 9.0]
+droplet.set_cell([40.0, 36.0, 34.0])
+droplet.pbc = True
+droplet.positions += [4.0, 3.0, 2.0]
+thermalize_momenta(droplet, temperature_K=60, rng=np.random.default_rng(6), comm=DummyMPI())
+CASES.append(("balanced drop", lambda: Langevin(4.0, 60.0, 0.01, seed=3),
+              dict(atoms=droplet, steps=100, balance_every=20)))
+
+# serial references, spread over the ranks (no rank idles while another works), then the P-rank runs
+serial = mlip_parallel.SerialBackend()
+mine = {k: simulate(make(), serial, **kw)[0] for k, (_, make, kw) in enumerate(CASES) if k % world.size == world.rank}
+references = {k: t for part in world.allgather(mine) for k, t in part.items()}
+for k, (name, make, kwargs) in enumerate(CASES):
+    table, system = simulate(make(), None, **kwargs)
+    err = float(np.max(np.abs(table - references[k]) / np.maximum(np.abs(references[k]), 1e-12)))
     if world.rank == 0:
-        print(f"{name:9s}: {rebuilds} rebuilds, max rel diff of thermo vs serial {err:.2e}, "
-              f"T {table[0, 0]:.1f} -> {table[-1, 0]:.1f} K, etot drift {table[-1, 3] - table[0, 3]:+.2e} eV", flush=True)
+        print(f"{name:15s}: {system.rebuilds} rebuilds, max rel diff of thermo vs serial {err:.2e}, "
+              f"T {table[0, 0]:.1f} -> {table[-1, 0]:.1f} K, V {table[0, -1]:.0f} -> {table[-1, -1]:.0f} A^3",
+              flush=True)
     if err > 1e-8:
         failures.append(name)
 
-# restart: 100 steps + save + load + 100 steps == 200 steps (Langevin: the noise must continue too)
-straight = MDSystem.from_atoms(model, argon(120), skin=1.0)
-run(straight, Langevin(4.0, 150.0, 0.01, seed=9), 200, thermo_every=200)
-first = MDSystem.from_atoms(model, argon(120), skin=1.0)
-run(first, Langevin(4.0, 150.0, 0.01, seed=9), 100, thermo_every=100)
-path = world.bcast(os.path.join(tempfile.mkdtemp(), "restart.npz") if world.rank == 0 else None)
-first.save_restart(path, 100)
-resumed, step = MDSystem.from_restart(model, path, skin=1.0)
-rows = run(resumed, Langevin(4.0, 150.0, 0.01, seed=9), 100, thermo_every=100, start_step=step)
+balanced = np.array(world.allgather(len(system.atoms["ids"])))  # the last case: the droplet
+plain = np.array(world.allgather(len(MDSystem.from_atoms(model, droplet, skin=1.0).atoms["ids"])))
+if world.rank == 0:
+    print(f"droplet of {len(droplet)} atoms, atoms per rank: uniform planes {plain.tolist()}, "
+          f"balanced {balanced.tolist()}", flush=True)
+if balanced.max() > 1.25 * len(droplet) / world.size or balanced.max() >= plain.max():
+    failures.append("balance")
 
 
 def unwrapped(system):
     return system.gather("positions") + system.gather("image") @ system.cell
 
 
-diff = max(float(np.abs(unwrapped(resumed) - unwrapped(straight)).max()),
-           float(np.abs(resumed.gather("velocities") - straight.gather("velocities")).max()))
-if world.rank == 0:
-    print(f"restart: 100 + 100 steps vs 200 steps, max |diff| of positions/velocities {diff:.2e}", flush=True)
-if diff > 1e-10 or rows[-1]["step"] != 200:
-    failures.append("restart")
+def check_restarts():
+    """Exact continuation through restart files."""
+    # 100 steps + save + load + 100 steps == 200 steps (Langevin: the noise must continue too)
+    straight = MDSystem.from_atoms(model, argon(120), skin=1.0)
+    run(straight, Langevin(4.0, 150.0, 0.01, seed=9), 200, thermo_every=200)
+    first = MDSystem.from_atoms(model, argon(120), skin=1.0)
+    run(first, Langevin(4.0, 150.0, 0.01, seed=9), 100, thermo_every=100)
+    path = world.bcast(os.path.join(tempfile.mkdtemp(), "restart.npz") if world.rank == 0 else None)
+    first.save_restart(path, 100)
+    resumed, step = MDSystem.from_restart(model, path, skin=1.0)
+    rows = run(resumed, Langevin(4.0, 150.0, 0.01, seed=9), 100, thermo_every=100, start_step=step)
+    diff = max(float(np.abs(unwrapped(resumed) - unwrapped(straight)).max()),
+               float(np.abs(resumed.gather("velocities") - straight.gather("velocities")).max()))
+    if world.rank == 0:
+        print(f"restart: 100 + 100 steps vs 200 steps, max |diff| of positions/velocities {diff:.2e}", flush=True)
+    if diff > 1e-10 or rows[-1]["step"] != 200:
+        failures.append("restart")
 
-# hot dilute gas: many crossings of subdomain boundaries
-gas = bulk("Ar", "fcc", a=9.0, cubic=True).repeat(3)
-thermalize_momenta(gas, temperature_K=3000, rng=np.random.default_rng(5), comm=DummyMPI())
-system = MDSystem.from_atoms(model, gas, skin=1.5)
-run(system, VelocityVerlet(4.0), GAS_STEPS, thermo_every=GAS_STEPS)
-ids = np.sort(np.concatenate(world.allgather(system.atoms["ids"])))
-unwrapped = system.gather("positions") + system.gather("image") @ gas.cell[:]
-travelled = float(np.abs(unwrapped - gas.positions).max())
-if world.rank == 0:
-    print(f"gas: {GAS_STEPS} steps, {system.rebuilds} rebuilds, farthest travel {travelled:.1f} A "
-          f"(cell {gas.cell[0, 0]:.0f} A), ids conserved: {np.array_equal(ids, np.arange(len(gas)))}", flush=True)
-if not np.array_equal(ids, np.arange(len(gas))):
-    failures.append("gas ids")
+    # restart with barostat state and balanced cut planes
+    def npt():
+        return MTK(4.0, 150.0, 0.1, 100.0, 300.0, isotropic=False)
+
+    straight = MDSystem.from_atoms(model, argon(120), skin=1.0, balance=True)
+    run(straight, npt(), 200, thermo_every=200, balance_every=50)
+    first = MDSystem.from_atoms(model, argon(120), skin=1.0, balance=True)
+    integrator = npt()
+    run(first, integrator, 100, thermo_every=100, balance_every=50)
+    first.save_restart(path, 100, integrator)
+    integrator = npt()
+    resumed, step = MDSystem.from_restart(model, path, integrator=integrator, skin=1.0)
+    run(resumed, integrator, 100, thermo_every=100, start_step=step, balance_every=50)
+    diff = max(float(np.abs(unwrapped(resumed) - unwrapped(straight)).max()),
+               float(np.abs(resumed.gather("velocities") - straight.gather("velocities")).max()),
+               float(np.abs(resumed.cell - straight.cell).max()))
+    if world.rank == 0:
+        print(f"NPT restart: 100 + 100 steps vs 200 steps, max |diff| of positions/velocities/cell {diff:.2e}", flush=True)
+    if diff > 1e-10:
+        failures.append("NPT restart")
+
+
+def check_gas(steps):
+    """A hot dilute gas: atoms cross subdomains many times (the count is checked at every rebuild)."""
+    gas = bulk("Ar", "fcc", a=9.0, cubic=True).repeat(3)
+    thermalize_momenta(gas, temperature_K=3000, rng=np.random.default_rng(5), comm=DummyMPI())
+    system = MDSystem.from_atoms(model, gas, skin=1.5)
+    run(system, VelocityVerlet(4.0), steps, thermo_every=steps)
+    ids = np.sort(np.concatenate(world.allgather(system.atoms["ids"])))
+    unwrapped = system.gather("positions") + system.gather("image") @ gas.cell[:]
+    travelled = float(np.abs(unwrapped - gas.positions).max())
+    if world.rank == 0:
+        print(f"gas: {steps} steps, {system.rebuilds} rebuilds, farthest travel {travelled:.1f} A "
+              f"(cell {gas.cell[0, 0]:.0f} A), ids conserved: {np.array_equal(ids, np.arange(len(gas)))}", flush=True)
+    if not np.array_equal(ids, np.arange(len(gas))):
+        failures.append("gas ids")
+
+
+if RESTARTS:
+    check_restarts()
+if GAS_STEPS:
+    check_gas(GAS_STEPS)
 failures = world.allgather(failures)[0]
 if world.rank == 0:
     print(f"P={world.Get_size()}: MD engine {len(failures)} failures")
