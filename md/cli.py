@@ -1,8 +1,8 @@
 """``mlip-md CONFIG.yaml``: a native distributed MD job (run it under ``mpiexec -n P``).
 
 Every rank reads the same config and builds the same start; each rank then holds only its own atoms.
-Writes OUTPUT/thermo.csv, OUTPUT/trajectory.extxyz (atoms in global id order) and OUTPUT/final.extxyz,
-and prints a thermo table with a progress bar on rank 0.
+Writes OUTPUT/thermo.csv, OUTPUT/trajectory.extxyz or .traj (atoms in global id order), OUTPUT/final.extxyz
+and OUTPUT/restart.npz, and prints a thermo table with a progress bar on rank 0.
 """
 from __future__ import annotations
 
@@ -15,11 +15,14 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from mlip_parallel.config import ConfigError, schema_help as config_help, validate as config_validate
+
 # key: (types, default, help); a dict value is a nested section. Missing keys take the defaults.
 SCHEMA = {
     "model": {
         "lennard_jones": (dict, None, "Lennard-Jones parameters {epsilon: eV, sigma: Å, cutoff: Å}"),
-        "checkpoint": (str, None, "path of a potentials checkpoint (potentials.save)"),
+        "checkpoint": (str, None, "path of a potentials checkpoint (potentials.save) or a bundled model name; "
+                                  "with no model given, the bundled cu-emt (Cu, trained on EMT data)"),
         "sevennet": (str, None, "a SevenNet checkpoint name or path, e.g. 7net-0 (needs the sevenn extra)"),
         "dtype": (str, "float64", "float32 or float64 for the ML models"),
     },
@@ -31,72 +34,46 @@ SCHEMA = {
         "repeat": (list, [10, 10, 10], "built structure: cubic cells per direction"),
     },
     "temperature_K": (float, 300.0, "initial Maxwell-Boltzmann temperature (seeded); 0 keeps the file's velocities"),
-    "ensemble": (str, "nve", "nve, langevin (BAOAB) or bussi (stochastic velocity rescaling)"),
+    "ensemble": (str, "nve", "nve, langevin (BAOAB), bussi (stochastic velocity rescaling), nose-hoover "
+                 "(Nose-Hoover chain) or npt (MTK barostat + Nose-Hoover chains)"),
     "thermostat": {
-        "temperature_K": (float, 300.0, "langevin/bussi: target temperature"),
+        "temperature_K": (float, 300.0, "langevin/bussi/nose-hoover/npt: target temperature"),
         "friction_per_fs": (float, 0.01, "langevin: friction, 1/fs"),
         "tau_fs": (float, 100.0, "bussi: relaxation time, fs"),
+        "tdamp_fs": (float, 100.0, "nose-hoover/npt: thermostat damping time, fs (about 100 time steps)"),
+    },
+    "barostat": {
+        "pressure_GPa": (float, 0.0, "npt: target pressure, GPa"),
+        "pdamp_fs": (float, 1000.0, "npt: barostat damping time, fs (about 1000 time steps)"),
+        "isotropic": (bool, True, "npt: true scales the cell uniformly, false lets every cell component move"),
     },
     "timestep_fs": (float, 2.0, "time step, fs"),
     "steps": (int, 1000, "number of steps"),
     "seed": (int, 0, "seed of the initial velocities and of the thermostat noise"),
     "skin": (float, 1.0, "neighbour skin, Å: rebuild when an atom moved more than skin/2"),
     "mode": (str, "layerwise", "layerwise or wide halo"),
+    "balance_every": (int, 0, "load balance: 0 keeps uniform cut planes; N > 0 shifts them so ranks own similar "
+                              "atom counts, at the start and every N steps (slabs, droplets)"),
     "restart_from": (str, None, "continue from a restart.npz (structure, velocities and step come from it)"),
     "output": {
         "directory": (str, "md_output", "output directory"),
         "thermo_every": (int, 10, "thermo row every N steps"),
         "trajectory_every": (int, 100, "trajectory frame every N steps (0: none)"),
+        "trajectory_format": (str, "extxyz", "extxyz (OUTPUT/trajectory.extxyz) or traj (ASE's OUTPUT/trajectory.traj)"),
         "restart_every": (int, 0, "write OUTPUT/restart.npz every N steps and at the end (0: at the end only)"),
     },
 }
-CHOICES = {"ensemble": ("nve", "langevin", "bussi"), "mode": ("layerwise", "wide"), "model.dtype": ("float32", "float64")}
+CHOICES = {"ensemble": ("nve", "langevin", "bussi", "nose-hoover", "npt"), "mode": ("layerwise", "wide"),
+           "model.dtype": ("float32", "float64"), "output.trajectory_format": ("extxyz", "traj")}
 
 
-class ConfigError(ValueError):
-    """An invalid mlip-md configuration; the message names the key."""
-
-
-def schema_help(schema=SCHEMA, prefix="") -> str:
-    lines = []
-    for key, spec in schema.items():
-        if isinstance(spec, dict):
-            lines.append(f"{prefix}{key}:")
-            lines.append(schema_help(spec, prefix + "  "))
-        else:
-            types, default, text = spec
-            lines.append(f"{prefix}{key}: {text} (default: {default})")
-    return "\n".join(lines)
-
-
-def validate(config, schema=SCHEMA, path="") -> dict:
+def validate(config) -> dict:
     """Fill defaults and check every key and type; raise ConfigError naming the key."""
-    if config is None:
-        config = {}
-    if not isinstance(config, dict):
-        raise ConfigError(f"{path or 'the config'} must be a mapping, got {type(config).__name__}")
-    unknown = sorted(set(config) - set(schema))
-    if unknown:
-        raise ConfigError(f"unknown key {path}{unknown[0]!s} (known: {', '.join(schema)})")
-    out = {}
-    for key, spec in schema.items():
-        name = f"{path}{key}"
-        if isinstance(spec, dict):
-            out[key] = validate(config.get(key), spec, name + ".")
-            continue
-        types, default, _ = spec
-        value = config.get(key, default)
-        if value is not None:
-            if types is float and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
-            if not isinstance(value, types) or isinstance(value, bool):
-                raise ConfigError(f"{name} must be {types.__name__}, got {value!r}")
-            if name in CHOICES and value not in CHOICES[name]:
-                raise ConfigError(f"{name} must be one of {CHOICES[name]}, got {value!r}")
-            if types in (int, float) and value < 0:
-                raise ConfigError(f"{name} must be >= 0, got {value}")
-        out[key] = value
-    return out
+    return validate_config(config, SCHEMA, CHOICES)
+
+
+def schema_help() -> str:
+    return config_help(SCHEMA)
 
 
 def build_model(section):
@@ -105,19 +82,47 @@ def build_model(section):
     import potentials
 
     given = [k for k in ("lennard_jones", "checkpoint", "sevennet") if section[k] is not None]
-    if len(given) != 1:
-        raise ConfigError(f"model needs exactly one of lennard_jones, checkpoint, sevennet (got {given or 'none'})")
+    if len(given) > 1:
+        raise ConfigError(f"model takes one of lennard_jones, checkpoint, sevennet (got {given})")
+    if not given:
+        section = dict(section, checkpoint="cu-emt")
     if section["lennard_jones"] is not None:
         try:
             return potentials.LennardJones(**section["lennard_jones"])
         except TypeError as exc:
             raise ConfigError(f"model.lennard_jones: {exc}") from None
     if section["checkpoint"] is not None:
-        model = potentials.load(section["checkpoint"])
+        try:
+            model = potentials.load(section["checkpoint"])
+        except potentials.CheckpointError as exc:
+            raise ConfigError(f"model.checkpoint: {exc}") from None
         return model.to(torch.float32 if section["dtype"] == "float32" else torch.float64)
     from potentials.sevennet import SevenNet
 
     return SevenNet(section["sevennet"])
+
+
+def build_integrator(config):
+    from .integrators import MTK, Bussi, Langevin, NoseHoover, VelocityVerlet
+
+    dt, t, b, ensemble = config["timestep_fs"], config["thermostat"], config["barostat"], config["ensemble"]
+    if dt <= 0:
+        raise ConfigError(f"timestep_fs must be > 0, got {dt}")
+    if ensemble != "nve" and t["temperature_K"] <= 0:
+        raise ConfigError(f"thermostat.temperature_K must be > 0 for ensemble {ensemble}, got {t['temperature_K']}")
+    for key, value in (("thermostat.tdamp_fs", t["tdamp_fs"]), ("thermostat.tau_fs", t["tau_fs"]),
+                       ("barostat.pdamp_fs", b["pdamp_fs"])):
+        if value <= 0:
+            raise ConfigError(f"{key} must be > 0, got {value}")
+    if ensemble == "langevin":
+        return Langevin(dt, t["temperature_K"], t["friction_per_fs"], seed=config["seed"])
+    if ensemble == "bussi":
+        return Bussi(dt, t["temperature_K"], t["tau_fs"], seed=config["seed"])
+    if ensemble == "nose-hoover":
+        return NoseHoover(dt, t["temperature_K"], t["tdamp_fs"])
+    if ensemble == "npt":
+        return MTK(dt, t["temperature_K"], b["pressure_GPa"], t["tdamp_fs"], b["pdamp_fs"], isotropic=b["isotropic"])
+    return VelocityVerlet(dt)
 
 
 def build_atoms(config):
@@ -158,37 +163,33 @@ def simulate(config) -> list:
     from mlip_parallel import get_backend
 
     from .engine import MDSystem, run
-    from .integrators import Bussi, Langevin, VelocityVerlet
 
     backend = get_backend()
     model = build_model(config["model"])
+    integrator = build_integrator(config)
+    balance = config["balance_every"] > 0
     if config["restart_from"] is not None:
         try:
-            system, first_step = MDSystem.from_restart(model, config["restart_from"], skin=config["skin"],
-                                                       mode=config["mode"])
+            system, first_step = MDSystem.from_restart(model, config["restart_from"], integrator=integrator,
+                                                       skin=config["skin"], mode=config["mode"])
         except (OSError, KeyError, ValueError) as exc:
             raise ConfigError(f"restart_from: cannot read {config['restart_from']!r}: {exc}") from None
-        atoms = Atoms(cell=system.cell, pbc=system.pbc)
     else:
         atoms, first_step = build_atoms(config), 0
-        system = MDSystem.from_atoms(model, atoms, skin=config["skin"], mode=config["mode"])
-    t = config["thermostat"]
-    if config["ensemble"] == "langevin":
-        integrator = Langevin(config["timestep_fs"], t["temperature_K"], t["friction_per_fs"], seed=config["seed"])
-    elif config["ensemble"] == "bussi":
-        integrator = Bussi(config["timestep_fs"], t["temperature_K"], t["tau_fs"], seed=config["seed"])
-    else:
-        integrator = VelocityVerlet(config["timestep_fs"])
+        if config["ensemble"] == "npt" and not atoms.pbc.all():
+            raise ConfigError(f"ensemble npt needs a fully periodic structure, got pbc={atoms.pbc.tolist()}")
+        system = MDSystem.from_atoms(model, atoms, skin=config["skin"], mode=config["mode"], balance=balance)
     out = config["output"]
     directory = Path(out["directory"])
     every, traj_every, restart_every = max(1, out["thermo_every"]), out["trajectory_every"], out["restart_every"]
     steps = first_step + config["steps"]
+    trajectory = f"trajectory.{out['trajectory_format']}"
     root = backend.rank == 0
     continuing = config["restart_from"] is not None  # append to thermo.csv and the trajectory
     if root:
         directory.mkdir(parents=True, exist_ok=True)
         if not continuing:
-            (directory / "trajectory.extxyz").unlink(missing_ok=True)
+            (directory / trajectory).unlink(missing_ok=True)
         csv_file = open(directory / "thermo.csv", "a" if continuing else "w", newline="")
         writer = csv.DictWriter(csv_file, fieldnames=THERMO_COLUMNS)
         if csv_file.tell() == 0:
@@ -202,9 +203,9 @@ def simulate(config) -> list:
     def snapshot(name, append):  # collective: gathers in global id order, rank 0 writes
         positions, numbers, velocities = (system.gather(k) for k in ("positions", "numbers", "velocities"))
         if root:
-            frame = Atoms(numbers=numbers, positions=positions, cell=atoms.cell, pbc=atoms.pbc)
+            frame = Atoms(numbers=numbers, positions=positions, cell=system.cell, pbc=system.pbc)
             frame.set_velocities(velocities)
-            write(directory / name, frame, format="extxyz", append=append)
+            write(directory / name, frame, format="traj" if name.endswith(".traj") else "extxyz", append=append)
 
     rows, step = [], first_step
     stops = {steps} | {s for n in (every, traj_every, restart_every) if n for s in range(0, steps + 1, n)}
@@ -213,7 +214,8 @@ def simulate(config) -> list:
     for target in sorted(s for s in stops if s >= first_step):
         if target > step:
             t0 = time.perf_counter()
-            state = run(system, integrator, target - step, thermo_every=target - step, start_step=step)[-1]
+            state = run(system, integrator, target - step, thermo_every=target - step, start_step=step,
+                        balance_every=config["balance_every"])[-1]
             per_step = (time.perf_counter() - t0) / (target - step)
             step = target
         else:
@@ -228,9 +230,9 @@ def simulate(config) -> list:
                 bar.clear()
                 print(" ".join(f"{row[c]:14.6g}" for c in THERMO_COLUMNS), flush=True)
         if traj_every and step % traj_every == 0 and not already_written:
-            snapshot("trajectory.extxyz", append=True)
+            snapshot(trajectory, append=True)
         if step == steps or (restart_every and step % restart_every == 0):
-            system.save_restart(directory / "restart.npz", step)
+            system.save_restart(directory / "restart.npz", step, integrator)
         if root:
             bar.update(step - bar.n)
     snapshot("final.extxyz", append=False)
