@@ -23,14 +23,16 @@ FORMAT = "mlip-parallel-potential"
 VERSION = 1
 MODEL_CLASSES = {cls.__name__: cls for cls in (LennardJones, SchNet, PaiNN, NequIP)}
 _DTYPES = {"torch.float32": torch.float32, "torch.float64": torch.float64}
+BUNDLED = {"cu-emt": os.path.join(os.path.dirname(__file__), "data", "cu-emt.pt")}  # name → shipped checkpoint
 
 
 class CheckpointError(MLIPError, ValueError):
     """A checkpoint file is unreadable, corrupt, of another format/version/class, or holds objects."""
 
 
-def save(model, path) -> None:
-    """Write ``model`` (a potentials model) to ``path``."""
+def save(model, path, extra: dict | None = None) -> None:
+    """Write ``model`` (a potentials model) to ``path``. ``extra``: more entries of tensors and plain
+    containers stored beside it (e.g. a trainer's optimizer state); ``load`` ignores them."""
     name = type(model).__name__
     if MODEL_CLASSES.get(name) is not type(model):
         raise CheckpointError(f"cannot save {name}: checkpoints support {sorted(MODEL_CLASSES)}")
@@ -38,18 +40,21 @@ def save(model, path) -> None:
               "species": model.species, "cutoff": model.cutoff, "units": {"energy": "eV", "length": "Angstrom"},
               "dtype": str(model.dtype)}
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    torch.save({"config": json.dumps(config), "state_dict": state}, path)
+    torch.save(dict(extra or {}, config=json.dumps(config), state_dict=state), path)
 
 
 def load(path, map_location="cpu"):
-    """Rebuild the model saved at ``path`` (eval mode, saved dtype, on ``map_location``).
+    """Rebuild the model saved at ``path`` (eval mode, saved dtype, on ``map_location``). ``path`` may
+    be a bundled model's name (``BUNDLED``: "cu-emt", a small PaiNN for copper trained on EMT data).
 
     Raises CheckpointError for a missing, truncated or corrupt file, pickled objects, another format,
     a newer version, an unknown class, or weights that do not fit the class.
     """
     path = os.fspath(path)
+    if not os.path.isfile(path) and path in BUNDLED:
+        path = BUNDLED[path]
     if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: no such checkpoint file")
+        raise CheckpointError(f"{path}: no such checkpoint file (bundled models: {sorted(BUNDLED)})")
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:

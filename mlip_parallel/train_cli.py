@@ -1,0 +1,413 @@
+"""``mlip-train CONFIG.yaml`` trains a potential; ``mlip-train eval MODEL DATA`` prints its errors.
+
+Run it in one process, or under ``mpiexec -n P`` (or torchrun) for data parallelism: every rank
+takes a share of each global batch and the gradients are summed with torch.distributed (gloo on CPU,
+nccl on GPU), so P ranks follow the single-process trajectory. ``parallel: graph`` instead splits
+every structure by space over the ranks (structures too large for one device).
+
+Writes OUTPUT/best.pt and OUTPUT/last.pt (potentials checkpoints: ``potentials.load`` reads them;
+last.pt also holds the optimizer, schedule and EMA state for an exact ``resume``), OUTPUT/metrics.csv
+and OUTPUT/learning_curve.png.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from .config import ConfigError, schema_help, validate
+from .errors import MLIPError
+
+SCHEMA = {
+    "data": {
+        "train": (str, None, "training structures: any ASE-readable file with energy/forces/stress (extxyz, ASE db)"),
+        "validation": (str, None, "validation file (default: validation_fraction of train)"),
+        "test": (str, None, "test file (default: test_fraction of train), evaluated with best.pt at the end"),
+        "validation_fraction": (float, 0.1, "share of train held out for validation when no validation file"),
+        "test_fraction": (float, 0.0, "share of train held out for the test when no test file"),
+    },
+    "model": {
+        "name": (str, "SchNet", "SchNet, PaiNN or NequIP"),
+        "cutoff": (float, 5.0, "cutoff radius, Å"),
+        "hyperparameters": (dict, {}, "further constructor arguments, e.g. {features: 64, layers: 3}"),
+        "species": (list, None, "element symbols (default: those in the training data)"),
+        "dtype": (str, "float32", "float32 or float64"),
+    },
+    "loss": {
+        "energy_weight": (float, 1.0, "weight of the energy-per-atom MSE (eV²)"),
+        "forces_weight": (float, 10.0, "weight of the force-component MSE (eV²/Å²)"),
+        "stress_weight": (float, 0.0, "weight of the stress-component MSE (eV²/Å⁶)"),
+    },
+    "optimizer": {
+        "lr": (float, 1e-3, "AdamW learning rate"),
+        "weight_decay": (float, 0.0, "AdamW weight decay"),
+        "gradient_clip": (float, 10.0, "clip the gradient norm to this (0: no clipping)"),
+    },
+    "schedule": {
+        "name": (str, "plateau", "plateau (reduce on validation loss), cosine, or none"),
+        "patience": (int, 10, "plateau: epochs without improvement before reducing"),
+        "factor": (float, 0.5, "plateau: learning-rate factor"),
+        "min_lr": (float, 1e-5, "plateau/cosine: lowest learning rate"),
+    },
+    "ema_decay": (float, 0.99, "exponential moving average of the weights (0: none); best.pt/last.pt hold the average"),
+    "epochs": (int, 100, "number of epochs"),
+    "batch_size": (int, 8, "structures per global batch (split over the ranks in data parallel)"),
+    "seed": (int, 0, "seed of the split, the shuffling and the initial weights"),
+    "parallel": (str, "data", "data (each rank a share of every batch) or graph (each structure split by space)"),
+    "resume": (bool, False, "continue from OUTPUT/last.pt when it exists (same config; epochs = the new total)"),
+    "output": {
+        "directory": (str, "train_output", "output directory"),
+    },
+}
+CHOICES = {"model.name": ("SchNet", "PaiNN", "NequIP"), "model.dtype": ("float32", "float64"),
+           "schedule.name": ("plateau", "cosine", "none"), "parallel": ("data", "graph")}
+METRIC_COLUMNS = ("epoch", "train_loss", "val_loss", "energy_mae", "energy_rmse", "forces_mae", "forces_rmse",
+                  "stress_mae", "stress_rmse", "lr", "seconds")
+
+
+# ----------------------------------------------------------------------------- processes
+class Processes:
+    """Rank, size and gradient/metric sums: torch.distributed for data parallel (set up from mpiexec's
+    MPI world or torchrun's environment), the mlip_parallel MPI backend for graph parallel."""
+
+    def __init__(self, parallel: str):
+        from .backend import get_backend, launched_by_mpiexec
+
+        self.parallel, self.dist = parallel, None
+        self.backend = get_backend()
+        torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and not launched_by_mpiexec()
+        self.rank = int(os.environ["RANK"]) if torchrun else self.backend.rank
+        self.size = int(os.environ["WORLD_SIZE"]) if torchrun else self.backend.size
+        if parallel == "graph" and torchrun:
+            raise ConfigError("parallel: graph runs under mpiexec (it uses the MPI halo exchange), not torchrun")
+        if parallel == "data" and self.size > 1:
+            import torch
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                if torchrun:
+                    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+                else:  # rank 0 picks the rendezvous; MPI tells everybody
+                    address = None
+                    if self.rank == 0:
+                        with socket.socket() as s:
+                            s.bind(("", 0))
+                            address = (socket.gethostbyname(socket.gethostname()), s.getsockname()[1])
+                    host, port = self.backend.bcast(address)
+                    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                            init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.size)
+            self.dist = dist
+
+    def sum(self, array: np.ndarray) -> np.ndarray:
+        """Element-wise sum over ranks (numpy float64)."""
+        if self.size == 1:
+            return np.asarray(array, dtype=np.float64)
+        if self.dist is not None:
+            import torch
+            t = torch.as_tensor(np.asarray(array, dtype=np.float64))
+            self.dist.all_reduce(t)
+            return t.numpy()
+        return self.backend.allreduce(np.asarray(array, dtype=np.float64))
+
+    def sum_gradients(self, parameters) -> None:
+        """Add every rank's parameter gradients (one flat message)."""
+        if self.size == 1:
+            return
+        import torch
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.dist is not None:
+            self.dist.all_reduce(flat)
+        else:
+            flat = torch.as_tensor(self.backend.allreduce(flat.cpu().numpy()), dtype=flat.dtype, device=flat.device)
+        offset = 0
+        for p, g in zip(parameters, grads):
+            p.grad = flat[offset: offset + g.numel()].view_as(g).clone()
+            offset += g.numel()
+
+
+# ----------------------------------------------------------------------------- training
+def build_model(section, structures, seed):
+    import torch
+
+    import potentials
+
+    species = section["species"]
+    if species is None:
+        from ase.data import chemical_symbols
+        species = [chemical_symbols[z] for z in sorted({int(z) for s in structures for z in s.numbers})]
+    cls = {"SchNet": potentials.SchNet, "PaiNN": potentials.PaiNN, "NequIP": potentials.NequIP}[section["name"]]
+    torch.manual_seed(seed)
+    try:
+        model = cls(species=species, cutoff=section["cutoff"], **section["hyperparameters"])
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"model: cannot build {section['name']}: {exc}") from None
+    return model.to(torch.float64 if section["dtype"] == "float64" else torch.float32)
+
+
+def load_data(config):
+    from .training import check_labels, read_structures, split
+
+    d = config["data"]
+    if d["train"] is None:
+        raise ConfigError("data.train is required: a file of labelled structures")
+    train = read_structures(d["train"])
+    fractions = [0.0 if d["validation"] else d["validation_fraction"], 0.0 if d["test"] else d["test_fraction"]]
+    if sum(fractions) >= 1:
+        raise ConfigError(f"data.validation_fraction + data.test_fraction must be < 1, got {sum(fractions)}")
+    train, validation, test = split(train, fractions, config["seed"])
+    if d["validation"]:
+        validation = read_structures(d["validation"])
+    if d["test"]:
+        test = read_structures(d["test"])
+    if not train or not validation:
+        raise ConfigError(f"need at least one training and one validation structure, got {len(train)} and "
+                          f"{len(validation)} (set data.validation or a larger data.validation_fraction)")
+    weights = {q: config["loss"][f"{q}_weight"] for q in ("energy", "forces", "stress")}
+    for part in (train, validation, test):
+        check_labels(part, weights)
+    return train, validation, test, weights
+
+
+def train(config) -> list:
+    """Run the validated ``config``; return the metric rows (every rank)."""
+    import torch
+    from ase.data import atomic_numbers
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    import potentials
+
+    from .training import Batch, Counts, error_sums, error_table, fit_reference_energies, graph_parallel_loss, \
+        loss_terms, predict_batch, total_loss
+
+    procs = Processes(config["parallel"])
+    root = procs.rank == 0
+    train_set, validation, test, weights = load_data(config)
+    model = build_model(config["model"], train_set, config["seed"])
+    for part, name in ((train_set, "training"), (validation, "validation"), (test, "test")):
+        for s in part:
+            try:
+                model.species_index(s.numbers)
+            except potentials.UnknownSpeciesError as exc:
+                raise ConfigError(f"{s.source} ({name}): {exc}") from None
+    directory = Path(config["output"]["directory"])
+    last_path = directory / "last.pt"
+    resume = config["resume"] and last_path.exists()
+
+    # per-species reference energies by least squares, force RMS as the energy scale
+    labelled = [s for s in train_set if s.energy is not None]
+    if labelled and not resume:
+        shift = fit_reference_energies(labelled, [atomic_numbers[x] for x in model.species])
+        with_forces = [s.forces for s in train_set if s.forces is not None]
+        scale = float(np.sqrt(np.mean(np.concatenate(with_forces) ** 2))) if with_forces else 1.0
+        model.scale_shift.shift.copy_(torch.as_tensor(shift))
+        model.scale_shift.scale.fill_(max(scale, 1e-3))
+    device = torch.device("cuda", procs.rank % torch.cuda.device_count()) if torch.cuda.is_available() else \
+        torch.device("cpu")
+    model.to(device)
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    o, sch = config["optimizer"], config["schedule"]
+    optimizer = torch.optim.AdamW(parameters, lr=o["lr"], weight_decay=o["weight_decay"])
+    if sch["name"] == "plateau":
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=sch["factor"],
+                                                               patience=sch["patience"], min_lr=sch["min_lr"])
+    elif sch["name"] == "cosine":
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, config["epochs"]),
+                                                               eta_min=sch["min_lr"])
+    else:
+        scheduler = None
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(config["ema_decay"]), use_buffers=True) \
+        if config["ema_decay"] > 0 else None
+    first_epoch, best, rows = 0, float("inf"), []
+    if resume:
+        payload = torch.load(last_path, map_location=device, weights_only=True)
+        state = payload["training"]
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        if scheduler is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        if ema is not None:
+            ema.load_state_dict(state["ema"])
+        first_epoch, best = int(state["epoch"]), float(state["best"])
+        with open(directory / "metrics.csv") as f:
+            rows = [{k: int(v) if k == "epoch" else float(v) for k, v in r.items()} for r in csv.DictReader(f)]
+        rows = rows[:first_epoch]
+
+    def evaluation_model():
+        return ema.module if ema is not None else model
+
+    def save(path, epoch):
+        training = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, "best": best,
+                    "scheduler": scheduler.state_dict() if scheduler is not None else {},
+                    "ema": ema.state_dict() if ema is not None else {}}
+        potentials.save(evaluation_model(), path, extra={"training": training})
+
+    def validation_errors(structures):
+        share = structures if procs.parallel == "graph" else structures[procs.rank::procs.size]
+        if procs.parallel == "graph" and procs.rank != 0:
+            share = []  # graph parallel: rank 0 evaluates validation whole (it fits: only training is split)
+        return error_table(procs.sum(error_sums(evaluation_model(), share, config["batch_size"], device)))
+
+    if root:
+        directory.mkdir(parents=True, exist_ok=True)
+        from tqdm import tqdm
+        bar = tqdm(total=config["epochs"], initial=first_epoch, unit="epoch", file=sys.stderr, dynamic_ncols=True)
+        print(f"mlip-train: {type(model).__name__} {model.species}, {sum(p.numel() for p in parameters)} parameters, "
+              f"{len(train_set)} training / {len(validation)} validation / {len(test)} test structures, "
+              f"{procs.size} rank(s), {procs.parallel} parallel", flush=True)
+    batch_size = config["batch_size"]
+    for epoch in range(first_epoch, config["epochs"]):
+        start = time.perf_counter()
+        model.train()
+        order = np.random.default_rng([config["seed"], epoch]).permutation(len(train_set))
+        loss_sum, batches = 0.0, 0
+        for b in range(0, len(order), batch_size):
+            global_batch = [train_set[k] for k in order[b:b + batch_size]]
+            counts = Counts.of(global_batch)
+            optimizer.zero_grad(set_to_none=False)
+            if procs.parallel == "graph":
+                value = 0.0
+                for s in global_batch:
+                    surrogate, terms = graph_parallel_loss(model, s, weights, counts, procs.backend)
+                    surrogate.backward()
+                    value += sum(weights[q] * terms[q] for q in terms)
+            else:
+                mine = global_batch[procs.rank::procs.size]
+                value = 0.0
+                if mine:
+                    batch = Batch(mine, model, device)
+                    loss = total_loss(loss_terms(*predict_batch(model, batch), batch, counts), weights)
+                    loss.backward()
+                    value = loss.item()
+                value = float(procs.sum(np.array([value]))[0])
+            procs.sum_gradients(parameters)
+            if o["gradient_clip"] > 0:
+                torch.nn.utils.clip_grad_norm_(parameters, o["gradient_clip"])
+            optimizer.step()
+            if ema is not None:
+                ema.update_parameters(model)
+            loss_sum, batches = loss_sum + value, batches + 1
+        model.eval()
+        errors = validation_errors(validation)
+        val_loss = sum(weights[q] * errors[f"{q}_rmse"] ** 2 for q in ("energy", "forces", "stress")
+                       if weights[q] > 0 and np.isfinite(errors[f"{q}_rmse"]))
+        lr = optimizer.param_groups[0]["lr"]
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            scheduler.step(val_loss)
+        elif scheduler is not None:
+            scheduler.step()
+        row = dict(epoch=epoch + 1, train_loss=loss_sum / max(batches, 1), val_loss=val_loss, lr=lr,
+                   seconds=time.perf_counter() - start, **errors)
+        rows.append(row)
+        improved = val_loss < best
+        best = min(best, val_loss)
+        if root:
+            save(last_path, epoch + 1)
+            if improved:
+                save(directory / "best.pt", epoch + 1)
+            write_metrics(directory, rows)
+            bar.update(1)
+            bar.set_postfix(val_loss=f"{val_loss:.3g}", F_mae=f"{errors['forces_mae'] * 1e3:.1f} meV/A")
+        if procs.size > 1:
+            procs.backend.barrier()
+    if root:
+        bar.close()
+        plot_learning_curve(directory, rows)
+    if test and (directory / "best.pt").exists():
+        best_model = potentials.load(directory / "best.pt", map_location=device)
+        share = test[procs.rank::procs.size] if procs.parallel == "data" else (test if root else [])
+        errors = error_table(procs.sum(error_sums(best_model, share, batch_size, device)))
+        if root:
+            print("test set, best.pt:\n" + format_errors(errors), flush=True)
+    return rows
+
+
+def write_metrics(directory: Path, rows) -> None:
+    with open(directory / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=METRIC_COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: row[k] for k in METRIC_COLUMNS})
+
+
+def plot_learning_curve(directory: Path, rows) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [r["epoch"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+    left.semilogy(epochs, [r["train_loss"] for r in rows], label="train")
+    left.semilogy(epochs, [r["val_loss"] for r in rows], label="validation")
+    left.set_xlabel("epoch"), left.set_ylabel("loss"), left.legend()
+    right.plot(epochs, [1e3 * r["forces_mae"] for r in rows], label="forces (meV/Å)")
+    right.plot(epochs, [1e3 * r["energy_mae"] for r in rows], label="energy (meV/atom)")
+    right.set_xlabel("epoch"), right.set_ylabel("validation MAE"), right.legend()
+    fig.tight_layout()
+    fig.savefig(directory / "learning_curve.png", dpi=100)
+    plt.close(fig)
+
+
+def format_errors(errors: dict) -> str:
+    units = {"energy": ("meV/atom", 1e3), "forces": ("meV/Å", 1e3), "stress": ("meV/Å³", 1e3)}
+    lines = [f"{'quantity':10s} {'MAE':>12s} {'RMSE':>12s}  unit"]
+    for q, (unit, factor) in units.items():
+        lines.append(f"{q:10s} {factor * errors[f'{q}_mae']:12.4g} {factor * errors[f'{q}_rmse']:12.4g}  {unit}")
+    return "\n".join(lines)
+
+
+def evaluate_model(model_path: str, data_path: str, batch_size: int = 8) -> dict:
+    """MAE/RMSE of a checkpoint (or bundled model name) on a labelled file (one process)."""
+    import potentials
+    from .training import error_sums, error_table, read_structures
+
+    model = potentials.load(model_path)
+    structures = read_structures(data_path)
+    for s in structures:
+        try:
+            model.species_index(s.numbers)
+        except potentials.UnknownSpeciesError as exc:
+            raise ConfigError(f"{s.source}: {exc}") from None
+    return error_table(error_sums(model, structures, batch_size, model.device))
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["eval"]:
+        parser = argparse.ArgumentParser(prog="mlip-train eval", description="errors of a model on a labelled file")
+        parser.add_argument("model", help="checkpoint path (best.pt) or bundled model name (cu-emt)")
+        parser.add_argument("data", help="ASE-readable file with energy/forces/stress")
+        args = parser.parse_args(argv[1:])
+        try:
+            print(format_errors(evaluate_model(args.model, args.data)))
+        except MLIPError as exc:
+            print(f"mlip-train: error: {exc}", file=sys.stderr, flush=True)
+            return 2
+        return 0
+    parser = argparse.ArgumentParser(
+        prog="mlip-train", description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="configuration keys (YAML):\n" + schema_help(SCHEMA))
+    parser.add_argument("config", help="YAML configuration file")
+    args = parser.parse_args(argv)
+    try:
+        try:
+            with open(args.config) as f:
+                raw = yaml.safe_load(f)
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config {args.config!r}: {exc}") from None
+        train(validate(raw, SCHEMA, CHOICES))
+    except MLIPError as exc:  # bad config or data: raised alike on every rank, before any collective
+        print(f"mlip-train: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

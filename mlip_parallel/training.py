@@ -1,0 +1,271 @@
+"""Training potentials on energies, forces and stress: data, batched prediction, the loss, and the
+three ways to run it — one process, data parallel (every rank a share of each global batch, gradients
+summed with torch.distributed), and graph parallel (every structure spatially decomposed over the
+ranks with ``forward_decomposed``; the force loss back-propagates through the halo).
+
+Conventions: energies eV, forces eV/Å, stress eV/Å³ as a [3, 3] tensor in ASE's sign ((1/V) dE/dε).
+The loss of a global batch is a mean over that whole batch, so summing the ranks' gradients gives
+exactly the single-process gradient (up to summation order).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from potentials.graph import AtomGraph, check_positions, complete_cell, neighbour_list
+
+from .errors import MLIPError
+
+QUANTITIES = ("energy", "forces", "stress")
+
+
+class DataError(MLIPError, ValueError):
+    """Training data that cannot be used; the message names the file and the structure."""
+
+
+@dataclass
+class Structure:
+    """One labelled structure. numbers [n]; positions [n, 3] Å; cell [3, 3]; pbc [3]; energy (eV) or
+    None; forces [n, 3] eV/Å or None; stress [3, 3] eV/Å³ (ASE sign) or None. ``source``: file:index."""
+
+    numbers: np.ndarray
+    positions: np.ndarray
+    cell: np.ndarray
+    pbc: np.ndarray
+    energy: float | None
+    forces: np.ndarray | None
+    stress: np.ndarray | None
+    source: str
+    _edges: tuple | None = None
+
+    def edges(self, cutoff: float):
+        """(i, j, shifts) of the pairs within ``cutoff`` (cached: the geometry never changes)."""
+        if self._edges is None or self._edges[0] != cutoff:
+            self._edges = (cutoff, neighbour_list(self.positions, self.cell, self.pbc, cutoff))
+        return self._edges[1]
+
+    def to_atoms(self):
+        from ase import Atoms
+        return Atoms(numbers=self.numbers, positions=self.positions, cell=self.cell, pbc=self.pbc)
+
+
+def _full_stress(stress) -> np.ndarray:
+    s = np.asarray(stress, dtype=np.float64).reshape(-1)
+    if s.size == 9:
+        return s.reshape(3, 3)
+    xx, yy, zz, yz, xz, xy = s
+    return np.array([[xx, xy, xz], [xy, yy, yz], [xz, yz, zz]])
+
+
+def read_structures(path) -> list[Structure]:
+    """All structures of an ASE-readable file (extxyz with energy/forces/stress, an ASE db, ...)."""
+    from ase.io import read
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: no such data file")
+    try:
+        frames = read(path, index=":")
+    except Exception as exc:  # ASE raises many types for unreadable files
+        raise DataError(f"{path}: cannot read structures: {type(exc).__name__}: {exc}") from None
+    if not frames:
+        raise DataError(f"{path}: no structures in the file")
+    out = []
+    for k, atoms in enumerate(frames):
+        results = dict(atoms.calc.results) if atoms.calc is not None else {}
+        energy = results.get("energy", atoms.info.get("energy"))
+        forces = results.get("forces", atoms.arrays.get("forces"))
+        stress = results.get("stress", atoms.info.get("stress"))
+        source = f"{path}:{k}"
+        if len(atoms) == 0:
+            raise DataError(f"{source}: a structure with no atoms")
+        try:
+            positions = check_positions(atoms.positions)
+            cell = complete_cell(atoms.cell[:], atoms.pbc)
+        except MLIPError as exc:
+            raise DataError(f"{source}: {exc}") from None
+        out.append(Structure(np.asarray(atoms.numbers), positions, cell, atoms.pbc.copy(),
+                             None if energy is None else float(energy),
+                             None if forces is None else np.asarray(forces, dtype=np.float64),
+                             _full_stress(stress) if stress is not None and atoms.pbc.all() else None, source))
+    return out
+
+
+def check_labels(structures, weights: dict) -> None:
+    """Every quantity with a non-zero loss weight must be labelled (stress: on periodic structures)."""
+    for s in structures:
+        if weights["energy"] > 0 and (s.energy is None or not np.isfinite(s.energy)):
+            raise DataError(f"{s.source}: no energy, but the energy weight is {weights['energy']}")
+        if weights["forces"] > 0 and (s.forces is None or s.forces.shape != s.positions.shape
+                                      or not np.all(np.isfinite(s.forces))):
+            raise DataError(f"{s.source}: no forces (or not one finite 3-vector per atom), but the forces "
+                            f"weight is {weights['forces']}")
+        if weights["stress"] > 0 and s.pbc.all() and s.stress is None:
+            raise DataError(f"{s.source}: a periodic structure without stress, but the stress weight is "
+                            f"{weights['stress']}")
+
+
+def split(structures, fractions, seed: int):
+    """Shuffle (seeded) and cut into len(fractions) + 1 parts: the first takes what the others leave."""
+    order = np.random.default_rng(seed).permutation(len(structures))
+    sizes = [int(round(f * len(structures))) for f in fractions]
+    parts, start = [], sum(sizes)
+    parts.append([structures[k] for k in order[:len(structures) - start]])
+    for size in sizes:
+        parts.append([structures[k] for k in order[len(structures) - start: len(structures) - start + size]])
+        start -= size
+    return parts
+
+
+def fit_reference_energies(structures, species) -> np.ndarray:
+    """Per-species reference energies [S] (eV) by least squares: E ≈ Σ_s n_s e_s."""
+    index = {z: k for k, z in enumerate(species)}
+    counts = np.zeros((len(structures), len(species)))
+    for row, s in enumerate(structures):
+        for z in s.numbers:
+            counts[row, index[z]] += 1
+    energies = np.array([s.energy for s in structures])
+    return np.linalg.lstsq(counts, energies, rcond=None)[0]
+
+
+# ----------------------------------------------------------------------------- batches
+class Batch:
+    """Several structures as one disjoint graph on ``device``: species [N], edges, ``batch`` [N]
+    structure index of each atom, and the labels (absent labels are masked)."""
+
+    def __init__(self, structures, model, device):
+        self.size = len(structures)
+        self.n_atoms = np.array([len(s.numbers) for s in structures])
+        offsets = np.concatenate([[0], np.cumsum(self.n_atoms)[:-1]])
+        i, j, shifts, edge_batch = [], [], [], []
+        for b, (s, offset) in enumerate(zip(structures, offsets)):
+            ii, jj, ss = s.edges(model.cutoff)
+            i.append(ii + offset), j.append(jj + offset), shifts.append(ss), edge_batch.append(np.full(len(ii), b))
+        as_long = lambda parts: torch.as_tensor(np.concatenate(parts), dtype=torch.long, device=device)  # noqa: E731
+        self.i, self.j, self.edge_batch = as_long(i), as_long(j), as_long(edge_batch)
+        self.shifts = torch.as_tensor(np.concatenate(shifts), dtype=torch.float64, device=device)
+        numbers = np.concatenate([s.numbers for s in structures])
+        self.species = torch.as_tensor(model.species_index(numbers), device=device)
+        self.batch = torch.as_tensor(np.repeat(np.arange(self.size), self.n_atoms), device=device)
+        self.positions = torch.as_tensor(np.concatenate([s.positions for s in structures]), device=device)
+        self.cells = torch.as_tensor(np.stack([s.cell for s in structures]), device=device)
+        self.volumes = torch.linalg.det(self.cells).abs()
+        f64 = dict(dtype=torch.float64, device=device)
+        self.atoms_per_structure = torch.as_tensor(self.n_atoms, **f64)
+        self.energy = torch.tensor([np.nan if s.energy is None else s.energy for s in structures], **f64)
+        self.forces = torch.as_tensor(np.concatenate(
+            [np.full((len(s.numbers), 3), np.nan) if s.forces is None else s.forces for s in structures]), **f64)
+        self.stress = torch.as_tensor(np.stack(
+            [np.full((3, 3), np.nan) if s.stress is None else s.stress for s in structures]), **f64)
+
+
+def predict_batch(model, batch: Batch, create_graph: bool = True):
+    """Energies [B], forces [N, 3] and stress [B, 3, 3] (torch float64), differentiable w.r.t. the
+    model's parameters when ``create_graph`` (a force loss needs it)."""
+    pos = batch.positions.clone().requires_grad_(True)
+    strain = torch.zeros(batch.size, 3, 3, dtype=torch.float64, device=pos.device, requires_grad=True)
+    pos_s = pos + torch.einsum("ni,nij->nj", pos, strain[batch.batch])
+    cell_s = batch.cells + batch.cells @ strain
+    edge_vec = pos_s[batch.j] - pos_s[batch.i] + torch.einsum("ei,eij->ej", batch.shifts, cell_s[batch.edge_batch])
+    graph = AtomGraph(species=batch.species, edge_index=torch.stack([batch.j, batch.i]), edge_vec=edge_vec,
+                      n_local=len(pos))
+    atom_energies = model(graph).to(torch.float64)
+    energy = torch.zeros(batch.size, dtype=torch.float64, device=pos.device).index_add(0, batch.batch, atom_energies)
+    dE_dpos, dE_dstrain = torch.autograd.grad(energy.sum(), [pos, strain], create_graph=create_graph)
+    stress = 0.5 * (dE_dstrain + dE_dstrain.transpose(1, 2)) / batch.volumes[:, None, None]
+    return energy, -dE_dpos, stress
+
+
+@dataclass
+class Counts:
+    """Sizes of the *global* batch that normalise the loss: structures with an energy label, force
+    components, stressed structures."""
+
+    energies: float
+    force_components: float
+    stresses: float
+
+    @classmethod
+    def of(cls, structures):
+        return cls(max(1.0, float(sum(s.energy is not None for s in structures))),
+                   max(1.0, float(sum(3 * len(s.numbers) for s in structures if s.forces is not None))),
+                   max(1.0, float(sum(s.stress is not None for s in structures))))
+
+
+def loss_terms(energy, forces, stress, batch: Batch, counts: Counts) -> dict:
+    """Summed squared errors of this batch divided by the global counts: energy per atom, force
+    components, stress components (/9). Unlabelled entries contribute nothing."""
+    de = torch.nan_to_num((energy - batch.energy) / batch.atoms_per_structure)
+    df = torch.nan_to_num(forces - batch.forces)
+    ds = torch.nan_to_num(stress - batch.stress)
+    return {"energy": (de**2).sum() / counts.energies, "forces": (df**2).sum() / counts.force_components,
+            "stress": (ds**2).sum() / (9 * counts.stresses)}
+
+
+def total_loss(terms: dict, weights: dict):
+    return sum(weights[q] * terms[q] for q in QUANTITIES)
+
+
+def graph_parallel_loss(model, structure: Structure, weights: dict, counts: Counts, backend, mode="layerwise"):
+    """This rank's share of one structure's loss, decomposed over ``backend``'s ranks (collective).
+
+    Returns (surrogate, terms): ``surrogate`` is differentiable; the sum over ranks of its parameter
+    gradients equals the gradient of the structure's loss (energy and stress are global sums, so
+    their terms enter through dL/dE and dL/dσ computed from the allreduced values); ``terms`` are the
+    loss values (floats, identical on every rank)."""
+    from .evaluate import Decomposition, forward_decomposed
+
+    atoms = structure.to_atoms()
+    part = Decomposition(atoms, model.cutoff * (model.layers if mode == "wide" else 1), backend)
+    energies, forces, dE_dstrain = forward_decomposed(model, part, mode, create_graph=True)
+    e_local = energies.sum()
+    totals = backend.allreduce(np.append(dE_dstrain.detach().cpu().numpy().ravel(), e_local.item()))
+    n, volume = len(structure.numbers), abs(np.linalg.det(structure.cell))
+    reference_forces = torch.as_tensor(structure.forces[part.owned], dtype=torch.float64, device=forces.device) \
+        if structure.forces is not None else None
+    force_sq = ((forces - reference_forces) ** 2).sum() if reference_forces is not None else forces.sum() * 0.0
+    surrogate = weights["forces"] * force_sq / counts.force_components
+    terms = {"energy": 0.0, "forces": float(backend.allreduce(np.array([force_sq.item()]))[0]) / counts.force_components,
+             "stress": 0.0}
+    if structure.energy is not None:
+        residual = (totals[9] - structure.energy) / n
+        terms["energy"] = residual**2 / counts.energies
+        surrogate = surrogate + weights["energy"] * (2 * residual / n / counts.energies) * e_local
+    if structure.stress is not None:
+        virial = totals[:9].reshape(3, 3)
+        residual = 0.5 * (virial + virial.T) / volume - structure.stress
+        terms["stress"] = float((residual**2).sum()) / (9 * counts.stresses)
+        coefficient = torch.as_tensor(2 * residual / (9 * counts.stresses) / volume, device=dE_dstrain.device)
+        surrogate = surrogate + weights["stress"] * (coefficient * dE_dstrain).sum()
+    return surrogate, terms
+
+
+# ----------------------------------------------------------------------------- errors
+def error_sums(model, structures, batch_size: int, device) -> np.ndarray:
+    """[9] sums over ``structures``: |ΔE/n|, (ΔE/n)², count; |ΔF|, ΔF², count; |Δσ|, Δσ², count —
+    add them over ranks, then ``error_table``."""
+    sums = np.zeros(9)
+    for start in range(0, len(structures), batch_size):
+        chunk = structures[start:start + batch_size]
+        batch = Batch(chunk, model, device)
+        energy, forces, stress = predict_batch(model, batch, create_graph=False)
+        for k, (pred, ref) in enumerate(((energy.detach() / batch.atoms_per_structure,
+                                          batch.energy / batch.atoms_per_structure),
+                                         (forces.detach(), batch.forces), (stress.detach(), batch.stress))):
+            diff = (pred - ref).flatten()
+            diff = diff[torch.isfinite(diff)].cpu().numpy()
+            sums[3 * k: 3 * k + 3] += [np.abs(diff).sum(), (diff**2).sum(), len(diff)]
+    return sums
+
+
+def error_table(sums: np.ndarray) -> dict:
+    """MAE and RMSE per quantity (energy per atom eV, forces eV/Å, stress eV/Å³; NaN when unlabelled)."""
+    out = {}
+    for k, q in enumerate(QUANTITIES):
+        total, squares, count = sums[3 * k: 3 * k + 3]
+        out[f"{q}_mae"] = total / count if count else float("nan")
+        out[f"{q}_rmse"] = float(np.sqrt(squares / count)) if count else float("nan")
+    return out

@@ -1,0 +1,149 @@
+"""mlip-train: a short run learns; resume is exact; data parallel and graph parallel on 2 ranks equal one
+process; bad data is named; the bundled cu-emt model matches EMT on held-out structures."""
+import csv
+import importlib.util
+import re
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from ase import Atoms
+from ase.calculators.singlepoint import SinglePointCalculator
+from ase.io import write
+
+import potentials
+from conftest import ROOT
+from mlip_parallel.config import ConfigError
+from mlip_parallel.train_cli import CHOICES, SCHEMA, main, train, validate
+from mlip_parallel.training import DataError
+
+spec = importlib.util.spec_from_file_location("generate_cu_emt_data", ROOT / "examples" / "generate_cu_emt_data.py")
+generator = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(generator)
+
+
+@pytest.fixture(scope="module")
+def quick_data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "cu_quick.extxyz"
+    write(path, generator.generate(seed=0, quick=True), format="extxyz")
+    return path
+
+
+def job(directory, data, **changes):
+    config = {"data": {"train": str(data), "validation_fraction": 0.25},
+              "model": {"name": "SchNet", "cutoff": 4.0, "hyperparameters": {"features": 8, "layers": 2},
+                        "dtype": "float64"},
+              "loss": {"energy_weight": 1.0, "forces_weight": 10.0, "stress_weight": 1.0},
+              "optimizer": {"lr": 0.005}, "ema_decay": 0.9, "epochs": 2, "batch_size": 4, "seed": 1,
+              "output": {"directory": str(directory)}}
+    config.update(changes)
+    return config
+
+
+def metrics(directory):
+    with open(directory / "metrics.csv") as f:
+        return [{k: float(v) for k, v in row.items() if k != "seconds"} for row in csv.DictReader(f)]
+
+
+def trained_parameters(directory):
+    return torch.load(directory / "last.pt", weights_only=True)["training"]["model"]
+
+
+def test_short_training_lowers_validation_force_error(quick_data, tmp_path):
+    out = tmp_path / "run"
+    rows = train(validate(job(out, quick_data, epochs=8), SCHEMA, CHOICES))
+    assert rows[-1]["forces_mae"] < 0.9 * rows[0]["forces_mae"], [r["forces_mae"] for r in rows]
+    for name in ("best.pt", "last.pt", "metrics.csv", "learning_curve.png"):
+        assert (out / name).exists(), name
+    best = potentials.load(out / "best.pt")  # an ordinary potentials checkpoint
+    assert isinstance(best, potentials.SchNet) and best.species == ["Cu"]
+    assert [int(r["epoch"]) for r in metrics(out)] == list(range(1, 9))
+    assert main(["eval", str(out / "best.pt"), str(quick_data)]) == 0
+
+
+def test_resume_two_plus_two_epochs_equals_four(quick_data, tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(validate(job(straight, quick_data, epochs=4), SCHEMA, CHOICES))
+    train(validate(job(resumed, quick_data, epochs=2), SCHEMA, CHOICES))
+    train(validate(job(resumed, quick_data, epochs=4, resume=True), SCHEMA, CHOICES))
+    a, b = (torch.load(d / "last.pt", weights_only=True)["training"] for d in (straight, resumed))
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    for key in a["ema"]:
+        assert torch.equal(a["ema"][key], b["ema"][key]), key
+    for state_a, state_b in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
+        assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+    assert metrics(straight) == metrics(resumed)
+
+
+@pytest.mark.parametrize("parallel", ["data", "graph"])
+def test_two_ranks_equal_one_process(mpirun, quick_data, tmp_path, parallel):
+    """Same global batch, float64: parameters after 6 optimizer steps equal the single-process run."""
+    serial, distributed = tmp_path / "serial", tmp_path / "distributed"
+    config = job(serial, quick_data, epochs=2, parallel=parallel, ema_decay=0.0)
+    train(validate(config, SCHEMA, CHOICES))
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(dict(config, output={"directory": str(distributed)})))
+    rc, out, _ = mpirun(2, "-m", "mlip_parallel.train_cli", tmp_path / "job.yaml", timeout=300)
+    assert rc == 0, out
+    assert f"2 rank(s), {parallel} parallel" in out, out
+    a, b = trained_parameters(serial), trained_parameters(distributed)
+    for key in a:
+        scale = max(float(a[key].abs().max()), 1e-12)
+        assert float((a[key] - b[key]).abs().max()) / scale < 1e-8, key
+    assert metrics(serial)[-1]["forces_mae"] == pytest.approx(metrics(distributed)[-1]["forces_mae"], rel=1e-8)
+
+
+def labelled(atoms, forces=True, energy=-1.0):
+    atoms.calc = SinglePointCalculator(atoms, energy=energy, forces=np.zeros((len(atoms), 3)) if forces else None)
+    return atoms
+
+
+def test_bad_data_and_config_are_named(quick_data, tmp_path):
+    no_forces = tmp_path / "no_forces.extxyz"
+    write(no_forces, [labelled(Atoms("Cu2", positions=[[0, 0, 0], [2.5, 0, 0]]), forces=False)] * 4)
+    silver = tmp_path / "silver.extxyz"
+    write(silver, [labelled(Atoms("CuAg", positions=[[0, 0, 0], [2.6, 0, 0]]))] * 4)
+    empty = tmp_path / "empty.extxyz"
+    empty.write_text("")
+    garbage = tmp_path / "garbage.extxyz"
+    garbage.write_text("this is not\na structure file\n")
+    cases = [
+        (job(tmp_path / "a", no_forces), DataError, "no forces"),
+        (job(tmp_path / "b", silver, model={"name": "SchNet", "species": ["Cu"]}), ConfigError, "['Ag'] not known"),
+        (job(tmp_path / "c", empty), DataError, "empty.extxyz"),
+        (job(tmp_path / "d", garbage), DataError, "garbage.extxyz: cannot read"),
+        (job(tmp_path / "e", tmp_path / "missing.extxyz"), DataError, "no such data file"),
+        (dict(job(tmp_path / "f", quick_data), learning_rate=0.1), ConfigError, "unknown key learning_rate"),
+        (job(tmp_path / "g", quick_data, parallel="pipeline"), ConfigError, "parallel must be one of"),
+    ]
+    for config, error, message in cases:
+        with pytest.raises(error, match=re.escape(message)):
+            train(validate(config, SCHEMA, CHOICES))
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(job(tmp_path / "h", no_forces)))
+    assert main([str(tmp_path / "bad.yaml")]) == 2
+
+
+def test_help_documents_every_key(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for key in ("train", "validation_fraction", "hyperparameters", "forces_weight", "gradient_clip", "patience",
+                "ema_decay", "batch_size", "parallel", "resume", "directory"):
+        assert key in out, key
+
+
+def test_bundled_model_matches_emt_on_held_out_structures():
+    """cu-emt (trained with mlip-train on examples/generate_cu_emt_data.py, seed 0) on fresh structures
+    (seed 1234) at 300–900 K: force MAE ≤ 50 meV/Å."""
+    from mlip_parallel.training import error_sums, error_table, read_structures
+
+    model = potentials.load("cu-emt")
+    held_out = [a for a in generator.generate(seed=1234, frames=6) if a.info["temperature_K"] <= 900]
+    path = ROOT / ".pytest_cache" / "cu_emt_held_out.extxyz"
+    path.parent.mkdir(exist_ok=True)
+    write(path, held_out, format="extxyz")
+    errors = error_table(error_sums(model, read_structures(path), 8, model.device))
+    print(f"cu-emt on {len(held_out)} held-out structures: force MAE {1e3 * errors['forces_mae']:.1f} meV/A, "
+          f"energy MAE {1e3 * errors['energy_mae']:.2f} meV/atom")
+    assert errors["forces_mae"] <= 0.050, errors
