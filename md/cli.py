@@ -69,7 +69,7 @@ CHOICES = {"ensemble": ("nve", "langevin", "bussi", "nose-hoover", "npt"), "mode
 
 def validate(config) -> dict:
     """Fill defaults and check every key and type; raise ConfigError naming the key."""
-    return validate_config(config, SCHEMA, CHOICES)
+    return config_validate(config, SCHEMA, CHOICES)
 
 
 def schema_help() -> str:

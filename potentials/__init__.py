@@ -1,6 +1,6 @@
 """Interatomic potentials as torch modules (no MPI here): models, the graph they read, the reference
 single-process ``predict``, and safe checkpoints."""
-from .base import Potential, SpeciesScaleShift
+from .base import BlockPotential, Potential, SpeciesScaleShift
 from .checkpoint import CheckpointError, load, save
 from .errors import InvalidStructureError, MLIPError, UnknownSpeciesError
 from .graph import AtomGraph, NoHalo
@@ -10,6 +10,6 @@ from .painn import PaiNN
 from .predict import energy_forces, predict
 from .schnet import SchNet
 
-__all__ = ["AtomGraph", "CheckpointError", "InvalidStructureError", "LennardJones", "MLIPError", "NequIP", "NoHalo",
+__all__ = ["AtomGraph", "BlockPotential", "CheckpointError", "InvalidStructureError", "LennardJones", "MLIPError", "NequIP", "NoHalo",
            "PaiNN", "Potential", "SchNet", "SpeciesScaleShift", "UnknownSpeciesError", "energy_forces", "load",
            "predict", "save"]

@@ -68,6 +68,43 @@ class Potential(torch.nn.Module):
         raise NotImplementedError
 
 
+class BlockPotential(Potential):
+    """A message-passing model written as parts, so that it can also run as pipeline stages:
+
+    ``context(graph)`` edge features every part may read (recomputed by each stage from its own
+    geometry); ``embed(graph, ctx)`` → h; ``block(k, h, graph, ctx)`` → h for k < ``layers`` (block
+    k > 0 refreshes ghost rows with ``graph.halo`` first); ``readout(h, graph, ctx)`` → per-atom
+    energies [n_local]. h is one tensor [n, ``pipeline_width``] (what travels between stages).
+    ``parts_of(k)`` names the parameters of each part; ``forward`` chains them.
+    """
+
+    pipeline_width: int
+
+    def forward(self, graph: AtomGraph) -> torch.Tensor:
+        ctx = self.context(graph)
+        h = self.embed(graph, ctx)
+        for k in range(self.layers):
+            h = self.block(k, h, graph, ctx)
+        return self.readout_energies(h, graph, ctx)
+
+    def context(self, graph: AtomGraph):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def embed(self, graph: AtomGraph, ctx) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def block(self, k: int, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    def readout_energies(self, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    def part_modules(self) -> dict:
+        """{"embed": [modules], "block": [module of block k], "readout": [modules]}: who owns which
+        parameters (a pipeline stage optimises only its parts')."""
+        raise NotImplementedError  # pragma: no cover
+
+
 class SpeciesScaleShift(torch.nn.Module):
     """e_i = scale[z_i] * out_i + shift[z_i]: per-species energy scale and reference energy (eV).
 

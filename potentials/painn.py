@@ -5,7 +5,7 @@ from typing import Sequence
 
 import torch
 
-from .base import Potential, SpeciesScaleShift
+from .base import BlockPotential, SpeciesScaleShift
 from .graph import AtomGraph
 from .radial import SincBasis, cosine_cutoff
 
@@ -41,7 +41,7 @@ class PaiNNLayer(torch.nn.Module):
         return s, v
 
 
-class PaiNN(Potential):
+class PaiNN(BlockPotential):
     """Polarizable atom interaction neural network.
 
     s0 = embedding(species), v0 = 0; each layer: [l > 0: (s, v) = halo(s, v)]; message; update.
@@ -63,19 +63,29 @@ class PaiNN(Potential):
         self.readout = torch.nn.Sequential(
             torch.nn.Linear(features, features // 2 or 1), torch.nn.SiLU(), torch.nn.Linear(features // 2 or 1, 1))
         self.scale_shift = SpeciesScaleShift(len(self.species))
+        self.pipeline_width = 4 * self.features
 
-    def forward(self, graph: AtomGraph) -> torch.Tensor:
+    # h packs the scalars s [n, F] and the vectors v [n, 3, F] as one [n, 4F] tensor (halo, pipeline)
+    def context(self, graph: AtomGraph):
         vec = graph.edge_vec.to(self.dtype)
         r = vec.norm(dim=1)
-        unit, radial, envelope = vec / r[:, None], self.radial(r), cosine_cutoff(r, self.cutoff)
-        sender, receiver = graph.edge_index
+        return vec / r[:, None], self.radial(r), cosine_cutoff(r, self.cutoff)
+
+    def embed(self, graph: AtomGraph, ctx) -> torch.Tensor:
         s = self.embedding(graph.species)
-        v = s.new_zeros(s.shape[0], 3, self.features)
-        n, f = s.shape[0], self.features
-        for layer, block in enumerate(self.blocks):
-            if layer > 0:
-                sv = graph.halo(torch.cat([s, v.reshape(s.shape[0], 3 * f)], dim=1))
-                s, v = sv[:, :f], sv[:, f:].reshape(n, 3, f)
-            s, v = block(s, v, sender, receiver, unit, radial, envelope, graph.receivers)
-        out = self.readout(s[: graph.n_local]).squeeze(-1)
+        return torch.cat([s, s.new_zeros(s.shape[0], 3 * self.features)], dim=1)
+
+    def block(self, k: int, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
+        if k > 0:
+            h = graph.halo(h)
+        n, f = h.shape[0], self.features
+        sender, receiver = graph.edge_index
+        s, v = self.blocks[k](h[:, :f], h[:, f:].reshape(n, 3, f), sender, receiver, *ctx, graph.receivers)
+        return torch.cat([s, v.reshape(s.shape[0], 3 * f)], dim=1)
+
+    def readout_energies(self, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
+        out = self.readout(h[: graph.n_local, : self.features]).squeeze(-1)
         return self.scale_shift(out, graph.species[: graph.n_local])
+
+    def part_modules(self) -> dict:
+        return {"embed": [self.embedding], "block": list(self.blocks), "readout": [self.readout, self.scale_shift]}

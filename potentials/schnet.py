@@ -6,11 +6,11 @@ from typing import Sequence
 import torch
 from torch_geometric.nn.models.schnet import GaussianSmearing, InteractionBlock, ShiftedSoftplus
 
-from .base import Potential, SpeciesScaleShift
+from .base import BlockPotential, SpeciesScaleShift
 from .graph import AtomGraph
 
 
-class SchNet(Potential):
+class SchNet(BlockPotential):
     """Continuous-filter convolutions over edges within ``cutoff`` (cosine envelope, Gaussian RBFs).
 
     h0 = embedding(species); for each layer l: [l > 0: h = halo(h)]; h = h + interaction_l(h, edges);
@@ -35,14 +35,24 @@ class SchNet(Potential):
         self.readout = torch.nn.Sequential(
             torch.nn.Linear(features, features // 2), ShiftedSoftplus(), torch.nn.Linear(features // 2, 1))
         self.scale_shift = SpeciesScaleShift(len(self.species))
+        self.pipeline_width = self.features
 
-    def forward(self, graph: AtomGraph) -> torch.Tensor:
+    def context(self, graph: AtomGraph):
         distance = graph.edge_vec.to(self.dtype).norm(dim=1)
-        expanded = self.distance_expansion(distance)
-        h = self.embedding(graph.species)
-        for layer, interaction in enumerate(self.interactions):
-            if layer > 0:
-                h = graph.halo(h)
-            h = h + interaction(h, graph.edge_index, distance, expanded)
+        return distance, self.distance_expansion(distance)
+
+    def embed(self, graph: AtomGraph, ctx) -> torch.Tensor:
+        return self.embedding(graph.species)
+
+    def block(self, k: int, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
+        if k > 0:
+            h = graph.halo(h)
+        distance, expanded = ctx
+        return h + self.interactions[k](h, graph.edge_index, distance, expanded)
+
+    def readout_energies(self, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
         out = self.readout(h[: graph.n_local]).squeeze(-1)
         return self.scale_shift(out, graph.species[: graph.n_local])
+
+    def part_modules(self) -> dict:
+        return {"embed": [self.embedding], "block": list(self.interactions), "readout": [self.readout, self.scale_shift]}

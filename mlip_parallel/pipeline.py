@@ -1,0 +1,338 @@
+"""Pipeline-parallel training with conservative forces (DESIGN.md §5).
+
+A ``BlockPotential``'s interaction blocks are split over S stages, one rank each (stage 0 also holds
+the embedding, the last stage the readout). Every stage reads the same micro-batch (positions and
+edges are cheap to rebuild); only node features and their gradients travel between stages, through
+torch.distributed point-to-point messages. Per micro-batch the force loss takes four sweeps:
+
+    F  (0 → S−1)  h_s = blocks_s(h_{s−1}; x)                          last stage: E = readout(h)
+    B1 (S−1 → 0)  g_{s−1}, f_s = ∂h_s/∂(h_{s−1}, x) · g_s  (create_graph)   carry Σ f_s down;
+                  stage 0: F = −Σ f, σ = sym(Σ f_ε)/V → force/stress loss, dL/df_s = −dL/dF (all s)
+    A  (0 → S−1)  backward through stage s's B1 graph, seeds dL/df_s and the cotangent of g_{s−1}
+                  (from stage s−1): parameter gradients, the cotangent of g_s (sent up) and of h_{s−1}
+                  (held for B)
+    B  (S−1 → 0)  backward through stage s's forward graph, seed = cotangent of h_s (from stage s+1:
+                  its A and B parts), on the last stage dL/dE: parameter gradients, cotangent of h_{s−1}
+
+Energy-only training runs F and B. The order of sweeps over micro-batches is a schedule
+(``mlip_parallel.schedule``), which never touches tensors; ``PipelineStage`` executes actions and never
+decides order. Parameter gradients equal single-process double-backward gradients (the test).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from potentials.graph import AtomGraph
+
+from .training import Batch, Counts
+
+WEIGHTS_KEYS = ("energy", "forces", "stress")
+
+
+def block_costs(model, batch: Batch) -> list:
+    """Measured seconds of each interaction block's forward + force backward on ``batch`` (for
+    cost-balanced boundaries)."""
+    import time
+
+    geometry = _Geometry(model, batch)
+    ctx = model.context(geometry.graph)
+    h = model.embed(geometry.graph, ctx).detach()
+    costs = []
+    for k in range(model.layers):
+        h_in = h.detach().requires_grad_(True)
+        seconds = []
+        for _ in range(3):  # the first call warms up; keep the fastest
+            start = time.perf_counter()
+            out = model.block(k, h_in, geometry.graph, ctx)
+            torch.autograd.grad(out, [h_in, geometry.pos], torch.ones_like(out), retain_graph=True, allow_unused=True)
+            seconds.append(time.perf_counter() - start)
+        costs.append(min(seconds))
+        h = out.detach()
+    return costs
+
+
+def split_blocks(costs, stages: int) -> list:
+    """Boundaries [S + 1] (block indices) of contiguous groups with the most even summed ``costs``
+    (each stage at least one block): b_s ≤ blocks of stage s < b_{s+1}."""
+    n = len(costs)
+    if not 1 <= stages <= n:
+        raise ValueError(f"cannot split {n} interaction blocks over {stages} stages (need 1 <= stages <= blocks)")
+    prefix = np.concatenate([[0.0], np.cumsum(costs)])
+    best = {}
+
+    def solve(start, parts):  # minimal largest stage cost of blocks[start:] in `parts` stages
+        if (start, parts) in best:
+            return best[start, parts]
+        if parts == 1:
+            result = (prefix[n] - prefix[start], [n])
+        else:
+            result = (np.inf, None)
+            for end in range(start + 1, n - parts + 2):
+                rest, cuts = solve(end, parts - 1)
+                worst = max(prefix[end] - prefix[start], rest)
+                if worst < result[0]:
+                    result = (worst, [end] + cuts)
+        best[start, parts] = result
+        return result
+
+    return [0] + solve(0, stages)[1]
+
+
+class _Geometry:
+    """One stage's copy of a micro-batch's geometry: leaves ``pos`` [N, 3] and ``strain`` [B, 3, 3]
+    (float64, requiring grad) and the graph built from them."""
+
+    def __init__(self, model, batch: Batch):
+        self.pos = batch.positions.clone().requires_grad_(True)
+        self.strain = torch.zeros(batch.size, 3, 3, dtype=torch.float64, device=self.pos.device, requires_grad=True)
+        pos_s = self.pos + torch.einsum("ni,nij->nj", self.pos, self.strain[batch.batch])
+        cell_s = batch.cells + batch.cells @ self.strain
+        edge_vec = pos_s[batch.j] - pos_s[batch.i] + torch.einsum("ei,eij->ej", batch.shifts,
+                                                                  cell_s[batch.edge_batch])
+        self.graph = AtomGraph(species=batch.species, edge_index=torch.stack([batch.j, batch.i]),
+                               edge_vec=edge_vec, n_local=len(self.pos))
+
+
+def _tag(m: int, sweep: str, part: int) -> int:
+    return (m * 4 + ("F", "B1", "A", "B").index(sweep)) * 4 + part
+
+
+class PipelineStage:
+    """Stage ``stage`` of ``stages``: owns blocks [boundaries[stage], boundaries[stage + 1]) of
+    ``model`` (plus the embedding on stage 0, the readout on the last). ``peers``: global ranks of
+    the previous and next stage (None at the ends). ``batches[m]``: micro-batch m (a ``Batch``) —
+    the same on every stage; ``counts``: sizes of the whole global batch (the loss normalisation).
+
+    Call ``run(actions, batches, counts, weights)`` with this stage's list of schedule actions; it
+    accumulates the owned parameters' gradients and returns this stage's share of the loss value.
+    """
+
+    def __init__(self, model, stage: int, stages: int, boundaries, peers):
+        self.model, self.stage, self.stages = model, stage, stages
+        self.first, self.last = stage == 0, stage == stages - 1
+        self.blocks = range(boundaries[stage], boundaries[stage + 1])
+        self.prev, self.next = peers
+        parts = model.part_modules()
+        owned = [parts["block"][k] for k in self.blocks]
+        owned += parts["embed"] if self.first else []
+        owned += parts["readout"] if self.last else []
+        self.parameters = [p for module in owned for p in module.parameters() if p.requires_grad]
+        self.state: dict = {}
+        self.pending: list = []
+        self.in_flight_peak = 0
+
+    # ---------------------------------------------------------------- messages
+    # Each message is tagged with (micro-batch, sweep, part): a schedule may interleave sweeps of
+    # different micro-batches differently on the two ends of a link.
+    def _send(self, tensor, to, m, sweep, part=0):
+        import torch.distributed as dist
+        self.pending.append(dist.isend(tensor.detach().contiguous(), to, tag=_tag(m, sweep, part)))
+
+    def _recv(self, shape, dtype, source, m, sweep, part=0):
+        import torch.distributed as dist
+        out = torch.empty(shape, dtype=dtype, device=self.model.device)
+        dist.recv(out, source, tag=_tag(m, sweep, part))
+        return out
+
+    # ------------------------------------------------------------------ sweeps
+    def forward(self, m: int) -> None:
+        batch = self.batches[m]
+        geometry = _Geometry(self.model, batch)
+        ctx = self.model.context(geometry.graph)
+        n, width = len(batch.species), self.model.pipeline_width
+        if self.first:
+            h_in, h = None, self.model.embed(geometry.graph, ctx)
+        else:
+            h_in = self._recv((n, width), self.model.dtype, self.prev, m, "F").requires_grad_(True)
+            h = h_in
+        for k in self.blocks:
+            h = self.model.block(k, h, geometry.graph, ctx)
+        if self.last:
+            energies = self.model.readout_energies(h, geometry.graph, ctx).to(torch.float64)
+            out = torch.zeros(batch.size, dtype=torch.float64, device=h.device).index_add(0, batch.batch, energies)
+        else:
+            out = h
+            self._send(h, self.next, m, "F")
+        self.state[m] = {"geometry": geometry, "h_in": h_in, "out": out}
+        self.in_flight_peak = max(self.in_flight_peak, len(self.state))
+
+    def force_backward(self, m: int) -> None:
+        s, batch = self.state[m], self.batches[m]
+        geometry, out = s["geometry"], s["out"]
+        if self.last:
+            g_out = torch.ones_like(out)  # dE/dE
+        else:
+            g_out = self._recv(out.shape, out.dtype, self.next, m, "B1").requires_grad_(True)
+        inputs = [geometry.pos, geometry.strain] + ([] if self.first else [s["h_in"]])
+        grads = torch.autograd.grad(out, inputs, g_out, create_graph=True, allow_unused=True)
+        f_pos, f_strain = (g if g is not None else torch.zeros_like(x) for g, x in zip(grads[:2], inputs[:2]))
+        carry_pos, carry_strain = f_pos.detach(), f_strain.detach()
+        if not self.last:
+            carry_pos = carry_pos + self._recv(f_pos.shape, torch.float64, self.next, m, "B1", 1)
+            carry_strain = carry_strain + self._recv(f_strain.shape, torch.float64, self.next, m, "B1", 2)
+        s.update(g_out=g_out, f_pos=f_pos, f_strain=f_strain, g_in=None if self.first else grads[2])
+        if not self.first:
+            self._send(grads[2], self.prev, m, "B1")
+            self._send(carry_pos, self.prev, m, "B1", 1)
+            self._send(carry_strain, self.prev, m, "B1", 2)
+            return
+        # stage 0: forces and stress of the whole model → their loss and its cotangents
+        forces = -carry_pos
+        stress = 0.5 * (carry_strain + carry_strain.transpose(1, 2)) / batch.volumes[:, None, None]
+        df = torch.nan_to_num(forces - batch.forces)
+        ds = torch.nan_to_num(stress - batch.stress)
+        w, c = self.weights, self.counts
+        self.loss_value += float(w["forces"] * (df**2).sum() / c.force_components
+                                 + w["stress"] * (ds**2).sum() / (9 * c.stresses))
+        dL_dforces = w["forces"] * 2 * df / c.force_components
+        dL_dstress = w["stress"] * 2 * ds / (9 * c.stresses)
+        dL_dcarry_strain = 0.5 * (dL_dstress + dL_dstress.transpose(1, 2)) / batch.volumes[:, None, None]
+        s["cot_f"] = (-dL_dforces, dL_dcarry_strain)  # dL/df_s, the same for every stage
+
+    def double_backward_up(self, m: int) -> None:
+        s = self.state[m]
+        if self.first:
+            cot_pos, cot_strain = s["cot_f"]
+            cot_g_in = None
+        else:
+            cot_g_in = self._recv(s["g_in"].shape, s["g_in"].dtype, self.prev, m, "A")
+            cot_pos = self._recv(s["f_pos"].shape, torch.float64, self.prev, m, "A", 1)
+            cot_strain = self._recv(s["f_strain"].shape, torch.float64, self.prev, m, "A", 2)
+        tensors, seeds = [s["f_pos"], s["f_strain"]], [cot_pos, cot_strain]
+        if not self.first:
+            tensors.append(s["g_in"]), seeds.append(cot_g_in)
+        inputs = list(self.parameters) + ([] if self.last else [s["g_out"]]) + ([] if self.first else [s["h_in"]])
+        keep = [k for k, t in enumerate(tensors) if t.requires_grad]
+        torch.autograd.backward([tensors[k] for k in keep], [seeds[k] for k in keep], retain_graph=True,
+                                inputs=inputs)
+        if not self.last:
+            g = s["g_out"].grad
+            self._send(g if g is not None else torch.zeros_like(s["g_out"]), self.next, m, "A")
+            self._send(cot_pos, self.next, m, "A", 1)
+            self._send(cot_strain, self.next, m, "A", 2)
+        for key in ("f_pos", "f_strain", "g_in", "g_out"):
+            s.pop(key, None)
+
+    def backward(self, m: int) -> None:
+        s, batch = self.state.pop(m), self.batches[m]
+        out = s["out"]
+        if self.last:
+            w, c = self.weights, self.counts
+            residual = torch.nan_to_num((out.detach() - batch.energy) / batch.atoms_per_structure)
+            self.loss_value += float(w["energy"] * (residual**2).sum() / c.energies)
+            seed = w["energy"] * 2 * residual / batch.atoms_per_structure / c.energies
+        else:
+            seed = self._recv(out.shape, out.dtype, self.next, m, "B")
+        inputs = list(self.parameters) + ([] if self.first else [s["h_in"]])
+        if out.requires_grad:
+            torch.autograd.backward([out], [seed], inputs=inputs)
+        if not self.first:
+            g = s["h_in"].grad
+            self._send(g if g is not None else torch.zeros_like(s["h_in"]), self.prev, m, "B")
+
+    SWEEPS = {"F": forward, "B1": force_backward, "A": double_backward_up, "B": backward}
+
+    def run(self, actions, batches, counts: Counts, weights: dict) -> float:
+        """Execute this stage's ``actions`` (schedule order) over ``batches``; gradients accumulate
+        into the owned parameters' ``.grad``. Returns this stage's part of the loss (the force and
+        stress terms on stage 0, the energy term on the last; sum over stages for the total)."""
+        self.batches, self.counts, self.weights, self.loss_value = batches, counts, weights, 0.0
+        for action in actions:
+            self.SWEEPS[action.sweep](self, action.microbatch)
+        for request in self.pending:
+            request.wait()
+        self.pending = []
+        return self.loss_value
+
+
+class PipelineTrainer:
+    """Data parallel × pipeline parallel over torch.distributed's world (initialise it first): ranks
+    [d·S, d·S + S) form pipeline replica d; stage s of every replica holds the same blocks and their
+    gradients are summed over replicas. ``schedule``: a name in ``schedule.SCHEDULES``; ``sweeps``:
+    "forces" (four sweeps; energy, force and stress loss) or "energy" (two sweeps). ``boundaries``
+    [S + 1] block indices, or None to balance measured block costs on ``sample`` (a ``Batch``).
+    ``two_bw``: PipeDream-2BW — the gradient of step t is computed with the weights of step t − 1
+    and applied to the current ones (one-step-stale updates, two weight versions).
+    """
+
+    def __init__(self, model, stages: int, microbatches: int, schedule: str = "1f1b", sweeps: str = "forces",
+                 boundaries=None, sample: Batch | None = None, two_bw: bool = False):
+        import torch.distributed as dist
+
+        from .schedule import SCHEDULES, SWEEPS, check
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world % stages:
+            raise ValueError(f"{world} ranks cannot hold pipelines of {stages} stages (ranks = replicas × stages)")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}; known {sorted(SCHEDULES)}")
+        self.stages, self.microbatches, self.replicas = stages, microbatches, world // stages
+        self.replica, stage = divmod(rank, stages)
+        if boundaries is None:
+            costs = block_costs(model, sample) if rank == 0 else None
+            holder = [costs]
+            dist.broadcast_object_list(holder, src=0)
+            boundaries = split_blocks(holder[0], stages)
+        self.boundaries = list(boundaries)
+        if len(self.boundaries) != stages + 1 or self.boundaries[0] != 0 or self.boundaries[-1] != model.layers \
+                or any(b >= c for b, c in zip(self.boundaries, self.boundaries[1:])):
+            raise ValueError(f"boundaries must rise from 0 to {model.layers} in {stages} steps, got {self.boundaries}")
+        peers = (rank - 1 if stage > 0 else None, rank + 1 if stage < stages - 1 else None)
+        self.stage = PipelineStage(model, stage, stages, self.boundaries, peers)
+        self.actions = SCHEDULES[schedule](stages, microbatches, SWEEPS[sweeps])
+        self.timeline = check(self.actions, stages, microbatches, SWEEPS[sweeps])
+        self.actions = self.actions[stage]
+        groups = [dist.new_group([d * stages + s for d in range(self.replicas)]) for s in range(stages)]
+        self.replica_group = groups[stage]
+        self.two_bw = two_bw
+        self.stale = [p.detach().clone() for p in self.stage.parameters] if two_bw else None
+
+    @property
+    def parameters(self) -> list:
+        """This stage's parameters (give them to the optimizer)."""
+        return self.stage.parameters
+
+    def gradients(self, structures, weights: dict) -> float:
+        """Accumulate d loss / d parameters of the global batch ``structures`` into this stage's
+        parameters' ``.grad`` (zeroed first); return the loss (every rank)."""
+        import torch.distributed as dist
+
+        for p in self.parameters:
+            p.grad = None
+        mine = structures[self.replica::self.replicas]
+        if len(mine) < self.microbatches:
+            raise ValueError(f"{len(mine)} structures per pipeline cannot fill {self.microbatches} micro-batches")
+        chunks = np.array_split(np.arange(len(mine)), self.microbatches)
+        batches = [Batch([mine[k] for k in chunk], self.stage.model, self.stage.model.device) for chunk in chunks]
+        loss = self.stage.run(self.actions, batches, Counts.of(structures), weights)
+        if self.replicas > 1:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.parameters]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.replica_group)
+            offset = 0
+            for p, g in zip(self.parameters, grads):
+                p.grad = flat[offset: offset + g.numel()].view_as(g).clone()
+                offset += g.numel()
+        total = torch.tensor([loss], dtype=torch.float64)
+        dist.all_reduce(total)
+        return float(total[0])
+
+    def step(self, structures, weights: dict, optimizer) -> float:
+        """One optimizer step on the global batch ``structures`` (2BW: gradient at the previous
+        weights, applied to the current ones). Returns the loss."""
+        if not self.two_bw:
+            loss = self.gradients(structures, weights)
+            optimizer.step()
+            return loss
+        current = [p.detach().clone() for p in self.parameters]
+        with torch.no_grad():
+            for p, old in zip(self.parameters, self.stale):
+                p.copy_(old)
+        loss = self.gradients(structures, weights)
+        with torch.no_grad():
+            for p, now in zip(self.parameters, current):
+                p.copy_(now)
+        optimizer.step()
+        self.stale = current
+        return loss
