@@ -205,7 +205,12 @@ def simulate(config) -> list:
         if root:
             frame = Atoms(numbers=numbers, positions=positions, cell=system.cell, pbc=system.pbc)
             frame.set_velocities(velocities)
-            write(directory / name, frame, format="traj" if name.endswith(".traj") else "extxyz", append=append)
+            if name.endswith(".traj"):  # ase.io.write cannot append to .traj files: use the Trajectory
+                from ase.io.trajectory import Trajectory
+                with Trajectory(directory / name, "a" if append else "w") as trajectory_file:
+                    trajectory_file.write(frame)
+            else:
+                write(directory / name, frame, format="extxyz", append=append)
 
     rows, step = [], first_step
     stops = {steps} | {s for n in (every, traj_every, restart_every) if n for s in range(0, steps + 1, n)}
