@@ -94,6 +94,16 @@ class _Geometry:
                                edge_vec=edge_vec, n_local=len(self.pos))
 
 
+def owned_parameters(model, stage: int, stages: int, boundaries) -> list:
+    """The parameters stage ``stage`` trains: its blocks', plus the embedding's on the first stage and
+    the readout's on the last."""
+    parts = model.part_modules()
+    owned = [parts["block"][k] for k in range(boundaries[stage], boundaries[stage + 1])]
+    owned += parts["embed"] if stage == 0 else []
+    owned += parts["readout"] if stage == stages - 1 else []
+    return [p for module in owned for p in module.parameters() if p.requires_grad]
+
+
 def _tag(m: int, sweep: str, part: int) -> int:
     return (m * 4 + ("F", "B1", "A", "B").index(sweep)) * 4 + part
 
@@ -103,24 +113,22 @@ class PipelineStage:
     ``model`` (plus the embedding on stage 0, the readout on the last). ``peers``: global ranks of
     the previous and next stage (None at the ends). ``batches[m]``: micro-batch m (a ``Batch``) —
     the same on every stage; ``counts``: sizes of the whole global batch (the loss normalisation).
+    ``recompute``: keep only each micro-batch's stage input between its forward and its first
+    backward sweep, and recompute the stage's forward then (activation recomputation).
 
     Call ``run(actions, batches, counts, weights)`` with this stage's list of schedule actions; it
     accumulates the owned parameters' gradients and returns this stage's share of the loss value.
     """
 
-    def __init__(self, model, stage: int, stages: int, boundaries, peers):
-        self.model, self.stage, self.stages = model, stage, stages
+    def __init__(self, model, stage: int, stages: int, boundaries, peers, recompute: bool = False):
+        self.model, self.stage, self.stages, self.recompute = model, stage, stages, recompute
         self.first, self.last = stage == 0, stage == stages - 1
         self.blocks = range(boundaries[stage], boundaries[stage + 1])
         self.prev, self.next = peers
-        parts = model.part_modules()
-        owned = [parts["block"][k] for k in self.blocks]
-        owned += parts["embed"] if self.first else []
-        owned += parts["readout"] if self.last else []
-        self.parameters = [p for module in owned for p in module.parameters() if p.requires_grad]
+        self.parameters = owned_parameters(model, stage, stages, boundaries)
         self.state: dict = {}
         self.pending: list = []
-        self.in_flight_peak = 0
+        self.in_flight_peak, self.wait_seconds, self.run_seconds = 0, 0.0, 0.0
 
     # ---------------------------------------------------------------- messages
     # Each message is tagged with (micro-batch, sweep, part): a schedule may interleave sweeps of
@@ -130,35 +138,58 @@ class PipelineStage:
         self.pending.append(dist.isend(tensor.detach().contiguous(), to, tag=_tag(m, sweep, part)))
 
     def _recv(self, shape, dtype, source, m, sweep, part=0):
+        import time
+
         import torch.distributed as dist
         out = torch.empty(shape, dtype=dtype, device=self.model.device)
+        start = time.perf_counter()
         dist.recv(out, source, tag=_tag(m, sweep, part))
+        self.wait_seconds += time.perf_counter() - start
         return out
 
     # ------------------------------------------------------------------ sweeps
     def forward(self, m: int) -> None:
         batch = self.batches[m]
+        n, width = len(batch.species), self.model.pipeline_width
+        h_in = None if self.first else self._recv((n, width), self.model.dtype, self.prev, m, "F")
+        if self.recompute:  # keep only the input; the graph is rebuilt before the first backward sweep
+            with torch.no_grad():
+                out = self._stage_forward(batch, h_in)[2]
+            self.state[m] = {"h_in_value": h_in}
+        else:
+            geometry, h_in, out = self._stage_forward(batch, h_in)
+            self.state[m] = {"geometry": geometry, "h_in": h_in, "out": out}
+        if not self.last:
+            self._send(out, self.next, m, "F")
+        self.in_flight_peak = max(self.in_flight_peak, len(self.state))
+
+    def _stage_forward(self, batch, h_in):
+        """(geometry, h_in leaf, output) of this stage's blocks: h [N, width], or E [B] on the last."""
         geometry = _Geometry(self.model, batch)
         ctx = self.model.context(geometry.graph)
-        n, width = len(batch.species), self.model.pipeline_width
         if self.first:
-            h_in, h = None, self.model.embed(geometry.graph, ctx)
+            h = self.model.embed(geometry.graph, ctx)
         else:
-            h_in = self._recv((n, width), self.model.dtype, self.prev, m, "F").requires_grad_(True)
+            h_in = h_in.detach().requires_grad_(True)
             h = h_in
         for k in self.blocks:
             h = self.model.block(k, h, geometry.graph, ctx)
-        if self.last:
-            energies = self.model.readout_energies(h, geometry.graph, ctx).to(torch.float64)
-            out = torch.zeros(batch.size, dtype=torch.float64, device=h.device).index_add(0, batch.batch, energies)
-        else:
-            out = h
-            self._send(h, self.next, m, "F")
-        self.state[m] = {"geometry": geometry, "h_in": h_in, "out": out}
-        self.in_flight_peak = max(self.in_flight_peak, len(self.state))
+        if not self.last:
+            return geometry, h_in, h
+        energies = self.model.readout_energies(h, geometry.graph, ctx).to(torch.float64)
+        return geometry, h_in, torch.zeros(batch.size, dtype=torch.float64, device=h.device).index_add(
+            0, batch.batch, energies)
+
+    def _graph(self, m: int) -> dict:
+        """Micro-batch m's state with its forward graph (recomputed here under ``recompute``)."""
+        s = self.state[m]
+        if "h_in_value" in s:
+            geometry, h_in, out = self._stage_forward(self.batches[m], s.pop("h_in_value"))
+            s.update(geometry=geometry, h_in=h_in, out=out)
+        return s
 
     def force_backward(self, m: int) -> None:
-        s, batch = self.state[m], self.batches[m]
+        s, batch = self._graph(m), self.batches[m]
         geometry, out = s["geometry"], s["out"]
         if self.last:
             g_out = torch.ones_like(out)  # dE/dE
@@ -215,7 +246,8 @@ class PipelineStage:
             s.pop(key, None)
 
     def backward(self, m: int) -> None:
-        s, batch = self.state.pop(m), self.batches[m]
+        s, batch = self._graph(m), self.batches[m]
+        del self.state[m]
         out = s["out"]
         if self.last:
             w, c = self.weights, self.counts
@@ -237,12 +269,16 @@ class PipelineStage:
         """Execute this stage's ``actions`` (schedule order) over ``batches``; gradients accumulate
         into the owned parameters' ``.grad``. Returns this stage's part of the loss (the force and
         stress terms on stage 0, the energy term on the last; sum over stages for the total)."""
+        import time
+
         self.batches, self.counts, self.weights, self.loss_value = batches, counts, weights, 0.0
+        self.wait_seconds, start = 0.0, time.perf_counter()
         for action in actions:
             self.SWEEPS[action.sweep](self, action.microbatch)
         for request in self.pending:
             request.wait()
         self.pending = []
+        self.run_seconds = time.perf_counter() - start  # of which wait_seconds blocked in receives
         return self.loss_value
 
 
@@ -253,11 +289,12 @@ class PipelineTrainer:
     "forces" (four sweeps; energy, force and stress loss) or "energy" (two sweeps). ``boundaries``
     [S + 1] block indices, or None to balance measured block costs on ``sample`` (a ``Batch``).
     ``two_bw``: PipeDream-2BW — the gradient of step t is computed with the weights of step t − 1
-    and applied to the current ones (one-step-stale updates, two weight versions).
+    and applied to the current ones (one-step-stale updates, two weight versions). ``recompute``:
+    activation recomputation (see ``PipelineStage``).
     """
 
     def __init__(self, model, stages: int, microbatches: int, schedule: str = "1f1b", sweeps: str = "forces",
-                 boundaries=None, sample: Batch | None = None, two_bw: bool = False):
+                 boundaries=None, sample: Batch | None = None, two_bw: bool = False, recompute: bool = False):
         import torch.distributed as dist
 
         from .schedule import SCHEDULES, SWEEPS, check
@@ -279,7 +316,7 @@ class PipelineTrainer:
                 or any(b >= c for b, c in zip(self.boundaries, self.boundaries[1:])):
             raise ValueError(f"boundaries must rise from 0 to {model.layers} in {stages} steps, got {self.boundaries}")
         peers = (rank - 1 if stage > 0 else None, rank + 1 if stage < stages - 1 else None)
-        self.stage = PipelineStage(model, stage, stages, self.boundaries, peers)
+        self.stage = PipelineStage(model, stage, stages, self.boundaries, peers, recompute)
         self.actions = SCHEDULES[schedule](stages, microbatches, SWEEPS[sweeps])
         self.timeline = check(self.actions, stages, microbatches, SWEEPS[sweeps])
         self.actions = self.actions[stage]
@@ -318,21 +355,50 @@ class PipelineTrainer:
         dist.all_reduce(total)
         return float(total[0])
 
-    def step(self, structures, weights: dict, optimizer) -> float:
+    def step(self, structures, weights: dict, optimizer, clip_norm: float = 0.0) -> float:
         """One optimizer step on the global batch ``structures`` (2BW: gradient at the previous
-        weights, applied to the current ones). Returns the loss."""
-        if not self.two_bw:
-            loss = self.gradients(structures, weights)
-            optimizer.step()
-            return loss
-        current = [p.detach().clone() for p in self.parameters]
-        with torch.no_grad():
-            for p, old in zip(self.parameters, self.stale):
-                p.copy_(old)
+        weights, applied to the current ones); ``clip_norm`` > 0 clips the norm of the whole model's
+        gradient (summed over stages). Returns the loss."""
+        current = [p.detach().clone() for p in self.parameters] if self.two_bw else None
+        if self.two_bw:
+            with torch.no_grad():
+                for p, old in zip(self.parameters, self.stale):
+                    p.copy_(old)
         loss = self.gradients(structures, weights)
-        with torch.no_grad():
-            for p, now in zip(self.parameters, current):
-                p.copy_(now)
+        if self.two_bw:
+            with torch.no_grad():
+                for p, now in zip(self.parameters, current):
+                    p.copy_(now)
+            self.stale = current
+        if clip_norm > 0:
+            import torch.distributed as dist
+            square = torch.stack([p.grad.pow(2).sum() for p in self.parameters if p.grad is not None]).sum() \
+                if self.parameters else torch.zeros(())
+            square = square.to(torch.float64).reshape(1)
+            dist.all_reduce(square)  # every replica holds the same gradients: divide their copies out
+            norm = float(square[0] / self.replicas) ** 0.5
+            if norm > clip_norm:
+                for p in self.parameters:
+                    if p.grad is not None:
+                        p.grad.mul_(clip_norm / (norm + 1e-6))
         optimizer.step()
-        self.stale = current
         return loss
+
+    def broadcast_parameters(self, *models) -> None:
+        """Copy every stage's trained parameters (from replica 0) into the full ``models`` (the
+        pipelined model, its EMA copy, ...) on every rank: call on every rank, e.g. before validation
+        and checkpoints. ``models`` must have the pipelined model's architecture."""
+        import torch.distributed as dist
+
+        index = {id(p): k for k, p in enumerate(self.stage.model.parameters())}
+        for s in range(self.stages):
+            owned = [index[id(p)] for p in owned_parameters(self.stage.model, s, self.stages, self.boundaries)]
+            for model in models:
+                params = list(model.parameters())
+                flat = torch.cat([params[k].detach().reshape(-1) for k in owned])
+                dist.broadcast(flat, src=s)
+                offset = 0
+                with torch.no_grad():
+                    for k in owned:
+                        params[k].copy_(flat[offset: offset + params[k].numel()].view_as(params[k]))
+                        offset += params[k].numel()

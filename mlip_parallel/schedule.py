@@ -72,21 +72,39 @@ def gpipe(stages, microbatches, sweeps=SWEEPS["forces"]):
 
 
 def one_f_one_b(stages, microbatches, sweeps=SWEEPS["forces"]):
-    """Memory-bounded 1F1B: stage s runs min(S - s, M) warm-up forwards, then repeatedly completes the oldest
-    in-flight micro-batch (its remaining sweeps, in order) and starts the next forward, if any is left.
-    At most S - s micro-batches are in flight on stage s (S on stage 0)."""
-    first, rest = sweeps[0], sweeps[1:]
-    out = []
-    for s in range(stages):
-        nxt = min(stages - s, microbatches)
-        acts = [Action(s, first, m) for m in range(nxt)]
-        for m in range(microbatches):
-            acts += [Action(s, sw, m) for sw in rest]
-            if nxt < microbatches:
-                acts.append(Action(s, first, nxt))
-                nxt += 1
-        out.append(acts)
-    return out
+    """Memory-bounded 1F1B-style order: at most S micro-batches in flight on any stage. Built by running
+    the execution model greedily: at every step each stage runs, if one is ready, a backward sweep of its
+    oldest in-flight micro-batch (the oldest first, so memory is freed soonest), else starts its next
+    forward while fewer than S micro-batches are in flight on it, else idles. For the energy loss
+    (two sweeps) this is the classic one-forward-one-backward steady state; for the four force sweeps
+    it fills the round trip of B1 → A → B with other micro-batches' work."""
+    sweeps = tuple(sweeps)
+    first, backward = sweeps[0], sweeps[1:]
+    lists = [[] for _ in range(stages)]
+    done, in_flight, next_forward = set(), [[] for _ in range(stages)], [0] * stages
+    total = stages * microbatches * len(sweeps)
+    while len(done) < total:
+        row = []
+        for s in range(stages):
+            ready = [Action(s, sw, m) for m in in_flight[s] for sw in backward
+                     if Action(s, sw, m) not in done
+                     and all(d in done for d in dependencies(Action(s, sw, m), stages, sweeps))]
+            forward = Action(s, first, next_forward[s])
+            if ready:
+                row.append(ready[0])
+            elif next_forward[s] < microbatches and len(in_flight[s]) < stages \
+                    and all(d in done for d in dependencies(forward, stages, sweeps)):
+                row.append(forward)
+                next_forward[s] += 1
+                in_flight[s].append(forward.microbatch)
+        if not row:  # cannot happen under the dependency rules; a guard against an endless loop
+            raise ScheduleError(f"1F1B construction stalled with {total - len(done)} actions left")
+        for a in row:
+            lists[a.stage].append(a)
+            if a.sweep == sweeps[-1]:
+                in_flight[a.stage].remove(a.microbatch)
+        done.update(row)
+    return lists
 
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}

@@ -60,14 +60,25 @@ SCHEMA = {
     "epochs": (int, 100, "number of epochs"),
     "batch_size": (int, 8, "structures per global batch (split over the ranks in data parallel)"),
     "seed": (int, 0, "seed of the split, the shuffling and the initial weights"),
-    "parallel": (str, "data", "data (each rank a share of every batch) or graph (each structure split by space)"),
+    "parallel": (str, "data", "data (each rank a share of every batch), graph (each structure split by space) "
+                              "or pipeline (the model's blocks split over stages; see pipeline)"),
+    "pipeline": {
+        "stages": (int, 2, "pipeline: stages per pipeline; ranks = replicas × stages (data parallel across replicas)"),
+        "microbatches": (int, 4, "pipeline: micro-batches per global batch and replica"),
+        "schedule": (str, "1f1b", "pipeline: gpipe or 1f1b (at most stages micro-batches in flight per stage)"),
+        "boundaries": (list, None, "pipeline: block index where each stage starts, plus the end, e.g. [0, 2, 6] "
+                                   "(default: balance measured block costs)"),
+        "two_bw": (bool, False, "pipeline: PipeDream-2BW one-step-stale weight updates"),
+        "recompute": (bool, False, "pipeline: recompute each stage's forward before its backward sweeps"),
+    },
     "resume": (bool, False, "continue from OUTPUT/last.pt when it exists (same config; epochs = the new total)"),
     "output": {
         "directory": (str, "train_output", "output directory"),
     },
 }
 CHOICES = {"model.name": ("SchNet", "PaiNN", "NequIP"), "model.dtype": ("float32", "float64"),
-           "schedule.name": ("plateau", "cosine", "none"), "parallel": ("data", "graph")}
+           "schedule.name": ("plateau", "cosine", "none"), "parallel": ("data", "graph", "pipeline"),
+           "pipeline.schedule": ("gpipe", "1f1b")}
 METRIC_COLUMNS = ("epoch", "train_loss", "val_loss", "energy_mae", "energy_rmse", "forces_mae", "forces_rmse",
                   "stress_mae", "stress_rmse", "lr", "seconds")
 
@@ -87,7 +98,7 @@ class Processes:
         self.size = int(os.environ["WORLD_SIZE"]) if torchrun else self.backend.size
         if parallel == "graph" and torchrun:
             raise ConfigError("parallel: graph runs under mpiexec (it uses the MPI halo exchange), not torchrun")
-        if parallel == "data" and self.size > 1:
+        if parallel in ("data", "pipeline") and self.size > 1:
             import torch
             import torch.distributed as dist
 
@@ -213,6 +224,26 @@ def train(config) -> list:
         torch.device("cpu")
     model.to(device)
     parameters = [p for p in model.parameters() if p.requires_grad]
+    pipeline = None
+    if procs.parallel == "pipeline":
+        from .pipeline import PipelineTrainer
+
+        pc = config["pipeline"]
+        if not hasattr(model, "part_modules"):
+            raise ConfigError(f"parallel: pipeline needs a model written as blocks (SchNet, PaiNN), not {config['model']['name']}")
+        if resume:
+            raise ConfigError("resume is not supported with parallel: pipeline yet (each stage holds its own optimizer)")
+        if procs.size % pc["stages"] or pc["stages"] > model.layers:
+            raise ConfigError(f"pipeline.stages = {pc['stages']} must divide the {procs.size} rank(s) and be at most "
+                              f"the model's {model.layers} blocks")
+        sweeps = "energy" if weights["forces"] == 0 and weights["stress"] == 0 else "forces"
+        try:
+            pipeline = PipelineTrainer(model, pc["stages"], pc["microbatches"], pc["schedule"], sweeps,
+                                       boundaries=pc["boundaries"], sample=Batch(train_set[:1], model, device),
+                                       two_bw=pc["two_bw"], recompute=pc["recompute"])
+        except ValueError as exc:
+            raise ConfigError(f"pipeline: {exc}") from None
+        parameters = pipeline.parameters
     o, sch = config["optimizer"], config["schedule"]
     optimizer = torch.optim.AdamW(parameters, lr=o["lr"], weight_decay=o["weight_decay"])
     if sch["name"] == "plateau":
@@ -250,7 +281,7 @@ def train(config) -> list:
         potentials.save(evaluation_model(), path, extra={"training": training})
 
     def validation_errors(structures):
-        share = structures if procs.parallel == "graph" else structures[procs.rank::procs.size]
+        share = structures if procs.parallel == "graph" else structures[procs.rank::procs.size]  # data, pipeline
         if procs.parallel == "graph" and procs.rank != 0:
             share = []  # graph parallel: rank 0 evaluates validation whole (it fits: only training is split)
         return error_table(procs.sum(error_sums(evaluation_model(), share, config["batch_size"], device)))
@@ -272,6 +303,12 @@ def train(config) -> list:
             global_batch = [train_set[k] for k in order[b:b + batch_size]]
             counts = Counts.of(global_batch)
             optimizer.zero_grad(set_to_none=False)
+            if pipeline is not None:
+                value = pipeline.step(global_batch, weights, optimizer, o["gradient_clip"])
+                if ema is not None:
+                    ema.update_parameters(model)
+                loss_sum, batches = loss_sum + value, batches + 1
+                continue
             if procs.parallel == "graph":
                 value = 0.0
                 for s in global_batch:
@@ -295,6 +332,8 @@ def train(config) -> list:
                 ema.update_parameters(model)
             loss_sum, batches = loss_sum + value, batches + 1
         model.eval()
+        if pipeline is not None:  # every rank gets the whole current model (and its average)
+            pipeline.broadcast_parameters(model, *([ema.module] if ema is not None else []))
         errors = validation_errors(validation)
         val_loss = sum(weights[q] * errors[f"{q}_rmse"] ** 2 for q in ("energy", "forces", "stress")
                        if weights[q] > 0 and np.isfinite(errors[f"{q}_rmse"]))
@@ -322,7 +361,8 @@ def train(config) -> list:
         plot_learning_curve(directory, rows)
     if test and (directory / "best.pt").exists():
         best_model = potentials.load(directory / "best.pt", map_location=device)
-        share = test[procs.rank::procs.size] if procs.parallel == "data" else (test if root else [])
+        share = test if procs.parallel == "graph" and root else [] if procs.parallel == "graph" else \
+            test[procs.rank::procs.size]
         errors = error_table(procs.sum(error_sums(best_model, share, batch_size, device)))
         if root:
             print("test set, best.pt:\n" + format_errors(errors), flush=True)

@@ -83,8 +83,8 @@ def test_md_engine_rank_independent_and_conserves_atoms(mpirun, ranks):
 
 @pytest.mark.parametrize("ranks", [3, 4])
 def test_pipeline_parallel_equals_single_process(mpirun, ranks):
-    """S = 3 stages on 3 ranks; 2 replicas × 2 stages on 4 (DP × PP): GPipe and 1F1B gradients, 5 AdamW
-    steps and 2BW equal one process (tests/mpi/pipeline.py)."""
+    """S = 3 stages on 3 ranks; 2 replicas × 2 stages on 4 (DP × PP): GPipe and 1F1B gradients (also with
+    recomputation), 5 AdamW steps and 2BW equal one process (tests/mpi/pipeline.py)."""
     rc, out, _ = mpirun(ranks, MPI_DIR / "pipeline.py", timeout=300)
     assert rc == 0, out
-    assert "pipeline 0 failures" in out and out.count("max rel err") == 6, out
+    assert "pipeline 0 failures" in out and out.count("max rel err") == 7, out

@@ -77,13 +77,16 @@ def test_resume_two_plus_two_epochs_equals_four(quick_data, tmp_path):
     assert metrics(straight) == metrics(resumed)
 
 
-@pytest.mark.parametrize("parallel", ["data", "graph"])
+@pytest.mark.parametrize("parallel", ["data", "graph", "pipeline"])
 def test_two_ranks_equal_one_process(mpirun, quick_data, tmp_path, parallel):
-    """Same global batch, float64: parameters after 6 optimizer steps equal the single-process run."""
+    """Same global batch, float64: parameters after 6 optimizer steps (gradient clipping and EMA on)
+    equal the single-process run. Pipeline: 2 stages × 2 micro-batches, 1F1B, four sweeps."""
     serial, distributed = tmp_path / "serial", tmp_path / "distributed"
-    config = job(serial, quick_data, epochs=2, parallel=parallel, ema_decay=0.0)
+    config = job(serial, quick_data, epochs=2, parallel="data", optimizer={"lr": 0.005, "gradient_clip": 1.0})
     train(validate(config, SCHEMA, CHOICES))
-    (tmp_path / "job.yaml").write_text(yaml.safe_dump(dict(config, output={"directory": str(distributed)})))
+    config = dict(config, parallel=parallel, output={"directory": str(distributed)},
+                  pipeline={"stages": 2, "microbatches": 2, "schedule": "1f1b"})
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
     rc, out, _ = mpirun(2, "-m", "mlip_parallel.train_cli", tmp_path / "job.yaml", timeout=300)
     assert rc == 0, out
     assert f"2 rank(s), {parallel} parallel" in out, out
