@@ -7,10 +7,11 @@ side by side in one run:
   theoretical (S − 1)/(M + S − 1);
 * peak memory of 1F1B vs GPipe at equal M.
 
-    python benchmarks/pipeline.py [--blocks 8] [--features 64] [--atoms-per-structure 108] [--microbatches 8]
+    python benchmarks/pipeline.py [--blocks 8] [--features 64] [--atoms-per-structure 256] [--microbatches 8]
 
-Peak memory is the process's resident high-water mark (VmHWM, reset before the measured steps) above
-its level after set-up: activations held by in-flight micro-batches.
+Peak memory is the process's resident high-water mark (VmHWM) during the first step above its resident
+size after set-up (VmRSS): the activations held by in-flight micro-batches. Time is the mean of the
+following steps.
 """
 import argparse
 import json
@@ -20,10 +21,11 @@ import time
 from common import ROOT, launch
 
 
-def vm_hwm_mb() -> float:
+def status_mb(key) -> float:
+    """VmRSS (now) or VmHWM (high-water mark since the last reset) of this process, MB."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM"):
+            if line.startswith(key):
                 return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -61,14 +63,15 @@ def worker(args):
             model.zero_grad()
             batch = Batch(structures, model, model.device)
             total_loss(loss_terms(*predict_batch(model, batch), batch, Counts.of(structures)), weights).backward()
-        step()  # warm-up
-        base = vm_hwm_mb()
         reset_hwm()
+        base = status_mb("VmRSS")
+        step()
+        peak = status_mb("VmHWM") - base
         start = time.perf_counter()
         for _ in range(steps):
             step()
         seconds = (time.perf_counter() - start) / steps
-        print(json.dumps({"seconds": seconds, "peak_mb": [vm_hwm_mb() - base], "bubble": [0.0]}))
+        print(json.dumps({"seconds": seconds, "peak_mb": [peak], "bubble": [0.0]}))
         return
     from mlip_parallel.pipeline import PipelineTrainer
     from mlip_parallel.train_cli import Processes
@@ -78,17 +81,18 @@ def worker(args):
 
     trainer = PipelineTrainer(model, args.stages, args.microbatches, args.schedule,
                               boundaries=[args.blocks * s // args.stages for s in range(args.stages + 1)])
-    trainer.gradients(structures, weights)  # warm-up
     dist.barrier()
-    base = vm_hwm_mb()
     reset_hwm()
+    base = status_mb("VmRSS")
+    trainer.gradients(structures, weights)
+    peak = status_mb("VmHWM") - base
+    dist.barrier()
     start = time.perf_counter()
     bubbles = []
     for _ in range(steps):
         trainer.gradients(structures, weights)
         bubbles.append(trainer.stage.wait_seconds / trainer.stage.run_seconds)
     seconds = (time.perf_counter() - start) / steps
-    peak = vm_hwm_mb() - base
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (peak, float(np.mean(bubbles)), trainer.stage.in_flight_peak))
     if dist.get_rank() == 0:
@@ -103,7 +107,7 @@ def main():
     parser.add_argument("--schedule", default="1f1b", help=argparse.SUPPRESS)
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--features", type=int, default=64)
-    parser.add_argument("--atoms-per-structure", type=int, default=108, choices=(32, 108, 256))
+    parser.add_argument("--atoms-per-structure", type=int, default=256, choices=(32, 108, 256))
     parser.add_argument("--structures", type=int, default=8)
     parser.add_argument("--microbatches", type=int, default=8)
     args = parser.parse_args()

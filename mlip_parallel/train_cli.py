@@ -98,7 +98,7 @@ class Processes:
         self.size = int(os.environ["WORLD_SIZE"]) if torchrun else self.backend.size
         if parallel == "graph" and torchrun:
             raise ConfigError("parallel: graph runs under mpiexec (it uses the MPI halo exchange), not torchrun")
-        if parallel in ("data", "pipeline") and self.size > 1:
+        if parallel == "pipeline" or (parallel == "data" and self.size > 1):
             import torch
             import torch.distributed as dist
 

@@ -127,12 +127,26 @@ def test_bad_data_and_config_are_named(quick_data, tmp_path):
     assert main([str(tmp_path / "bad.yaml")]) == 2
 
 
+def test_reads_ase_db_with_labels(quick_data, tmp_path):
+    from ase.io import read
+
+    from mlip_parallel.training import read_structures
+
+    frames = read(quick_data, ":")
+    write(tmp_path / "data.db", frames)
+    from_db, from_xyz = read_structures(tmp_path / "data.db"), read_structures(quick_data)
+    assert len(from_db) == len(from_xyz)
+    for a, b in zip(from_db, from_xyz):
+        assert a.energy == pytest.approx(b.energy) and np.allclose(a.forces, b.forces) and np.allclose(a.stress, b.stress)
+
+
 def test_help_documents_every_key(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
     for key in ("train", "validation_fraction", "hyperparameters", "forces_weight", "gradient_clip", "patience",
-                "ema_decay", "batch_size", "parallel", "resume", "directory"):
+                "ema_decay", "batch_size", "parallel", "resume", "directory", "stages", "microbatches", "schedule",
+                "boundaries", "two_bw", "recompute"):
         assert key in out, key
 
 
