@@ -118,7 +118,9 @@ def test_bad_data_and_config_are_named(quick_data, tmp_path):
         (job(tmp_path / "d", garbage), DataError, "garbage.extxyz: cannot read"),
         (job(tmp_path / "e", tmp_path / "missing.extxyz"), DataError, "no such data file"),
         (dict(job(tmp_path / "f", quick_data), learning_rate=0.1), ConfigError, "unknown key learning_rate"),
-        (job(tmp_path / "g", quick_data, parallel="pipeline"), ConfigError, "parallel must be one of"),
+        (job(tmp_path / "g", quick_data, parallel="tensor"), ConfigError, "parallel must be one of"),
+        (job(tmp_path / "i", quick_data, parallel="pipeline", pipeline={"stages": 2}), ConfigError,
+         "pipeline.stages = 2 must divide the 1 rank(s)"),
     ]
     for config, error, message in cases:
         with pytest.raises(error, match=re.escape(message)):
