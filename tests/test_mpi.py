@@ -73,8 +73,10 @@ def test_ase_dynamics_with_distributed_calculator_equal_serial(mpirun, ranks):
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_md_engine_rank_independent_and_conserves_atoms(mpirun, ranks):
-    """Every ensemble and the balanced droplet on 2 and 4 ranks; restarts on 2; the hot gas on 4."""
-    options = ["--restarts", "1", "--gas-steps", "0"] if ranks == 2 else ["--restarts", "0", "--gas-steps", "1500"]
+    """Every ensemble and the balanced droplet on 2 ranks, NVE/Langevin/anisotropic NPT and the droplet
+    on 4; restarts on 2; the hot gas on 4."""
+    options = ["--restarts", "1", "--gas-steps", "0"] if ranks == 2 else \
+        ["--restarts", "0", "--gas-steps", "1500", "--ensembles", "short"]
     rc, out, _ = mpirun(ranks, MPI_DIR / "md_engine.py", *options, timeout=400)
     assert rc == 0, out
     assert "MD engine 0 failures" in out, out
@@ -83,8 +85,9 @@ def test_md_engine_rank_independent_and_conserves_atoms(mpirun, ranks):
 
 @pytest.mark.parametrize("ranks", [3, 4])
 def test_pipeline_parallel_equals_single_process(mpirun, ranks):
-    """S = 3 stages on 3 ranks; 2 replicas × 2 stages on 4 (DP × PP): GPipe and 1F1B gradients (also with
-    recomputation), 5 AdamW steps and 2BW equal one process (tests/mpi/pipeline.py)."""
+    """S = 3 stages on 3 ranks: GPipe and 1F1B gradients (also with recomputation), 5 AdamW steps and 2BW
+    equal one process; 2 replicas × 2 stages on 4 ranks (DP × PP): 1F1B gradients, 5 steps and 2BW
+    (tests/mpi/pipeline.py; S = 2 alone runs through mlip-train in tests/test_training.py)."""
     rc, out, _ = mpirun(ranks, MPI_DIR / "pipeline.py", timeout=300)
     assert rc == 0, out
-    assert "pipeline 0 failures" in out and out.count("max rel err") == 7, out
+    assert "pipeline 0 failures" in out and out.count("max rel err") == (7 if ranks == 3 else 3), out
