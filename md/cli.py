@@ -6,16 +6,15 @@ and OUTPUT/restart.npz, and prints a thermo table with a progress bar on rank 0.
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-import yaml
 
-from mlip_parallel.config import ConfigError, schema_help as config_help, validate as config_validate
+from mlip_parallel.config import ConfigError, config_parser, read_config, schema_help as config_help, \
+    validate as config_validate
 
 # key: (types, default, help); a dict value is a nested section. Missing keys take the defaults.
 SCHEMA = {
@@ -250,18 +249,9 @@ def simulate(config) -> list:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="mlip-md", description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="configuration keys (YAML):\n" + schema_help())
-    parser.add_argument("config", help="YAML configuration file")
-    args = parser.parse_args(argv)
+    args = config_parser("mlip-md", __doc__.splitlines()[0], SCHEMA).parse_args(argv)
     try:
-        try:
-            with open(args.config) as f:
-                raw = yaml.safe_load(f)
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"cannot read config {args.config!r}: {exc}") from None
-        simulate(validate(raw))
+        simulate(validate(read_config(args.config)))
     except ConfigError as exc:  # raised alike on every rank, before any collective
         print(f"mlip-md: error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -35,7 +35,8 @@ class MDSystem:
     (global).
 
     ``balance``: cut planes shifted per dimension so that ranks own similar atom counts (slabs,
-    droplets), set at the start and at every ``rebalance()``; otherwise uniform planes. ``cuts``:
+    droplets), set at the start and again at every ``maybe_rebuild(rebalance=True)`` (``run``'s
+    ``balance_every``); otherwise uniform planes. ``cuts``:
     given cut planes (three arrays of relative positions 0 … 1; restarts keep the decomposition).
     """
 

@@ -3,6 +3,8 @@
 offending key, and help text listing every key."""
 from __future__ import annotations
 
+import argparse
+
 from .errors import MLIPError
 
 
@@ -53,3 +55,23 @@ def validate(config, schema: dict, choices: dict | None = None, path: str = "") 
                 raise ConfigError(f"{name} must be >= 0, got {value}")
         out[key] = value
     return out
+
+
+def read_config(path) -> dict:
+    """The YAML file at ``path``; ConfigError when it cannot be read or parsed."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            return yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read config {str(path)!r}: {exc}") from None
+
+
+def config_parser(prog: str, description: str, schema: dict) -> argparse.ArgumentParser:
+    """``prog CONFIG.yaml``, its ``--help`` listing every key of ``schema``."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="configuration keys (YAML):\n" + schema_help(schema))
+    parser.add_argument("config", help="YAML configuration file")
+    return parser

@@ -23,9 +23,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from potentials.graph import AtomGraph
-
-from .training import Batch, Counts
+from .training import Batch, Counts, batch_geometry, loss_terms, structure_energies, sum_gradients, \
+    symmetric_stress
 
 WEIGHTS_KEYS = ("energy", "forces", "stress")
 
@@ -35,7 +34,7 @@ def block_costs(model, batch: Batch) -> list:
     cost-balanced boundaries)."""
     import time
 
-    geometry = _Geometry(model, batch)
+    geometry = batch_geometry(batch)
     ctx = model.context(geometry.graph)
     h = model.embed(geometry.graph, ctx).detach()
     costs = []
@@ -77,21 +76,6 @@ def split_blocks(costs, stages: int) -> list:
         return result
 
     return [0] + solve(0, stages)[1]
-
-
-class _Geometry:
-    """One stage's copy of a micro-batch's geometry: leaves ``pos`` [N, 3] and ``strain`` [B, 3, 3]
-    (float64, requiring grad) and the graph built from them."""
-
-    def __init__(self, model, batch: Batch):
-        self.pos = batch.positions.clone().requires_grad_(True)
-        self.strain = torch.zeros(batch.size, 3, 3, dtype=torch.float64, device=self.pos.device, requires_grad=True)
-        pos_s = self.pos + torch.einsum("ni,nij->nj", self.pos, self.strain[batch.batch])
-        cell_s = batch.cells + batch.cells @ self.strain
-        edge_vec = pos_s[batch.j] - pos_s[batch.i] + torch.einsum("ei,eij->ej", batch.shifts,
-                                                                  cell_s[batch.edge_batch])
-        self.graph = AtomGraph(species=batch.species, edge_index=torch.stack([batch.j, batch.i]),
-                               edge_vec=edge_vec, n_local=len(self.pos))
 
 
 def owned_parameters(model, stage: int, stages: int, boundaries) -> list:
@@ -165,7 +149,7 @@ class PipelineStage:
 
     def _stage_forward(self, batch, h_in):
         """(geometry, h_in leaf, output) of this stage's blocks: h [N, width], or E [B] on the last."""
-        geometry = _Geometry(self.model, batch)
+        geometry = batch_geometry(batch)
         ctx = self.model.context(geometry.graph)
         if self.first:
             h = self.model.embed(geometry.graph, ctx)
@@ -176,9 +160,7 @@ class PipelineStage:
             h = self.model.block(k, h, geometry.graph, ctx)
         if not self.last:
             return geometry, h_in, h
-        energies = self.model.readout_energies(h, geometry.graph, ctx).to(torch.float64)
-        return geometry, h_in, torch.zeros(batch.size, dtype=torch.float64, device=h.device).index_add(
-            0, batch.batch, energies)
+        return geometry, h_in, structure_energies(batch, self.model.readout_energies(h, geometry.graph, ctx))
 
     def _graph(self, m: int) -> dict:
         """Micro-batch m's state with its forward graph (recomputed here under ``recompute``)."""
@@ -208,18 +190,13 @@ class PipelineStage:
             self._send(carry_pos, self.prev, m, "B1", 1)
             self._send(carry_strain, self.prev, m, "B1", 2)
             return
-        # stage 0: forces and stress of the whole model → their loss and its cotangents
-        forces = -carry_pos
-        stress = 0.5 * (carry_strain + carry_strain.transpose(1, 2)) / batch.volumes[:, None, None]
-        df = torch.nan_to_num(forces - batch.forces)
-        ds = torch.nan_to_num(stress - batch.stress)
-        w, c = self.weights, self.counts
-        self.loss_value += float(w["forces"] * (df**2).sum() / c.force_components
-                                 + w["stress"] * (ds**2).sum() / (9 * c.stresses))
-        dL_dforces = w["forces"] * 2 * df / c.force_components
-        dL_dstress = w["stress"] * 2 * ds / (9 * c.stresses)
-        dL_dcarry_strain = 0.5 * (dL_dstress + dL_dstress.transpose(1, 2)) / batch.volumes[:, None, None]
-        s["cot_f"] = (-dL_dforces, dL_dcarry_strain)  # dL/df_s, the same for every stage
+        # stage 0: forces and stress of the whole model → their loss, and its cotangents w.r.t. the
+        # carried Σ f_s (F = −Σ f_s: the same for every stage's f_s). The energy term is the last stage's.
+        carry_pos.requires_grad_(True), carry_strain.requires_grad_(True)
+        terms = loss_terms(batch.energy, -carry_pos, symmetric_stress(carry_strain, batch), batch, self.counts)
+        part = self.weights["forces"] * terms["forces"] + self.weights["stress"] * terms["stress"]
+        self.loss_value += float(part)
+        s["cot_f"] = torch.autograd.grad(part, [carry_pos, carry_strain])
 
     def double_backward_up(self, m: int) -> None:
         s = self.state[m]
@@ -249,11 +226,11 @@ class PipelineStage:
         s, batch = self._graph(m), self.batches[m]
         del self.state[m]
         out = s["out"]
-        if self.last:
-            w, c = self.weights, self.counts
-            residual = torch.nan_to_num((out.detach() - batch.energy) / batch.atoms_per_structure)
-            self.loss_value += float(w["energy"] * (residual**2).sum() / c.energies)
-            seed = w["energy"] * 2 * residual / batch.atoms_per_structure / c.energies
+        if self.last:  # the energy term of the loss, and its cotangent w.r.t. E
+            energy = out.detach().requires_grad_(True)
+            part = self.weights["energy"] * loss_terms(energy, batch.forces, batch.stress, batch, self.counts)["energy"]
+            self.loss_value += float(part)
+            seed = torch.autograd.grad(part, energy)[0]
         else:
             seed = self._recv(out.shape, out.dtype, self.next, m, "B")
         inputs = list(self.parameters) + ([] if self.first else [s["h_in"]])
@@ -344,13 +321,10 @@ class PipelineTrainer:
         batches = [Batch([mine[k] for k in chunk], self.stage.model, self.stage.model.device) for chunk in chunks]
         loss = self.stage.run(self.actions, batches, Counts.of(structures), weights)
         if self.replicas > 1:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.parameters]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.replica_group)
-            offset = 0
-            for p, g in zip(self.parameters, grads):
-                p.grad = flat[offset: offset + g.numel()].view_as(g).clone()
-                offset += g.numel()
+            def all_reduce(flat):
+                dist.all_reduce(flat, group=self.replica_group)
+                return flat
+            sum_gradients(self.parameters, all_reduce)
         total = torch.tensor([loss], dtype=torch.float64)
         dist.all_reduce(total)
         return float(total[0])
@@ -394,11 +368,9 @@ class PipelineTrainer:
         for s in range(self.stages):
             owned = [index[id(p)] for p in owned_parameters(self.stage.model, s, self.stages, self.boundaries)]
             for model in models:
-                params = list(model.parameters())
-                flat = torch.cat([params[k].detach().reshape(-1) for k in owned])
+                params = [list(model.parameters())[k] for k in owned]
+                flat = torch.nn.utils.parameters_to_vector(params).detach()
                 dist.broadcast(flat, src=s)
-                offset = 0
                 with torch.no_grad():
-                    for k in owned:
-                        params[k].copy_(flat[offset: offset + params[k].numel()].view_as(params[k]))
-                        offset += params[k].numel()
+                    for p, chunk in zip(params, flat.split([p.numel() for p in params])):
+                        p.copy_(chunk.view_as(p))

@@ -20,9 +20,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-import yaml
 
-from .config import ConfigError, schema_help, validate
+from .config import ConfigError, config_parser, read_config, validate
 from .errors import MLIPError
 
 SCHEMA = {
@@ -132,16 +131,16 @@ class Processes:
         if self.size == 1:
             return
         import torch
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        if self.dist is not None:
-            self.dist.all_reduce(flat)
-        else:
-            flat = torch.as_tensor(self.backend.allreduce(flat.cpu().numpy()), dtype=flat.dtype, device=flat.device)
-        offset = 0
-        for p, g in zip(parameters, grads):
-            p.grad = flat[offset: offset + g.numel()].view_as(g).clone()
-            offset += g.numel()
+
+        from .training import sum_gradients
+
+        def reduce(flat):
+            if self.dist is not None:
+                self.dist.all_reduce(flat)
+                return flat
+            return torch.as_tensor(self.backend.allreduce(flat.cpu().numpy()), dtype=flat.dtype, device=flat.device)
+
+        sum_gradients(parameters, reduce)
 
 
 # ----------------------------------------------------------------------------- training
@@ -195,19 +194,15 @@ def train(config) -> list:
 
     import potentials
 
-    from .training import Batch, Counts, error_sums, error_table, fit_reference_energies, graph_parallel_loss, \
-        loss_terms, predict_batch, total_loss
+    from .training import Batch, Counts, check_species, error_sums, error_table, fit_reference_energies, \
+        graph_parallel_loss, loss_terms, predict_batch, total_loss
 
     procs = Processes(config["parallel"])
     root = procs.rank == 0
     train_set, validation, test, weights = load_data(config)
     model = build_model(config["model"], train_set, config["seed"])
-    for part, name in ((train_set, "training"), (validation, "validation"), (test, "test")):
-        for s in part:
-            try:
-                model.species_index(s.numbers)
-            except potentials.UnknownSpeciesError as exc:
-                raise ConfigError(f"{s.source} ({name}): {exc}") from None
+    for part, role in ((train_set, "training"), (validation, "validation"), (test, "test")):
+        check_species(model, part, role, error=ConfigError)
     directory = Path(config["output"]["directory"])
     last_path = directory / "last.pt"
     resume = config["resume"] and last_path.exists()
@@ -280,11 +275,14 @@ def train(config) -> list:
                     "ema": ema.state_dict() if ema is not None else {}}
         potentials.save(evaluation_model(), path, extra={"training": training})
 
-    def validation_errors(structures):
-        share = structures if procs.parallel == "graph" else structures[procs.rank::procs.size]  # data, pipeline
-        if procs.parallel == "graph" and procs.rank != 0:
-            share = []  # graph parallel: rank 0 evaluates validation whole (it fits: only training is split)
-        return error_table(procs.sum(error_sums(evaluation_model(), share, config["batch_size"], device)))
+    def errors_of(net, structures):
+        """MAE/RMSE of ``net`` on ``structures``, each rank taking a share (graph parallel: rank 0 alone,
+        since evaluation needs no gradient graph and only training is split by space)."""
+        if procs.parallel == "graph":
+            share = structures if root else []
+        else:
+            share = structures[procs.rank::procs.size]
+        return error_table(procs.sum(error_sums(net, share, config["batch_size"], device)))
 
     if root:
         directory.mkdir(parents=True, exist_ok=True)
@@ -305,36 +303,33 @@ def train(config) -> list:
             optimizer.zero_grad(set_to_none=False)
             if pipeline is not None:
                 value = pipeline.step(global_batch, weights, optimizer, o["gradient_clip"])
-                if ema is not None:
-                    ema.update_parameters(model)
-                loss_sum, batches = loss_sum + value, batches + 1
-                continue
-            if procs.parallel == "graph":
-                value = 0.0
-                for s in global_batch:
-                    surrogate, terms = graph_parallel_loss(model, s, weights, counts, procs.backend)
-                    surrogate.backward()
-                    value += sum(weights[q] * terms[q] for q in terms)
             else:
-                mine = global_batch[procs.rank::procs.size]
-                value = 0.0
-                if mine:
-                    batch = Batch(mine, model, device)
-                    loss = total_loss(loss_terms(*predict_batch(model, batch), batch, counts), weights)
-                    loss.backward()
-                    value = loss.item()
-                value = float(procs.sum(np.array([value]))[0])
-            procs.sum_gradients(parameters)
-            if o["gradient_clip"] > 0:
-                torch.nn.utils.clip_grad_norm_(parameters, o["gradient_clip"])
-            optimizer.step()
+                if procs.parallel == "graph":
+                    value = 0.0
+                    for s in global_batch:
+                        surrogate, terms = graph_parallel_loss(model, s, weights, counts, procs.backend)
+                        surrogate.backward()
+                        value += total_loss(terms, weights)
+                else:
+                    mine = global_batch[procs.rank::procs.size]
+                    value = 0.0
+                    if mine:
+                        batch = Batch(mine, model, device)
+                        loss = total_loss(loss_terms(*predict_batch(model, batch), batch, counts), weights)
+                        loss.backward()
+                        value = loss.item()
+                    value = float(procs.sum(np.array([value]))[0])
+                procs.sum_gradients(parameters)
+                if o["gradient_clip"] > 0:
+                    torch.nn.utils.clip_grad_norm_(parameters, o["gradient_clip"])
+                optimizer.step()
             if ema is not None:
                 ema.update_parameters(model)
             loss_sum, batches = loss_sum + value, batches + 1
         model.eval()
         if pipeline is not None:  # every rank gets the whole current model (and its average)
             pipeline.broadcast_parameters(model, *([ema.module] if ema is not None else []))
-        errors = validation_errors(validation)
+        errors = errors_of(evaluation_model(), validation)
         val_loss = sum(weights[q] * errors[f"{q}_rmse"] ** 2 for q in ("energy", "forces", "stress")
                        if weights[q] > 0 and np.isfinite(errors[f"{q}_rmse"]))
         lr = optimizer.param_groups[0]["lr"]
@@ -360,10 +355,7 @@ def train(config) -> list:
         bar.close()
         plot_learning_curve(directory, rows)
     if test and (directory / "best.pt").exists():
-        best_model = potentials.load(directory / "best.pt", map_location=device)
-        share = test if procs.parallel == "graph" and root else [] if procs.parallel == "graph" else \
-            test[procs.rank::procs.size]
-        errors = error_table(procs.sum(error_sums(best_model, share, batch_size, device)))
+        errors = errors_of(potentials.load(directory / "best.pt", map_location=device), test)
         if root:
             print("test set, best.pt:\n" + format_errors(errors), flush=True)
     return rows
@@ -406,15 +398,11 @@ def format_errors(errors: dict) -> str:
 def evaluate_model(model_path: str, data_path: str, batch_size: int = 8) -> dict:
     """MAE/RMSE of a checkpoint (or bundled model name) on a labelled file (one process)."""
     import potentials
-    from .training import error_sums, error_table, read_structures
+    from .training import check_species, error_sums, error_table, read_structures
 
     model = potentials.load(model_path)
     structures = read_structures(data_path)
-    for s in structures:
-        try:
-            model.species_index(s.numbers)
-        except potentials.UnknownSpeciesError as exc:
-            raise ConfigError(f"{s.source}: {exc}") from None
+    check_species(model, structures, "evaluation", error=ConfigError)
     return error_table(error_sums(model, structures, batch_size, model.device))
 
 
@@ -431,18 +419,9 @@ def main(argv=None) -> int:
             print(f"mlip-train: error: {exc}", file=sys.stderr, flush=True)
             return 2
         return 0
-    parser = argparse.ArgumentParser(
-        prog="mlip-train", description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="configuration keys (YAML):\n" + schema_help(SCHEMA))
-    parser.add_argument("config", help="YAML configuration file")
-    args = parser.parse_args(argv)
+    args = config_parser("mlip-train", __doc__.splitlines()[0], SCHEMA).parse_args(argv)
     try:
-        try:
-            with open(args.config) as f:
-                raw = yaml.safe_load(f)
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"cannot read config {args.config!r}: {exc}") from None
-        train(validate(raw, SCHEMA, CHOICES))
+        train(validate(read_config(args.config), SCHEMA, CHOICES))
     except MLIPError as exc:  # bad config or data: raised alike on every rank, before any collective
         print(f"mlip-train: error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -162,9 +163,17 @@ class Batch:
             [np.full((3, 3), np.nan) if s.stress is None else s.stress for s in structures]), **f64)
 
 
-def predict_batch(model, batch: Batch, create_graph: bool = True):
-    """Energies [B], forces [N, 3] and stress [B, 3, 3] (torch float64), differentiable w.r.t. the
-    model's parameters when ``create_graph`` (a force loss needs it)."""
+class BatchGeometry(NamedTuple):
+    """Leaves ``pos`` [N, 3] and ``strain`` [B, 3, 3] (float64, requiring grad) and the graph a model
+    reads, built from them: dE/dpos and dE/dstrain give forces and stress."""
+
+    pos: torch.Tensor
+    strain: torch.Tensor
+    graph: AtomGraph
+
+
+def batch_geometry(batch: Batch) -> BatchGeometry:
+    """Fresh leaves and the graph of ``batch`` (each structure strained by its own ε)."""
     pos = batch.positions.clone().requires_grad_(True)
     strain = torch.zeros(batch.size, 3, 3, dtype=torch.float64, device=pos.device, requires_grad=True)
     pos_s = pos + torch.einsum("ni,nij->nj", pos, strain[batch.batch])
@@ -172,11 +181,27 @@ def predict_batch(model, batch: Batch, create_graph: bool = True):
     edge_vec = pos_s[batch.j] - pos_s[batch.i] + torch.einsum("ei,eij->ej", batch.shifts, cell_s[batch.edge_batch])
     graph = AtomGraph(species=batch.species, edge_index=torch.stack([batch.j, batch.i]), edge_vec=edge_vec,
                       n_local=len(pos))
-    atom_energies = model(graph).to(torch.float64)
-    energy = torch.zeros(batch.size, dtype=torch.float64, device=pos.device).index_add(0, batch.batch, atom_energies)
+    return BatchGeometry(pos, strain, graph)
+
+
+def structure_energies(batch: Batch, atom_energies: torch.Tensor) -> torch.Tensor:
+    """Per-atom energies [N] → per-structure energies [B] (float64)."""
+    return torch.zeros(batch.size, dtype=torch.float64, device=atom_energies.device).index_add(
+        0, batch.batch, atom_energies.to(torch.float64))
+
+
+def predict_batch(model, batch: Batch, create_graph: bool = True):
+    """Energies [B], forces [N, 3] and stress [B, 3, 3] (torch float64), differentiable w.r.t. the
+    model's parameters when ``create_graph`` (a force loss needs it)."""
+    pos, strain, graph = batch_geometry(batch)
+    energy = structure_energies(batch, model(graph))
     dE_dpos, dE_dstrain = torch.autograd.grad(energy.sum(), [pos, strain], create_graph=create_graph)
-    stress = 0.5 * (dE_dstrain + dE_dstrain.transpose(1, 2)) / batch.volumes[:, None, None]
-    return energy, -dE_dpos, stress
+    return energy, -dE_dpos, symmetric_stress(dE_dstrain, batch)
+
+
+def symmetric_stress(dE_dstrain: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """dE/dε [B, 3, 3] → stress [B, 3, 3] = sym(dE/dε) / V (ASE's sign)."""
+    return 0.5 * (dE_dstrain + dE_dstrain.transpose(1, 2)) / batch.volumes[:, None, None]
 
 
 @dataclass
@@ -206,7 +231,28 @@ def loss_terms(energy, forces, stress, batch: Batch, counts: Counts) -> dict:
 
 
 def total_loss(terms: dict, weights: dict):
+    """Σ weight × term over the quantities (tensors or floats)."""
     return sum(weights[q] * terms[q] for q in QUANTITIES)
+
+
+def sum_gradients(parameters, reduce) -> None:
+    """Replace the parameters' gradients (None: zeros) by ``reduce(flat)`` of all of them as one flat
+    tensor (one message per step; ``reduce`` returns the summed tensor)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
+    flat = reduce(torch.cat([g.reshape(-1) for g in grads]))
+    for p, chunk in zip(parameters, flat.split([g.numel() for g in grads])):
+        p.grad = chunk.view_as(p).clone()
+
+
+def check_species(model, structures, role: str, error=DataError) -> None:
+    """Every structure's elements are known to ``model``; otherwise ``error`` naming the structure."""
+    from potentials.errors import UnknownSpeciesError
+
+    for s in structures:
+        try:
+            model.species_index(s.numbers)
+        except UnknownSpeciesError as exc:
+            raise error(f"{s.source} ({role}): {exc}") from None
 
 
 def graph_parallel_loss(model, structure: Structure, weights: dict, counts: Counts, backend, mode="layerwise"):

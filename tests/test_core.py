@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 import torch
 from ase import Atoms
-from ase.build import bulk, fcc111
+from ase.build import fcc111
 
 import mlip_parallel
 import potentials
-from mlip_parallel import Comm, Decomposition, Domain, Grid, SerialBackend
+from mlip_parallel import Decomposition, Domain, Grid, SerialBackend
 from systems import GEOMETRIES, SPECIES, ase_lj_results, lennard_jones, max_relative_error, schnet
 
 torch.set_num_threads(1)

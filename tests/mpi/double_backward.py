@@ -32,6 +32,20 @@ def loss_terms(energies, forces, dE_dstrain, reference_forces):
 
 
 failures, worst = [], 0.0
+
+
+def compare_gradients(label, serial, local, model):
+    """Sum this rank's parameter gradients (None: zero) over ranks; compare with the serial ones (1e-9)."""
+    global worst
+    for p_serial, p_local, (pname, _) in zip(serial, local, model.named_parameters()):
+        p_local = torch.zeros_like(p_serial) if p_local is None else p_local
+        total = backend.allreduce(p_local.numpy())
+        err = np.abs(total - p_serial.numpy()).max() / max(np.abs(p_serial.numpy()).max(), 1e-300)
+        worst = max(worst, err)
+        if err > 1e-9:
+            failures.append(f"{label} {pname}: rel err {err:.2e}")
+
+
 for name in ("fcc_bulk", "sheared", "clusters", "small_cell"):
     atoms = GEOMETRIES[name]()
     rng = np.random.default_rng(0)
@@ -44,12 +58,7 @@ for name in ("fcc_bulk", "sheared", "clusters", "small_cell"):
         part = Decomposition(atoms, model.cutoff * (model.layers if mode == "wide" else 1), backend)
         e, f, s = forward_decomposed(model, part, mode, create_graph=True)
         local = torch.autograd.grad(loss_terms(e, f, s, reference_forces[part.owned]), params)
-        for p_serial, p_local, (pname, _) in zip(serial, local, model.named_parameters()):
-            total = backend.allreduce(p_local.numpy())
-            err = np.abs(total - p_serial.numpy()).max() / max(np.abs(p_serial.numpy()).max(), 1e-300)
-            worst = max(worst, err)
-            if err > 1e-9:
-                failures.append(f"{name} {mode} {pname}: rel err {err:.2e}")
+        compare_gradients(f"{name} {mode}", serial, local, model)
         if world.rank == 0:
             print(f"{name:12s} {mode:9s} owned per rank {world.gather(len(part.owned))} "
                   f"failures so far {len(failures)}", flush=True)
@@ -73,16 +82,10 @@ for name in ("fcc_bulk", "sheared", "small_cell"):
     serial = torch.autograd.grad(serial_loss, params)
     surrogate, terms = training.graph_parallel_loss(model, structure, WEIGHTS, counts, backend)
     local = torch.autograd.grad(surrogate, params, allow_unused=True)
-    loss_err = abs(sum(WEIGHTS[q] * terms[q] for q in terms) - serial_loss.item()) / abs(serial_loss.item())
+    loss_err = abs(training.total_loss(terms, WEIGHTS) - serial_loss.item()) / abs(serial_loss.item())
     if loss_err > 1e-10:
         failures.append(f"graph_parallel_loss {name}: loss rel err {loss_err:.2e}")
-    for p_serial, p_local, (pname, _) in zip(serial, local, model.named_parameters()):
-        p_local = torch.zeros_like(p_serial) if p_local is None else p_local
-        total = backend.allreduce(p_local.numpy())
-        err = np.abs(total - p_serial.numpy()).max() / max(np.abs(p_serial.numpy()).max(), 1e-300)
-        worst = max(worst, err)
-        if err > 1e-9:
-            failures.append(f"graph_parallel_loss {name} {pname}: rel err {err:.2e}")
+    compare_gradients(f"graph_parallel_loss {name}", serial, local, model)
     if world.rank == 0:
         print(f"graph_parallel_loss {name:12s} loss rel err {loss_err:.1e}, failures so far {len(failures)}", flush=True)
 
