@@ -1,7 +1,8 @@
 """Pipeline-parallel schedules for training potentials: plain data, checked by simulation.
 
 Stage ``s`` runs on rank ``s`` of ``S`` stages; micro-batches are ``m = 0..M-1``. A force-trained step
-makes four sweeps over the stages per micro-batch, an energy-only step two (``SWEEPS``):
+makes four sweeps over the stages per micro-batch, an energy-only step two, an evaluation (energies,
+forces and stress without parameter gradients) F and B1 (``SWEEPS``):
 
 * ``F``  forward, 0 -> S-1:   F(s,m) needs F(s-1,m).
 * ``B1`` force backward, S-1 -> 0: B1(s,m) needs F(s,m) and B1(s+1,m).
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 from .errors import MLIPError
 
-SWEEPS = {"forces": ("F", "B1", "A", "B"), "energy": ("F", "B")}
+SWEEPS = {"forces": ("F", "B1", "A", "B"), "energy": ("F", "B"), "evaluate": ("F", "B1")}
 
 
 class ScheduleError(MLIPError, ValueError):

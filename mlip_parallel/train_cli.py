@@ -3,10 +3,13 @@
 Run it in one process, or under ``mpiexec -n P`` (or torchrun) for data parallelism: every rank
 takes a share of each global batch and the gradients are summed with torch.distributed (gloo on CPU,
 nccl on GPU), so P ranks follow the single-process trajectory. ``parallel: graph`` instead splits
-every structure by space over the ranks (structures too large for one device).
+every structure by space over the ranks (structures too large for one device); ``parallel: pipeline``
+splits the model's blocks over stages, each rank building only its stage's parts (models too large
+for one device), with data parallelism across pipeline replicas.
 
 Writes OUTPUT/best.pt and OUTPUT/last.pt (potentials checkpoints: ``potentials.load`` reads them;
-last.pt also holds the optimizer, schedule and EMA state for an exact ``resume``), OUTPUT/metrics.csv
+last.pt also holds the optimizer, schedule and EMA state for an exact ``resume``; in pipeline mode both
+are assembled part by part and each stage's state goes to OUTPUT/pipeline/stageS.pt), OUTPUT/metrics.csv
 and OUTPUT/learning_curve.png.
 """
 from __future__ import annotations
@@ -38,6 +41,8 @@ SCHEMA = {
         "hyperparameters": (dict, {}, "further constructor arguments, e.g. {features: 64, layers: 3}"),
         "species": (list, None, "element symbols (default: those in the training data)"),
         "dtype": (str, "float32", "float32 or float64"),
+        "checkpoint": (str, None, "start from this potentials checkpoint (e.g. an earlier best.pt; any number of "
+                                  "pipeline stages): its architecture, species and weights replace the keys above"),
     },
     "loss": {
         "energy_weight": (float, 1.0, "weight of the energy-per-atom MSE (eV²)"),
@@ -115,6 +120,20 @@ class Processes:
                                             init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.size)
             self.dist = dist
 
+    def bcast(self, obj):
+        """Rank 0's ``obj`` on every rank (a decision rank 0 takes alone, e.g. from its disk)."""
+        if self.size == 1:
+            return obj
+        if self.dist is not None:
+            holder = [obj]
+            self.dist.broadcast_object_list(holder, src=0)
+            return holder[0]
+        return self.backend.bcast(obj)
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            self.dist.barrier() if self.dist is not None else self.backend.barrier()
+
     def sum(self, array: np.ndarray) -> np.ndarray:
         """Element-wise sum over ranks (numpy float64)."""
         if self.size == 1:
@@ -144,22 +163,51 @@ class Processes:
 
 
 # ----------------------------------------------------------------------------- training
-def build_model(section, structures, seed):
+def model_species(section, structures) -> list:
+    """The model's element symbols: model.species, else those in ``structures``."""
+    if section["species"] is not None:
+        return section["species"]
+    from ase.data import chemical_symbols
+    return [chemical_symbols[z] for z in sorted({int(z) for s in structures for z in s.numbers})]
+
+
+def build_model(section, species, seed, parts=None):
+    """The configured model (``parts``: only these parts, a pipeline stage's), initialised from
+    ``seed`` part by part, or read from ``model.checkpoint``."""
     import torch
 
     import potentials
 
-    species = section["species"]
-    if species is None:
-        from ase.data import chemical_symbols
-        species = [chemical_symbols[z] for z in sorted({int(z) for s in structures for z in s.numbers})]
+    dtype = torch.float64 if section["dtype"] == "float64" else torch.float32
+    if section["checkpoint"] is not None:
+        try:
+            return potentials.load(section["checkpoint"], parts=parts).to(dtype).train()
+        except potentials.CheckpointError as exc:
+            raise ConfigError(f"model.checkpoint: {exc}") from None
     cls = {"SchNet": potentials.SchNet, "PaiNN": potentials.PaiNN, "NequIP": potentials.NequIP}[section["name"]]
-    torch.manual_seed(seed)
     try:
-        model = cls(species=species, cutoff=section["cutoff"], **section["hyperparameters"])
+        model = cls(species=species, cutoff=section["cutoff"], **section["hyperparameters"], parts=parts, seed=seed)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"model: cannot build {section['name']}: {exc}") from None
-    return model.to(torch.float64 if section["dtype"] == "float64" else torch.float32)
+    return model.to(dtype)
+
+
+def fit_scale_shift(model, structures) -> None:
+    """Per-species reference energies by least squares and the force RMS as the energy scale, into the
+    model's scale/shift (where it holds the readout)."""
+    import torch
+    from ase.data import atomic_numbers
+
+    from .training import fit_reference_energies
+
+    labelled = [s for s in structures if s.energy is not None]
+    if not labelled or "readout" not in model.parts:
+        return
+    shift = fit_reference_energies(labelled, [atomic_numbers[x] for x in model.species])
+    with_forces = [s.forces for s in structures if s.forces is not None]
+    scale = float(np.sqrt(np.mean(np.concatenate(with_forces) ** 2))) if with_forces else 1.0
+    model.scale_shift.shift.copy_(torch.as_tensor(shift))
+    model.scale_shift.scale.fill_(max(scale, 1e-3))
 
 
 def load_data(config):
@@ -186,59 +234,70 @@ def load_data(config):
     return train, validation, test, weights
 
 
+def pipeline_trainer(config, procs, build, train_set, weights, resume_layout):
+    """The ``PipelineTrainer`` of this rank (its stage's model: ``trainer.model``). On resume the stage
+    layout of the interrupted run (``resume_layout``) is kept; a different one is refused."""
+    from .pipeline import PipelineError, PipelineTrainer
+
+    pc = config["pipeline"]
+    boundaries = pc["boundaries"]
+    if resume_layout is not None:
+        if resume_layout["stages"] != pc["stages"] or boundaries not in (None, resume_layout["boundaries"]):
+            raise ConfigError(f"resume: the run in {config['output']['directory']} has {resume_layout['stages']} "
+                              f"stages with boundaries {resume_layout['boundaries']}; resume it with the same "
+                              "pipeline.stages (and boundaries), or start a new run from its last.pt with "
+                              "model.checkpoint")
+        boundaries = resume_layout["boundaries"]
+    if pc["stages"] < 1 or procs.size % pc["stages"]:
+        raise ConfigError(f"pipeline.stages = {pc['stages']} must divide the {procs.size} rank(s)")
+    sweeps = "energy" if weights["forces"] == 0 and weights["stress"] == 0 else "forces"
+    try:
+        return PipelineTrainer(build, pc["stages"], pc["microbatches"], pc["schedule"], sweeps, boundaries=boundaries,
+                               sample=train_set[:1], two_bw=pc["two_bw"], recompute=pc["recompute"])
+    except PipelineError as exc:
+        raise ConfigError(f"pipeline: {exc}") from None
+
+
 def train(config) -> list:
     """Run the validated ``config``; return the metric rows (every rank)."""
+    import json
+
     import torch
-    from ase.data import atomic_numbers
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
     import potentials
 
-    from .training import Batch, Counts, check_species, error_sums, error_table, fit_reference_energies, \
-        graph_parallel_loss, loss_terms, predict_batch, total_loss
+    from .training import Batch, Counts, check_species, error_sums, error_table, graph_parallel_loss, loss_terms, \
+        predict_batch, total_loss
 
     procs = Processes(config["parallel"])
     root = procs.rank == 0
     train_set, validation, test, weights = load_data(config)
-    model = build_model(config["model"], train_set, config["seed"])
-    for part, role in ((train_set, "training"), (validation, "validation"), (test, "test")):
-        check_species(model, part, role, error=ConfigError)
     directory = Path(config["output"]["directory"])
-    last_path = directory / "last.pt"
-    resume = config["resume"] and last_path.exists()
-
-    # per-species reference energies by least squares, force RMS as the energy scale
-    labelled = [s for s in train_set if s.energy is not None]
-    if labelled and not resume:
-        shift = fit_reference_energies(labelled, [atomic_numbers[x] for x in model.species])
-        with_forces = [s.forces for s in train_set if s.forces is not None]
-        scale = float(np.sqrt(np.mean(np.concatenate(with_forces) ** 2))) if with_forces else 1.0
-        model.scale_shift.shift.copy_(torch.as_tensor(shift))
-        model.scale_shift.scale.fill_(max(scale, 1e-3))
+    last_path, shards = directory / "last.pt", directory / "pipeline"
+    resume = bool(procs.bcast(config["resume"] and last_path.exists()))  # rank 0's disk decides
     device = torch.device("cuda", procs.rank % torch.cuda.device_count()) if torch.cuda.is_available() else \
         torch.device("cpu")
-    model.to(device)
-    parameters = [p for p in model.parameters() if p.requires_grad]
+    species = model_species(config["model"], train_set)
+
+    def build(parts=None):
+        return build_model(config["model"], species, config["seed"], parts).to(device)
+
     pipeline = None
     if procs.parallel == "pipeline":
-        from .pipeline import PipelineTrainer
-
-        pc = config["pipeline"]
-        if not hasattr(model, "part_modules"):
-            raise ConfigError(f"parallel: pipeline needs a model written as blocks (SchNet, PaiNN), not {config['model']['name']}")
+        layout = None
         if resume:
-            raise ConfigError("resume is not supported with parallel: pipeline yet (each stage holds its own optimizer)")
-        if procs.size % pc["stages"] or pc["stages"] > model.layers:
-            raise ConfigError(f"pipeline.stages = {pc['stages']} must divide the {procs.size} rank(s) and be at most "
-                              f"the model's {model.layers} blocks")
-        sweeps = "energy" if weights["forces"] == 0 and weights["stress"] == 0 else "forces"
-        try:
-            pipeline = PipelineTrainer(model, pc["stages"], pc["microbatches"], pc["schedule"], sweeps,
-                                       boundaries=pc["boundaries"], sample=Batch(train_set[:1], model, device),
-                                       two_bw=pc["two_bw"], recompute=pc["recompute"])
-        except ValueError as exc:
-            raise ConfigError(f"pipeline: {exc}") from None
-        parameters = pipeline.parameters
+            layout = procs.bcast(json.loads((shards / "layout.json").read_text()) if root else None)
+        pipeline = pipeline_trainer(config, procs, build, train_set, weights, layout)
+        model = pipeline.model  # this stage's parts only
+        stage = pipeline.stage.stage
+    else:
+        model = build()
+    for part, role in ((train_set, "training"), (validation, "validation"), (test, "test")):
+        check_species(model, part, role, error=ConfigError)
+    if not resume and config["model"]["checkpoint"] is None:
+        fit_scale_shift(model, train_set)
+    parameters = [p for p in model.parameters() if p.requires_grad]
     o, sch = config["optimizer"], config["schedule"]
     optimizer = torch.optim.AdamW(parameters, lr=o["lr"], weight_decay=o["weight_decay"])
     if sch["name"] == "plateau":
@@ -252,8 +311,19 @@ def train(config) -> list:
     ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(config["ema_decay"]), use_buffers=True) \
         if config["ema_decay"] > 0 else None
     first_epoch, best, rows = 0, float("inf"), []
-    if resume:
-        payload = torch.load(last_path, map_location=device, weights_only=True)
+
+    def training_state(epoch):
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, "best": best,
+                "scheduler": scheduler.state_dict() if scheduler is not None else {},
+                "ema": ema.state_dict() if ema is not None else {},
+                "pipeline": pipeline.state_dict() if pipeline is not None else {}}
+
+    if resume:  # one process / data / graph: last.pt's training state; pipeline: this stage's shard
+        path = shards / f"stage{stage}.pt" if pipeline is not None else last_path
+        try:
+            payload = torch.load(path, map_location=device, weights_only=True)
+        except (OSError, RuntimeError) as exc:
+            raise ConfigError(f"resume: cannot read {path}: {exc}") from None
         state = payload["training"]
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -261,6 +331,8 @@ def train(config) -> list:
             scheduler.load_state_dict(state["scheduler"])
         if ema is not None:
             ema.load_state_dict(state["ema"])
+        if pipeline is not None:
+            pipeline.load_state_dict(state["pipeline"])
         first_epoch, best = int(state["epoch"]), float(state["best"])
         with open(directory / "metrics.csv") as f:
             rows = [{k: int(v) if k == "epoch" else float(v) for k, v in r.items()} for r in csv.DictReader(f)]
@@ -270,27 +342,43 @@ def train(config) -> list:
         return ema.module if ema is not None else model
 
     def save(path, epoch):
-        training = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, "best": best,
-                    "scheduler": scheduler.state_dict() if scheduler is not None else {},
-                    "ema": ema.state_dict() if ema is not None else {}}
-        potentials.save(evaluation_model(), path, extra={"training": training})
+        """Write ``path`` (collective in pipeline mode: assembled from the stages' parts, and each stage's
+        resume shard beside it)."""
+        if pipeline is None:
+            potentials.save(evaluation_model(), path, extra={"training": training_state(epoch)})
+            return
+        if pipeline.replica == 0 and path == last_path:
+            torch.save({"training": training_state(epoch)}, shards / f"stage{stage}.pt")
+        pipeline.save_merged(path, evaluation_model())
 
     def errors_of(net, structures):
         """MAE/RMSE of ``net`` on ``structures``, each rank taking a share (graph parallel: rank 0 alone,
-        since evaluation needs no gradient graph and only training is split by space)."""
+        since evaluation needs no gradient graph and only training is split by space; pipeline: a
+        pipelined evaluation, ``net`` being this stage's parts)."""
+        if pipeline is not None:
+            return error_table(pipeline.error_sums(structures, config["batch_size"], net))
         if procs.parallel == "graph":
             share = structures if root else []
         else:
             share = structures[procs.rank::procs.size]
         return error_table(procs.sum(error_sums(net, share, config["batch_size"], device)))
 
+    count = procs.sum(np.array([float(sum(p.numel() for p in parameters))]))[0]
+    if pipeline is not None:
+        count /= pipeline.replicas
     if root:
         directory.mkdir(parents=True, exist_ok=True)
+        if pipeline is not None:
+            shards.mkdir(exist_ok=True)
+            (shards / "layout.json").write_text(json.dumps({"stages": pipeline.stages,
+                                                            "boundaries": pipeline.boundaries}))
         from tqdm import tqdm
         bar = tqdm(total=config["epochs"], initial=first_epoch, unit="epoch", file=sys.stderr, dynamic_ncols=True)
-        print(f"mlip-train: {type(model).__name__} {model.species}, {sum(p.numel() for p in parameters)} parameters, "
+        layout = f", stages at blocks {pipeline.boundaries}" if pipeline is not None else ""
+        print(f"mlip-train: {type(model).__name__} {model.species}, {int(count)} parameters, "
               f"{len(train_set)} training / {len(validation)} validation / {len(test)} test structures, "
-              f"{procs.size} rank(s), {procs.parallel} parallel", flush=True)
+              f"{procs.size} rank(s), {procs.parallel} parallel{layout}", flush=True)
+    procs.barrier()  # the output directory exists before any rank writes into it
     batch_size = config["batch_size"]
     for epoch in range(first_epoch, config["epochs"]):
         start = time.perf_counter()
@@ -327,8 +415,6 @@ def train(config) -> list:
                 ema.update_parameters(model)
             loss_sum, batches = loss_sum + value, batches + 1
         model.eval()
-        if pipeline is not None:  # every rank gets the whole current model (and its average)
-            pipeline.broadcast_parameters(model, *([ema.module] if ema is not None else []))
         errors = errors_of(evaluation_model(), validation)
         val_loss = sum(weights[q] * errors[f"{q}_rmse"] ** 2 for q in ("energy", "forces", "stress")
                        if weights[q] > 0 and np.isfinite(errors[f"{q}_rmse"]))
@@ -342,22 +428,28 @@ def train(config) -> list:
         rows.append(row)
         improved = val_loss < best
         best = min(best, val_loss)
-        if root:
+        if root or pipeline is not None:
             save(last_path, epoch + 1)
             if improved:
                 save(directory / "best.pt", epoch + 1)
+        if root:
             write_metrics(directory, rows)
             bar.update(1)
             bar.set_postfix(val_loss=f"{val_loss:.3g}", F_mae=f"{errors['forces_mae'] * 1e3:.1f} meV/A")
-        if procs.size > 1:
-            procs.backend.barrier()
+        procs.barrier()
     if root:
         bar.close()
         plot_learning_curve(directory, rows)
-    if test and (directory / "best.pt").exists():
-        errors = errors_of(potentials.load(directory / "best.pt", map_location=device), test)
+    has_best = bool(procs.bcast((directory / "best.pt").exists()))
+    if test and has_best:
+        parts = None if pipeline is None else model.parts  # pipeline: each stage reads its own parts
+        best_model = potentials.load(directory / "best.pt", map_location=device, parts=parts)
+        errors = errors_of(best_model, test)
         if root:
             print("test set, best.pt:\n" + format_errors(errors), flush=True)
+    if root:
+        written = ["best.pt", "last.pt", "metrics.csv", "learning_curve.png"] + (["pipeline/"] if pipeline else [])
+        print(f"mlip-train: output in {directory}: {', '.join(written)}", flush=True)
     return rows
 
 

@@ -290,20 +290,29 @@ def graph_parallel_loss(model, structure: Structure, weights: dict, counts: Coun
 
 
 # ----------------------------------------------------------------------------- errors
+def prediction_errors(batch: Batch, energy=None, forces=None, stress=None) -> np.ndarray:
+    """[9] error sums of the given predictions against ``batch``'s labels: |ΔE/n|, (ΔE/n)², count;
+    |ΔF|, ΔF², count; |Δσ|, Δσ², count (zeros for a quantity not given; unlabelled entries skipped).
+    energy [B] eV, forces [N, 3] eV/Å, stress [B, 3, 3] eV/Å³."""
+    sums = np.zeros(9)
+    pairs = ((energy, batch.energy, batch.atoms_per_structure), (forces, batch.forces, None),
+             (stress, batch.stress, None))
+    for k, (pred, ref, per) in enumerate(pairs):
+        if pred is None:
+            continue
+        diff = (pred.detach() - ref).flatten() if per is None else ((pred.detach() - ref) / per).flatten()
+        diff = diff[torch.isfinite(diff)].cpu().numpy()
+        sums[3 * k: 3 * k + 3] = [np.abs(diff).sum(), (diff**2).sum(), len(diff)]
+    return sums
+
+
 def error_sums(model, structures, batch_size: int, device) -> np.ndarray:
-    """[9] sums over ``structures``: |ΔE/n|, (ΔE/n)², count; |ΔF|, ΔF², count; |Δσ|, Δσ², count —
-    add them over ranks, then ``error_table``."""
+    """[9] ``prediction_errors`` summed over ``structures`` — add them over ranks, then ``error_table``."""
     sums = np.zeros(9)
     for start in range(0, len(structures), batch_size):
-        chunk = structures[start:start + batch_size]
-        batch = Batch(chunk, model, device)
+        batch = Batch(structures[start:start + batch_size], model, device)
         energy, forces, stress = predict_batch(model, batch, create_graph=False)
-        for k, (pred, ref) in enumerate(((energy.detach() / batch.atoms_per_structure,
-                                          batch.energy / batch.atoms_per_structure),
-                                         (forces.detach(), batch.forces), (stress.detach(), batch.stress))):
-            diff = (pred - ref).flatten()
-            diff = diff[torch.isfinite(diff)].cpu().numpy()
-            sums[3 * k: 3 * k + 3] += [np.abs(diff).sum(), (diff**2).sum(), len(diff)]
+        sums += prediction_errors(batch, energy, forces, stress)
     return sums
 
 

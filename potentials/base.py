@@ -68,24 +68,110 @@ class Potential(torch.nn.Module):
         raise NotImplementedError
 
 
-class BlockPotential(Potential):
-    """A message-passing model written as parts, so that it can also run as pipeline stages:
+EMBED, READOUT = "embed", "readout"
 
-    ``context(graph)`` edge features every part may read (recomputed by each stage from its own
-    geometry); ``embed(graph, ctx)`` → h; ``block(k, h, graph, ctx)`` → h for k < ``layers`` (block
-    k > 0 refreshes ghost rows with ``graph.halo`` first); ``readout(h, graph, ctx)`` → per-atom
-    energies [n_local]. h is one tensor [n, ``pipeline_width``] (what travels between stages).
-    ``parts_of(k)`` names the parameters of each part; ``forward`` chains them.
+
+def block_part(k: int) -> str:
+    """Name of interaction block k as a part: "block.k"."""
+    return f"block.{k}"
+
+
+def all_parts(layers: int) -> tuple:
+    """Every part of a block model with ``layers`` blocks, in the order data flows through them."""
+    return (EMBED, *(block_part(k) for k in range(layers)), READOUT)
+
+
+def stage_parts(layers: int, boundaries, stage: int) -> frozenset:
+    """The parts pipeline stage ``stage`` holds: blocks [boundaries[stage], boundaries[stage + 1]), plus
+    the embedding on the first stage and the readout on the last (``boundaries``: [S + 1] block indices)."""
+    parts = {block_part(k) for k in range(boundaries[stage], boundaries[stage + 1])}
+    if stage == 0:
+        parts.add(EMBED)
+    if stage == len(boundaries) - 2:
+        parts.add(READOUT)
+    return frozenset(parts)
+
+
+def part_seed(seed: int, part: str) -> int:
+    """The seed of one part's initial weights: a function of (model seed, part name) alone, so a model
+    holding some parts has the same weights for them as the model holding all."""
+    import zlib
+
+    return int(np.random.SeedSequence([int(seed), zlib.crc32(part.encode())]).generate_state(1, np.uint64)[0] >> 1)
+
+
+class BlockPotential(Potential):
+    """A message-passing model written as parts, so that it can also run as pipeline stages.
+
+    Parts: ``"embed"``, ``"block.k"`` for k < ``layers``, ``"readout"`` (readout and scale/shift). A
+    model may hold only some of them (``parts``; a pipeline stage holds its own): the others are never
+    built. Each part's initial weights come from its own seed (``part_seed(seed, part)``), so a stage
+    and the whole model built with the same ``seed`` agree; ``seed=None`` draws it from torch's global
+    generator (``torch.manual_seed`` then building twice gives the same model). Modules that hold no
+    parameters (radial bases) belong to no part and are built everywhere.
+
+    ``context(graph)``: edge features every part may read (each stage recomputes them from its own
+    geometry); ``embed(graph, ctx)`` → h; ``block(k, h, graph, ctx)`` → h (block k > 0 refreshes ghost
+    rows with ``graph.halo`` first); ``readout_energies(h, graph, ctx)`` → per-atom energies [n_local].
+    h entering block k (k = ``layers``: the readout) is one tensor [n, ``feature_width(k)``]: what
+    travels between stages. ``PART_MODULES`` maps "embed" / "block" / "readout" to the attribute paths
+    of each part's modules ("{k}" stands for the block index). ``forward`` chains all parts.
     """
 
-    pipeline_width: int
+    PART_MODULES: dict
+
+    def _init_parts(self, parts, seed) -> None:
+        """Record which parts this model holds (None: all) and the seed they are built from."""
+        names = all_parts(self.layers)
+        parts = frozenset(names if parts is None else parts)
+        unknown = sorted(parts - set(names))
+        if unknown:
+            raise ValueError(f"unknown parts {unknown} of a {self.layers}-block model; parts are {list(names)}")
+        self.parts = parts
+        self.seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else int(seed)
+
+    def _build(self, part: str, factory):
+        """``factory()`` under the part's own random stream, or None when this model does not hold ``part``."""
+        if part not in self.parts:
+            return None
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(part_seed(self.seed, part))
+            return factory()
+
+    def _build_blocks(self, factory) -> torch.nn.ModuleDict:
+        """The held blocks {str(k): factory(k)} (state-dict keys as a ModuleList's: "name.k.…")."""
+        return torch.nn.ModuleDict({str(k): self._build(block_part(k), lambda k=k: factory(k))
+                                    for k in range(self.layers) if block_part(k) in self.parts})
+
+    @property
+    def complete(self) -> bool:
+        """True when the model holds every part (``forward`` needs them all)."""
+        return len(self.parts) == self.layers + 2
 
     def forward(self, graph: AtomGraph) -> torch.Tensor:
+        if not self.complete:
+            raise RuntimeError(f"this {type(self).__name__} holds only the parts {sorted(self.parts)} (a pipeline "
+                               "stage); evaluating it needs all of them")
         ctx = self.context(graph)
         h = self.embed(graph, ctx)
         for k in range(self.layers):
             h = self.block(k, h, graph, ctx)
         return self.readout_energies(h, graph, ctx)
+
+    def part_prefixes(self, part: str) -> list:
+        """Attribute paths of ``part``'s modules, e.g. ["interactions.3"] for "block.3"."""
+        kind, _, k = part.partition(".")
+        return [path.format(k=k) for path in self.PART_MODULES[kind]]
+
+    def part_of(self, key: str) -> str | None:
+        """The part a state-dict or parameter name belongs to (None: a module shared by every part)."""
+        for part in all_parts(self.layers):
+            if any(key.startswith(prefix + ".") for prefix in self.part_prefixes(part)):
+                return part
+        return None
+
+    def feature_width(self, k: int) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
 
     def context(self, graph: AtomGraph):  # pragma: no cover - abstract
         raise NotImplementedError
@@ -98,11 +184,6 @@ class BlockPotential(Potential):
 
     def readout_energies(self, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError
-
-    def part_modules(self) -> dict:
-        """{"embed": [modules], "block": [module of block k], "readout": [modules]}: who owns which
-        parameters (a pipeline stage optimises only its parts')."""
-        raise NotImplementedError  # pragma: no cover
 
 
 class SpeciesScaleShift(torch.nn.Module):

@@ -8,7 +8,7 @@ import torch
 from e3nn import nn as enn
 from e3nn import o3
 
-from .base import Potential, SpeciesScaleShift
+from .base import BlockPotential, SpeciesScaleShift
 from .graph import AtomGraph
 from .radial import SincBasis, polynomial_cutoff
 
@@ -51,16 +51,21 @@ class Interaction(torch.nn.Module):
         return self.linear_out(summed) + self.self_connection(h[:n], attr[:n])
 
 
-class NequIP(Potential):
+class NequIP(BlockPotential):
     """Node features Fx0e + Fx1o + Fx2e + … up to ``l_max``; edges carry spherical harmonics Y_l(r̂),
     l ≤ l_max, and a Bessel radial basis with NequIP's polynomial envelope.
 
-    h0 = linear(one-hot species); each layer: [l > 0: h = halo(h)]; h = h + gate(interaction(h));
-    e_i = scale[z_i] * MLP(scalars of h_i) + shift[z_i] (eV).
+    h0 = linear(one-hot species) (F scalars); each layer: [l > 0: h = halo(h)]; h = h + gate(interaction(h))
+    (no residual in the first, where the irreps grow); e_i = scale[z_i] * MLP(scalars of h_i) + shift[z_i]
+    (eV). As pipeline parts, the irreps features h cross stage boundaries as one [n, irreps.dim] tensor.
     """
 
+    PART_MODULES = {"embed": ("embedding",), "block": ("interactions.{k}", "gates.{k}"),
+                    "readout": ("readout_linear", "readout", "scale_shift")}
+
     def __init__(self, species: Sequence[str], cutoff: float, l_max: int = 2, features: int = 16,
-                 layers: int = 3, radial: int = 8, radial_hidden: int = 32, avg_neighbors: float = 12.0):
+                 layers: int = 3, radial: int = 8, radial_hidden: int = 32, avg_neighbors: float = 12.0,
+                 *, parts=None, seed: int | None = None):
         super().__init__(species)
         if not species or cutoff <= 0 or l_max < 0 or features < 1 or layers < 1 or avg_neighbors <= 0:
             raise ValueError(f"invalid NequIP hyper-parameters: species={species}, cutoff={cutoff}, l_max={l_max}, "
@@ -69,41 +74,52 @@ class NequIP(Potential):
         self.hyperparameters = dict(species=self.species, cutoff=self.cutoff, l_max=self.l_max, features=self.features,
                                     layers=self.layers, radial=int(radial), radial_hidden=int(radial_hidden),
                                     avg_neighbors=float(avg_neighbors))
+        self._init_parts(parts, seed)  # ``parts``: the parts to build (a pipeline stage's); see BlockPotential
         n = len(self.species)
         self.irreps_attr = o3.Irreps(f"{n}x0e")
         self.irreps_sh = o3.Irreps.spherical_harmonics(l_max)
         scalars = o3.Irreps(f"{features}x0e")
         gated = o3.Irreps([(features, (l, (-1) ** l)) for l in range(1, l_max + 1)])
         self.irreps_hidden = (scalars + gated).simplify()
-        self.embedding = o3.Linear(self.irreps_attr, scalars)
         self.radial_basis = SincBasis(self.cutoff, radial)
-        self.interactions = torch.nn.ModuleList()
-        self.gates = torch.nn.ModuleList()
-        irreps = scalars
-        for _ in range(layers):
-            gate = enn.Gate(scalars, [torch.nn.functional.silu], o3.Irreps(f"{gated.num_irreps}x0e"),
-                            [torch.sigmoid], gated)
-            self.interactions.append(Interaction(irreps, gate.irreps_in, self.irreps_sh, self.irreps_attr,
-                                                 radial, radial_hidden, avg_neighbors))
-            self.gates.append(gate)
-            irreps = gate.irreps_out
-        self.readout_linear = o3.Linear(irreps, scalars)
-        self.readout = torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Linear(features, 1))
-        self.scale_shift = SpeciesScaleShift(n)
 
-    def forward(self, graph: AtomGraph) -> torch.Tensor:
+        def gate():
+            return enn.Gate(scalars, [torch.nn.functional.silu], o3.Irreps(f"{gated.num_irreps}x0e"),
+                            [torch.sigmoid], gated)
+
+        # block k maps irreps_in(k) → gate.irreps_out; the first reads the embedding's scalars
+        self.irreps_in = [scalars] + [gate().irreps_out] * layers
+        self.embedding = self._build("embed", lambda: o3.Linear(self.irreps_attr, scalars))
+        self.interactions = self._build_blocks(lambda k: Interaction(
+            self.irreps_in[k], gate().irreps_in, self.irreps_sh, self.irreps_attr, radial, radial_hidden, avg_neighbors))
+        self.gates = self._build_blocks(lambda k: gate())
+        self.readout_linear, self.readout, self.scale_shift = self._build("readout", lambda: (
+            o3.Linear(self.irreps_in[layers], scalars), torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Linear(features, 1)),
+            SpeciesScaleShift(n))) or (None, None, None)
+
+    def feature_width(self, k: int) -> int:
+        return self.irreps_in[k].dim
+
+    def context(self, graph: AtomGraph):
         vec = graph.edge_vec.to(self.dtype)
         r = vec.norm(dim=1)
         sh = o3.spherical_harmonics(self.irreps_sh, vec, normalize=True, normalization="component")
         radial = self.radial_basis(r) * polynomial_cutoff(r, self.cutoff)[:, None]
-        sender, receiver = graph.edge_index
         attr = torch.nn.functional.one_hot(graph.species, len(self.species)).to(self.dtype)
-        h = self.embedding(attr)
-        for layer, (interaction, gate) in enumerate(zip(self.interactions, self.gates)):
-            if layer > 0:
-                h = graph.halo(h)
-            update = gate(interaction(h, attr, sender, receiver, sh, radial, graph.receivers))
-            h = update + h[: update.shape[0]] if update.shape[1] == h.shape[1] else update
+        return sh, radial, attr
+
+    def embed(self, graph: AtomGraph, ctx) -> torch.Tensor:
+        return self.embedding(ctx[2])
+
+    def block(self, k: int, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
+        if k > 0:
+            h = graph.halo(h)
+        sh, radial, attr = ctx
+        sender, receiver = graph.edge_index
+        update = self.gates[str(k)](self.interactions[str(k)](h, attr, sender, receiver, sh, radial, graph.receivers))
+        return update + h[: update.shape[0]] if update.shape[1] == h.shape[1] else update
+
+    def readout_energies(self, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
         n_local = graph.n_local
         out = self.readout(self.readout_linear(h[:n_local])).squeeze(-1)
         return self.scale_shift(out, graph.species[:n_local])

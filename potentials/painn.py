@@ -49,7 +49,10 @@ class PaiNN(BlockPotential):
     exchange ([n, 4F] rows).
     """
 
-    def __init__(self, species: Sequence[str], cutoff: float, features: int = 64, layers: int = 3, rbf: int = 20):
+    PART_MODULES = {"embed": ("embedding",), "block": ("blocks.{k}",), "readout": ("readout", "scale_shift")}
+
+    def __init__(self, species: Sequence[str], cutoff: float, features: int = 64, layers: int = 3, rbf: int = 20,
+                 *, parts=None, seed: int | None = None):
         super().__init__(species)
         if not species or cutoff <= 0 or features < 1 or layers < 1 or rbf < 1:
             raise ValueError(f"invalid PaiNN hyper-parameters: species={species}, cutoff={cutoff}, "
@@ -57,13 +60,16 @@ class PaiNN(BlockPotential):
         self.cutoff, self.features, self.layers = float(cutoff), int(features), int(layers)
         self.hyperparameters = dict(species=self.species, cutoff=self.cutoff, features=self.features,
                                     layers=self.layers, rbf=int(rbf))
-        self.embedding = torch.nn.Embedding(len(self.species), features)
+        self._init_parts(parts, seed)  # ``parts``: the parts to build (a pipeline stage's); see BlockPotential
         self.radial = SincBasis(self.cutoff, rbf)
-        self.blocks = torch.nn.ModuleList(PaiNNLayer(features, rbf) for _ in range(layers))
-        self.readout = torch.nn.Sequential(
-            torch.nn.Linear(features, features // 2 or 1), torch.nn.SiLU(), torch.nn.Linear(features // 2 or 1, 1))
-        self.scale_shift = SpeciesScaleShift(len(self.species))
-        self.pipeline_width = 4 * self.features
+        self.embedding = self._build("embed", lambda: torch.nn.Embedding(len(self.species), features))
+        self.blocks = self._build_blocks(lambda k: PaiNNLayer(features, rbf))
+        self.readout, self.scale_shift = self._build("readout", lambda: (torch.nn.Sequential(
+            torch.nn.Linear(features, features // 2 or 1), torch.nn.SiLU(), torch.nn.Linear(features // 2 or 1, 1)),
+            SpeciesScaleShift(len(self.species)))) or (None, None)
+
+    def feature_width(self, k: int) -> int:
+        return 4 * self.features
 
     # h packs the scalars s [n, F] and the vectors v [n, 3, F] as one [n, 4F] tensor (halo, pipeline)
     def context(self, graph: AtomGraph):
@@ -80,12 +86,9 @@ class PaiNN(BlockPotential):
             h = graph.halo(h)
         n, f = h.shape[0], self.features
         sender, receiver = graph.edge_index
-        s, v = self.blocks[k](h[:, :f], h[:, f:].reshape(n, 3, f), sender, receiver, *ctx, graph.receivers)
+        s, v = self.blocks[str(k)](h[:, :f], h[:, f:].reshape(n, 3, f), sender, receiver, *ctx, graph.receivers)
         return torch.cat([s, v.reshape(s.shape[0], 3 * f)], dim=1)
 
     def readout_energies(self, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
         out = self.readout(h[: graph.n_local, : self.features]).squeeze(-1)
         return self.scale_shift(out, graph.species[: graph.n_local])
-
-    def part_modules(self) -> dict:
-        return {"embed": [self.embedding], "block": list(self.blocks), "readout": [self.readout, self.scale_shift]}

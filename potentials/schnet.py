@@ -17,8 +17,10 @@ class SchNet(BlockPotential):
     e_i = scale[z_i] * MLP(h_i) + shift[z_i]   (eV, ``scale_shift``).
     """
 
+    PART_MODULES = {"embed": ("embedding",), "block": ("interactions.{k}",), "readout": ("readout", "scale_shift")}
+
     def __init__(self, species: Sequence[str], cutoff: float, features: int = 64, layers: int = 3,
-                 rbf: int = 50, filters: int | None = None):
+                 rbf: int = 50, filters: int | None = None, *, parts=None, seed: int | None = None):
         super().__init__(species)
         if not species:
             raise ValueError("SchNet needs a non-empty species list")
@@ -28,14 +30,16 @@ class SchNet(BlockPotential):
         self.cutoff, self.features, self.layers = float(cutoff), int(features), int(layers)
         self.hyperparameters = dict(species=self.species, cutoff=self.cutoff, features=self.features,
                                     layers=self.layers, rbf=int(rbf), filters=filters)
-        self.embedding = torch.nn.Embedding(len(self.species), features)
+        self._init_parts(parts, seed)  # ``parts``: the parts to build (a pipeline stage's); see BlockPotential
         self.distance_expansion = GaussianSmearing(0.0, self.cutoff, rbf)
-        self.interactions = torch.nn.ModuleList(
-            InteractionBlock(features, rbf, filters or features, self.cutoff) for _ in range(layers))
-        self.readout = torch.nn.Sequential(
-            torch.nn.Linear(features, features // 2), ShiftedSoftplus(), torch.nn.Linear(features // 2, 1))
-        self.scale_shift = SpeciesScaleShift(len(self.species))
-        self.pipeline_width = self.features
+        self.embedding = self._build("embed", lambda: torch.nn.Embedding(len(self.species), features))
+        self.interactions = self._build_blocks(lambda k: InteractionBlock(features, rbf, filters or features, self.cutoff))
+        self.readout, self.scale_shift = self._build("readout", lambda: (torch.nn.Sequential(
+            torch.nn.Linear(features, features // 2), ShiftedSoftplus(), torch.nn.Linear(features // 2, 1)),
+            SpeciesScaleShift(len(self.species)))) or (None, None)
+
+    def feature_width(self, k: int) -> int:
+        return self.features
 
     def context(self, graph: AtomGraph):
         distance = graph.edge_vec.to(self.dtype).norm(dim=1)
@@ -48,11 +52,8 @@ class SchNet(BlockPotential):
         if k > 0:
             h = graph.halo(h)
         distance, expanded = ctx
-        return h + self.interactions[k](h, graph.edge_index, distance, expanded)
+        return h + self.interactions[str(k)](h, graph.edge_index, distance, expanded)
 
     def readout_energies(self, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
         out = self.readout(h[: graph.n_local]).squeeze(-1)
         return self.scale_shift(out, graph.species[: graph.n_local])
-
-    def part_modules(self) -> dict:
-        return {"embed": [self.embedding], "block": list(self.interactions), "readout": [self.readout, self.scale_shift]}

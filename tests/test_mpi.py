@@ -85,9 +85,11 @@ def test_md_engine_rank_independent_and_conserves_atoms(mpirun, ranks):
 
 @pytest.mark.parametrize("ranks", [3, 4])
 def test_pipeline_parallel_equals_single_process(mpirun, ranks):
-    """S = 3 stages on 3 ranks: GPipe and 1F1B gradients (also with recomputation), 5 AdamW steps and 2BW
-    equal one process; 2 replicas × 2 stages on 4 ranks (DP × PP): 1F1B gradients, 5 steps and 2BW
-    (tests/mpi/pipeline.py; S = 2 alone runs through mlip-train in tests/test_training.py)."""
+    """Stage-local models (each rank exactly its parts) equal one process: S = 3 stages on 3 ranks (GPipe,
+    1F1B, recomputation, energy-only; SchNet, PaiNN, NequIP), 2 replicas × 2 stages on 4 ranks (DP × PP);
+    ragged batches, AdamW steps, pipelined evaluation, 2BW, the merged checkpoint (tests/mpi/pipeline.py;
+    S = 2 runs through mlip-train in tests/test_training.py)."""
     rc, out, _ = mpirun(ranks, MPI_DIR / "pipeline.py", timeout=300)
     assert rc == 0, out
-    assert "pipeline 0 failures" in out and out.count("max rel err") == (7 if ranks == 3 else 3), out
+    assert "pipeline 0 failures" in out and out.count("max rel err") == (15 if ranks == 3 else 12), out
+    assert "merged checkpoint vs whole model" in out, out

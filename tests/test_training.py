@@ -47,7 +47,14 @@ def metrics(directory):
 
 
 def trained_parameters(directory):
-    return torch.load(directory / "last.pt", weights_only=True)["training"]["model"]
+    """The trained (not averaged) weights: last.pt's training state, or the union of the pipeline stages' shards."""
+    shards = sorted((directory / "pipeline").glob("stage*.pt"))
+    if not shards:
+        return torch.load(directory / "last.pt", weights_only=True)["training"]["model"]
+    merged = {}
+    for shard in shards:
+        merged.update(torch.load(shard, weights_only=True)["training"]["model"])
+    return merged
 
 
 def test_short_training_lowers_validation_force_error(quick_data, tmp_path):

@@ -1,15 +1,23 @@
 """Pipeline-parallel training (run under mpiexec -n P; P = 2, 3: S = P stages; P = 4: 2 replicas × 2
-stages). Energy + force + stress loss, float64, a SchNet of 6 blocks on EMT-labelled copper:
+stages). Energy + force + stress loss, float64, SchNet (6 blocks), PaiNN and NequIP (4 blocks each) on
+EMT-labelled copper; each rank builds only its stage's parts (seeded part by part) and is compared with
+the one-process model built from the same seed:
 
-* GPipe and 1F1B, four sweeps (and two sweeps for an energy-only loss; and 1F1B with activation
-  recomputation): every stage's parameter gradients equal the single-process double backward (1e-9),
-  and the loss equals it;
-* 5 AdamW steps: parameters equal the single-process run (1e-9);
+* every rank's parameters are exactly its stage's parts (names checked against the whole model's);
+* gradients of every stage equal the single-process double backward (1e-9), and the loss equals it:
+  SchNet with GPipe and 1F1B, four sweeps and two (energy only), and with activation recomputation;
+  PaiNN and NequIP with 1F1B; ragged global batches: 7 structures in 4 micro-batches, fewer structures
+  than replicas × micro-batches, and (P = 4) a replica with no structure at all;
+* AdamW steps over two epochs of 7 structures in global batches of 3 (a ragged last batch of 1):
+  parameters equal the single-process run (1e-9), for every model;
 * PipeDream-2BW: parameters after 4 steps equal a single-process reference that applies the same
-  one-step-delayed update rule.
+  one-step-delayed update rule;
+* pipelined evaluation (F and B1 through the stages) gives the single-process error sums;
+* the merged checkpoint written part by part loads with ``potentials.load`` and equals the whole model.
 """
 import os
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import numpy as np  # noqa: E402
@@ -21,7 +29,8 @@ from mpi4py import MPI  # noqa: E402
 import potentials  # noqa: E402
 from mlip_parallel.pipeline import PipelineTrainer  # noqa: E402
 from mlip_parallel.train_cli import Processes  # noqa: E402
-from mlip_parallel.training import Batch, Counts, Structure, loss_terms, predict_batch, total_loss  # noqa: E402
+from mlip_parallel.training import Batch, Counts, Structure, error_sums, loss_terms, predict_batch, \
+    total_loss  # noqa: E402
 
 torch.set_num_threads(1)
 world = MPI.COMM_WORLD
@@ -43,17 +52,19 @@ def structures(n=8, seed=0):
     return out
 
 
-def model():
-    torch.manual_seed(3)
-    return potentials.SchNet(["Cu"], cutoff=4.0, features=8, layers=6, rbf=8).double()
-
-
+MODELS = {"SchNet": lambda parts=None: potentials.SchNet(["Cu"], cutoff=4.0, features=8, layers=6, rbf=8,
+                                                         parts=parts, seed=3).double(),
+          "PaiNN": lambda parts=None: potentials.PaiNN(["Cu"], cutoff=4.0, features=4, layers=4, rbf=8,
+                                                       parts=parts, seed=3).double(),
+          "NequIP": lambda parts=None: potentials.NequIP(["Cu"], cutoff=4.0, l_max=1, features=2, layers=4, radial=4,
+                                                         radial_hidden=8, parts=parts, seed=3).double()}
 DATA = structures()
 WEIGHTS = {"energy": 1.0, "forces": 10.0, "stress": 5.0}
 ENERGY_ONLY = {"energy": 1.0, "forces": 0.0, "stress": 0.0}
+REFERENCES = {name: build() for name, build in MODELS.items()}  # the whole models, for comparison only
 
 
-def reference_gradients(net, weights, data=DATA):
+def reference_gradients(net, weights, data):
     batch = Batch(data, net, net.device)
     loss = total_loss(loss_terms(*predict_batch(net, batch), batch, Counts.of(data)), weights)
     return loss.item(), torch.autograd.grad(loss, list(net.parameters()), allow_unused=True)
@@ -63,60 +74,127 @@ failures = []
 
 
 def compare(label, values, reference, tolerance=1e-9):
-    err = max(float((a - b).abs().max()) / max(float(b.abs().max()), 1e-300) for a, b in zip(values, reference))
+    """Largest relative difference of matching tensors, over every rank; a failure above ``tolerance``."""
+    err = max([float((a - b).abs().max()) / max(float(b.abs().max()), 1e-300) for a, b in zip(values, reference)],
+              default=0.0)
     err = world.allreduce(err, op=MPI.MAX)
     if world.rank == 0:
-        print(f"{label:44s} max rel err {err:.2e}", flush=True)
+        print(f"{label:72s} max rel err {err:.2e}", flush=True)
     if err > tolerance:
         failures.append(label)
 
 
-VARIANTS = (("gpipe", "forces", False), ("gpipe", "energy", False), ("1f1b", "forces", False),
-            ("1f1b", "energy", False), ("1f1b", "forces", True))
-if P == 4:  # data x pipeline: the schedule variants already ran on a single pipeline (P = 2, 3)
-    VARIANTS = (("1f1b", "forces", False),)
-for schedule, sweeps, recompute in VARIANTS:
+def check_parts(name, trainer):
+    """This rank's model holds exactly its stage's parts: every parameter name of the whole model whose
+    part is this stage's, and no other."""
+    model, whole = trainer.model, REFERENCES[name]
+    expected = {n for n, _ in whole.named_parameters() if whole.part_of(n) in trainer.model.parts}
+    held = {n for n, _ in model.named_parameters()}
+    ok = held == expected and model.parts == potentials.stage_parts(whole.layers, trainer.boundaries, trainer.stage.stage)
+    if not all(world.allgather(ok)):
+        failures.append(f"{name}: a rank holds parameters outside its stage (rank {world.rank}: {sorted(held ^ expected)})")
+
+
+def owned_pairs(trainer, values, reference_values):
+    """(value, reference) pairs of this stage's parameters; ``values`` / ``reference_values``: name → tensor."""
+    return [(values[n], reference_values[n]) for n, _ in trainer.model.named_parameters()]
+
+
+def gradient_case(name, schedule, sweeps, recompute, microbatches, data, boundaries=None):
     weights = WEIGHTS if sweeps == "forces" else ENERGY_ONLY
-    net = model()
-    trainer = PipelineTrainer(net, STAGES, microbatches=4 if P != 4 else 2, schedule=schedule, sweeps=sweeps,
-                              sample=Batch(DATA[:2], net, net.device), recompute=recompute)
-    loss = trainer.gradients(DATA, weights)
-    ref_loss, ref_grads = reference_gradients(model(), weights)
-    owned = {id(p) for p in trainer.parameters}
-    mine = [(p.grad, g) for p, g in zip(net.parameters(), ref_grads) if id(p) in owned]
-    label = f"{schedule}{' recompute' if recompute else ''} {sweeps}: gradients, boundaries {trainer.boundaries}"
-    compare(label, [a for a, _ in mine], [b for _, b in mine])
+    trainer = PipelineTrainer(MODELS[name], STAGES, microbatches=microbatches, schedule=schedule, sweeps=sweeps,
+                              sample=data[:2], recompute=recompute, boundaries=boundaries)
+    check_parts(name, trainer)
+    loss = trainer.gradients(data, weights)
+    reference = REFERENCES[name]
+    ref_loss, ref_grads = reference_gradients(reference, weights, data)
+    grads = {n: p.grad for n, p in trainer.model.named_parameters()}
+    pairs = owned_pairs(trainer, grads, {n: g for (n, _), g in zip(reference.named_parameters(), ref_grads)})
+    label = (f"{name} {schedule}{' recompute' if recompute else ''} {sweeps}, {len(data)} structures, "
+             f"M={microbatches}: gradients")
+    compare(label, [a for a, _ in pairs], [b for _, b in pairs])
     if abs(loss - ref_loss) > 1e-10 * abs(ref_loss):
         failures.append(f"{label}: loss {loss} vs {ref_loss}")
+    return trainer
 
-# 5 optimizer steps (1F1B, forces), then 2BW against the same delayed rule in one process
-for two_bw in (False, True):
-    net, reference = model(), model()
-    trainer = PipelineTrainer(net, STAGES, microbatches=2, schedule="1f1b", boundaries=None if not two_bw else
-                              [0] + [6 * (s + 1) // STAGES for s in range(STAGES)], sample=Batch(DATA[:2], net, net.device),
-                              two_bw=two_bw)
+
+# ------------------------------------------------------------------- gradients
+CASES = [("SchNet", "gpipe", "forces", False), ("SchNet", "gpipe", "energy", False),
+         ("SchNet", "1f1b", "forces", False), ("SchNet", "1f1b", "energy", False),
+         ("SchNet", "1f1b", "forces", True), ("PaiNN", "1f1b", "forces", False), ("NequIP", "1f1b", "forces", False)]
+if P == 4:  # data x pipeline: the schedule variants already ran on a single pipeline (P = 2, 3)
+    CASES = [c for c in CASES if c[1:] == ("1f1b", "forces", False)]
+for name, schedule, sweeps, recompute in CASES:
+    gradient_case(name, schedule, sweeps, recompute, microbatches=4, data=DATA[:7])  # ragged micro-batches
+# fewer structures than replicas × micro-batches (P = 4: replica 1 gets 1 structure; then none)
+gradient_case("SchNet", "1f1b", "forces", False, microbatches=4, data=DATA[:3])
+if P == 4:
+    gradient_case("PaiNN", "1f1b", "forces", False, microbatches=2, data=DATA[:1])
+
+# --------------------------------------------- optimizer steps with a ragged last batch; evaluation
+for name in MODELS:
+    reference = MODELS[name]()
+    trainer = PipelineTrainer(MODELS[name], STAGES, microbatches=2, schedule="1f1b", sample=DATA[:2])
     optimizer = torch.optim.AdamW(trainer.parameters, lr=1e-3)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
-    stale = [p.detach().clone() for p in reference.parameters()]
-    for step in range(5 if not two_bw else 4):
-        batch_data = DATA[(2 * step) % 8:] + DATA[:(2 * step) % 8]  # a different order each step
-        trainer.step(batch_data, WEIGHTS, optimizer)
-        current = [p.detach().clone() for p in reference.parameters()]
-        if two_bw:  # gradient at W_{t-1}, applied to W_t
-            with torch.no_grad():
-                for p, old in zip(reference.parameters(), stale):
-                    p.copy_(old)
-        _, grads = reference_gradients(reference, WEIGHTS, batch_data)
-        with torch.no_grad():
-            for p, now, g in zip(reference.parameters(), current, grads):
-                p.copy_(now)
+    data, steps = DATA[:7], 0
+    for epoch in range(2):  # global batches of 3, 3, 1 structures
+        order = np.random.default_rng(epoch).permutation(len(data))
+        for start in range(0, len(data), 3):
+            batch = [data[k] for k in order[start:start + 3]]
+            trainer.step(batch, WEIGHTS, optimizer, clip_norm=1.0)
+            _, grads = reference_gradients(reference, WEIGHTS, batch)
+            for p, g in zip(reference.parameters(), grads):
                 p.grad = g
-        ref_optimizer.step()
-        stale = current
-    owned = {id(p) for p in trainer.parameters}
-    pairs = [(p.detach(), q.detach()) for p, q in zip(net.parameters(), reference.parameters()) if id(p) in owned]
-    compare(f"{'2BW' if two_bw else '1F1B'}: parameters after {4 if two_bw else 5} AdamW steps",
-            [a for a, _ in pairs], [b for _, b in pairs])
+            torch.nn.utils.clip_grad_norm_(list(reference.parameters()), 1.0)
+            ref_optimizer.step()
+            steps += 1
+    pairs = owned_pairs(trainer, dict(trainer.model.named_parameters()), dict(reference.named_parameters()))
+    compare(f"{name} 1F1B: parameters after {steps} AdamW steps (ragged last batch)",
+            [a.detach() for a, _ in pairs], [b.detach() for _, b in pairs])
+    sums = trainer.error_sums(DATA, batch_size=3)
+    expected = error_sums(reference, DATA, 3, reference.device)
+    compare(f"{name}: pipelined evaluation error sums", [torch.as_tensor(sums)], [torch.as_tensor(expected)])
+    if name == "NequIP":  # the merged checkpoint, written part by part, is the whole model
+        directory = world.bcast(tempfile.mkdtemp() if world.rank == 0 else None)
+        trainer.save_merged(os.path.join(directory, "merged.pt"))
+        if world.rank == 0:
+            merged = potentials.load(os.path.join(directory, "merged.pt"))
+            state, ref_state = merged.state_dict(), reference.state_dict()
+            if set(state) != set(ref_state) or not merged.complete:
+                failures.append(f"merged checkpoint keys differ: {sorted(set(state) ^ set(ref_state))}")
+            compare_local = max(float((state[k] - ref_state[k]).abs().max()) for k in ref_state if ref_state[k].numel())
+            atoms = DATA[0].to_atoms()
+            got, want = potentials.predict(merged, atoms), potentials.predict(reference, atoms)
+            compare_local = max(compare_local, float(np.abs(got["forces"] - want["forces"]).max()))
+            print(f"{'NequIP merged checkpoint vs whole model (weights, forces)':72s} max abs err {compare_local:.2e}",
+                  flush=True)
+            if compare_local > 1e-12:
+                failures.append("merged checkpoint")
+
+# ------------------------------------------- 2BW against the same delayed rule in one process
+net_build, reference = MODELS["SchNet"], MODELS["SchNet"]()
+trainer = PipelineTrainer(net_build, STAGES, microbatches=2, schedule="1f1b",
+                          boundaries=[6 * s // STAGES for s in range(STAGES + 1)], two_bw=True)
+optimizer = torch.optim.AdamW(trainer.parameters, lr=1e-3)
+ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+stale = [p.detach().clone() for p in reference.parameters()]
+for step in range(4):
+    batch_data = DATA[(2 * step) % 8:] + DATA[:(2 * step) % 8]  # a different order each step
+    trainer.step(batch_data, WEIGHTS, optimizer)
+    current = [p.detach().clone() for p in reference.parameters()]
+    with torch.no_grad():  # gradient at W_{t-1}, applied to W_t
+        for p, old in zip(reference.parameters(), stale):
+            p.copy_(old)
+    _, grads = reference_gradients(reference, WEIGHTS, batch_data)
+    with torch.no_grad():
+        for p, now, g in zip(reference.parameters(), current, grads):
+            p.copy_(now)
+            p.grad = g
+    ref_optimizer.step()
+    stale = current
+pairs = owned_pairs(trainer, dict(trainer.model.named_parameters()), dict(reference.named_parameters()))
+compare("SchNet 2BW: parameters after 4 AdamW steps", [a.detach() for a, _ in pairs], [b.detach() for _, b in pairs])
 
 if world.rank == 0:
     layout = f"{P // STAGES} replica(s) x {STAGES} stages"
