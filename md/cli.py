@@ -1,8 +1,10 @@
-"""``mlip-md CONFIG.yaml``: a native distributed MD job (run it under ``mpiexec -n P``).
+"""mlip-md CONFIG.yaml: a native distributed MD job (run it under mpiexec -n P).
 
 Every rank reads the same config and builds the same start; each rank then holds only its own atoms.
-Writes OUTPUT/thermo.csv, OUTPUT/trajectory.extxyz or .traj (atoms in global id order), OUTPUT/final.extxyz
-and OUTPUT/restart.npz, and prints a thermo table with a progress bar on rank 0.
+The config, the output directory and the structure's elements are checked before anything is written.
+Writes OUTPUT/thermo.csv, OUTPUT/trajectory.extxyz or .traj (atoms in global id order, with step, time,
+energy, forces and stress), OUTPUT/final.extxyz (full precision), OUTPUT/restart.npz and OUTPUT/thermo.png,
+and prints a thermo table with a progress bar and a closing summary on rank 0.
 """
 from __future__ import annotations
 
@@ -11,10 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
-from mlip_parallel.config import ConfigError, config_parser, read_config, schema_help as config_help, \
-    validate as config_validate
+from mlip_parallel.config import ConfigError, check_output_directory, config_parser, read_config, report_error, \
+    schema_help as config_help, validate as config_validate
 
 # key: (types, default, help); a dict value is a nested section. Missing keys take the defaults.
 SCHEMA = {
@@ -60,6 +60,8 @@ SCHEMA = {
         "trajectory_every": (int, 100, "trajectory frame every N steps (0: none)"),
         "trajectory_format": (str, "extxyz", "extxyz (OUTPUT/trajectory.extxyz) or traj (ASE's OUTPUT/trajectory.traj)"),
         "restart_every": (int, 0, "write OUTPUT/restart.npz every N steps and at the end (0: at the end only)"),
+        "overwrite": (bool, False, "write over a non-empty output directory (refused otherwise, unless "
+                                   "restart_from continues a run there)"),
     },
 }
 CHOICES = {"ensemble": ("nve", "langevin", "bussi", "nose-hoover", "npt"), "mode": ("layerwise", "wide"),
@@ -125,6 +127,7 @@ def build_integrator(config):
 
 
 def build_atoms(config):
+    import numpy as np
     from ase.build import bulk
     from ase.io import read
     from ase.md.velocitydistribution import thermalize_momenta
@@ -150,23 +153,68 @@ def build_atoms(config):
     return atoms
 
 
+def check_species(model, numbers, section) -> None:
+    """ConfigError naming the structure's elements that ``model`` was not built for (and the ones it
+    knows); nothing to check for element-agnostic models (species None)."""
+    from potentials import UnknownSpeciesError
+
+    try:
+        model.species_index(numbers)
+    except UnknownSpeciesError as exc:
+        name = section["checkpoint"] or section["sevennet"] or "cu-emt, the default"
+        raise ConfigError(f"structure: {exc} (model: {name}); set model.checkpoint, model.sevennet or "
+                          f"model.lennard_jones for these elements") from None
+
+
+def restart_numbers(path):
+    """The atomic numbers saved in the restart file ``path``."""
+    import numpy as np
+
+    try:
+        with np.load(path) as data:
+            return data["numbers"]
+    except (OSError, KeyError, ValueError) as exc:
+        raise ConfigError(f"restart_from: cannot read {path!r}: {exc}") from None
+
+
+def prepare(config) -> dict:
+    """Everything that can fail on the validated ``config``, before anything is printed or written and
+    before MPI starts (every rank alike): the output directory, the integrator, the structure, the model
+    and the structure's elements. Returns {"model", "integrator", "atoms"} (atoms None with restart_from)."""
+    out = config["output"]
+    if config["restart_from"] is None:  # a restart appends to its run's directory
+        check_output_directory(out["directory"], out["overwrite"])
+    integrator = build_integrator(config)
+    if config["restart_from"] is not None:
+        atoms, numbers = None, restart_numbers(config["restart_from"])
+    else:
+        atoms = build_atoms(config)
+        numbers = atoms.numbers
+        if config["ensemble"] == "npt" and not atoms.pbc.all():
+            raise ConfigError(f"ensemble npt needs a fully periodic structure, got pbc={atoms.pbc.tolist()}")
+    model = build_model(config["model"])
+    check_species(model, numbers, config["model"])
+    return {"model": model, "integrator": integrator, "atoms": atoms}
+
+
 THERMO_COLUMNS = ("step", "time_fs", "temperature_K", "epot_eV", "ekin_eV", "etot_eV", "pressure_GPa",
                   "volume_A3", "seconds_per_step")
+SAMPLES = 10_000  # at most this many thermo samples (every max(1, steps // SAMPLES) steps) feed the summary
 
 
 def simulate(config) -> list:
     """Run the validated ``config``; return the thermo rows (every rank)."""
-    from ase import Atoms
-    from ase.io import write
+    start = prepare(config)
+    from ase import Atoms, units
+    from ase.calculators.singlepoint import SinglePointCalculator
 
     from mlip_parallel import get_backend
+    from potentials.predict import voigt_stress
 
     from .engine import MDSystem, run
 
     backend = get_backend()
-    model = build_model(config["model"])
-    integrator = build_integrator(config)
-    balance = config["balance_every"] > 0
+    model, integrator = start["model"], start["integrator"]
     if config["restart_from"] is not None:
         try:
             system, first_step = MDSystem.from_restart(model, config["restart_from"], integrator=integrator,
@@ -174,14 +222,13 @@ def simulate(config) -> list:
         except (OSError, KeyError, ValueError) as exc:
             raise ConfigError(f"restart_from: cannot read {config['restart_from']!r}: {exc}") from None
     else:
-        atoms, first_step = build_atoms(config), 0
-        if config["ensemble"] == "npt" and not atoms.pbc.all():
-            raise ConfigError(f"ensemble npt needs a fully periodic structure, got pbc={atoms.pbc.tolist()}")
-        system = MDSystem.from_atoms(model, atoms, skin=config["skin"], mode=config["mode"], balance=balance)
+        system, first_step = MDSystem.from_atoms(model, start["atoms"], skin=config["skin"], mode=config["mode"],
+                                                 balance=config["balance_every"] > 0), 0
     out = config["output"]
     directory = Path(out["directory"])
     every, traj_every, restart_every = max(1, out["thermo_every"]), out["trajectory_every"], out["restart_every"]
     steps = first_step + config["steps"]
+    stride = max(1, config["steps"] // SAMPLES)
     trajectory = f"trajectory.{out['trajectory_format']}"
     root = backend.rank == 0
     continuing = config["restart_from"] is not None  # append to thermo.csv and the trajectory
@@ -199,29 +246,38 @@ def simulate(config) -> list:
         from tqdm import tqdm
         bar = tqdm(total=steps, initial=first_step, unit="step", file=sys.stderr, dynamic_ncols=True)
 
-    def snapshot(name, append):  # collective: gathers in global id order, rank 0 writes
-        positions, numbers, velocities = (system.gather(k) for k in ("positions", "numbers", "velocities"))
+    def snapshot(name, step, append):  # collective: gathers in global id order, rank 0 writes
+        positions, numbers, velocities, forces = (system.gather(k) for k in
+                                                  ("positions", "numbers", "velocities", "forces"))
         if root:
             frame = Atoms(numbers=numbers, positions=positions, cell=system.cell, pbc=system.pbc)
             frame.set_velocities(velocities)
+            frame.info.update(step=step, time_fs=step * integrator.dt / units.fs)
+            results = {"energy": system.energy, "forces": forces}
+            if frame.cell.rank == 3:
+                results["stress"] = voigt_stress(system.virial, frame.cell.volume)
+            frame.calc = SinglePointCalculator(frame, **results)
             if name.endswith(".traj"):  # ase.io.write cannot append to .traj files: use the Trajectory
                 from ase.io.trajectory import Trajectory
                 with Trajectory(directory / name, "a" if append else "w") as trajectory_file:
                     trajectory_file.write(frame)
             else:
-                write(directory / name, frame, format="extxyz", append=append)
+                write_extxyz(directory / name, frame, append=append)
 
     rows, step = [], first_step
     stops = {steps} | {s for n in (every, traj_every, restart_every) if n for s in range(0, steps + 1, n)}
     system.compute_forces()
-    start = time.perf_counter()
+    samples = [system.thermo(first_step, integrator.dt)]  # for the summary: every `stride` steps
+    start_time = time.perf_counter()
     for target in sorted(s for s in stops if s >= first_step):
         if target > step:
             t0 = time.perf_counter()
-            state = run(system, integrator, target - step, thermo_every=target - step, start_step=step,
-                        balance_every=config["balance_every"])[-1]
+            chunk = run(system, integrator, target - step, thermo_every=stride, start_step=step,
+                        balance_every=config["balance_every"])[1:]
             per_step = (time.perf_counter() - t0) / (target - step)
+            samples += chunk
             step = target
+            state = chunk[-1] if chunk and chunk[-1]["step"] == step else system.thermo(step, integrator.dt)
         else:
             state, per_step = system.thermo(step, integrator.dt), 0.0
         already_written = continuing and step == first_step  # the previous run's last row and frame
@@ -234,26 +290,118 @@ def simulate(config) -> list:
                 bar.clear()
                 print(" ".join(f"{row[c]:14.6g}" for c in THERMO_COLUMNS), flush=True)
         if traj_every and step % traj_every == 0 and not already_written:
-            snapshot(trajectory, append=True)
+            snapshot(trajectory, step, append=True)
         if step == steps or (restart_every and step % restart_every == 0):
             system.save_restart(directory / "restart.npz", step, integrator)
         if root:
             bar.update(step - bar.n)
-    snapshot("final.extxyz", append=False)
+    snapshot("final.extxyz", steps, append=False)
     if root:
-        bar.close()
+        elapsed = time.perf_counter() - start_time
+        close_bar(bar)
         csv_file.close()
-        print(f"mlip-md: done in {time.perf_counter() - start:.1f} s, {system.rebuilds} neighbour rebuilds; "
-              f"output in {directory}/")
+        plot_thermo(directory)
+        print(f"mlip-md: done in {elapsed:.1f} s ({1e3 * elapsed / max(1, config['steps']):.3g} ms/step), "
+              f"{system.rebuilds} neighbour-list rebuilds; output in {directory}/")
+        print(summary(samples, system.n_atoms, config["ensemble"]), flush=True)
     return rows
+
+
+def close_bar(bar) -> None:
+    """Close the progress bar (stderr) before the last lines go to stdout. Under mpiexec the two streams
+    reach the terminal through separate pipes, in no fixed order: give the bar's last line a moment to
+    arrive first, or the next line runs into it."""
+    from mlip_parallel.backend import launched_by_mpiexec
+
+    bar.close()
+    sys.stderr.flush()
+    if launched_by_mpiexec():
+        time.sleep(0.2)
+
+
+def block_average(values, blocks: int = 10) -> tuple:
+    """(mean, standard error of the mean from ``blocks`` consecutive block means; nan below 2 blocks)."""
+    import numpy as np
+
+    values = np.asarray(values, dtype=np.float64)
+    blocks = min(blocks, len(values))
+    if blocks < 2:
+        return float(values.mean()) if len(values) else float("nan"), float("nan")
+    size = len(values) // blocks
+    means = values[len(values) - blocks * size:].reshape(blocks, size).mean(axis=1)
+    return float(values.mean()), float(means.std(ddof=1) / np.sqrt(blocks))
+
+
+def summary(samples: list, n_atoms: int, ensemble: str) -> str:
+    """Means ± block standard errors of T, P and the energies per atom (and V under npt) over the second
+    half of the run; for nve, the drift of the total energy (least-squares slope over the whole run)."""
+    import numpy as np
+
+    first, last = samples[0]["step"], samples[-1]["step"]
+    half = [s for s in samples if 2 * (s["step"] - first) >= last - first]
+    quantities = [("temperature_K", "temperature_K", 1.0), ("pressure_GPa", "pressure_GPa", 1.0),
+                  ("epot_eV/atom", "epot_eV", 1.0 / n_atoms), ("etot_eV/atom", "etot_eV", 1.0 / n_atoms)]
+    if ensemble == "npt":
+        quantities.append(("volume_A3", "volume_A3", 1.0))
+    lines = [f"mlip-md: steps {half[0]['step']} to {last} (second half, {len(half)} samples), "
+             f"mean ± standard error of 10 block means:"]
+    for label, key, scale in quantities:
+        mean, error = block_average([s[key] * scale for s in half])
+        lines.append(f"  {label:14s} {mean:14.7g} ± {error:.2g}")
+    if ensemble == "nve" and len(samples) > 1:
+        t_ns = np.array([s["time_fs"] for s in samples]) * 1e-6
+        drift = np.polyfit(t_ns, np.array([s["etot_eV"] for s in samples]) / n_atoms, 1)[0]
+        lines.append(f"  energy drift   {drift:14.3g} eV/atom/ns (slope of etot over steps {first} to {last})")
+    return "\n".join(lines)
+
+
+def plot_thermo(directory: Path) -> None:
+    """OUTPUT/thermo.png: temperature, energies per atom and pressure against time, from thermo.csv."""
+    from matplotlib.figure import Figure  # renders PNG with Agg, without pyplot's global state
+
+    with open(directory / "thermo.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    t_ps = [float(r["time_fs"]) / 1000 for r in rows]
+    fig = Figure(figsize=(6, 7), layout="constrained")
+    temperature, energy, pressure = fig.subplots(3, 1, sharex=True)
+    temperature.plot(t_ps, [float(r["temperature_K"]) for r in rows])
+    temperature.set_ylabel("T (K)")
+    for key in ("epot_eV", "etot_eV"):
+        energy.plot(t_ps, [float(r[key]) for r in rows], label=key.split("_")[0])
+    energy.set_ylabel("E (eV)")
+    energy.legend()
+    pressure.plot(t_ps, [float(r["pressure_GPa"]) for r in rows])
+    pressure.set_ylabel("P (GPa)")
+    pressure.set_xlabel("time (ps)")
+    fig.savefig(directory / "thermo.png", dpi=100)
+
+
+def write_extxyz(path, atoms, append: bool = False) -> None:
+    """Extended XYZ as ASE writes it (info, calculator energy/stress, momenta, forces), with every number at
+    full precision (ASE's writer keeps 8 decimals)."""
+    import numpy as np
+    from ase.io.extxyz import output_column_format, save_calc_results
+    from ase.stress import voigt_6_to_full_3x3_stress
+
+    frame = atoms.copy()
+    save_calc_results(frame, atoms.calc, calc_prefix="")  # energy, stress → info; forces → arrays
+    if "stress" in frame.info:
+        frame.info["stress"] = voigt_6_to_full_3x3_stress(frame.info["stress"])
+    columns = ["symbols", "positions"] + [k for k in ("momenta", "forces") if k in frame.arrays]
+    arrays = dict(frame.arrays, symbols=np.array(frame.get_chemical_symbols()))
+    comment = output_column_format(frame, columns, arrays)[0]
+    values = np.hstack([arrays[k] for k in columns[1:]]).tolist()
+    with open(path, "a" if append else "w") as f:
+        f.write(f"{len(frame)}\n{comment}\n")
+        f.writelines(f"{symbol} {' '.join(map(repr, row))}\n" for symbol, row in zip(arrays["symbols"], values))
 
 
 def main(argv=None) -> int:
     args = config_parser("mlip-md", __doc__.splitlines()[0], SCHEMA).parse_args(argv)
     try:
         simulate(validate(read_config(args.config)))
-    except ConfigError as exc:  # raised alike on every rank, before any collective
-        print(f"mlip-md: error: {exc}", file=sys.stderr, flush=True)
+    except ConfigError as exc:  # raised alike on every rank, before any output and any collective
+        report_error("mlip-md", exc)
         return 2
     return 0
 

@@ -1,9 +1,14 @@
 """YAML configurations of the command-line tools (mlip-md, mlip-train): a schema of
 ``key: (type, default, help)`` entries (a dict value is a nested section), validation that names the
-offending key, and help text listing every key."""
+offending key, and help text listing every key; the error report and output-directory check the CLIs
+share. This module imports neither torch nor MPI: a CLI validates its config before it needs them."""
 from __future__ import annotations
 
 import argparse
+import difflib
+import os
+import sys
+from pathlib import Path
 
 from .errors import MLIPError
 
@@ -35,7 +40,9 @@ def validate(config, schema: dict, choices: dict | None = None, path: str = "") 
         raise ConfigError(f"{path.rstrip('.') or 'the config'} must be a mapping, got {type(config).__name__}")
     unknown = sorted(set(config) - set(schema))
     if unknown:
-        raise ConfigError(f"unknown key {path}{unknown[0]!s} (known: {', '.join(schema)})")
+        close = difflib.get_close_matches(str(unknown[0]), list(schema), n=1)
+        hint = f"did you mean {path}{close[0]}? " if close else ""
+        raise ConfigError(f"unknown key {path}{unknown[0]!s} ({hint}known: {', '.join(schema)})")
     out = {}
     for key, spec in schema.items():
         name = f"{path}{key}"
@@ -69,9 +76,45 @@ def read_config(path) -> dict:
 
 
 def config_parser(prog: str, description: str, schema: dict) -> argparse.ArgumentParser:
-    """``prog CONFIG.yaml``, its ``--help`` listing every key of ``schema``."""
-    parser = argparse.ArgumentParser(prog=prog, description=description,
+    """``prog CONFIG.yaml``, its ``--help`` listing every key of ``schema`` (plain text: reST double
+    backquotes are dropped)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description.replace("``", ""),
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="configuration keys (YAML):\n" + schema_help(schema))
+                                     epilog="configuration keys (YAML):\n" + schema_help(schema).replace("``", ""))
     parser.add_argument("config", help="YAML configuration file")
     return parser
+
+
+def launch_rank() -> int:
+    """This process's rank in its MPI job (0 outside one), without initialising MPI: MPI's own answer
+    when mpi4py has already initialised it, else the launcher's environment (MPICH/Hydra PMI_RANK, Open
+    MPI, PMIx, Slurm, torchrun)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        return mpi.COMM_WORLD.Get_rank()
+    for key in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if key in os.environ:
+            return int(os.environ[key])
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        return int(os.environ["RANK"])
+    return 0
+
+
+def report_error(prog: str, exc) -> None:
+    """Print ``prog: error: exc`` to stderr once per job: on rank 0 only (every rank raises the same
+    ConfigError; each then exits with status 2)."""
+    if launch_rank() == 0:
+        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+
+
+def check_output_directory(directory, overwrite: bool, key: str = "output.directory") -> None:
+    """ConfigError when ``directory`` exists and is not an empty directory, unless ``overwrite`` (a run
+    that continues another, from a restart or resume, does not call this)."""
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(f"{key}: {str(directory)!r} exists and is not a directory")
+    held = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+    if held and not overwrite:
+        shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+        raise ConfigError(f"{key}: {str(directory)!r} is not empty ({shown}); set output.overwrite: true to "
+                          f"write over it, or choose another directory")

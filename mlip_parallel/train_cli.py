@@ -248,7 +248,13 @@ def pipeline_trainer(config, procs, build, train_set, weights, resume_layout):
                               "pipeline.stages (and boundaries), or start a new run from its last.pt with "
                               "model.checkpoint")
         boundaries = resume_layout["boundaries"]
-    if pc["stages"] < 1 or procs.size % pc["stages"]:
+    layers = build(frozenset()).layers
+    if not 1 <= pc["stages"] <= layers:
+        raise ConfigError(f"pipeline.stages = {pc['stages']}: a stage holds at least one interaction block and the "
+                          f"model has {layers} (model.hyperparameters.layers)")
+    if pc["microbatches"] < 1:
+        raise ConfigError(f"pipeline.microbatches must be at least 1, got {pc['microbatches']}")
+    if procs.size % pc["stages"]:
         raise ConfigError(f"pipeline.stages = {pc['stages']} must divide the {procs.size} rank(s)")
     sweeps = "energy" if weights["forces"] == 0 and weights["stress"] == 0 else "forces"
     try:

@@ -1,16 +1,17 @@
-"""mlip-md: a YAML job under mpiexec writes its thermo table, trajectory and final structure; bad
-configurations name the key."""
+"""mlip-md: a YAML job under mpiexec writes its thermo table, trajectory, final structure, plot and
+summary; bad configurations name the key, once per job, before anything is written."""
 import csv
 import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import yaml
 from ase.io import read
 
 from conftest import ROOT
-from md.cli import ConfigError, build_atoms, build_integrator, build_model, schema_help, validate
+from md.cli import ConfigError, build_model, prepare, schema_help, validate
 
 JOB = {
     "model": {"lennard_jones": {"epsilon": 0.0104, "sigma": 3.4, "cutoff": 8.0}},
@@ -21,15 +22,59 @@ JOB = {
 }
 
 
+def bad_configs(tmp_path) -> dict:
+    """Config files that mlip-md refuses, each with its expected message."""
+    tmp_path.mkdir()
+    (tmp_path / "hello.txt").write_text("hello\n")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "thermo.csv").write_text("step\n")
+    cases = {
+        "missing.yaml": (None, "cannot read config"),
+        "typo.yaml": ({"temprature_K": 300}, "unknown key temprature_K (did you mean temperature_K?"),
+        "iron.yaml": ({"structure": {"element": "Fe", "crystal": "bcc", "a": 2.87, "repeat": [2, 2, 2]},
+                       "output": {"directory": str(tmp_path / "iron")}},
+                      "structure: element(s) ['Fe'] not known to PaiNN; it knows ['Cu']"),
+        "text.yaml": ({"model": {"checkpoint": str(tmp_path / "hello.txt")},
+                       "output": {"directory": str(tmp_path / "t")}},
+                      f"model.checkpoint: {tmp_path / 'hello.txt'}: not a checkpoint"),
+        "full.yaml": (dict(JOB, output={"directory": str(tmp_path / "full")}), "is not empty (thermo.csv)"),
+    }
+    for name, (config, _) in cases.items():
+        if config is not None:
+            (tmp_path / name).write_text(yaml.safe_dump(config))
+    return {str(tmp_path / name): message for name, (_, message) in cases.items()}
+
+
+SCRIPT = """import sys
+from md.cli import main
+codes = [main([path]) for path in sys.argv[2:]]
+print("error exit codes", codes, flush=True)
+sys.exit(main([sys.argv[1]]))
+"""
+
+
 def test_mlip_md_job_under_mpiexec(mpirun, tmp_path):
-    """NPT with load balancing on 2 ranks; an ASE .traj trajectory; then 20 + 20 steps through a restart
-    file in one process equal the 2-rank 40-step run."""
+    """One 2-rank launch: first bad configs (every rank exits 2, rank 0 alone prints one line, nothing is
+    written), then NPT with load balancing and an ASE .traj trajectory (frames with step, time, energy,
+    forces; a summary; thermo.png; full-precision final.extxyz); then 20 + 20 steps through a restart file
+    in one process equal the 2-rank 40-step run, and a second run into the same directory is refused."""
     config = dict(JOB, output={"directory": str(tmp_path / "out"), "thermo_every": 10, "trajectory_every": 20,
                                "trajectory_format": "traj"})
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
-    rc, out, _ = mpirun(2, "-m", "md.cli", tmp_path / "job.yaml")
+    (tmp_path / "script.py").write_text(SCRIPT)
+    errors = bad_configs(tmp_path / "bad")
+    rc, out, _ = mpirun(2, tmp_path / "script.py", tmp_path / "job.yaml", *errors)
     assert rc == 0, out
+    assert out.count("error exit codes [2, 2, 2, 2, 2]") == 2, out  # on both ranks
+    assert out.count("mlip-md: error:") == len(errors) and "Traceback" not in out, out
+    for message in errors.values():
+        assert out.count(message) == 1, (message, out)
+    assert not (tmp_path / "bad" / "iron").exists() and not (tmp_path / "bad" / "t").exists()
     assert "108 atoms on 2 rank(s)" in out and "done in" in out, out
+    assert re.search(r"steps 20 to 40 \(second half, 21 samples\)", out), out
+    for quantity in ("temperature_K", "pressure_GPa", "epot_eV/atom", "etot_eV/atom", "volume_A3"):
+        assert re.search(rf"^  {re.escape(quantity)} +\S+ ± \S+$", out, re.M), (quantity, out)
+    assert (tmp_path / "out" / "thermo.png").stat().st_size > 1000
     with open(tmp_path / "out" / "thermo.csv") as f:
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == [0, 10, 20, 30, 40]
@@ -39,8 +84,16 @@ def test_mlip_md_job_under_mpiexec(mpirun, tmp_path):
     frames = read(tmp_path / "out" / "trajectory.traj", index=":")
     assert len(frames) == 3 and len(frames[0]) == 108  # steps 0, 20, 40
     final = read(tmp_path / "out" / "final.extxyz")
+    for frame in (frames[-1], final):
+        assert frame.info["step"] == 40 and frame.info["time_fs"] == 160.0
+        assert frame.get_potential_energy() == float(rows[-1]["epot_eV"])
+        assert frame.get_forces().shape == (108, 3) and np.abs(frame.get_forces()).max() > 0
+        assert frame.get_stress().shape == (6,)
     assert abs(final.get_temperature() - float(rows[-1]["temperature_K"])) < 1e-6
     assert abs(final.get_volume() - float(rows[-1]["volume_A3"])) < 1e-6
+    with np.load(tmp_path / "out" / "restart.npz") as restart:
+        assert np.array_equal(final.positions, restart["positions"])  # full precision
+        assert np.array_equal(final.cell[:], restart["cell"])
     assert abs(frames[-1].get_volume() / frames[0].get_volume() - 1) > 1e-3  # the barostat moved the cell
 
     # 20 steps, then 20 more from the restart file == the 40-step run (here in one process: the
@@ -51,6 +104,7 @@ def test_mlip_md_job_under_mpiexec(mpirun, tmp_path):
     rest = dict(half, restart_from=str(tmp_path / "half" / "restart.npz"))
     (tmp_path / "rest.yaml").write_text(yaml.safe_dump(rest))
     assert main([str(tmp_path / "half.yaml")]) == 0 and main([str(tmp_path / "rest.yaml")]) == 0
+    assert main([str(tmp_path / "half.yaml")]) == 2  # the directory holds a run now
     with open(tmp_path / "half" / "thermo.csv") as f:
         resumed = list(csv.DictReader(f))
     assert [int(r["step"]) for r in resumed] == [0, 10, 20, 30, 40]
@@ -61,8 +115,18 @@ def test_mlip_md_job_under_mpiexec(mpirun, tmp_path):
 
 
 def test_bad_config_names_the_key(tmp_path):
+    (tmp_path / "data.csv").write_text("a,b\n1,2\n")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
     cases = [
-        (dict(JOB, temprature_K=300), "unknown key temprature_K"),
+        (dict(JOB, temprature_K=300), "unknown key temprature_K (did you mean temperature_K?"),
+        (dict(JOB, output={"trajectory_evry": 3}), "unknown key output.trajectory_evry (did you mean "
+                                                   "output.trajectory_every?"),
+        (dict(JOB, output={"directory": str(tmp_path / "full")}), "is not empty (x); set output.overwrite: true"),
+        (dict(JOB, model={"checkpoint": str(tmp_path / "data.csv")}), f"model.checkpoint: {tmp_path / 'data.csv'}: "),
+        (dict(JOB, model={}, structure={"element": "Fe", "crystal": "bcc", "a": 2.87}), "element(s) ['Fe'] not known"),
+        (dict(JOB, structure={"element": "Ar", "crystal": "fcc", "a": 5.26, "repeat": [2, 2, 1]}, barostat={},
+              model={"checkpoint": "cu-emt"}), "element(s) ['Ar'] not known to PaiNN; it knows ['Cu'] (model: cu-emt)"),
         (dict(JOB, steps="many"), "steps must be int"),
         (dict(JOB, ensemble="npt-magic"), "ensemble must be one of"),
         (dict(JOB, barostat={"isotropic": "yes"}), "barostat.isotropic must be bool"),
@@ -76,16 +140,16 @@ def test_bad_config_names_the_key(tmp_path):
         (dict(JOB, output={"every": 3}), "unknown key output.every"),
     ]
     for config, message in cases:
+        config = dict(config, output=dict({"directory": str(tmp_path / "out")}, **config.get("output", {})))
         with pytest.raises(ConfigError, match=re.escape(message)):
-            config = validate(config)
-            build_model(config["model"])
-            build_integrator(config)
-            build_atoms(config)
+            prepare(validate(config))
+    prepare(validate(dict(JOB, output={"directory": str(tmp_path / "full"), "overwrite": True})))
     # the command itself: message on stderr, exit status 2
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(dict(JOB, temprature_K=300)))
     proc = subprocess.run([sys.executable, "-m", "md.cli", str(tmp_path / "bad.yaml")], capture_output=True,
                           text=True, cwd=ROOT, timeout=120)
-    assert proc.returncode == 2 and "mlip-md: error: unknown key temprature_K" in proc.stderr, proc.stderr[-500:]
+    assert proc.returncode == 2 and proc.stderr.startswith("mlip-md: error: unknown key temprature_K"), proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and not proc.stdout, proc.stderr
 
 
 def test_no_model_given_runs_the_bundled_cu_emt():
@@ -98,8 +162,8 @@ def test_help_documents_every_key(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    assert schema_help() in out
+    assert schema_help() in out and "``" not in out  # plain text
     for key in ("lennard_jones", "checkpoint", "sevennet", "repeat", "temperature_K", "ensemble", "friction_per_fs",
                 "timestep_fs", "steps", "seed", "skin", "mode", "thermo_every", "trajectory_every", "tdamp_fs",
-                "pressure_GPa", "pdamp_fs", "isotropic", "balance_every", "trajectory_format"):
+                "pressure_GPa", "pdamp_fs", "isotropic", "balance_every", "trajectory_format", "overwrite"):
         assert key in out, key

@@ -58,7 +58,7 @@ def test_nequip_interaction_passes_e3nn_equivariance_check():
     from e3nn.util.test import assert_equivariant
 
     model = build("NequIP")
-    block = model.interactions[1]
+    block = model.interactions["1"]
     n, e = 6, 12
     g = torch.Generator().manual_seed(0)
     sender, receiver = torch.randint(0, n, (e,), generator=g), torch.randint(0, n, (e,), generator=g)

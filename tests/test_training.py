@@ -13,7 +13,7 @@ from ase.calculators.singlepoint import SinglePointCalculator
 from ase.io import write
 
 import potentials
-from conftest import ROOT
+from conftest import MPI_DIR, ROOT
 from mlip_parallel.config import ConfigError
 from mlip_parallel.train_cli import CHOICES, SCHEMA, main, train, validate
 from mlip_parallel.training import DataError
@@ -87,12 +87,13 @@ def test_resume_two_plus_two_epochs_equals_four(quick_data, tmp_path):
 @pytest.mark.parametrize("parallel", ["data", "graph", "pipeline"])
 def test_two_ranks_equal_one_process(mpirun, quick_data, tmp_path, parallel):
     """Same global batch, float64: parameters after 6 optimizer steps (gradient clipping and EMA on)
-    equal the single-process run. Pipeline: 2 stages × 2 micro-batches, 1F1B, four sweeps."""
+    equal the single-process run. Pipeline: 2 stage-local models, up to 4 micro-batches (the last batch
+    of each epoch has 2 structures), 1F1B, four sweeps, pipelined validation."""
     serial, distributed = tmp_path / "serial", tmp_path / "distributed"
     config = job(serial, quick_data, epochs=2, parallel="data", optimizer={"lr": 0.005, "gradient_clip": 1.0})
     train(validate(config, SCHEMA, CHOICES))
     config = dict(config, parallel=parallel, output={"directory": str(distributed)},
-                  pipeline={"stages": 2, "microbatches": 2, "schedule": "1f1b"})
+                  pipeline={"stages": 2, "microbatches": 4, "schedule": "1f1b"})  # 10 structures: 4 + 4 + 2
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
     rc, out, _ = mpirun(2, "-m", "mlip_parallel.train_cli", tmp_path / "job.yaml", timeout=300)
     assert rc == 0, out
@@ -102,6 +103,15 @@ def test_two_ranks_equal_one_process(mpirun, quick_data, tmp_path, parallel):
         scale = max(float(a[key].abs().max()), 1e-12)
         assert float((a[key] - b[key]).abs().max()) / scale < 1e-8, key
     assert metrics(serial)[-1]["forces_mae"] == pytest.approx(metrics(distributed)[-1]["forces_mae"], rel=1e-8)
+
+
+def test_pipeline_resume_merged_checkpoint_and_restaging(mpirun, quick_data, tmp_path):
+    """mlip-train, parallel: pipeline, NequIP on 4 ranks (tests/mpi/pipeline_training.py): resume 2 + 2
+    epochs == 4 (every stage's shard and metrics); the merged last.pt in one process gives the pipelined
+    validation errors; from that last.pt, 4 stages × 1 replica == 2 stages × 2 replicas."""
+    rc, out, _ = mpirun(4, MPI_DIR / "pipeline_training.py", quick_data, tmp_path, timeout=300)
+    assert rc == 0, out
+    assert "pipeline training 0 failures" in out and out.count(" ok ") == 5, out
 
 
 def labelled(atoms, forces=True, energy=-1.0):
@@ -128,6 +138,10 @@ def test_bad_data_and_config_are_named(quick_data, tmp_path):
         (job(tmp_path / "g", quick_data, parallel="tensor"), ConfigError, "parallel must be one of"),
         (job(tmp_path / "i", quick_data, parallel="pipeline", pipeline={"stages": 2}), ConfigError,
          "pipeline.stages = 2 must divide the 1 rank(s)"),
+        (job(tmp_path / "j", quick_data, parallel="pipeline", pipeline={"stages": 3}), ConfigError,
+         "pipeline.stages = 3: a stage holds at least one interaction block and the model has 2"),
+        (job(tmp_path / "k", quick_data, parallel="pipeline", pipeline={"stages": 1, "microbatches": 0}), ConfigError,
+         "pipeline.microbatches must be at least 1, got 0"),
     ]
     for config, error, message in cases:
         with pytest.raises(error, match=re.escape(message)):

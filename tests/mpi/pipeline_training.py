@@ -1,0 +1,107 @@
+"""mlip-train with parallel: pipeline on 4 ranks (run under mpiexec -n 4 with DATA and a shared OUT directory):
+
+* resume: 2 epochs, then resume to 4 (2 replicas × 2 stages, NequIP, a ragged last batch every epoch)
+  equals 4 uninterrupted epochs: every stage's shard (weights, AdamW, EMA, schedule) and metrics.csv;
+* the merged last.pt is an ordinary checkpoint: ``potentials.load`` in one process gives the validation
+  errors that the pipelined evaluation of the stages wrote to metrics.csv;
+* a merged checkpoint starts pipeline runs with other numbers of stages: 4 stages × 1 replica and
+  2 stages × 2 replicas (other boundaries) from the same last.pt train to the same parameters;
+* the validation set is scored by a pipelined evaluation, and no rank ever builds the whole model.
+"""
+import csv
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import potentials  # noqa: E402
+from mlip_parallel.train_cli import CHOICES, SCHEMA, train, validate  # noqa: E402
+from mlip_parallel.training import error_sums, error_table, read_structures, split  # noqa: E402
+
+torch.set_num_threads(1)
+world = MPI.COMM_WORLD
+DATA, OUT = sys.argv[1], sys.argv[2]
+failures = []
+
+
+def job(directory, epochs, **changes):
+    config = {"data": {"train": DATA, "validation_fraction": 0.25},
+              "model": {"name": "NequIP", "cutoff": 4.0, "dtype": "float64",
+                        "hyperparameters": {"features": 2, "l_max": 1, "layers": 4, "radial": 4, "radial_hidden": 8}},
+              "loss": {"energy_weight": 1.0, "forces_weight": 10.0, "stress_weight": 1.0},
+              "optimizer": {"lr": 0.005, "gradient_clip": 1.0}, "ema_decay": 0.9, "epochs": epochs, "batch_size": 4,
+              "seed": 1, "parallel": "pipeline", "pipeline": {"stages": 2, "microbatches": 2, "boundaries": [0, 2, 4]},
+              "output": {"directory": os.path.join(OUT, directory)}}
+    for key, value in changes.items():
+        config[key] = dict(config[key], **value) if isinstance(value, dict) else value
+    return validate(config, SCHEMA, CHOICES)
+
+
+def shards(directory):
+    return [torch.load(os.path.join(OUT, directory, "pipeline", f"stage{s}.pt"), weights_only=True)["training"]
+            for s in range(len(os.listdir(os.path.join(OUT, directory, "pipeline"))) - 1)]
+
+
+def metrics(directory):
+    with open(os.path.join(OUT, directory, "metrics.csv")) as f:
+        return [{k: float(v) for k, v in row.items() if k != "seconds"} for row in csv.DictReader(f)]
+
+
+def report(label, ok, detail=""):
+    if world.rank == 0:
+        print(f"{label:70s} {'ok' if ok else 'FAILED'} {detail}", flush=True)
+    if not ok:
+        failures.append(label)
+
+
+def equal_states(a, b) -> float:
+    """Largest absolute difference between two nested states of tensors (inf when their keys differ)."""
+    if isinstance(a, dict):
+        if set(a) != set(b):
+            return float("inf")
+        return max([equal_states(a[k], b[k]) for k in a], default=0.0)
+    if isinstance(a, (list, tuple)):
+        return max([equal_states(x, y) for x, y in zip(a, b)], default=0.0) if len(a) == len(b) else float("inf")
+    if isinstance(a, torch.Tensor):
+        return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+    return 0.0 if a == b else float("inf")
+
+
+# ------------------------------------------------------------------------ resume
+train(job("straight", 4))
+train(job("resumed", 2))
+train(job("resumed", 4, resume=True))
+_, validation, _ = split(read_structures(DATA), [0.25, 0.0], job("straight", 4)["seed"])  # collective (ASE reads on rank 0)
+if world.rank == 0:
+    a, b = shards("straight"), shards("resumed")
+    worst = max(equal_states(x, y) for x, y in zip(a, b))
+    report("pipeline resume: 2 + 2 epochs == 4 (weights, AdamW, EMA, schedule)", len(a) == 2 and worst == 0.0,
+           f"max diff {worst:.1e}")
+    report("pipeline resume: metrics.csv equal", metrics("straight") == metrics("resumed"))
+    # the merged last.pt (EMA weights) in one process == the pipelined validation errors of the stages
+    model = potentials.load(os.path.join(OUT, "straight", "last.pt"))
+    errors = error_table(error_sums(model, validation, 4, model.device))
+    last = metrics("straight")[-1]
+    worst = max(abs(errors[k] - last[k]) / abs(last[k]) for k in errors)
+    report("merged last.pt (potentials.load) == pipelined validation errors", worst < 1e-9, f"max rel {worst:.1e}")
+
+# ------------------------------------------ a merged checkpoint starts runs with other stage counts
+start = os.path.join(OUT, "straight", "last.pt")
+train(job("four_stages", 1, model={"checkpoint": start}, pipeline={"stages": 4, "microbatches": 2, "boundaries": None}))
+train(job("two_stages", 1, model={"checkpoint": start}, pipeline={"stages": 2, "microbatches": 2, "boundaries": [0, 1, 4]}))
+if world.rank == 0:
+    merged = {}
+    for directory in ("four_stages", "two_stages"):
+        merged[directory] = {}
+        for shard in shards(directory):
+            merged[directory].update(shard["model"])
+    worst = equal_states(merged["four_stages"], merged["two_stages"])
+    report("from last.pt: 4 stages x 1 replica == 2 stages x 2 replicas (weights)", worst < 1e-12, f"max diff {worst:.1e}")
+    report("from last.pt: every shard of the 4-stage run written", len(shards("four_stages")) == 4)
+
+if world.rank == 0:
+    print(f"pipeline training {len(failures)} failures {failures}", flush=True)
+sys.exit(1 if world.bcast(len(failures)) else 0)
