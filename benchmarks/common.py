@@ -17,6 +17,38 @@ def cu_crystal(cells):
     return atoms
 
 
+def cu_structures(count, atoms_per_structure):
+    """``count`` rattled fcc Cu cells of 32, 108 or 256 atoms labelled by ASE's EMT (``training.Structure``)."""
+    from ase.calculators.emt import EMT
+
+    from mlip_parallel.training import Structure
+
+    cells = {32: 2, 108: 3, 256: 4}[atoms_per_structure]
+    out = []
+    for k in range(count):
+        atoms = cu_crystal(cells)
+        atoms.rattle(0.1, seed=k)
+        atoms.calc = EMT()
+        out.append(Structure(atoms.numbers, atoms.positions, atoms.cell[:], atoms.pbc, atoms.get_potential_energy(),
+                             atoms.get_forces(), atoms.get_stress(voigt=False), f"emt:{k}"))
+    return out
+
+
+def status_mb(key) -> float:
+    """VmRSS (now) or VmHWM (high-water mark since the last reset) of this process, MB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def reset_hwm():
+    """Restart this process's VmHWM from its current resident size."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def launch(ranks, script, worker_args):
     """Run ``mpiexec -n ranks python script --worker ARGS`` (one thread per rank); return the JSON
     object the worker printed last."""

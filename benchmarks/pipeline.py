@@ -18,44 +18,23 @@ import json
 import sys
 import time
 
-from common import ROOT, launch
-
-
-def status_mb(key) -> float:
-    """VmRSS (now) or VmHWM (high-water mark since the last reset) of this process, MB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def reset_hwm():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+from common import ROOT, cu_structures, launch, reset_hwm, status_mb
 
 
 def worker(args):
     import numpy as np
     import torch
-    from ase.build import bulk
-    from ase.calculators.emt import EMT
 
     import potentials
-    from mlip_parallel.training import Batch, Counts, Structure, loss_terms, predict_batch, total_loss
+    from mlip_parallel.training import Batch, Counts, loss_terms, predict_batch, total_loss
 
     torch.set_num_threads(1)
-    cells = {32: (2, 2, 2), 108: (3, 3, 3), 256: (4, 4, 4)}[args.atoms_per_structure]
-    structures = []
-    for k in range(args.structures):
-        atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(cells)
-        atoms.rattle(0.1, seed=k)
-        atoms.calc = EMT()
-        structures.append(Structure(atoms.numbers, atoms.positions, atoms.cell[:], atoms.pbc,
-                                    atoms.get_potential_energy(), atoms.get_forces(), atoms.get_stress(voigt=False),
-                                    f"emt:{k}"))
-    torch.manual_seed(0)
-    model = potentials.SchNet(["Cu"], cutoff=4.5, features=args.features, layers=args.blocks)
+    structures = cu_structures(args.structures, args.atoms_per_structure)
+
+    def build(parts=None):
+        return potentials.SchNet(["Cu"], cutoff=4.5, features=args.features, layers=args.blocks, parts=parts, seed=0)
+
+    model = build() if args.stages == 1 else None
     weights = {"energy": 1.0, "forces": 10.0, "stress": 1.0}
     steps = 3
     if args.stages == 1:
@@ -79,7 +58,7 @@ def worker(args):
     Processes("pipeline")
     import torch.distributed as dist
 
-    trainer = PipelineTrainer(model, args.stages, args.microbatches, args.schedule,
+    trainer = PipelineTrainer(build, args.stages, args.microbatches, args.schedule,
                               boundaries=[args.blocks * s // args.stages for s in range(args.stages + 1)])
     dist.barrier()
     reset_hwm()

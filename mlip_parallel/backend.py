@@ -6,18 +6,12 @@ MPI library is CUDA-aware) and count the seconds spent communicating in ``comm_s
 from __future__ import annotations
 
 import os
-import sys
 import time
-import traceback
 
 import numpy as np
 import torch
 
-
-def launched_by_mpiexec() -> bool:
-    """True when this process was started by an MPI launcher (mpiexec / mpirun / srun with PMI)."""
-    return any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK",
-                                          "MPI_LOCALNRANKS", "HYDRA_CONTROL_FD"))
+from .launch import install_abort_on_error, launched_by_mpiexec  # noqa: F401 (re-exported)
 
 
 class SerialBackend:
@@ -171,31 +165,3 @@ def rank_device(backend) -> torch.device:
     if torch.cuda.is_available():
         return torch.device(f"cuda:{backend.local_rank % torch.cuda.device_count()}")
     return torch.device("cpu")
-
-
-_HOOK_INSTALLED = False
-
-
-def install_abort_on_error():
-    """Make an uncaught exception on any rank print ``rank N: <type>: <message>`` and abort the whole
-    MPI job at once, instead of leaving the other ranks waiting in a collective forever."""
-    global _HOOK_INSTALLED
-    if _HOOK_INSTALLED:
-        return
-    from mpi4py import MPI
-
-    if MPI.COMM_WORLD.Get_size() == 1:
-        return
-    previous = sys.excepthook
-
-    def hook(exc_type, exc, tb):
-        if issubclass(exc_type, KeyboardInterrupt):
-            previous(exc_type, exc, tb)
-        rank = MPI.COMM_WORLD.Get_rank()
-        text = "".join(traceback.format_exception(exc_type, exc, tb))
-        sys.stderr.write(f"{text}rank {rank}: {exc_type.__name__}: {exc}\n")
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
-
-    sys.excepthook = hook
-    _HOOK_INSTALLED = True

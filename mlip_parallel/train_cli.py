@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ConfigError, config_parser, read_config, validate
+from .config import ConfigError, check_output_directory, config_parser, read_config, report_error, validate
 from .errors import MLIPError
 
 SCHEMA = {
@@ -77,7 +77,8 @@ SCHEMA = {
     },
     "resume": (bool, False, "continue from OUTPUT/last.pt when it exists (same config; epochs = the new total)"),
     "output": {
-        "directory": (str, "train_output", "output directory"),
+        "directory": (str, "train_output", "output directory (refused when it is not empty, unless overwrite or resume)"),
+        "overwrite": (bool, False, "write into a non-empty output directory"),
     },
 }
 CHOICES = {"model.name": ("SchNet", "PaiNN", "NequIP"), "model.dtype": ("float32", "float64"),
@@ -276,10 +277,12 @@ def train(config) -> list:
     from .training import Batch, Counts, check_species, error_sums, error_table, graph_parallel_loss, loss_terms, \
         predict_batch, total_loss
 
+    directory = Path(config["output"]["directory"])
+    if not config["resume"]:
+        check_output_directory(directory, config["output"]["overwrite"])
     procs = Processes(config["parallel"])
     root = procs.rank == 0
     train_set, validation, test, weights = load_data(config)
-    directory = Path(config["output"]["directory"])
     last_path, shards = directory / "last.pt", directory / "pipeline"
     resume = bool(procs.bcast(config["resume"] and last_path.exists()))  # rank 0's disk decides
     device = torch.device("cuda", procs.rank % torch.cuda.device_count()) if torch.cuda.is_available() else \
@@ -477,8 +480,8 @@ def plot_learning_curve(directory: Path, rows) -> None:
     left.semilogy(epochs, [r["train_loss"] for r in rows], label="train")
     left.semilogy(epochs, [r["val_loss"] for r in rows], label="validation")
     left.set_xlabel("epoch"), left.set_ylabel("loss"), left.legend()
-    right.plot(epochs, [1e3 * r["forces_mae"] for r in rows], label="forces (meV/Å)")
-    right.plot(epochs, [1e3 * r["energy_mae"] for r in rows], label="energy (meV/atom)")
+    right.semilogy(epochs, [1e3 * r["forces_mae"] for r in rows], label="forces (meV/Å)")
+    right.semilogy(epochs, [1e3 * r["energy_mae"] for r in rows], label="energy (meV/atom)")
     right.set_xlabel("epoch"), right.set_ylabel("validation MAE"), right.legend()
     fig.tight_layout()
     fig.savefig(directory / "learning_curve.png", dpi=100)
@@ -493,35 +496,49 @@ def format_errors(errors: dict) -> str:
     return "\n".join(lines)
 
 
-def evaluate_model(model_path: str, data_path: str, batch_size: int = 8) -> dict:
-    """MAE/RMSE of a checkpoint (or bundled model name) on a labelled file (one process)."""
+def evaluate_model(model_path: str, data_path: str, batch_size: int = 8, progress: bool = False) -> dict:
+    """MAE/RMSE of a checkpoint (or bundled model name) on every structure of a labelled file (one
+    process); ``progress`` prints a header and a progress bar."""
     import potentials
     from .training import check_species, error_sums, error_table, read_structures
 
     model = potentials.load(model_path)
     structures = read_structures(data_path)
     check_species(model, structures, "evaluation", error=ConfigError)
-    return error_table(error_sums(model, structures, batch_size, model.device))
+    if progress:
+        atoms = sum(len(s.numbers) for s in structures)
+        print(f"mlip-train eval: {type(model).__name__} {model.species} (cutoff {model.cutoff:g} Å) from {model_path}\n"
+              f"scoring every structure of {data_path}: {len(structures)} structures, {atoms} atoms", flush=True)
+    from tqdm import tqdm
+
+    sums = np.zeros(9)
+    with tqdm(total=len(structures), unit="structure", file=sys.stderr, disable=not progress, leave=False) as bar:
+        for start in range(0, len(structures), batch_size):
+            chunk = structures[start:start + batch_size]
+            sums += error_sums(model, chunk, batch_size, model.device)
+            bar.update(len(chunk))
+    return error_table(sums)
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["eval"]:
-        parser = argparse.ArgumentParser(prog="mlip-train eval", description="errors of a model on a labelled file")
+        parser = argparse.ArgumentParser(prog="mlip-train eval", description="errors of a model on every structure "
+                                         "of a labelled file")
         parser.add_argument("model", help="checkpoint path (best.pt) or bundled model name (cu-emt)")
         parser.add_argument("data", help="ASE-readable file with energy/forces/stress")
         args = parser.parse_args(argv[1:])
         try:
-            print(format_errors(evaluate_model(args.model, args.data)))
+            print(format_errors(evaluate_model(args.model, args.data, progress=True)))
         except MLIPError as exc:
-            print(f"mlip-train: error: {exc}", file=sys.stderr, flush=True)
+            report_error("mlip-train", exc)
             return 2
         return 0
     args = config_parser("mlip-train", __doc__.splitlines()[0], SCHEMA).parse_args(argv)
     try:
         train(validate(read_config(args.config), SCHEMA, CHOICES))
     except MLIPError as exc:  # bad config or data: raised alike on every rank, before any collective
-        print(f"mlip-train: error: {exc}", file=sys.stderr, flush=True)
+        report_error("mlip-train", exc)
         return 2
     return 0
 

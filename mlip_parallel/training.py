@@ -96,17 +96,21 @@ def read_structures(path) -> list[Structure]:
 
 
 def check_labels(structures, weights: dict) -> None:
-    """Every quantity with a non-zero loss weight must be labelled (stress: on periodic structures)."""
-    for s in structures:
-        if weights["energy"] > 0 and (s.energy is None or not np.isfinite(s.energy)):
-            raise DataError(f"{s.source}: no energy, but the energy weight is {weights['energy']}")
-        if weights["forces"] > 0 and (s.forces is None or s.forces.shape != s.positions.shape
-                                      or not np.all(np.isfinite(s.forces))):
-            raise DataError(f"{s.source}: no forces (or not one finite 3-vector per atom), but the forces "
-                            f"weight is {weights['forces']}")
-        if weights["stress"] > 0 and s.pbc.all() and s.stress is None:
-            raise DataError(f"{s.source}: a periodic structure without stress, but the stress weight is "
-                            f"{weights['stress']}")
+    """Every quantity with a non-zero loss weight must be labelled (stress: on periodic structures);
+    the error names the first unlabelled structure and how many of the file's lack the label."""
+    missing = {
+        "energy": [s for s in structures if s.energy is None or not np.isfinite(s.energy)],
+        "forces": [s for s in structures if s.forces is None or s.forces.shape != s.positions.shape
+                   or not np.all(np.isfinite(s.forces))],
+        "stress": [s for s in structures if s.pbc.all() and s.stress is None]}
+    what = {"energy": "no energy", "forces": "no forces (or not one finite 3-vector per atom)",
+            "stress": "no stress (a periodic structure)"}
+    for q in QUANTITIES:
+        if weights[q] > 0 and missing[q]:
+            first = missing[q][0]
+            path, _, index = first.source.rpartition(":")
+            raise DataError(f"{path}: structure {index} (counting from 0) has {what[q]}, but the {q} weight is "
+                            f"{weights[q]}; {len(missing[q])} of these {len(structures)} structures lack {q}")
 
 
 def split(structures, fractions, seed: int):

@@ -148,6 +148,36 @@ def test_bad_data_and_config_are_named(quick_data, tmp_path):
             train(validate(config, SCHEMA, CHOICES))
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(job(tmp_path / "h", no_forces)))
     assert main([str(tmp_path / "bad.yaml")]) == 2
+    # the missing label is counted, and the structure named by its index, not as file:line
+    with pytest.raises(DataError, match=re.escape("structure 0 (counting from 0) has no forces")) as info:
+        train(validate(dict(job(tmp_path / "m", no_forces), data={"train": str(no_forces), "validation": str(no_forces)}),
+                       SCHEMA, CHOICES))
+    assert "4 of these 4 structures lack forces" in str(info.value)
+
+
+def test_config_error_reported_once_under_mpiexec(mpirun, tmp_path):
+    """A config error prints one line for the whole job and every rank exits 2 (fast: no torch import)."""
+    (tmp_path / "bad.yaml").write_text("epochs: 2\nlearning_rate: 0.1\n")
+    for config in (tmp_path / "missing.yaml", tmp_path / "bad.yaml"):
+        rc, out, seconds = mpirun(2, "-m", "mlip_parallel.train_cli", config, timeout=60)
+        assert rc == 2 and out.count("mlip-train: error:") == 1 and "Traceback" not in out, out
+        assert seconds < 10, f"{seconds:.1f} s to report a config error"
+    assert "unknown key learning_rate" in out, out
+
+
+def test_output_directory_not_overwritten_and_eval_header(quick_data, tmp_path, capsys):
+    """A non-empty output directory is refused unless output.overwrite or resume; eval names what it scores."""
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="is not empty"):
+        train(validate(job(used, quick_data), SCHEMA, CHOICES))
+    assert (used / "notes.txt").read_text() == "mine" and not (used / "last.pt").exists()
+    train(validate(job(used, quick_data, epochs=1, output={"directory": str(used), "overwrite": True}), SCHEMA, CHOICES))
+    assert "output in" in capsys.readouterr().out
+    assert main(["eval", "cu-emt", str(quick_data)]) == 0
+    out = capsys.readouterr().out
+    assert "scoring every structure of" in out and "14 structures" in out and "PaiNN ['Cu']" in out, out
 
 
 def test_reads_ase_db_with_labels(quick_data, tmp_path):

@@ -1,0 +1,152 @@
+"""Memory of pipeline-parallel training with stage-local models, side by side in one run:
+
+* a PaiNN of ≥ 50 M parameters (features 768, 8 blocks, float32) trained as mlip-train does (AdamW,
+  EMA, energy + force + stress loss, 1F1B) in one process and in 2 and 4 stages: every stage's peak
+  memory above its import baseline, as a fraction of the one-process peak (targets: ≤ 0.6 at 2 stages,
+  ≤ 0.35 at 4), and the parameters each rank holds;
+* the largest model that trains within a per-rank memory budget (``--budget-gib``, as on a GPU of that
+  size), in one process and in 4 stages: predicted from the measured bytes per parameter, then
+  verified by training that model for two steps.
+
+    python benchmarks/pipeline_memory.py [--features 768] [--blocks 8] [--budget-gib 4]
+
+Peak memory is the process's resident high-water mark (VmHWM) over building the model and two
+optimizer steps, minus its resident size after the imports and the process-group set-up (VmRSS).
+4 ranks oversubscribe this 2-core machine: times are not the point here.
+"""
+import argparse
+import json
+import sys
+
+from common import ROOT, cu_structures, launch, reset_hwm, status_mb
+
+MICROBATCHES = 4
+
+
+def worker(args):
+    import numpy as np
+    import torch
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    import potentials
+    from mlip_parallel.training import Batch, Counts, loss_terms, predict_batch, total_loss
+
+    torch.set_num_threads(1)
+    structures = cu_structures(args.structures, 32)
+    weights = {"energy": 1.0, "forces": 10.0, "stress": 1.0}
+
+    def build(parts=None):
+        return potentials.PaiNN(["Cu"], cutoff=4.5, features=args.features, layers=args.blocks, parts=parts, seed=0)
+
+    if args.stages > 1:
+        from mlip_parallel.pipeline import PipelineTrainer
+        from mlip_parallel.train_cli import Processes
+
+        Processes("pipeline")
+        import torch.distributed as dist
+        dist.barrier()
+    reset_hwm()
+    base = status_mb("VmRSS")
+    if args.stages == 1:
+        model = build()
+
+        def step():
+            batch = Batch(structures, model, model.device)
+            loss = total_loss(loss_terms(*predict_batch(model, batch), batch, Counts.of(structures)), weights)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(list(model.parameters()), 10.0)
+            optimizer.step()
+            optimizer.zero_grad()
+    else:
+        trainer = PipelineTrainer(build, args.stages, MICROBATCHES, "1f1b",
+                                  boundaries=[args.blocks * s // args.stages for s in range(args.stages + 1)])
+        model = trainer.model
+
+        def step():
+            trainer.step(structures, weights, optimizer, clip_norm=10.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.99), use_buffers=True)
+    for _ in range(2):
+        step()
+        ema.update_parameters(model)
+    peak = status_mb("VmHWM") - base
+    held = sum(p.numel() for p in model.parameters())
+    result = {"peak_mb": [peak], "held": [held], "parts": [len(model.parts)], "finite": [bool(all(
+        torch.isfinite(p).all() for p in model.parameters()))]}
+    if args.stages > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (peak, held, len(model.parts), result["finite"][0]))
+        result = {"peak_mb": [g[0] for g in gathered], "held": [g[1] for g in gathered],
+                  "parts": [g[2] for g in gathered], "finite": [g[3] for g in gathered]}
+        if dist.get_rank() != 0:
+            return
+    print(json.dumps(result))
+
+
+def painn_parameters(features, blocks, rbf=20):
+    """Parameters of PaiNN(["Cu"], features, layers=blocks, rbf) (counted from its layer shapes)."""
+    f = features
+    block = (f * f + f) + (f * 3 * f + 3 * f) + (rbf * 3 * f + 3 * f) + 2 * f * f + (2 * f * f + f) + (f * 3 * f + 3 * f)
+    readout = f * (f // 2) + f // 2 + f // 2 + 1
+    return f + blocks * block + readout
+
+
+def run(stages, features, blocks, structures):
+    return launch(stages, __file__, ["--stages", stages, "--features", features, "--blocks", blocks,
+                                     "--structures", structures])
+
+
+def largest_features(limit_mb, mb_per_parameter, fixed_mb, blocks, share):
+    """The largest PaiNN width whose predicted peak (fixed + per-parameter × its parameters × ``share``,
+    the fraction of the model on the largest stage) fits in ``limit_mb``."""
+    f = 8
+    while fixed_mb + mb_per_parameter * painn_parameters(f + 8, blocks) * share <= limit_mb:
+        f += 8
+    return f
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--stages", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--features", type=int, default=768)
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--structures", type=int, default=4, help="32-atom Cu structures per global batch")
+    parser.add_argument("--budget-gib", type=float, default=4.0, help="per-rank memory budget for the largest model")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    total = painn_parameters(args.features, args.blocks)
+    print(f"PaiNN features={args.features}, {args.blocks} blocks: {total / 1e6:.1f} M parameters (float32); "
+          f"AdamW + EMA, energy+force+stress loss, {args.structures} x 32-atom Cu, 1F1B, M={MICROBATCHES}")
+    results = {s: run(s, args.features, args.blocks, args.structures) for s in (1, 2, 4)}
+    one = results[1]["peak_mb"][0]
+    print(f"{'run':10s} {'largest stage peak MB':>22s} {'fraction of 1 process':>22s}  per stage: peak MB / M parameters held")
+    for stages, r in results.items():
+        worst = max(r["peak_mb"])
+        detail = ", ".join(f"{p:.0f}/{h / 1e6:.1f}M" for p, h in zip(r["peak_mb"], r["held"]))
+        print(f"{f'S={stages}':10s} {worst:22.0f} {worst / one:22.2f}  {detail}")
+        assert sum(r["held"]) == total, (sum(r["held"]), total)  # the stages hold the model exactly once
+    # the largest model in a per-rank budget: MB per parameter from the one-process run (memory grows
+    # with the parameters: weights, gradients, AdamW, EMA, and activations ∝ features), then verified
+    budget = args.budget_gib * 1024
+    per_parameter = one / total
+    four = results[4]
+    share = max(h for h in four["held"]) / total
+    sizes = {1: largest_features(budget, per_parameter, 0.0, args.blocks, 1.0),
+             4: largest_features(budget, max(p / h for p, h in zip(four["peak_mb"], four["held"])), 0.0, args.blocks,
+                                 share)}
+    print(f"largest PaiNN ({args.blocks} blocks) training within {args.budget_gib:g} GiB per rank:")
+    for stages, features in sizes.items():
+        r = run(stages, features, args.blocks, args.structures)
+        n = painn_parameters(features, args.blocks)
+        print(f"  {stages} {'process' if stages == 1 else 'stages '}: features={features}, {n / 1e6:.0f} M parameters; "
+              f"measured largest peak {max(r['peak_mb']) / 1024:.2f} GiB, trained: {all(r['finite'])}")
+    print(f"  ratio of parameters, 4 stages / 1 process: "
+          f"{painn_parameters(sizes[4], args.blocks) / painn_parameters(sizes[1], args.blocks):.2f}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()
