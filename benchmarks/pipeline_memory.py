@@ -5,7 +5,8 @@
   memory above its import baseline, as a fraction of the one-process peak (targets: ≤ 0.6 at 2 stages,
   ≤ 0.35 at 4), and the parameters each rank holds;
 * the largest model that trains within a per-rank memory budget (``--budget-gib``, as on a GPU of that
-  size), in one process and in 4 stages: predicted from the measured bytes per parameter, then
+  size), in one process and in 4 stages: the peak fitted as c + b F + a F² (a fixed part; activations
+  grow as F; parameters, gradients, AdamW state and EMA as F²) from runs at F, F/2 and F/4, then
   verified by training that model for two steps.
 
     python benchmarks/pipeline_memory.py [--features 768] [--blocks 8] [--budget-gib 4]
@@ -96,13 +97,18 @@ def run(stages, features, blocks, structures):
                                      "--structures", structures])
 
 
-def largest_features(limit_mb, mb_per_parameter, fixed_mb, blocks, share):
-    """The largest PaiNN width whose predicted peak (fixed + per-parameter × its parameters × ``share``,
-    the fraction of the model on the largest stage) fits in ``limit_mb``."""
-    f = 8
-    while fixed_mb + mb_per_parameter * painn_parameters(f + 8, blocks) * share <= limit_mb:
-        f += 8
-    return f
+def largest_features(budget_mb, points, step=8):
+    """The largest width (a multiple of ``step``) whose peak fits ``budget_mb``, from peak(F) = c + b F + a F²
+    fitted to three measured (features, peak MB) points: a fixed part, activations (∝ F) and parameters
+    with their gradients, AdamW state and EMA (∝ F²)."""
+    import numpy as np
+
+    f = np.array([p[0] for p in points], dtype=float)
+    a, b, c = np.linalg.solve(np.stack([f**2, f, np.ones_like(f)], axis=1), [p[1] for p in points])
+    width = step
+    while c + b * (width + step) + a * (width + step) ** 2 <= budget_mb:
+        width += step
+    return width
 
 
 def main():
@@ -128,23 +134,26 @@ def main():
         detail = ", ".join(f"{p:.0f}/{h / 1e6:.1f}M" for p, h in zip(r["peak_mb"], r["held"]))
         print(f"{f'S={stages}':10s} {worst:22.0f} {worst / one:22.2f}  {detail}")
         assert sum(r["held"]) == total, (sum(r["held"]), total)  # the stages hold the model exactly once
-    # the largest model in a per-rank budget: MB per parameter from the one-process run (memory grows
-    # with the parameters: weights, gradients, AdamW, EMA, and activations ∝ features), then verified
+    # the largest model in a per-rank budget: peak(F) fitted at F, F/2 and F/4, then verified by training
+    # it (stepping down 4 % while the measured peak exceeds the budget)
     budget = args.budget_gib * 1024
-    per_parameter = one / total
-    four = results[4]
-    share = max(h for h in four["held"]) / total
-    sizes = {1: largest_features(budget, per_parameter, 0.0, args.blocks, 1.0),
-             4: largest_features(budget, max(p / h for p, h in zip(four["peak_mb"], four["held"])), 0.0, args.blocks,
-                                 share)}
-    print(f"largest PaiNN ({args.blocks} blocks) training within {args.budget_gib:g} GiB per rank:")
-    for stages, features in sizes.items():
-        r = run(stages, features, args.blocks, args.structures)
-        n = painn_parameters(features, args.blocks)
-        print(f"  {stages} {'process' if stages == 1 else 'stages '}: features={features}, {n / 1e6:.0f} M parameters; "
-              f"measured largest peak {max(r['peak_mb']) / 1024:.2f} GiB, trained: {all(r['finite'])}")
-    print(f"  ratio of parameters, 4 stages / 1 process: "
-          f"{painn_parameters(sizes[4], args.blocks) / painn_parameters(sizes[1], args.blocks):.2f}")
+    print(f"largest PaiNN ({args.blocks} blocks) that trains within {args.budget_gib:g} GiB per rank:")
+    largest = {}
+    for stages in (1, 4):
+        points = [(args.features, max(results[stages]["peak_mb"]))]
+        points += [(f, max(run(stages, f, args.blocks, args.structures)["peak_mb"]))
+                   for f in (args.features // 2, args.features // 4)]
+        features = largest_features(budget, points)
+        for _ in range(4):
+            r = run(stages, features, args.blocks, args.structures)
+            if max(r["peak_mb"]) <= budget:
+                break
+            features = int(features * 0.96) // 8 * 8
+        largest[stages] = painn_parameters(features, args.blocks)
+        print(f"  {stages} {'process' if stages == 1 else 'stages '}: features={features}, "
+              f"{largest[stages] / 1e6:.0f} M parameters; measured largest peak {max(r['peak_mb']) / 1024:.2f} GiB, "
+              f"trained (finite weights after 2 steps): {all(r['finite'])}")
+    print(f"  parameters, 4 stages / 1 process: {largest[4] / largest[1]:.2f}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Native distributed MD (DESIGN.md §4): each rank holds only its own atoms.
+"""Native distributed MD (docs/architecture.md §4): each rank holds only its own atoms.
 
 One step, written once (``run``):
 

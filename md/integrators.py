@@ -1,4 +1,4 @@
-"""Integrators of the native MD engine (DESIGN.md §4): small objects over the explicit state of an
+"""Integrators of the native MD engine (docs/architecture.md §4): small objects over the explicit state of an
 ``MDSystem`` — its rank-local ``atoms`` (positions, velocities, masses, ids), ``forces``, the global
 ``virial`` and ``cell``.
 

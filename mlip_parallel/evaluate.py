@@ -1,4 +1,4 @@
-"""Distributed evaluation of a potential over a spatial decomposition (DESIGN.md §3)."""
+"""Distributed evaluation of a potential over a spatial decomposition (docs/architecture.md §3)."""
 from __future__ import annotations
 
 import numpy as np

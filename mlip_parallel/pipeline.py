@@ -1,4 +1,4 @@
-"""Pipeline-parallel training with conservative forces.
+"""Pipeline-parallel training with conservative forces (docs/architecture.md §5).
 
 A ``BlockPotential``'s interaction blocks are split over S stages, one rank each (stage 0 also holds
 the embedding, the last stage the readout). **A stage builds only its own parts**: no rank holds

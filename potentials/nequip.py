@@ -100,6 +100,17 @@ class NequIP(BlockPotential):
     def feature_width(self, k: int) -> int:
         return self.irreps_in[k].dim
 
+    def __deepcopy__(self, memo):
+        """A copy rebuilt from the hyper-parameters and the state (an EMA copy, say): e3nn's generated
+        code does not deep-copy cleanly (for l_max ≥ 3 its constants come back as extra buffers)."""
+        clone = NequIP(**self.hyperparameters, parts=self.parts, seed=self.seed).to(self.dtype).to(self.device)
+        clone.load_state_dict(self.state_dict())
+        clone.train(self.training)
+        for mine, theirs in zip(clone.parameters(), self.parameters()):
+            mine.requires_grad_(theirs.requires_grad)
+        memo[id(self)] = clone
+        return clone
+
     def context(self, graph: AtomGraph):
         vec = graph.edge_vec.to(self.dtype)
         r = vec.norm(dim=1)

@@ -177,3 +177,20 @@ def test_bad_checkpoints_raise_and_never_run_code(tmp_path, monkeypatch):
     check(variant("format.pt", format="something-else"), "format 'something-else'")
     torch.save({"weights": payload["state_dict"]}, tmp_path / "keys.pt")
     check(tmp_path / "keys.pt", "not an mlip-parallel-potential checkpoint")
+
+
+def test_nequip_deep_copy_is_the_same_model():
+    """An EMA copy (deepcopy) of NequIP with l_max = 3 has the same state and weights (e3nn's generated
+    code would otherwise bring back extra buffers), also for a model holding only some parts."""
+    import copy
+
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    for parts in (None, potentials.stage_parts(3, [0, 1, 3], 1)):
+        model = potentials.NequIP(["Cu"], cutoff=4.0, l_max=3, features=2, layers=3, seed=1, parts=parts).double()
+        twin = copy.deepcopy(model)
+        assert twin.state_dict().keys() == model.state_dict().keys() and twin.parts == model.parts
+        assert all(torch.equal(a, b) for a, b in zip(twin.state_dict().values(), model.state_dict().values()))
+        ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+        ema.update_parameters(model)
+        assert ema.module.dtype == torch.float64
