@@ -46,6 +46,14 @@ class Domain:
         """[N, 3] Å → [N, 3] fractional coordinates."""
         return positions @ self.inverse
 
+    def wrapped_fractional(self, wrapped: np.ndarray) -> np.ndarray:
+        """Fractional coordinates [N, 3] of positions already wrapped by ``wrap``, clamped as LAMMPS's
+        remap does to 0 ≤ s < 1 along periodic dimensions (rounding can leave x = -1e-17 at s = -1e-18,
+        or s = 1.0 just below a face): every decision of which subdomain holds an atom reads these."""
+        s = self.fractional(wrapped)
+        below_one = np.nextafter(1.0, 0.0)
+        return np.where(self.pbc, np.clip(np.where(s >= 1.0, 0.0, s), 0.0, below_one), s)
+
     def wrap(self, positions: np.ndarray):
         """Map atoms into the cell along periodic dimensions.
 

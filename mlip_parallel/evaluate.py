@@ -32,7 +32,7 @@ class Decomposition:
         self.domain = Domain.from_positions(positions, atoms.cell, atoms.pbc)
         self.grid = Grid.for_ranks(backend.size, self.domain, grid)
         wrapped, _ = self.domain.wrap(positions)
-        owner = self.grid.owner(self.domain.fractional(wrapped))
+        owner = self.grid.owner(self.domain.wrapped_fractional(wrapped))
         self.owned = np.flatnonzero(owner == backend.rank)
         self.comm = Comm(backend, self.grid, self.domain)
         self.comm.borders(wrapped[self.owned], self.owned, r_ghost)

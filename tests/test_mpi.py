@@ -21,7 +21,7 @@ def test_double_backward_through_halo(mpirun, ranks):
     assert "0 parameter-gradient mismatches" in out, out
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_comm_verbs(mpirun, ranks):
     rc, out, _ = mpirun(ranks, MPI_DIR / "comm_contracts.py")
     assert rc == 0, out

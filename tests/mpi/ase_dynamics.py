@@ -52,7 +52,7 @@ for kind in ("verlet", "langevin", "bfgs"):
         print(f"{kind:9s}: max |x_P - x_serial| = {diff:.2e}, energy {energy:.8f} vs {reference[1]:.8f}", flush=True)
     if diff > 1e-9 or abs(energy - reference[1]) > 1e-9 * abs(energy):
         failures.append(kind)
-failures = world.allgather(failures)[0]
+failures = sorted({f for mine in world.allgather(failures) for f in mine})  # every rank's verdict
 if world.rank == 0:
     print(f"P={world.Get_size()}: ASE dynamics {len(failures)} failures")
 sys.exit(1 if failures else 0)

@@ -1,5 +1,7 @@
 """Contracts of the four comm verbs (run under mpiexec -n P):
 
+* wrapping: x = -1e-17 in a periodic cell is owned by the first subdomain along x, not lost between two;
+
 * exchange: atoms scattered at random over ranks, some far outside the cell, end on the rank whose
   subdomain holds them, each exactly once, with their per-atom data;
 * borders: the ghosts are exactly the atom images within r_ghost of the subdomain (brute force);
@@ -43,7 +45,7 @@ for name in ("fcc_bulk", "sheared", "slab", "clusters"):
     comm = mlip_parallel.Comm(backend, grid, domain)
     moved = comm.exchange({"positions": unwrapped[mine], "ids": mine, "image": np.zeros((len(mine), 3), int),
                            "tag": np.sin(mine.astype(float))[:, None] * [1.0, 2.0]})
-    owner = grid.owner(domain.fractional(moved["positions"]))
+    owner = grid.owner(domain.wrapped_fractional(moved["positions"]))
     check(np.all(owner == rank), f"exchange {name}: {np.sum(owner != rank)} atoms on the wrong rank")
     all_ids = np.concatenate(world.allgather(moved["ids"]))
     check(np.array_equal(np.sort(all_ids), np.arange(n)), f"exchange {name}: ids not conserved")
@@ -51,6 +53,20 @@ for name in ("fcc_bulk", "sheared", "slab", "clusters"):
           f"exchange {name}: per-atom data did not move with the atoms")
     back = moved["positions"] + moved["image"] @ domain.cell
     check(np.allclose(back, unwrapped[moved["ids"]], atol=1e-9), f"exchange {name}: image flags wrong")
+
+# ---- an atom a rounding error below a periodic face (x = -1e-17) belongs to the first subdomain (LAMMPS's
+# remap: 0 <= s < 1), once; one just below the upper face to the last
+cell = np.diag([10.0, 10.0, 10.0])
+positions = np.array([[-1e-17, 5.0, 5.0], [3.3, 5.0, 5.0], [9.999999999999998, 1.0, 1.0], [6.5, 2.0, 2.0]])
+mine = np.arange(len(positions)) if rank == 0 else np.arange(0)
+domain = mlip_parallel.Domain.from_positions(positions[mine], cell, True, backend)
+grid = mlip_parallel.Grid.for_ranks(P, domain, (P, 1, 1))
+moved = mlip_parallel.Comm(backend, grid, domain).exchange({"positions": positions[mine], "ids": mine})
+frac = domain.wrapped_fractional(moved["positions"])
+check(np.all((frac >= grid.bounds(rank)[0]) & (frac < grid.bounds(rank)[1])),
+      f"wrap: rank {rank} holds atoms {moved['ids'].tolist()} at fractional {frac[:, 0].tolist()}, outside "
+      f"its subdomain {grid.bounds(rank)[0][0]:.3f}..{grid.bounds(rank)[1][0]:.3f}")
+check(sorted(np.concatenate(world.allgather(moved["ids"])).tolist()) == [0, 1, 2, 3], "wrap: ids not conserved")
 
 # ---- borders: ghost images == brute-force images within the ghost shell
 for name, r_ghost in itertools.product(("fcc_bulk", "hcp_triclinic", "slab", "clusters", "small_cell"), (4.0, 9.0)):

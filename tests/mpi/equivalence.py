@@ -4,11 +4,13 @@ Lennard-Jones is compared with ASE's LennardJones, SchNet with potentials.predic
 case on rank 0 and exits non-zero if any case misses its tolerance; reports how many ranks owned no
 atoms so that the empty-rank path is known to have run.
 """
+import hashlib
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
@@ -86,6 +88,10 @@ for name, build in GEOMETRIES.items():
                 cases += 1
                 if worst > tolerance[label]:
                     failures.append(f"{name} grid={grid} {label} {mode}: {errors}")
+                digest = hashlib.sha256(b"".join(np.ascontiguousarray(result[k]).tobytes()
+                                                 for k in sorted(result))).hexdigest()
+                if len(set(world.allgather(digest))) != 1:
+                    failures.append(f"{name} grid={grid} {label} {mode}: results differ between ranks")
                 if world.rank == 0:
                     print(f"{name:14s} grid={str(grid):10s} {label:9s} {mode:9s} max rel err {worst:.2e}",
                           flush=True)
@@ -94,7 +100,7 @@ for name, build in GEOMETRIES.items():
         part = mlip_parallel.Decomposition(atoms, 4.0, mlip_parallel.get_backend(), grid)
         empty_cases += world.allreduce(int(len(part.owned) == 0))
 
-failures = world.allgather(failures)[0]
+failures = sorted({f for mine in world.allgather(failures) for f in mine})  # every rank's verdict
 if world.rank == 0:
     print("seconds per model:", {label: round(t, 1) for label, t in seconds.items()})
     print(f"P={P}: {cases} cases, {len(failures)} failures, {empty_cases} (geometry, grid, rank) with no atoms")

@@ -158,7 +158,7 @@ if RESTARTS:
     check_restarts()
 if GAS_STEPS:
     check_gas(GAS_STEPS)
-failures = world.allgather(failures)[0]
+failures = sorted({f for mine in world.allgather(failures) for f in mine})  # every rank's verdict
 if world.rank == 0:
     print(f"P={world.Get_size()}: MD engine {len(failures)} failures")
 sys.exit(1 if failures else 0)

@@ -42,7 +42,7 @@ for name, build in SEVENNET_STRUCTURES.items():
             failures.append(f"{name} {mode}: evaluate {errors}, calculator {calc_errors}")
         if world.rank == 0:
             print(f"{name:16s} {mode:9s} max rel err vs SevenNetCalculator {case_worst:.2e}", flush=True)
-failures = world.allgather(failures)[0]
+failures = sorted({f for mine in world.allgather(failures) for f in mine})  # every rank's verdict
 if world.rank == 0:
     print(f"P={world.Get_size()}: SevenNet-0 {len(failures)} failures, max rel err {worst:.2e}")
     for f in failures:
