@@ -34,8 +34,8 @@ from potentials.base import block_part, stage_parts
 from potentials.checkpoint import save_parts
 
 from .errors import MLIPError
-from .training import Batch, Counts, batch_geometry, loss_terms, prediction_errors, structure_energies, \
-    sum_gradients, symmetric_stress
+from .training import Batch, Counts, TrainingError, batch_geometry, loss_terms, prediction_errors, \
+    structure_energies, sum_gradients, symmetric_stress
 
 
 class PipelineError(MLIPError, ValueError):
@@ -408,6 +408,8 @@ class PipelineTrainer:
                 for p, old in zip(self.parameters, self.stale):
                     p.copy_(old)
         loss = self.gradients(structures, weights)
+        if not np.isfinite(loss):  # the global loss: every rank stops here
+            raise TrainingError(f"the loss is not finite (batch of {', '.join(s.source for s in structures)})")
         if self.two_bw:
             with torch.no_grad():
                 for p, now in zip(self.parameters, current):
@@ -420,6 +422,8 @@ class PipelineTrainer:
             square = square.to(torch.float64).reshape(1)
             dist.all_reduce(square)  # every replica holds the same gradients: divide their copies out
             norm = float(square[0] / self.replicas) ** 0.5
+            if not np.isfinite(norm):
+                raise TrainingError(f"the gradient norm is not finite (batch of {', '.join(s.source for s in structures)})")
             if norm > clip_norm:
                 for p in self.parameters:
                     if p.grad is not None:

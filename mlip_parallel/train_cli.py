@@ -131,6 +131,16 @@ class Processes:
             return holder[0]
         return self.backend.bcast(obj)
 
+    def allgather(self, obj) -> list:
+        """Every rank's ``obj``, in rank order."""
+        if self.size == 1:
+            return [obj]
+        if self.dist is not None:
+            out = [None] * self.size
+            self.dist.all_gather_object(out, obj)
+            return out
+        return self.backend.allgather(obj)
+
     def barrier(self) -> None:
         if self.size > 1:
             self.dist.barrier() if self.dist is not None else self.backend.barrier()
@@ -274,8 +284,8 @@ def train(config) -> list:
 
     import potentials
 
-    from .training import Batch, Counts, check_species, error_sums, error_table, graph_parallel_loss, loss_terms, \
-        predict_batch, total_loss
+    from .training import Batch, Counts, TrainingError, check_species, error_sums, error_table, graph_parallel_loss, \
+        loss_terms, nonfinite_structures, predict_batch, total_loss
 
     directory = Path(config["output"]["directory"])
     if not config["resume"]:
@@ -360,17 +370,21 @@ def train(config) -> list:
             torch.save({"training": training_state(epoch)}, shards / f"stage{stage}.pt")
         pipeline.save_merged(path, evaluation_model())
 
-    def errors_of(net, structures):
+    def errors_of(net, structures, when):
         """MAE/RMSE of ``net`` on ``structures``, each rank taking a share (graph parallel: rank 0 alone,
         since evaluation needs no gradient graph and only training is split by space; pipeline: a
-        pipelined evaluation, ``net`` being this stage's parts)."""
+        pipelined evaluation, ``net`` being this stage's parts). A non-finite prediction ends training."""
         if pipeline is not None:
-            return error_table(pipeline.error_sums(structures, config["batch_size"], net))
-        if procs.parallel == "graph":
-            share = structures if root else []
+            sums = pipeline.error_sums(structures, config["batch_size"], net)
         else:
-            share = structures[procs.rank::procs.size]
-        return error_table(procs.sum(error_sums(net, share, config["batch_size"], device)))
+            share = (structures if root else []) if procs.parallel == "graph" else structures[procs.rank::procs.size]
+            sums = procs.sum(error_sums(net, share, config["batch_size"], device))
+        bad = [q for k, q in enumerate(("energy", "forces", "stress"))
+               if sums[3 * k + 2] > 0 and not np.all(np.isfinite(sums[3 * k: 3 * k + 2]))]
+        if bad:
+            raise TrainingError(f"{when}: non-finite predicted {', '.join(bad)} on the {len(structures)} "
+                                "evaluation structures")
+        return error_table(sums)
 
     count = procs.sum(np.array([float(sum(p.numel() for p in parameters))]))[0]
     if pipeline is not None:
@@ -399,7 +413,10 @@ def train(config) -> list:
             counts = Counts.of(global_batch)
             optimizer.zero_grad(set_to_none=False)
             if pipeline is not None:
-                value = pipeline.step(global_batch, weights, optimizer, o["gradient_clip"])
+                try:
+                    value = pipeline.step(global_batch, weights, optimizer, o["gradient_clip"])
+                except TrainingError as exc:
+                    raise TrainingError(f"epoch {epoch + 1}: {exc}") from None
             else:
                 if procs.parallel == "graph":
                     value = 0.0
@@ -407,24 +424,36 @@ def train(config) -> list:
                         surrogate, terms = graph_parallel_loss(model, s, weights, counts, procs.backend)
                         surrogate.backward()
                         value += total_loss(terms, weights)
+                        if not np.isfinite(total_loss(terms, weights)):  # terms are global: every rank agrees
+                            raise TrainingError(f"epoch {epoch + 1}: the loss of {s.source} is not finite")
                 else:
                     mine = global_batch[procs.rank::procs.size]
-                    value = 0.0
+                    value, bad = 0.0, []
                     if mine:
                         batch = Batch(mine, model, device)
-                        loss = total_loss(loss_terms(*predict_batch(model, batch), batch, counts), weights)
+                        predictions = predict_batch(model, batch)
+                        loss = total_loss(loss_terms(*predictions, batch, counts), weights)
                         loss.backward()
                         value = loss.item()
+                        bad = [] if np.isfinite(value) else nonfinite_structures(batch, *predictions)
                     value = float(procs.sum(np.array([value]))[0])
+                    if not np.isfinite(value):  # the global loss: every rank stops here
+                        bad = [name for names in procs.allgather(bad) for name in names]
+                        raise TrainingError(f"epoch {epoch + 1}: the loss is not finite; non-finite predictions for "
+                                            f"{', '.join(bad) if bad else 'none of the structures (see the labels)'}")
                 procs.sum_gradients(parameters)
                 if o["gradient_clip"] > 0:
-                    torch.nn.utils.clip_grad_norm_(parameters, o["gradient_clip"])
+                    try:
+                        torch.nn.utils.clip_grad_norm_(parameters, o["gradient_clip"], error_if_nonfinite=True)
+                    except RuntimeError:
+                        raise TrainingError(f"epoch {epoch + 1}: the gradient norm is not finite (batch of "
+                                            f"{', '.join(s.source for s in global_batch)})") from None
                 optimizer.step()
             if ema is not None:
                 ema.update_parameters(model)
             loss_sum, batches = loss_sum + value, batches + 1
         model.eval()
-        errors = errors_of(evaluation_model(), validation)
+        errors = errors_of(evaluation_model(), validation, f"epoch {epoch + 1}")
         val_loss = sum(weights[q] * errors[f"{q}_rmse"] ** 2 for q in ("energy", "forces", "stress")
                        if weights[q] > 0 and np.isfinite(errors[f"{q}_rmse"]))
         lr = optimizer.param_groups[0]["lr"]
@@ -453,7 +482,7 @@ def train(config) -> list:
     if test and has_best:
         parts = None if pipeline is None else model.parts  # pipeline: each stage reads its own parts
         best_model = potentials.load(directory / "best.pt", map_location=device, parts=parts)
-        errors = errors_of(best_model, test)
+        errors = errors_of(best_model, test, "test set")
         if root:
             print("test set, best.pt:\n" + format_errors(errors), flush=True)
     if root:

@@ -139,7 +139,8 @@ def fit_reference_energies(structures, species) -> np.ndarray:
 # ----------------------------------------------------------------------------- batches
 class Batch:
     """Several structures as one disjoint graph on ``device``: species [N], edges, ``batch`` [N]
-    structure index of each atom, and the labels (absent labels are masked)."""
+    structure index of each atom, and the labels: energy [B], forces [N, 3], stress [B, 3, 3] (NaN
+    where absent) with the masks ``has_energy`` [B], ``has_forces`` [N], ``has_stress`` [B] (bool)."""
 
     def __init__(self, structures, model, device):
         self.size = len(structures)
@@ -165,6 +166,11 @@ class Batch:
             [np.full((len(s.numbers), 3), np.nan) if s.forces is None else s.forces for s in structures]), **f64)
         self.stress = torch.as_tensor(np.stack(
             [np.full((3, 3), np.nan) if s.stress is None else s.stress for s in structures]), **f64)
+        self.sources = [s.source for s in structures]
+        as_mask = lambda flags: torch.as_tensor(np.asarray(flags, dtype=bool), device=device)  # noqa: E731
+        self.has_energy = as_mask([s.energy is not None for s in structures])
+        self.has_forces = as_mask(np.repeat([s.forces is not None for s in structures], self.n_atoms))
+        self.has_stress = as_mask([s.stress is not None for s in structures])
 
 
 class BatchGeometry(NamedTuple):
@@ -226,10 +232,11 @@ class Counts:
 
 def loss_terms(energy, forces, stress, batch: Batch, counts: Counts) -> dict:
     """Summed squared errors of this batch divided by the global counts: energy per atom, force
-    components, stress components (/9). Unlabelled entries contribute nothing."""
-    de = torch.nan_to_num((energy - batch.energy) / batch.atoms_per_structure)
-    df = torch.nan_to_num(forces - batch.forces)
-    ds = torch.nan_to_num(stress - batch.stress)
+    components, stress components (/9). Unlabelled entries are left out (label masks); a non-finite
+    prediction of a labelled entry makes the loss non-finite."""
+    de = ((energy - batch.energy) / batch.atoms_per_structure)[batch.has_energy]
+    df = (forces - batch.forces)[batch.has_forces]
+    ds = (stress - batch.stress)[batch.has_stress]
     return {"energy": (de**2).sum() / counts.energies, "forces": (df**2).sum() / counts.force_components,
             "stress": (ds**2).sum() / (9 * counts.stresses)}
 
@@ -296,16 +303,17 @@ def graph_parallel_loss(model, structure: Structure, weights: dict, counts: Coun
 # ----------------------------------------------------------------------------- errors
 def prediction_errors(batch: Batch, energy=None, forces=None, stress=None) -> np.ndarray:
     """[9] error sums of the given predictions against ``batch``'s labels: |ΔE/n|, (ΔE/n)², count;
-    |ΔF|, ΔF², count; |Δσ|, Δσ², count (zeros for a quantity not given; unlabelled entries skipped).
+    |ΔF|, ΔF², count; |Δσ|, Δσ², count (zeros for a quantity not given; unlabelled entries left out by
+    the label masks, non-finite predictions kept: they make the sums non-finite).
     energy [B] eV, forces [N, 3] eV/Å, stress [B, 3, 3] eV/Å³."""
     sums = np.zeros(9)
-    pairs = ((energy, batch.energy, batch.atoms_per_structure), (forces, batch.forces, None),
-             (stress, batch.stress, None))
-    for k, (pred, ref, per) in enumerate(pairs):
+    pairs = ((energy, batch.energy, batch.atoms_per_structure, batch.has_energy),
+             (forces, batch.forces, None, batch.has_forces), (stress, batch.stress, None, batch.has_stress))
+    for k, (pred, ref, per, mask) in enumerate(pairs):
         if pred is None:
             continue
-        diff = (pred.detach() - ref).flatten() if per is None else ((pred.detach() - ref) / per).flatten()
-        diff = diff[torch.isfinite(diff)].cpu().numpy()
+        diff = pred.detach() - ref if per is None else (pred.detach() - ref) / per
+        diff = diff[mask].flatten().cpu().numpy()
         sums[3 * k: 3 * k + 3] = [np.abs(diff).sum(), (diff**2).sum(), len(diff)]
     return sums
 
@@ -318,6 +326,19 @@ def error_sums(model, structures, batch_size: int, device) -> np.ndarray:
         energy, forces, stress = predict_batch(model, batch, create_graph=False)
         sums += prediction_errors(batch, energy, forces, stress)
     return sums
+
+
+def nonfinite_structures(batch: Batch, energy, forces, stress) -> list:
+    """Sources of the structures of ``batch`` whose predicted energy, forces or stress are not finite."""
+    bad = ~torch.isfinite(energy.detach()) | ~torch.isfinite(stress.detach()).reshape(batch.size, -1).all(dim=1)
+    atoms_bad = (~torch.isfinite(forces.detach()).all(dim=1)).long()
+    bad = bad | (torch.zeros(batch.size, dtype=torch.long, device=bad.device).index_add(0, batch.batch, atoms_bad) > 0)
+    return [batch.sources[k] for k in torch.nonzero(bad).flatten().tolist()]
+
+
+class TrainingError(MLIPError, RuntimeError):
+    """Training cannot go on: a non-finite loss, prediction or gradient (the message names the epoch
+    and the structures)."""
 
 
 def error_table(sums: np.ndarray) -> dict:

@@ -155,6 +155,33 @@ def test_bad_data_and_config_are_named(quick_data, tmp_path):
     assert "4 of these 4 structures lack forces" in str(info.value)
 
 
+def test_nan_is_never_masked(quick_data, tmp_path):
+    """Unlabelled entries are left out by label masks, but a non-finite prediction of a labelled one makes
+    the loss and the errors non-finite, and training stops naming the epoch and the structures."""
+    from mlip_parallel.training import Batch, Counts, TrainingError, loss_terms, prediction_errors, read_structures
+
+    structures = read_structures(quick_data)[:3]
+    structures[1].forces = None  # unlabelled: no force term from it
+    model = potentials.SchNet(["Cu"], cutoff=4.0, features=8, layers=2, seed=0).double()
+    batch = Batch(structures, model, model.device)
+    energy = torch.as_tensor([s.energy for s in structures], dtype=torch.float64)
+    forces = torch.zeros(len(batch.species), 3, dtype=torch.float64)
+    stress = batch.stress.nan_to_num()
+    terms = loss_terms(energy, forces, stress, batch, Counts.of(structures))
+    assert all(torch.isfinite(t) for t in terms.values()) and terms["energy"] == 0
+    forces[0, 0] = float("nan")  # a labelled component predicted NaN
+    assert torch.isnan(loss_terms(energy, forces, stress, batch, Counts.of(structures))["forces"])
+    assert np.isnan(prediction_errors(batch, forces=forces)[3])
+
+    broken = tmp_path / "nan.pt"  # a model whose every prediction is NaN
+    with torch.no_grad():
+        model.readout[-1].bias.fill_(float("nan"))
+    potentials.save(model, broken)
+    config = job(tmp_path / "nan_run", quick_data, model={"checkpoint": str(broken), "dtype": "float64"})
+    with pytest.raises(TrainingError, match=r"epoch 1: the loss is not finite; non-finite predictions for .*cu_quick"):
+        train(validate(config, SCHEMA, CHOICES))
+
+
 def test_config_error_reported_once_under_mpiexec(mpirun, tmp_path):
     """A config error prints one line for the whole job and every rank exits 2 (fast: no torch import)."""
     (tmp_path / "bad.yaml").write_text("epochs: 2\nlearning_rate: 0.1\n")
