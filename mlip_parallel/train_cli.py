@@ -111,12 +111,17 @@ class Processes:
                 if torchrun:
                     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
                 else:  # rank 0 picks the rendezvous; MPI tells everybody
+                    hosts = self.backend.allgather(socket.gethostname())
                     address = None
                     if self.rank == 0:
-                        with socket.socket() as s:
-                            s.bind(("", 0))
-                            address = (socket.gethostbyname(socket.gethostname()), s.getsockname()[1])
-                    host, port = self.backend.bcast(address)
+                        try:
+                            address = rendezvous(hosts)
+                        except ConfigError as exc:
+                            address = str(exc)
+                    address = self.backend.bcast(address)
+                    if isinstance(address, str):  # raised on every rank alike
+                        raise ConfigError(address)
+                    host, port = address
                     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                                             init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.size)
             self.dist = dist
@@ -171,6 +176,25 @@ class Processes:
             return torch.as_tensor(self.backend.allreduce(flat.cpu().numpy()), dtype=flat.dtype, device=flat.device)
 
         sum_gradients(parameters, reduce)
+
+
+def rendezvous(hosts) -> tuple:
+    """(address, free port) of rank 0 that every rank can reach, given every rank's host name: loopback
+    when all ranks share rank 0's host; else ``MASTER_ADDR`` if set, or the first non-loopback address of
+    rank 0's host name (``gethostbyname`` may answer 127.0.1.1, which other nodes cannot reach)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    if len(set(hosts)) == 1:
+        return "127.0.0.1", port
+    if os.environ.get("MASTER_ADDR"):
+        return os.environ["MASTER_ADDR"], port
+    addresses = {info[4][0] for info in socket.getaddrinfo(hosts[0], None, socket.AF_INET)}
+    routable = sorted(a for a in addresses if not a.startswith("127."))
+    if not routable:
+        raise ConfigError(f"rank 0's host {hosts[0]!r} resolves only to loopback addresses {sorted(addresses)}, "
+                          "which the other nodes cannot reach: set MASTER_ADDR to an address of rank 0's node")
+    return routable[0], port
 
 
 # ----------------------------------------------------------------------------- training
