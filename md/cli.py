@@ -209,18 +209,19 @@ def simulate(config) -> list:
     from ase.calculators.singlepoint import SinglePointCalculator
 
     from mlip_parallel import get_backend
+    from mlip_parallel.backend import set_threads
     from potentials.predict import voigt_stress
 
     from .engine import MDSystem, run
 
     backend = get_backend()
+    threads = set_threads(backend)
     model, integrator = start["model"], start["integrator"]
+    # From here on every rank takes part in collectives: an error is not a config error any more (prepare
+    # checked the config and the restart file); uncaught, it ends the whole job through the abort hook.
     if config["restart_from"] is not None:
-        try:
-            system, first_step = MDSystem.from_restart(model, config["restart_from"], integrator=integrator,
-                                                       skin=config["skin"], mode=config["mode"])
-        except (OSError, KeyError, ValueError) as exc:
-            raise ConfigError(f"restart_from: cannot read {config['restart_from']!r}: {exc}") from None
+        system, first_step = MDSystem.from_restart(model, config["restart_from"], integrator=integrator,
+                                                   skin=config["skin"], mode=config["mode"])
     else:
         system, first_step = MDSystem.from_atoms(model, start["atoms"], skin=config["skin"], mode=config["mode"],
                                                  balance=config["balance_every"] > 0), 0
@@ -240,7 +241,7 @@ def simulate(config) -> list:
         writer = csv.DictWriter(csv_file, fieldnames=THERMO_COLUMNS)
         if csv_file.tell() == 0:
             writer.writeheader()
-        print(f"mlip-md: {system.n_atoms} atoms on {backend.size} rank(s), {config['ensemble']}, "
+        print(f"mlip-md: {system.n_atoms} atoms on {backend.size} rank(s) x {threads} thread(s), {config['ensemble']}, "
               f"steps {first_step} to {steps} of {config['timestep_fs']} fs")
         print(" ".join(f"{c:>14s}" for c in THERMO_COLUMNS))
         from tqdm import tqdm
@@ -400,7 +401,7 @@ def main(argv=None) -> int:
     args = config_parser("mlip-md", __doc__.splitlines()[0], SCHEMA).parse_args(argv)
     try:
         simulate(validate(read_config(args.config)))
-    except ConfigError as exc:  # raised alike on every rank, before any output and any collective
+    except ConfigError as exc:  # raised alike on every rank by prepare(), before any output and any collective
         report_error("mlip-md", exc)
         return 2
     return 0

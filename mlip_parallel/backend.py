@@ -20,6 +20,7 @@ class SerialBackend:
     rank = 0
     size = 1
     local_rank = 0
+    local_size = 1
     cuda_aware = False
 
     def __init__(self):
@@ -61,7 +62,7 @@ class MPIBackend:
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        self.local_rank = node.Get_rank()
+        self.local_rank, self.local_size = node.Get_rank(), node.Get_size()  # ranks on this node
         node.Free()
         self.cuda_aware = os.environ.get("MLIP_CUDA_AWARE_MPI", "0") == "1"
         self.comm_seconds = 0.0
@@ -158,6 +159,15 @@ def get_backend(comm=None):
     if key not in _BACKENDS:
         _BACKENDS[key] = MPIBackend(comm)
     return _BACKENDS[key]
+
+
+def set_threads(backend) -> int:
+    """torch's intra-op threads = this node's cores ÷ its ranks (at least 1), unless the user chose them
+    (OMP_NUM_THREADS set); returns the number in force."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // max(1, getattr(backend, "local_size", 1))))
+    return torch.get_num_threads()
 
 
 def rank_device(backend) -> torch.device:

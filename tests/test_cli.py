@@ -70,7 +70,7 @@ def test_mlip_md_job_under_mpiexec(mpirun, tmp_path):
     for message in errors.values():
         assert out.count(message) == 1, (message, out)
     assert not (tmp_path / "bad" / "iron").exists() and not (tmp_path / "bad" / "t").exists()
-    assert "108 atoms on 2 rank(s)" in out and "done in" in out, out
+    assert "108 atoms on 2 rank(s) x 1 thread(s)" in out and "done in" in out, out
     assert re.search(r"steps 20 to 40 \(second half, 21 samples\)", out), out
     for quantity in ("temperature_K", "pressure_GPa", "epot_eV/atom", "etot_eV/atom", "volume_A3"):
         assert re.search(rf"^  {re.escape(quantity)} +\S+ ± \S+$", out, re.M), (quantity, out)
