@@ -198,13 +198,15 @@ def prepare(config) -> dict:
 
 
 THERMO_COLUMNS = ("step", "time_fs", "temperature_K", "epot_eV", "ekin_eV", "etot_eV", "pressure_GPa",
-                  "volume_A3", "seconds_per_step")
+                  "volume_A3", "seconds_per_step", "force_s", "halo_s", "neighbour_s", "integrate_s", "output_s")
+SCREEN_COLUMNS = THERMO_COLUMNS[:9]  # the phase times go to thermo.csv and the end-of-run table
 SAMPLES = 10_000  # at most this many thermo samples (every max(1, steps // SAMPLES) steps) feed the summary
 
 
 def simulate(config) -> list:
     """Run the validated ``config``; return the thermo rows (every rank)."""
     start = prepare(config)
+    import numpy as np
     from ase import Atoms, units
     from ase.calculators.singlepoint import SinglePointCalculator
 
@@ -212,7 +214,7 @@ def simulate(config) -> list:
     from mlip_parallel.backend import set_threads
     from potentials.predict import voigt_stress
 
-    from .engine import MDSystem, run
+    from .engine import PHASES, MDSystem, run
 
     backend = get_backend()
     threads = set_threads(backend)
@@ -243,7 +245,7 @@ def simulate(config) -> list:
             writer.writeheader()
         print(f"mlip-md: {system.n_atoms} atoms on {backend.size} rank(s) x {threads} thread(s), {config['ensemble']}, "
               f"steps {first_step} to {steps} of {config['timestep_fs']} fs")
-        print(" ".join(f"{c:>14s}" for c in THERMO_COLUMNS))
+        print(" ".join(f"{c:>14s}" for c in SCREEN_COLUMNS))
         from tqdm import tqdm
         bar = tqdm(total=steps, initial=first_step, unit="step", file=sys.stderr, dynamic_ncols=True)
 
@@ -270,6 +272,7 @@ def simulate(config) -> list:
     system.compute_forces()
     samples = [system.thermo(first_step, integrator.dt)]  # for the summary: every `stride` steps
     start_time = time.perf_counter()
+    last_timers, last_step = dict(system.timers), step
     for target in sorted(s for s in stops if s >= first_step):
         if target > step:
             t0 = time.perf_counter()
@@ -282,21 +285,28 @@ def simulate(config) -> list:
         else:
             state, per_step = system.thermo(step, integrator.dt), 0.0
         already_written = continuing and step == first_step  # the previous run's last row and frame
+        output_start = time.perf_counter()
         if (step % every == 0 or step == steps) and not already_written:
-            row = dict(state, seconds_per_step=per_step)
+            span = max(1, step - last_step)  # seconds per step in each phase since the last row (rank 0's)
+            row = dict(state, seconds_per_step=per_step,
+                       **{f"{phase}_s": (system.timers[phase] - last_timers[phase]) / span for phase in PHASES})
+            last_timers, last_step = dict(system.timers), step
             rows.append(row)
             if root:
                 writer.writerow(row)
                 csv_file.flush()
                 bar.clear()
-                print(" ".join(f"{row[c]:14.6g}" for c in THERMO_COLUMNS), flush=True)
+                print(" ".join(f"{row[c]:14.6g}" for c in SCREEN_COLUMNS), flush=True)
         if traj_every and step % traj_every == 0 and not already_written:
             snapshot(trajectory, step, append=True)
         if step == steps or (restart_every and step % restart_every == 0):
             system.save_restart(directory / "restart.npz", step, integrator)
         if root:
             bar.update(step - bar.n)
+        system.timers["output"] += time.perf_counter() - output_start
     snapshot("final.extxyz", steps, append=False)
+    phases = np.array([system.timers[phase] for phase in PHASES])
+    slowest, mean = backend.allreduce(phases, op="max"), backend.allreduce(phases) / backend.size
     if root:
         elapsed = time.perf_counter() - start_time
         close_bar(bar)
@@ -305,7 +315,20 @@ def simulate(config) -> list:
         print(f"mlip-md: done in {elapsed:.1f} s ({1e3 * elapsed / max(1, config['steps']):.3g} ms/step), "
               f"{system.rebuilds} neighbour-list rebuilds; output in {directory}/")
         print(summary(samples, system.n_atoms, config["ensemble"]), flush=True)
+        print(phase_table(mean, slowest), flush=True)
     return rows
+
+
+def phase_table(mean, slowest) -> str:
+    """Where the time went, as LAMMPS prints it after a run: seconds per phase (mean and slowest rank)
+    and the share of the total."""
+    from .engine import PHASES
+
+    total = max(float(sum(mean)), 1e-300)
+    lines = [f"{'phase':10s} {'mean s':>10s} {'max s':>10s} {'% of time':>10s}"]
+    for phase, m, s in zip(PHASES, mean, slowest):
+        lines.append(f"{phase:10s} {m:10.3f} {s:10.3f} {100 * m / total:10.1f}")
+    return "\n".join(lines)
 
 
 def close_bar(bar) -> None:

@@ -15,6 +15,8 @@ Units are ASE's: Å, eV, amu, time in ASE units (``dt_fs * ase.units.fs``).
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 from ase import units
@@ -24,6 +26,7 @@ from potentials.errors import InvalidStructureError
 from potentials.graph import neighbour_list
 
 PER_ATOM = ("positions", "velocities", "masses", "numbers", "ids", "image")
+PHASES = ("force", "halo", "neighbour", "integrate", "output")  # where a step's time goes (``MDSystem.timers``)
 
 
 class MDSystem:
@@ -33,6 +36,12 @@ class MDSystem:
     [n, 3] Å/ASE-time, masses [n] amu, numbers [n], ids [n] global ids, image [n, 3]). After
     ``compute_forces``: ``forces`` [n, 3] eV/Å, ``energy`` (eV, global), ``virial`` [3, 3] = dE/dε
     (global).
+
+    ``timers``: this rank's seconds so far per phase (``PHASES``): force (the model, less its halo
+    messages), halo (feature and gradient exchanges and the energy/virial sum inside the force call),
+    neighbour (rebuild checks,
+    migration, ghosts, pair lists), integrate (the integrator's half steps with their reductions),
+    output (thermo and whatever the caller adds, e.g. files).
 
     ``balance``: cut planes shifted per dimension so that ranks own similar atom counts (slabs,
     droplets), set at the start and again at every ``maybe_rebuild(rebalance=True)`` (``run``'s
@@ -54,6 +63,7 @@ class MDSystem:
         if self.n_atoms == 0:
             raise InvalidStructureError("the system has no atoms")
         self.rebuilds, self.cuts, self.dims = 0, cuts, None  # relative cut planes (None: uniform)
+        self.timers = dict.fromkeys(PHASES, 0.0)
         if cuts is not None:
             self.dims = tuple(len(c) - 1 for c in cuts)
             if int(np.prod(self.dims)) != self.backend.size:
@@ -185,12 +195,16 @@ class MDSystem:
     # ---------------------------------------------------------------------- forces
     def compute_forces(self) -> None:
         """Forces on owned atoms, the global energy and virial (collective)."""
+        start, messages = time.perf_counter(), self.backend.comm_seconds
         energies, forces, dE_dstrain = forward_decomposed(self.model, self, self.mode, candidates=self.candidates)
         self.forces = forces.detach().cpu().numpy()
         if not np.all(np.isfinite(self.forces)):
             raise InvalidStructureError(f"rank {self.backend.rank}: non-finite forces")
         totals = self.backend.allreduce(np.append(dE_dstrain.cpu().numpy().ravel(), energies.detach().sum().item()))
         self.energy, self.virial = float(totals[9]), totals[:9].reshape(3, 3)
+        halo = self.backend.comm_seconds - messages
+        self.timers["halo"] += halo
+        self.timers["force"] += time.perf_counter() - start - halo
 
     # -------------------------------------------------------------------- thermo
     def kinetic_tensor(self) -> np.ndarray:
@@ -228,13 +242,24 @@ def run(system: MDSystem, integrator, steps: int, thermo_every: int = 1, start_s
     steps, step ``start_step`` included. ``balance_every``: new cut planes every N steps (0: never)."""
     if not hasattr(system, "forces"):
         system.compute_forces()
+    timers, clock = system.timers, time.perf_counter
+    t = clock()
     rows = [system.thermo(start_step, integrator.dt)]
+    timers["output"] += clock() - t
     for step in range(start_step + 1, start_step + steps + 1):
         previous = system.atoms["positions"]
+        t0 = clock()
         integrator.first_half(system, step)
+        t1 = clock()
         system.maybe_rebuild(previous, rebalance=bool(balance_every) and step % balance_every == 0)
-        system.compute_forces()
+        t2 = clock()
+        system.compute_forces()  # times itself: force and halo
+        t3 = clock()
         integrator.second_half(system, step)
+        t4 = clock()
         if step % thermo_every == 0:
             rows.append(system.thermo(step, integrator.dt))
+        timers["integrate"] += (t1 - t0) + (t4 - t3)
+        timers["neighbour"] += t2 - t1
+        timers["output"] += clock() - t4
     return rows

@@ -71,6 +71,7 @@ def test_mlip_md_job_under_mpiexec(mpirun, tmp_path):
         assert out.count(message) == 1, (message, out)
     assert not (tmp_path / "bad" / "iron").exists() and not (tmp_path / "bad" / "t").exists()
     assert "108 atoms on 2 rank(s) x 1 thread(s)" in out and "done in" in out, out
+    assert "% of time" in out and all(f"\n{phase} " in out for phase in ("force", "halo", "neighbour", "integrate")), out
     assert re.search(r"steps 20 to 40 \(second half, 21 samples\)", out), out
     for quantity in ("temperature_K", "pressure_GPa", "epot_eV/atom", "etot_eV/atom", "volume_A3"):
         assert re.search(rf"^  {re.escape(quantity)} +\S+ ± \S+$", out, re.M), (quantity, out)
@@ -79,7 +80,7 @@ def test_mlip_md_job_under_mpiexec(mpirun, tmp_path):
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == [0, 10, 20, 30, 40]
     for column in ("time_fs", "temperature_K", "epot_eV", "ekin_eV", "etot_eV", "pressure_GPa", "volume_A3",
-                   "seconds_per_step"):
+                   "seconds_per_step", "force_s", "halo_s", "neighbour_s", "integrate_s", "output_s"):
         assert column in rows[0]
     frames = read(tmp_path / "out" / "trajectory.traj", index=":")
     assert len(frames) == 3 and len(frames[0]) == 108  # steps 0, 20, 40
