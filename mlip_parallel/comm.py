@@ -22,6 +22,28 @@ from .grid import Grid
 _ID, _IMAGE = 6, slice(3, 6)  # packed atom record: fractional coords (3), image (3), global id (1)
 
 
+def _row_bytes(array: np.ndarray) -> int:
+    return array.dtype.itemsize * int(np.prod(array.shape[1:], dtype=np.int64))
+
+
+def _pack(arrays: dict, keys, mask) -> np.ndarray:
+    """The ``mask``ed rows of every per-atom array in ``keys`` as one uint8 [m, Σ row bytes] buffer."""
+    m = int(np.count_nonzero(mask))
+    return np.concatenate([np.ascontiguousarray(arrays[k][mask]).view(np.uint8).reshape(m, _row_bytes(arrays[k]))
+                           for k in keys], axis=1)
+
+
+def _unpack(buffer: np.ndarray, like: dict, keys) -> dict:
+    """Inverse of ``_pack``: per-array rows of the dtypes and row shapes of ``like``."""
+    out, offset = {}, 0
+    for k in keys:
+        width = _row_bytes(like[k])
+        raw = np.ascontiguousarray(buffer[:, offset:offset + width])
+        out[k] = raw.view(like[k].dtype).reshape((len(buffer),) + like[k].shape[1:])
+        offset += width
+    return out
+
+
 @dataclass
 class Swap:
     """One step of the plan. ``send_idx`` rows (owned or ghost) go to ``dest`` with the periodic
@@ -85,11 +107,12 @@ class Comm:
                     break
                 stay = ~(up | down)
                 moved = {k: [arrays[k][stay]] for k in keys}
-                for step, mask in ((1, up), (-1, down)):
+                for step, mask in ((1, up), (-1, down)):  # one message per direction: rows of raw bytes
                     dest = self.grid.neighbour(self.rank, d, step)
                     source = self.grid.neighbour(self.rank, d, -step)
+                    arrived = _unpack(self.backend.sendrecv(_pack(arrays, keys, mask), dest, source), arrays, keys)
                     for k in keys:
-                        moved[k].append(self.backend.sendrecv(arrays[k][mask], dest, source))
+                        moved[k].append(arrived[k])
                 arrays = {k: np.concatenate(v) for k, v in moved.items()}
         return arrays
 

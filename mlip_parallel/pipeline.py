@@ -415,19 +415,16 @@ class PipelineTrainer:
                 for p, now in zip(self.parameters, current):
                     p.copy_(now)
             self.stale = current
-        if clip_norm > 0:
+        if clip_norm > 0:  # the whole model's norm: this stage's, squared and summed over the stages
             import torch.distributed as dist
-            square = torch.stack([p.grad.pow(2).sum() for p in self.parameters if p.grad is not None]).sum() \
-                if self.parameters else torch.zeros(())
-            square = square.to(torch.float64).reshape(1)
+            grads = [p.grad for p in self.parameters if p.grad is not None]
+            square = (torch.nn.utils.get_total_norm(grads).to(torch.float64) ** 2 if grads
+                      else torch.zeros((), dtype=torch.float64)).reshape(1)
             dist.all_reduce(square)  # every replica holds the same gradients: divide their copies out
-            norm = float(square[0] / self.replicas) ** 0.5
-            if not np.isfinite(norm):
+            norm = torch.sqrt(square[0] / self.replicas)
+            if not torch.isfinite(norm):
                 raise TrainingError(f"the gradient norm is not finite (batch of {', '.join(s.source for s in structures)})")
-            if norm > clip_norm:
-                for p in self.parameters:
-                    if p.grad is not None:
-                        p.grad.mul_(clip_norm / (norm + 1e-6))
+            torch.nn.utils.clip_grads_with_norm_(self.parameters, clip_norm, norm)
         optimizer.step()
         return loss
 

@@ -54,11 +54,11 @@ class Structure:
 
 
 def _full_stress(stress) -> np.ndarray:
+    """A stress as given by ASE (6 Voigt components or 3 × 3) → [3, 3]."""
+    from ase.stress import voigt_6_to_full_3x3_stress
+
     s = np.asarray(stress, dtype=np.float64).reshape(-1)
-    if s.size == 9:
-        return s.reshape(3, 3)
-    xx, yy, zz, yz, xz, xy = s
-    return np.array([[xx, xy, xz], [xy, yy, yz], [xz, yz, zz]])
+    return s.reshape(3, 3) if s.size == 9 else voigt_6_to_full_3x3_stress(s)
 
 
 def read_structures(path) -> list[Structure]:
@@ -127,11 +127,9 @@ def split(structures, fractions, seed: int):
 
 def fit_reference_energies(structures, species) -> np.ndarray:
     """Per-species reference energies [S] (eV) by least squares: E ≈ Σ_s n_s e_s."""
-    index = {z: k for k, z in enumerate(species)}
-    counts = np.zeros((len(structures), len(species)))
-    for row, s in enumerate(structures):
-        for z in s.numbers:
-            counts[row, index[z]] += 1
+    column = np.full(max(species) + 1, -1)
+    column[list(species)] = np.arange(len(species))
+    counts = np.stack([np.bincount(column[s.numbers], minlength=len(species)) for s in structures]).astype(float)
     energies = np.array([s.energy for s in structures])
     return np.linalg.lstsq(counts, energies, rcond=None)[0]
 
@@ -250,7 +248,7 @@ def sum_gradients(parameters, reduce) -> None:
     """Replace the parameters' gradients (None: zeros) by ``reduce(flat)`` of all of them as one flat
     tensor (one message per step; ``reduce`` returns the summed tensor)."""
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
-    flat = reduce(torch.cat([g.reshape(-1) for g in grads]))
+    flat = reduce(torch.nn.utils.parameters_to_vector(grads))
     for p, chunk in zip(parameters, flat.split([g.numel() for g in grads])):
         p.grad = chunk.view_as(p).clone()
 

@@ -10,8 +10,9 @@ from .graph import AtomGraph, check_positions, complete_cell, neighbour_list
 
 def voigt_stress(dE_dstrain: np.ndarray, volume: float) -> np.ndarray:
     """(1/V) dE/dε as 6 Voigt components (xx, yy, zz, yz, xz, xy), eV/Å³ — ASE's order and sign."""
-    s = 0.5 * (dE_dstrain + dE_dstrain.T) / volume
-    return np.array([s[0, 0], s[1, 1], s[2, 2], s[1, 2], s[0, 2], s[0, 1]])
+    from ase.stress import full_3x3_to_voigt_6_stress
+
+    return full_3x3_to_voigt_6_stress(0.5 * (dE_dstrain + dE_dstrain.T) / volume)
 
 
 def strained_coordinates(positions: np.ndarray, cell: np.ndarray, device):
