@@ -5,11 +5,10 @@
   memory above its import baseline, as a fraction of the one-process peak (targets: ≤ 0.6 at 2 stages,
   ≤ 0.35 at 4), and the parameters each rank holds;
 * the largest model that trains within a per-rank memory budget (``--budget-gib``, as on a GPU of that
-  size), in one process and in 4 stages: the peak fitted as c + b F + a F² (a fixed part; activations
-  grow as F; parameters, gradients, AdamW state and EMA as F²) from runs at F, F/2 and F/4, then
-  verified by training that model for two steps.
+  size), in one process and in 4 stages: a bisection over the width, each candidate trained for two
+  steps and its measured peak compared with the budget.
 
-    python benchmarks/pipeline_memory.py [--features 768] [--blocks 8] [--budget-gib 4]
+    python benchmarks/pipeline_memory.py [--features 768] [--blocks 8] [--budget-gib 3]
 
 Peak memory is the process's resident high-water mark (VmHWM) over building the model and two
 optimizer steps, minus its resident size after the imports and the process-group set-up (VmRSS).
@@ -97,18 +96,13 @@ def run(stages, features, blocks, structures):
                                      "--structures", structures])
 
 
-def largest_features(budget_mb, points, step=8):
-    """The largest width (a multiple of ``step``) whose peak fits ``budget_mb``, from peak(F) = c + b F + a F²
-    fitted to three measured (features, peak MB) points: a fixed part, activations (∝ F) and parameters
-    with their gradients, AdamW state and EMA (∝ F²)."""
-    import numpy as np
-
-    f = np.array([p[0] for p in points], dtype=float)
-    a, b, c = np.linalg.solve(np.stack([f**2, f, np.ones_like(f)], axis=1), [p[1] for p in points])
-    width = step
-    while c + b * (width + step) + a * (width + step) ** 2 <= budget_mb:
-        width += step
-    return width
+def largest_features(fits, low, high, step=8):
+    """The largest width in [low, high) (multiples of ``step``) with ``fits(width)`` true, by bisection
+    over measured runs: ``fits(low)`` must hold and ``fits(high)`` fail."""
+    while high - low > step:
+        middle = (low + high) // 2 // step * step
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
 
 
 def main():
@@ -118,7 +112,7 @@ def main():
     parser.add_argument("--features", type=int, default=768)
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--structures", type=int, default=4, help="32-atom Cu structures per global batch")
-    parser.add_argument("--budget-gib", type=float, default=4.0, help="per-rank memory budget for the largest model")
+    parser.add_argument("--budget-gib", type=float, default=3.0, help="per-rank memory budget for the largest model")
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -134,25 +128,31 @@ def main():
         detail = ", ".join(f"{p:.0f}/{h / 1e6:.1f}M" for p, h in zip(r["peak_mb"], r["held"]))
         print(f"{f'S={stages}':10s} {worst:22.0f} {worst / one:22.2f}  {detail}")
         assert sum(r["held"]) == total, (sum(r["held"]), total)  # the stages hold the model exactly once
-    # the largest model in a per-rank budget: peak(F) fitted at F, F/2 and F/4, then verified by training
-    # it (stepping down 4 % while the measured peak exceeds the budget)
+    # the largest model in a per-rank budget, by bisection over the width with a training run at each
     budget = args.budget_gib * 1024
-    print(f"largest PaiNN ({args.blocks} blocks) that trains within {args.budget_gib:g} GiB per rank:")
+    print(f"largest PaiNN ({args.blocks} blocks) that trains within {args.budget_gib:g} GiB per rank "
+          "(bisection over the width, two training steps each):")
     largest = {}
     for stages in (1, 4):
-        points = [(args.features, max(results[stages]["peak_mb"]))]
-        points += [(f, max(run(stages, f, args.blocks, args.structures)["peak_mb"]))
-                   for f in (args.features // 2, args.features // 4)]
-        features = largest_features(budget, points)
-        for _ in range(4):
-            r = run(stages, features, args.blocks, args.structures)
-            if max(r["peak_mb"]) <= budget:
-                break
-            features = int(features * 0.96) // 8 * 8
+        peaks = {args.features: results[stages]}
+
+        def fits(features):
+            if features not in peaks:
+                peaks[features] = run(stages, features, args.blocks, args.structures)
+            r = peaks[features]
+            return max(r["peak_mb"]) <= budget and all(r["finite"])
+
+        low, high = args.features // 8 // 8 * 8, args.features
+        while fits(high):  # grow until a run no longer fits
+            low, high = high, int(1.5 * high) // 8 * 8
+        while not fits(low):
+            low, high = low // 2 // 8 * 8, low
+        features = largest_features(fits, low, high)
         largest[stages] = painn_parameters(features, args.blocks)
+        over = min(f for f in peaks if f > features)  # the narrowest width measured over the budget
         print(f"  {stages} {'process' if stages == 1 else 'stages '}: features={features}, "
-              f"{largest[stages] / 1e6:.0f} M parameters; measured largest peak {max(r['peak_mb']) / 1024:.2f} GiB, "
-              f"trained (finite weights after 2 steps): {all(r['finite'])}")
+              f"{largest[stages] / 1e6:.0f} M parameters, largest peak {max(peaks[features]['peak_mb']) / 1024:.2f} GiB "
+              f"(features={over}: {max(peaks[over]['peak_mb']) / 1024:.2f} GiB)")
     print(f"  parameters, 4 stages / 1 process: {largest[4] / largest[1]:.2f}")
 
 
