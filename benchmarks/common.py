@@ -21,7 +21,7 @@ def cu_structures(count, atoms_per_structure):
     """``count`` rattled fcc Cu cells of 32, 108 or 256 atoms labelled by ASE's EMT (``training.Structure``)."""
     from ase.calculators.emt import EMT
 
-    from mlip_parallel.training import Structure
+    from mlip_parallel.train.training import Structure
 
     cells = {32: 2, 108: 3, 256: 4}[atoms_per_structure]
     out = []

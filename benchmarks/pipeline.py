@@ -26,7 +26,7 @@ def worker(args):
     import torch
 
     import potentials
-    from mlip_parallel.training import Batch, Counts, loss_terms, predict_batch, total_loss
+    from mlip_parallel.train.training import Batch, Counts, loss_terms, predict_batch, total_loss
 
     torch.set_num_threads(1)
     structures = cu_structures(args.structures, args.atoms_per_structure)
@@ -52,8 +52,8 @@ def worker(args):
         seconds = (time.perf_counter() - start) / steps
         print(json.dumps({"seconds": seconds, "peak_mb": [peak], "bubble": [0.0]}))
         return
-    from mlip_parallel.pipeline import PipelineTrainer
-    from mlip_parallel.train_cli import Processes
+    from mlip_parallel.train.pipeline import PipelineTrainer
+    from mlip_parallel.train.trainer import Processes
 
     Processes("pipeline")
     import torch.distributed as dist

@@ -29,7 +29,7 @@ def worker(args):
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
     import potentials
-    from mlip_parallel.training import Batch, Counts, loss_terms, predict_batch, total_loss
+    from mlip_parallel.train.training import Batch, Counts, loss_terms, predict_batch, total_loss
 
     torch.set_num_threads(1)
     structures = cu_structures(args.structures, 32)
@@ -39,8 +39,8 @@ def worker(args):
         return potentials.PaiNN(["Cu"], cutoff=4.5, features=args.features, layers=args.blocks, parts=parts, seed=0)
 
     if args.stages > 1:
-        from mlip_parallel.pipeline import PipelineTrainer
-        from mlip_parallel.train_cli import Processes
+        from mlip_parallel.train.pipeline import PipelineTrainer
+        from mlip_parallel.train.trainer import Processes
 
         Processes("pipeline")
         import torch.distributed as dist

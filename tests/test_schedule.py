@@ -1,10 +1,10 @@
-"""Pipeline schedules (mlip_parallel.schedule): validity, memory bound, bubble, and the checker's errors."""
+"""Pipeline schedules (mlip_parallel.train.schedule): validity, memory bound, bubble, and the checker's errors."""
 from collections import Counter
 from fractions import Fraction
 
 import pytest
 
-from mlip_parallel.schedule import (SCHEDULES, SWEEPS, Action, ScheduleError, check, dependencies, gpipe,
+from mlip_parallel.train.schedule import (SCHEDULES, SWEEPS, Action, ScheduleError, check, dependencies, gpipe,
                                     one_f_one_b, render, theoretical_bubble)
 
 GRID = [(S, M) for S in range(1, 6) for M in range(1, 9)]

@@ -15,8 +15,8 @@ from ase.io import write
 import potentials
 from conftest import MPI_DIR, ROOT
 from mlip_parallel.config import ConfigError
-from mlip_parallel.train_cli import CHOICES, SCHEMA, main, train, validate
-from mlip_parallel.training import DataError
+from mlip_parallel.train.cli import CHOICES, SCHEMA, main, train, validate
+from mlip_parallel.train.training import DataError
 
 spec = importlib.util.spec_from_file_location("generate_cu_emt_data", ROOT / "examples" / "generate_cu_emt_data.py")
 generator = importlib.util.module_from_spec(spec)
@@ -95,7 +95,7 @@ def test_two_ranks_equal_one_process(mpirun, quick_data, tmp_path, parallel):
     config = dict(config, parallel=parallel, output={"directory": str(distributed)},
                   pipeline={"stages": 2, "microbatches": 4, "schedule": "1f1b"})  # 10 structures: 4 + 4 + 2
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
-    rc, out, _ = mpirun(2, "-m", "mlip_parallel.train_cli", tmp_path / "job.yaml", timeout=300)
+    rc, out, _ = mpirun(2, "-m", "mlip_parallel.train.cli", tmp_path / "job.yaml", timeout=300)
     assert rc == 0, out
     assert f"2 rank(s), {parallel} parallel" in out, out
     a, b = trained_parameters(serial), trained_parameters(distributed)
@@ -158,7 +158,7 @@ def test_bad_data_and_config_are_named(quick_data, tmp_path):
 def test_nan_is_never_masked(quick_data, tmp_path):
     """Unlabelled entries are left out by label masks, but a non-finite prediction of a labelled one makes
     the loss and the errors non-finite, and training stops naming the epoch and the structures."""
-    from mlip_parallel.training import Batch, Counts, TrainingError, loss_terms, prediction_errors, read_structures
+    from mlip_parallel.train.training import Batch, Counts, TrainingError, loss_terms, prediction_errors, read_structures
 
     structures = read_structures(quick_data)[:3]
     structures[1].forces = None  # unlabelled: no force term from it
@@ -186,7 +186,7 @@ def test_config_error_reported_once_under_mpiexec(mpirun, tmp_path):
     """A config error prints one line for the whole job and every rank exits 2 (fast: no torch import)."""
     (tmp_path / "bad.yaml").write_text("epochs: 2\nlearning_rate: 0.1\n")
     for config in (tmp_path / "missing.yaml", tmp_path / "bad.yaml"):
-        rc, out, seconds = mpirun(2, "-m", "mlip_parallel.train_cli", config, timeout=60)
+        rc, out, seconds = mpirun(2, "-m", "mlip_parallel.train.cli", config, timeout=60)
         assert rc == 2 and out.count("mlip-train: error:") == 1 and "Traceback" not in out, out
         assert seconds < 10, f"{seconds:.1f} s to report a config error"
     assert "unknown key learning_rate" in out, out
@@ -210,7 +210,7 @@ def test_output_directory_not_overwritten_and_eval_header(quick_data, tmp_path, 
 def test_reads_ase_db_with_labels(quick_data, tmp_path):
     from ase.io import read
 
-    from mlip_parallel.training import read_structures
+    from mlip_parallel.train.training import read_structures
 
     frames = read(quick_data, ":")
     write(tmp_path / "data.db", frames)
@@ -233,7 +233,7 @@ def test_help_documents_every_key(capsys):
 def test_bundled_model_matches_emt_on_held_out_structures():
     """cu-emt (trained with mlip-train on examples/generate_cu_emt_data.py, seed 0) on fresh structures
     (seed 1234) at 300–900 K: force MAE ≤ 50 meV/Å."""
-    from mlip_parallel.training import error_sums, error_table, read_structures
+    from mlip_parallel.train.training import error_sums, error_table, read_structures
 
     model = potentials.load("cu-emt")
     held_out = [a for a in generator.generate(seed=1234, frames=6) if a.info["temperature_K"] <= 900]
@@ -251,7 +251,7 @@ def test_rendezvous_address_reachable_from_other_nodes(monkeypatch):
     non-loopback address of its host, never 127.0.1.1 (which gethostbyname may answer)."""
     import socket
 
-    from mlip_parallel.train_cli import rendezvous
+    from mlip_parallel.train.trainer import rendezvous
 
     assert rendezvous(["node1", "node1"])[0] == "127.0.0.1"
     monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")

@@ -14,7 +14,7 @@ from mpi4py import MPI  # noqa: E402
 
 import mlip_parallel  # noqa: E402
 from mlip_parallel.evaluate import Decomposition, forward_decomposed  # noqa: E402
-from mlip_parallel import training  # noqa: E402
+from mlip_parallel.train import training  # noqa: E402
 from potentials.graph import complete_cell  # noqa: E402
 from potentials.predict import energy_forces  # noqa: E402
 from systems import GEOMETRIES, schnet  # noqa: E402

@@ -27,9 +27,9 @@ from ase.calculators.emt import EMT  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import potentials  # noqa: E402
-from mlip_parallel.pipeline import PipelineTrainer  # noqa: E402
-from mlip_parallel.train_cli import Processes  # noqa: E402
-from mlip_parallel.training import Batch, Counts, Structure, error_sums, loss_terms, predict_batch, \
+from mlip_parallel.train.pipeline import PipelineTrainer  # noqa: E402
+from mlip_parallel.train.trainer import Processes  # noqa: E402
+from mlip_parallel.train.training import Batch, Counts, Structure, error_sums, loss_terms, predict_batch, \
     total_loss  # noqa: E402
 
 torch.set_num_threads(1)

@@ -18,8 +18,8 @@ import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import potentials  # noqa: E402
-from mlip_parallel.train_cli import CHOICES, SCHEMA, train, validate  # noqa: E402
-from mlip_parallel.training import error_sums, error_table, read_structures, split  # noqa: E402
+from mlip_parallel.train.cli import CHOICES, SCHEMA, train, validate  # noqa: E402
+from mlip_parallel.train.training import error_sums, error_table, read_structures, split  # noqa: E402
 
 torch.set_num_threads(1)
 world = MPI.COMM_WORLD

@@ -21,10 +21,27 @@ it depends on (on any stage) has completed; every action takes one time step; al
 sends never block.
 """
 from dataclasses import dataclass
+from enum import Enum
 
-from .errors import MLIPError
+from ..errors import MLIPError
 
-SWEEPS = {"forces": ("F", "B1", "A", "B"), "energy": ("F", "B"), "evaluate": ("F", "B1")}
+
+class Sweep(str, Enum):
+    """One pass of a micro-batch through the stages: F forward (up), B1 force backward (down), A and B
+    the two halves of the double backward (up, down). A str, so "F" == Sweep.F."""
+    F = "F"
+    B1 = "B1"
+    A = "A"
+    B = "B"
+
+    def __str__(self):
+        return self.value
+
+    __format__ = str.__format__
+
+
+SWEEPS = {"forces": (Sweep.F, Sweep.B1, Sweep.A, Sweep.B), "energy": (Sweep.F, Sweep.B),
+          "evaluate": (Sweep.F, Sweep.B1)}
 
 
 class ScheduleError(MLIPError, ValueError):

@@ -18,7 +18,7 @@ import torch
 
 from potentials.graph import AtomGraph, check_positions, complete_cell, neighbour_list
 
-from .errors import MLIPError
+from ..errors import MLIPError
 
 QUANTITIES = ("energy", "forces", "stress")
 
@@ -271,7 +271,7 @@ def graph_parallel_loss(model, structure: Structure, weights: dict, counts: Coun
     gradients equals the gradient of the structure's loss (energy and stress are global sums, so
     their terms enter through dL/dE and dL/dσ computed from the allreduced values); ``terms`` are the
     loss values (floats, identical on every rank)."""
-    from .evaluate import Decomposition, forward_decomposed
+    from ..evaluate import Decomposition, forward_decomposed
 
     atoms = structure.to_atoms()
     part = Decomposition(atoms, model.cutoff * (model.layers if mode == "wide" else 1), backend)

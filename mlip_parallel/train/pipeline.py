@@ -18,7 +18,7 @@ messages. Per micro-batch the force loss takes four sweeps:
                   its A and B parts), on the last stage dL/dE: parameter gradients, cotangent of h_{s−1}
 
 Energy-only training runs F and B; evaluation (validation and test errors) runs F and B1 without
-``create_graph``. The order of sweeps over micro-batches is a schedule (``mlip_parallel.schedule``),
+``create_graph``. The order of sweeps over micro-batches is a schedule (``mlip_parallel.train.schedule``),
 which never touches tensors; ``PipelineStage`` executes actions and never decides order. Parameter
 gradients equal single-process double-backward gradients (the test). A global batch with fewer
 structures than micro-batches runs with fewer micro-batches (a replica with none sits the step out).
@@ -33,7 +33,8 @@ import torch
 from potentials.base import block_part, stage_parts
 from potentials.checkpoint import save_parts
 
-from .errors import MLIPError
+from ..errors import MLIPError
+from .schedule import Sweep
 from .training import Batch, Counts, TrainingError, batch_geometry, loss_terms, prediction_errors, \
     structure_energies, sum_gradients, symmetric_stress
 
@@ -104,7 +105,7 @@ def check_boundaries(boundaries, stages: int, blocks: int) -> list:
 
 
 def _tag(m: int, sweep: str, part: int) -> int:
-    return (m * 4 + ("F", "B1", "A", "B").index(sweep)) * 4 + part
+    return (m * 4 + list(Sweep).index(Sweep(sweep))) * 4 + part
 
 
 class PipelineStage:
@@ -269,7 +270,7 @@ class PipelineStage:
             g = s["h_in"].grad
             self._send(g if g is not None else torch.zeros_like(s["h_in"]), self.prev, m, "B")
 
-    SWEEPS = {"F": forward, "B1": force_backward, "A": double_backward_up, "B": backward}
+    SWEEPS = {Sweep.F: forward, Sweep.B1: force_backward, Sweep.A: double_backward_up, Sweep.B: backward}
 
     def _execute(self, actions, batches) -> None:
         self.batches, self.wait_seconds, start = batches, 0.0, time.perf_counter()

@@ -1,0 +1,177 @@
+"""``mlip-train CONFIG.yaml`` trains a potential; ``mlip-train eval MODEL DATA`` prints its errors.
+
+Run it in one process, or under ``mpiexec -n P`` (or torchrun) for data parallelism: every rank
+takes a share of each global batch and the gradients are summed with torch.distributed (gloo on CPU,
+nccl on GPU), so P ranks follow the single-process trajectory. ``parallel: graph`` instead splits
+every structure by space over the ranks (structures too large for one device); ``parallel: pipeline``
+splits the model's blocks over stages, each rank building only its stage's parts (models too large
+for one device), with data parallelism across pipeline replicas.
+
+Writes OUTPUT/best.pt and OUTPUT/last.pt (potentials checkpoints: ``potentials.load`` reads them;
+last.pt also holds the optimizer, schedule and EMA state for an exact ``resume``; in pipeline mode both
+are assembled part by part and each stage's state goes to OUTPUT/pipeline/stageS.pt), OUTPUT/metrics.csv
+and OUTPUT/learning_curve.png.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from ..config import ConfigError, config_parser, read_config, report_error, validate
+from ..errors import MLIPError
+
+SCHEMA = {
+    "data": {
+        "train": (str, None, "training structures: any ASE-readable file with energy/forces/stress (extxyz, ASE db)"),
+        "validation": (str, None, "validation file (default: validation_fraction of train)"),
+        "test": (str, None, "test file (default: test_fraction of train), evaluated with best.pt at the end"),
+        "validation_fraction": (float, 0.1, "share of train held out for validation when no validation file"),
+        "test_fraction": (float, 0.0, "share of train held out for the test when no test file"),
+    },
+    "model": {
+        "name": (str, "SchNet", "SchNet, PaiNN or NequIP"),
+        "cutoff": (float, 5.0, "cutoff radius, Å"),
+        "hyperparameters": (dict, {}, "further constructor arguments, e.g. {features: 64, layers: 3}"),
+        "species": (list, None, "element symbols (default: those in the training data)"),
+        "dtype": (str, "float32", "float32 or float64"),
+        "checkpoint": (str, None, "start from this potentials checkpoint (e.g. an earlier best.pt; any number of "
+                                  "pipeline stages): its architecture, species and weights replace the keys above"),
+    },
+    "loss": {
+        "energy_weight": (float, 1.0, "weight of the energy-per-atom MSE (eV²)"),
+        "forces_weight": (float, 10.0, "weight of the force-component MSE (eV²/Å²)"),
+        "stress_weight": (float, 0.0, "weight of the stress-component MSE (eV²/Å⁶)"),
+    },
+    "optimizer": {
+        "lr": (float, 1e-3, "AdamW learning rate"),
+        "weight_decay": (float, 0.0, "AdamW weight decay"),
+        "gradient_clip": (float, 10.0, "clip the gradient norm to this (0: no clipping)"),
+    },
+    "schedule": {
+        "name": (str, "plateau", "plateau (reduce on validation loss), cosine, or none"),
+        "patience": (int, 10, "plateau: epochs without improvement before reducing"),
+        "factor": (float, 0.5, "plateau: learning-rate factor"),
+        "min_lr": (float, 1e-5, "plateau/cosine: lowest learning rate"),
+    },
+    "ema_decay": (float, 0.99, "exponential moving average of the weights (0: none); best.pt/last.pt hold the average"),
+    "epochs": (int, 100, "number of epochs"),
+    "batch_size": (int, 8, "structures per global batch (split over the ranks in data parallel)"),
+    "seed": (int, 0, "seed of the split, the shuffling and the initial weights"),
+    "parallel": (str, "data", "data (each rank a share of every batch), graph (each structure split by space) "
+                              "or pipeline (the model's blocks split over stages; see pipeline)"),
+    "pipeline": {
+        "stages": (int, 2, "pipeline: stages per pipeline; ranks = replicas × stages (data parallel across replicas)"),
+        "microbatches": (int, 4, "pipeline: micro-batches per global batch and replica"),
+        "schedule": (str, "1f1b", "pipeline: gpipe or 1f1b (at most stages micro-batches in flight per stage)"),
+        "boundaries": (list, None, "pipeline: block index where each stage starts, plus the end, e.g. [0, 2, 6] "
+                                   "(default: balance measured block costs)"),
+        "two_bw": (bool, False, "pipeline: PipeDream-2BW one-step-stale weight updates"),
+        "recompute": (bool, False, "pipeline: recompute each stage's forward before its backward sweeps"),
+    },
+    "resume": (bool, False, "continue from OUTPUT/last.pt when it exists (same config; epochs = the new total)"),
+    "output": {
+        "directory": (str, "train_output", "output directory (refused when it is not empty, unless overwrite or resume)"),
+        "overwrite": (bool, False, "write into a non-empty output directory"),
+    },
+}
+CHOICES = {"model.name": ("SchNet", "PaiNN", "NequIP"), "model.dtype": ("float32", "float64"),
+           "schedule.name": ("plateau", "cosine", "none"), "parallel": ("data", "graph", "pipeline"),
+           "pipeline.schedule": ("gpipe", "1f1b")}
+METRIC_COLUMNS = ("epoch", "train_loss", "val_loss", "energy_mae", "energy_rmse", "forces_mae", "forces_rmse",
+                  "stress_mae", "stress_rmse", "lr", "seconds")
+
+
+def train(config) -> list:
+    """Run the validated ``config`` (``trainer.Trainer``); return the metric rows (every rank)."""
+    from .trainer import Trainer
+
+    return Trainer(config).fit()
+
+
+def write_metrics(directory: Path, rows) -> None:
+    with open(directory / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=METRIC_COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: row[k] for k in METRIC_COLUMNS})
+
+
+def plot_learning_curve(directory: Path, rows) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [r["epoch"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+    left.semilogy(epochs, [r["train_loss"] for r in rows], label="train")
+    left.semilogy(epochs, [r["val_loss"] for r in rows], label="validation")
+    left.set_xlabel("epoch"), left.set_ylabel("loss"), left.legend()
+    right.semilogy(epochs, [1e3 * r["forces_mae"] for r in rows], label="forces (meV/Å)")
+    right.semilogy(epochs, [1e3 * r["energy_mae"] for r in rows], label="energy (meV/atom)")
+    right.set_xlabel("epoch"), right.set_ylabel("validation MAE"), right.legend()
+    fig.tight_layout()
+    fig.savefig(directory / "learning_curve.png", dpi=100)
+    plt.close(fig)
+
+
+def format_errors(errors: dict) -> str:
+    units = {"energy": ("meV/atom", 1e3), "forces": ("meV/Å", 1e3), "stress": ("meV/Å³", 1e3)}
+    lines = [f"{'quantity':10s} {'MAE':>12s} {'RMSE':>12s}  unit"]
+    for q, (unit, factor) in units.items():
+        lines.append(f"{q:10s} {factor * errors[f'{q}_mae']:12.4g} {factor * errors[f'{q}_rmse']:12.4g}  {unit}")
+    return "\n".join(lines)
+
+
+def evaluate_model(model_path: str, data_path: str, batch_size: int = 8, progress: bool = False) -> dict:
+    """MAE/RMSE of a checkpoint (or bundled model name) on every structure of a labelled file (one
+    process); ``progress`` prints a header and a progress bar."""
+    import potentials
+    from .training import check_species, error_sums, error_table, read_structures
+
+    model = potentials.load(model_path)
+    structures = read_structures(data_path)
+    check_species(model, structures, "evaluation", error=ConfigError)
+    if progress:
+        atoms = sum(len(s.numbers) for s in structures)
+        print(f"mlip-train eval: {type(model).__name__} {model.species} (cutoff {model.cutoff:g} Å) from {model_path}\n"
+              f"scoring every structure of {data_path}: {len(structures)} structures, {atoms} atoms", flush=True)
+    from tqdm import tqdm
+
+    sums = np.zeros(9)
+    with tqdm(total=len(structures), unit="structure", file=sys.stderr, disable=not progress, leave=False) as bar:
+        for start in range(0, len(structures), batch_size):
+            chunk = structures[start:start + batch_size]
+            sums += error_sums(model, chunk, batch_size, model.device)
+            bar.update(len(chunk))
+    return error_table(sums)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["eval"]:
+        parser = argparse.ArgumentParser(prog="mlip-train eval", description="errors of a model on every structure "
+                                         "of a labelled file")
+        parser.add_argument("model", help="checkpoint path (best.pt) or bundled model name (cu-emt)")
+        parser.add_argument("data", help="ASE-readable file with energy/forces/stress")
+        args = parser.parse_args(argv[1:])
+        try:
+            print(format_errors(evaluate_model(args.model, args.data, progress=True)))
+        except MLIPError as exc:
+            report_error("mlip-train", exc)
+            return 2
+        return 0
+    args = config_parser("mlip-train", __doc__.splitlines()[0], SCHEMA).parse_args(argv)
+    try:
+        train(validate(read_config(args.config), SCHEMA, CHOICES))
+    except MLIPError as exc:  # bad config or data: raised alike on every rank, before any collective
+        report_error("mlip-train", exc)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,549 @@
+"""The Trainer of ``mlip-train`` (docs/architecture.md §5): built from a validated config, it owns the
+model (a pipeline stage's parts, in pipeline mode), the AdamW optimizer, the learning-rate schedule and
+the EMA, and runs epochs through one of three strategies with one interface —
+
+* ``DataParallel``: every rank a share of each global batch (one process is the case of one rank);
+* ``GraphParallel``: every structure decomposed by space over the ranks, the loss back-propagated
+  through the halo;
+* ``PipelineParallel``: the model's blocks over stages (``pipeline.PipelineTrainer``).
+
+A strategy's ``step(global_batch, epoch)`` computes the gradients, clips them and takes the optimizer
+step, returning the loss; ``error_sums(net, structures)`` scores a model (summed over ranks); ``save`` /
+``load`` handle checkpoints and resume state.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..config import ConfigError, check_output_directory
+
+QUANTITIES = ("energy", "forces", "stress")
+
+
+# ----------------------------------------------------------------------------- processes
+class Processes:
+    """Rank, size and gradient/metric sums: torch.distributed for data parallel (set up from mpiexec's
+    MPI world or torchrun's environment), the mlip_parallel MPI backend for graph parallel."""
+
+    def __init__(self, parallel: str):
+        from ..backend import get_backend, launched_by_mpiexec
+
+        self.parallel, self.dist = parallel, None
+        self.backend = get_backend()
+        torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and not launched_by_mpiexec()
+        self.rank = int(os.environ["RANK"]) if torchrun else self.backend.rank
+        self.size = int(os.environ["WORLD_SIZE"]) if torchrun else self.backend.size
+        if parallel == "graph" and torchrun:
+            raise ConfigError("parallel: graph runs under mpiexec (it uses the MPI halo exchange), not torchrun")
+        if parallel == "pipeline" or (parallel == "data" and self.size > 1):
+            import torch
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                if torchrun:
+                    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+                else:  # rank 0 picks the rendezvous; MPI tells everybody
+                    hosts = self.backend.allgather(socket.gethostname())
+                    address = None
+                    if self.rank == 0:
+                        try:
+                            address = rendezvous(hosts)
+                        except ConfigError as exc:
+                            address = str(exc)
+                    address = self.backend.bcast(address)
+                    if isinstance(address, str):  # raised on every rank alike
+                        raise ConfigError(address)
+                    host, port = address
+                    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                            init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.size)
+            self.dist = dist
+
+    def bcast(self, obj):
+        """Rank 0's ``obj`` on every rank (a decision rank 0 takes alone, e.g. from its disk)."""
+        if self.size == 1:
+            return obj
+        if self.dist is not None:
+            holder = [obj]
+            self.dist.broadcast_object_list(holder, src=0)
+            return holder[0]
+        return self.backend.bcast(obj)
+
+    def allgather(self, obj) -> list:
+        """Every rank's ``obj``, in rank order."""
+        if self.size == 1:
+            return [obj]
+        if self.dist is not None:
+            out = [None] * self.size
+            self.dist.all_gather_object(out, obj)
+            return out
+        return self.backend.allgather(obj)
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            self.dist.barrier() if self.dist is not None else self.backend.barrier()
+
+    def sum(self, array: np.ndarray) -> np.ndarray:
+        """Element-wise sum over ranks (numpy float64)."""
+        if self.size == 1:
+            return np.asarray(array, dtype=np.float64)
+        if self.dist is not None:
+            import torch
+            t = torch.as_tensor(np.asarray(array, dtype=np.float64))
+            self.dist.all_reduce(t)
+            return t.numpy()
+        return self.backend.allreduce(np.asarray(array, dtype=np.float64))
+
+    def sum_gradients(self, parameters) -> None:
+        """Add every rank's parameter gradients (one flat message)."""
+        if self.size == 1:
+            return
+        import torch
+
+        from .training import sum_gradients
+
+        def reduce(flat):
+            if self.dist is not None:
+                self.dist.all_reduce(flat)
+                return flat
+            return torch.as_tensor(self.backend.allreduce(flat.cpu().numpy()), dtype=flat.dtype, device=flat.device)
+
+        sum_gradients(parameters, reduce)
+
+
+def rendezvous(hosts) -> tuple:
+    """(address, free port) of rank 0 that every rank can reach, given every rank's host name: loopback
+    when all ranks share rank 0's host; else ``MASTER_ADDR`` if set, or the first non-loopback address of
+    rank 0's host name (``gethostbyname`` may answer 127.0.1.1, which other nodes cannot reach)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    if len(set(hosts)) == 1:
+        return "127.0.0.1", port
+    if os.environ.get("MASTER_ADDR"):
+        return os.environ["MASTER_ADDR"], port
+    addresses = {info[4][0] for info in socket.getaddrinfo(hosts[0], None, socket.AF_INET)}
+    routable = sorted(a for a in addresses if not a.startswith("127."))
+    if not routable:
+        raise ConfigError(f"rank 0's host {hosts[0]!r} resolves only to loopback addresses {sorted(addresses)}, "
+                          "which the other nodes cannot reach: set MASTER_ADDR to an address of rank 0's node")
+    return routable[0], port
+
+
+# ----------------------------------------------------------------------------- the model and the data
+def model_species(section, structures) -> list:
+    """The model's element symbols: model.species, else those in ``structures``."""
+    if section["species"] is not None:
+        return section["species"]
+    from ase.data import chemical_symbols
+    return [chemical_symbols[z] for z in sorted({int(z) for s in structures for z in s.numbers})]
+
+
+def build_model(section, species, seed, parts=None):
+    """The configured model (``parts``: only these parts, a pipeline stage's), initialised from
+    ``seed`` part by part, or read from ``model.checkpoint``."""
+    import torch
+
+    import potentials
+
+    dtype = torch.float64 if section["dtype"] == "float64" else torch.float32
+    if section["checkpoint"] is not None:
+        try:
+            return potentials.load(section["checkpoint"], parts=parts).to(dtype).train()
+        except potentials.CheckpointError as exc:
+            raise ConfigError(f"model.checkpoint: {exc}") from None
+    cls = {"SchNet": potentials.SchNet, "PaiNN": potentials.PaiNN, "NequIP": potentials.NequIP}[section["name"]]
+    try:
+        model = cls(species=species, cutoff=section["cutoff"], **section["hyperparameters"], parts=parts, seed=seed)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"model: cannot build {section['name']}: {exc}") from None
+    return model.to(dtype)
+
+
+def fit_scale_shift(model, structures) -> None:
+    """Per-species reference energies by least squares and the force RMS as the energy scale, into the
+    model's scale/shift (where it holds the readout)."""
+    import torch
+    from ase.data import atomic_numbers
+
+    from .training import fit_reference_energies
+
+    labelled = [s for s in structures if s.energy is not None]
+    if not labelled or "readout" not in model.parts:
+        return
+    shift = fit_reference_energies(labelled, [atomic_numbers[x] for x in model.species])
+    with_forces = [s.forces for s in structures if s.forces is not None]
+    scale = float(np.sqrt(np.mean(np.concatenate(with_forces) ** 2))) if with_forces else 1.0
+    model.scale_shift.shift.copy_(torch.as_tensor(shift))
+    model.scale_shift.scale.fill_(max(scale, 1e-3))
+
+
+def load_data(config):
+    from .training import check_labels, read_structures, split
+
+    d = config["data"]
+    if d["train"] is None:
+        raise ConfigError("data.train is required: a file of labelled structures")
+    train = read_structures(d["train"])
+    fractions = [0.0 if d["validation"] else d["validation_fraction"], 0.0 if d["test"] else d["test_fraction"]]
+    if sum(fractions) >= 1:
+        raise ConfigError(f"data.validation_fraction + data.test_fraction must be < 1, got {sum(fractions)}")
+    train, validation, test = split(train, fractions, config["seed"])
+    if d["validation"]:
+        validation = read_structures(d["validation"])
+    if d["test"]:
+        test = read_structures(d["test"])
+    if not train or not validation:
+        raise ConfigError(f"need at least one training and one validation structure, got {len(train)} and "
+                          f"{len(validation)} (set data.validation or a larger data.validation_fraction)")
+    weights = {q: config["loss"][f"{q}_weight"] for q in ("energy", "forces", "stress")}
+    for part in (train, validation, test):
+        check_labels(part, weights)
+    return train, validation, test, weights
+
+
+def pipeline_trainer(config, procs, build, train_set, weights, resume_layout):
+    """The ``PipelineTrainer`` of this rank (its stage's model: ``trainer.model``). On resume the stage
+    layout of the interrupted run (``resume_layout``) is kept; a different one is refused."""
+    from .pipeline import PipelineError, PipelineTrainer
+
+    pc = config["pipeline"]
+    boundaries = pc["boundaries"]
+    if resume_layout is not None:
+        if resume_layout["stages"] != pc["stages"] or boundaries not in (None, resume_layout["boundaries"]):
+            raise ConfigError(f"resume: the run in {config['output']['directory']} has {resume_layout['stages']} "
+                              f"stages with boundaries {resume_layout['boundaries']}; resume it with the same "
+                              "pipeline.stages (and boundaries), or start a new run from its last.pt with "
+                              "model.checkpoint")
+        boundaries = resume_layout["boundaries"]
+    layers = build(frozenset()).layers
+    if not 1 <= pc["stages"] <= layers:
+        raise ConfigError(f"pipeline.stages = {pc['stages']}: a stage holds at least one interaction block and the "
+                          f"model has {layers} (model.hyperparameters.layers)")
+    if pc["microbatches"] < 1:
+        raise ConfigError(f"pipeline.microbatches must be at least 1, got {pc['microbatches']}")
+    if procs.size % pc["stages"]:
+        raise ConfigError(f"pipeline.stages = {pc['stages']} must divide the {procs.size} rank(s)")
+    sweeps = "energy" if weights["forces"] == 0 and weights["stress"] == 0 else "forces"
+    try:
+        return PipelineTrainer(build, pc["stages"], pc["microbatches"], pc["schedule"], sweeps, boundaries=boundaries,
+                               sample=train_set[:1], two_bw=pc["two_bw"], recompute=pc["recompute"])
+    except PipelineError as exc:
+        raise ConfigError(f"pipeline: {exc}") from None
+
+
+
+# ----------------------------------------------------------------------------- strategies
+class DataParallel:
+    """Each rank takes structures rank, rank + P, … of every global batch; gradients are summed over ranks
+    (one process: P = 1). Validation and test: each rank scores its share."""
+
+    def __init__(self, procs, model, device, config, weights):
+        self.procs, self.model, self.device = procs, model, device
+        self.weights, self.clip, self.batch_size = weights, config["optimizer"]["gradient_clip"], config["batch_size"]
+        self.parameters = [p for p in model.parameters() if p.requires_grad]
+
+    def gradients(self, global_batch, epoch) -> float:
+        from .training import Batch, Counts, TrainingError, loss_terms, nonfinite_structures, predict_batch, total_loss
+
+        procs = self.procs
+        mine = global_batch[procs.rank::procs.size]
+        value, bad = 0.0, []
+        if mine:
+            batch = Batch(mine, self.model, self.device)
+            predictions = predict_batch(self.model, batch)
+            loss = total_loss(loss_terms(*predictions, batch, Counts.of(global_batch)), self.weights)
+            loss.backward()
+            value = loss.item()
+            bad = [] if np.isfinite(value) else nonfinite_structures(batch, *predictions)
+        value = float(procs.sum(np.array([value]))[0])
+        if not np.isfinite(value):  # the global loss: every rank stops here
+            bad = [name for names in procs.allgather(bad) for name in names]
+            raise TrainingError(f"epoch {epoch}: the loss is not finite; non-finite predictions for "
+                                f"{', '.join(bad) if bad else 'none of the structures (see the labels)'}")
+        return value
+
+    def step(self, global_batch, optimizer, epoch) -> float:
+        """Gradients of the global batch's loss, summed over ranks, clipped; one optimizer step. Returns the loss."""
+        import torch
+
+        from .training import TrainingError
+
+        value = self.gradients(global_batch, epoch)
+        self.procs.sum_gradients(self.parameters)
+        if self.clip > 0:
+            try:
+                torch.nn.utils.clip_grad_norm_(self.parameters, self.clip, error_if_nonfinite=True)
+            except RuntimeError:
+                raise TrainingError(f"epoch {epoch}: the gradient norm is not finite (batch of "
+                                    f"{', '.join(s.source for s in global_batch)})") from None
+        optimizer.step()
+        return value
+
+    def share(self, structures) -> list:
+        return structures[self.procs.rank::self.procs.size]
+
+    def error_sums(self, net, structures) -> np.ndarray:
+        from .training import error_sums
+
+        return self.procs.sum(error_sums(net, self.share(structures), self.batch_size, self.device))
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state) -> None:
+        pass
+
+
+class GraphParallel(DataParallel):
+    """Every structure of a global batch split by space over all ranks (``graph_parallel_loss``); the
+    gradients summed over ranks. Validation and test run on rank 0 alone (no gradient graph is needed
+    there, and only training is split by space)."""
+
+    def gradients(self, global_batch, epoch) -> float:
+        from .training import Counts, TrainingError, graph_parallel_loss, total_loss
+
+        value, counts = 0.0, Counts.of(global_batch)
+        for s in global_batch:
+            surrogate, terms = graph_parallel_loss(self.model, s, self.weights, counts, self.procs.backend)
+            surrogate.backward()
+            loss = total_loss(terms, self.weights)
+            if not np.isfinite(loss):  # terms are global: every rank agrees
+                raise TrainingError(f"epoch {epoch}: the loss of {s.source} is not finite")
+            value += loss
+        return value
+
+    def share(self, structures) -> list:
+        return structures if self.procs.rank == 0 else []
+
+
+class PipelineParallel:
+    """The model's blocks over pipeline stages (``pipeline.PipelineTrainer``; ``model`` holds this stage's
+    parts), data parallel across replicas; validation and test are pipelined evaluations."""
+
+    def __init__(self, pipeline, config, weights):
+        self.pipeline, self.model = pipeline, pipeline.model
+        self.weights, self.clip, self.batch_size = weights, config["optimizer"]["gradient_clip"], config["batch_size"]
+        self.parameters = pipeline.parameters
+
+    def step(self, global_batch, optimizer, epoch) -> float:
+        from .training import TrainingError
+
+        try:
+            return self.pipeline.step(global_batch, self.weights, optimizer, self.clip)
+        except TrainingError as exc:
+            raise TrainingError(f"epoch {epoch}: {exc}") from None
+
+    def error_sums(self, net, structures) -> np.ndarray:
+        return self.pipeline.error_sums(structures, self.batch_size, net)
+
+    def state_dict(self) -> dict:
+        return self.pipeline.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        self.pipeline.load_state_dict(state)
+
+
+# ----------------------------------------------------------------------------- the trainer
+class Trainer:
+    """Everything one ``mlip-train`` run holds (see the module docstring); ``Trainer(config)`` builds it
+    (collective), ``fit()`` runs the epochs and returns the metric rows (every rank)."""
+
+    def __init__(self, config):
+        import torch
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+        from .training import check_species
+
+        self.config = config
+        self.directory = Path(config["output"]["directory"])
+        if not config["resume"]:
+            check_output_directory(self.directory, config["output"]["overwrite"])
+        self.procs = procs = Processes(config["parallel"])
+        self.root = procs.rank == 0
+        self.train_set, self.validation, self.test, self.weights = load_data(config)
+        self.last_path, self.shards = self.directory / "last.pt", self.directory / "pipeline"
+        self.resume = bool(procs.bcast(config["resume"] and self.last_path.exists()))  # rank 0's disk decides
+        self.device = device = torch.device("cuda", procs.rank % torch.cuda.device_count()) \
+            if torch.cuda.is_available() else torch.device("cpu")
+        species = model_species(config["model"], self.train_set)
+
+        def build(parts=None):
+            return build_model(config["model"], species, config["seed"], parts).to(device)
+
+        self.pipeline = None
+        if procs.parallel == "pipeline":
+            layout = None
+            if self.resume:
+                layout = procs.bcast(json.loads((self.shards / "layout.json").read_text()) if self.root else None)
+            self.pipeline = pipeline_trainer(config, procs, build, self.train_set, self.weights, layout)
+            self.strategy = PipelineParallel(self.pipeline, config, self.weights)
+        else:
+            model = build()
+            kind = GraphParallel if procs.parallel == "graph" else DataParallel
+            self.strategy = kind(procs, model, device, config, self.weights)
+        self.model = model = self.strategy.model
+        for part, role in ((self.train_set, "training"), (self.validation, "validation"), (self.test, "test")):
+            check_species(model, part, role, error=ConfigError)
+        if not self.resume and config["model"]["checkpoint"] is None:
+            fit_scale_shift(model, self.train_set)
+        o, sch = config["optimizer"], config["schedule"]
+        self.optimizer = torch.optim.AdamW(self.strategy.parameters, lr=o["lr"], weight_decay=o["weight_decay"])
+        if sch["name"] == "plateau":
+            self.scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
+                self.optimizer, factor=sch["factor"], patience=sch["patience"], min_lr=sch["min_lr"])
+        elif sch["name"] == "cosine":
+            self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
+                self.optimizer, T_max=max(1, config["epochs"]), eta_min=sch["min_lr"])
+        else:
+            self.scheduler = None
+        self.ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(config["ema_decay"]), use_buffers=True) \
+            if config["ema_decay"] > 0 else None
+        self.first_epoch, self.best, self.rows = 0, float("inf"), []
+        if self.resume:
+            self.load_state()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def evaluation_model(self):
+        """The weights that are scored and saved: the EMA when there is one."""
+        return self.ema.module if self.ema is not None else self.model
+
+    def training_state(self, epoch: int) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "epoch": epoch,
+                "best": self.best, "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
+                "ema": self.ema.state_dict() if self.ema is not None else {}, "pipeline": self.strategy.state_dict()}
+
+    def load_state(self) -> None:
+        """Continue the run in the output directory: last.pt's training state (pipeline: this stage's shard)."""
+        import torch
+
+        path = self.shards / f"stage{self.pipeline.stage.stage}.pt" if self.pipeline is not None else self.last_path
+        try:
+            state = torch.load(path, map_location=self.device, weights_only=True)["training"]
+        except (OSError, RuntimeError, KeyError) as exc:
+            raise ConfigError(f"resume: cannot read {path}: {exc}") from None
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.ema is not None:
+            self.ema.load_state_dict(state["ema"])
+        self.strategy.load_state_dict(state["pipeline"])
+        self.first_epoch, self.best = int(state["epoch"]), float(state["best"])
+        with open(self.directory / "metrics.csv") as f:
+            rows = [{k: int(v) if k == "epoch" else float(v) for k, v in r.items()} for r in csv.DictReader(f)]
+        self.rows = rows[:self.first_epoch]
+
+    def save(self, path, epoch: int) -> None:
+        """Write ``path`` (an ordinary potentials checkpoint of the evaluation model) from rank 0; in
+        pipeline mode collectively, assembled from the stages' parts, each stage writing its resume shard
+        beside last.pt."""
+        import torch
+
+        import potentials
+
+        if self.pipeline is None:
+            if self.root:
+                potentials.save(self.evaluation_model, path, extra={"training": self.training_state(epoch)})
+            return
+        if self.pipeline.replica == 0 and path == self.last_path:
+            torch.save({"training": self.training_state(epoch)}, self.shards / f"stage{self.pipeline.stage.stage}.pt")
+        self.pipeline.save_merged(path, self.evaluation_model)
+
+    # ----------------------------------------------------------------- scoring
+    def errors(self, net, structures, when: str) -> dict:
+        """MAE/RMSE of ``net`` on ``structures`` (``training.error_table``); a non-finite prediction ends
+        training, naming ``when``."""
+        from .training import TrainingError, error_table
+
+        sums = self.strategy.error_sums(net, structures)
+        bad = [q for k, q in enumerate(QUANTITIES)
+               if sums[3 * k + 2] > 0 and not np.all(np.isfinite(sums[3 * k: 3 * k + 2]))]
+        if bad:
+            raise TrainingError(f"{when}: non-finite predicted {', '.join(bad)} on the {len(structures)} "
+                                "evaluation structures")
+        return error_table(sums)
+
+    # -------------------------------------------------------------------- run
+    def fit(self) -> list:
+        """Train ``epochs`` epochs (from where a resumed run stopped); write checkpoints, metrics.csv, the
+        learning curve; score the test set with best.pt. Returns the metric rows (every rank)."""
+        import torch
+
+        import potentials
+
+        from .cli import format_errors, plot_learning_curve, write_metrics
+
+        config, procs, root = self.config, self.procs, self.root
+        count = procs.sum(np.array([float(sum(p.numel() for p in self.strategy.parameters))]))[0]
+        if self.pipeline is not None:
+            count /= self.pipeline.replicas
+        if root:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            if self.pipeline is not None:
+                self.shards.mkdir(exist_ok=True)
+                (self.shards / "layout.json").write_text(json.dumps({"stages": self.pipeline.stages,
+                                                                     "boundaries": self.pipeline.boundaries}))
+            from tqdm import tqdm
+            bar = tqdm(total=config["epochs"], initial=self.first_epoch, unit="epoch", file=sys.stderr,
+                       dynamic_ncols=True)
+            layout = f", stages at blocks {self.pipeline.boundaries}" if self.pipeline is not None else ""
+            print(f"mlip-train: {type(self.model).__name__} {self.model.species}, {int(count)} parameters, "
+                  f"{len(self.train_set)} training / {len(self.validation)} validation / {len(self.test)} test "
+                  f"structures, {procs.size} rank(s), {procs.parallel} parallel{layout}", flush=True)
+        procs.barrier()  # the output directory exists before any rank writes into it
+        batch_size, rows = config["batch_size"], self.rows
+        for epoch in range(self.first_epoch, config["epochs"]):
+            start = time.perf_counter()
+            self.model.train()
+            order = np.random.default_rng([config["seed"], epoch]).permutation(len(self.train_set))
+            loss_sum, batches = 0.0, 0
+            for b in range(0, len(order), batch_size):
+                global_batch = [self.train_set[k] for k in order[b:b + batch_size]]
+                self.optimizer.zero_grad(set_to_none=False)
+                loss_sum += self.strategy.step(global_batch, self.optimizer, epoch + 1)
+                batches += 1
+                if self.ema is not None:
+                    self.ema.update_parameters(self.model)
+            self.model.eval()
+            errors = self.errors(self.evaluation_model, self.validation, f"epoch {epoch + 1}")
+            val_loss = sum(self.weights[q] * errors[f"{q}_rmse"] ** 2 for q in QUANTITIES
+                           if self.weights[q] > 0 and np.isfinite(errors[f"{q}_rmse"]))
+            lr = self.optimizer.param_groups[0]["lr"]
+            if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                self.scheduler.step(val_loss)
+            elif self.scheduler is not None:
+                self.scheduler.step()
+            rows.append(dict(epoch=epoch + 1, train_loss=loss_sum / max(batches, 1), val_loss=val_loss, lr=lr,
+                             seconds=time.perf_counter() - start, **errors))
+            improved = val_loss < self.best
+            self.best = min(self.best, val_loss)
+            self.save(self.last_path, epoch + 1)
+            if improved:
+                self.save(self.directory / "best.pt", epoch + 1)
+            if root:
+                write_metrics(self.directory, rows)
+                bar.update(1)
+                bar.set_postfix(val_loss=f"{val_loss:.3g}", F_mae=f"{errors['forces_mae'] * 1e3:.1f} meV/A")
+            procs.barrier()
+        if root:
+            bar.close()
+            plot_learning_curve(self.directory, rows)
+        if self.test and procs.bcast((self.directory / "best.pt").exists()):
+            parts = None if self.pipeline is None else self.model.parts  # pipeline: each stage reads its own parts
+            best_model = potentials.load(self.directory / "best.pt", map_location=self.device, parts=parts)
+            errors = self.errors(best_model, self.test, "test set")
+            if root:
+                print("test set, best.pt:\n" + format_errors(errors), flush=True)
+        if root:
+            written = ["best.pt", "last.pt", "metrics.csv", "learning_curve.png"] + (["pipeline/"] if self.pipeline else [])
+            print(f"mlip-train: output in {self.directory}: {', '.join(written)}", flush=True)
+        return rows
