@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 
 
@@ -35,6 +36,7 @@ def install_abort_on_error():
             text = "".join(traceback.format_exception(exc_type, exc, tb))
             sys.stderr.write(f"{text}rank {rank}: {exc_type.__name__}: {exc}\n")
         sys.stderr.flush()
+        time.sleep(0.5)  # let the launcher forward the message before the abort tears the job down
         MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook = hook
