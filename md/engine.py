@@ -22,6 +22,7 @@ import torch
 from ase import units
 
 from mlip_parallel import MODES, Comm, DecompositionError, Domain, Grid, LostAtomsError, forward_decomposed, get_backend
+from mlip_parallel.evaluate import ghost_reach, global_sums
 from potentials.errors import InvalidStructureError
 from potentials.graph import neighbour_list
 
@@ -142,7 +143,7 @@ class MDSystem:
         count = int(self.backend.allreduce(len(self.atoms["ids"])))
         if count != self.n_atoms:
             raise LostAtomsError(f"{self.n_atoms} atoms before migration, {count} after")
-        reach = self.model.cutoff * (self.model.layers if self.mode == "wide" else 1)
+        reach = ghost_reach(self.model, self.mode)
         self.comm.borders(self.atoms["positions"], self.atoms["ids"], reach + self.skin)
         ghost_numbers = self.comm.forward_comm(torch.as_tensor(self.atoms["numbers"], dtype=torch.float64))
         self.numbers = np.concatenate([self.atoms["numbers"], ghost_numbers.numpy().round().astype(np.int64)])
@@ -200,8 +201,7 @@ class MDSystem:
         self.forces = forces.detach().cpu().numpy()
         if not np.all(np.isfinite(self.forces)):
             raise InvalidStructureError(f"rank {self.backend.rank}: non-finite forces")
-        totals = self.backend.allreduce(np.append(dE_dstrain.cpu().numpy().ravel(), energies.detach().sum().item()))
-        self.energy, self.virial = float(totals[9]), totals[:9].reshape(3, 3)
+        self.energy, self.virial = global_sums(self.backend, energies, dE_dstrain)
         halo = self.backend.comm_seconds - messages
         self.timers["halo"] += halo
         self.timers["force"] += time.perf_counter() - start - halo

@@ -1,6 +1,8 @@
 """Distributed evaluation of a potential over a spatial decomposition (docs/architecture.md §3)."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -39,6 +41,25 @@ class Decomposition:
         self.positions = wrapped[self.owned]  # [n_local, 3] Å, wrapped
         self.local_ids = np.concatenate([self.owned, self.comm.ghost_ids])  # [n_local + n_ghost]
         self.numbers = np.asarray(atoms.numbers)[self.local_ids]  # atomic numbers of local rows
+
+
+def ghost_reach(model, mode: str) -> float:
+    """The ghost shell (Å) a rank needs beyond its subdomain: one cutoff in layerwise mode (ghost
+    features are refreshed between layers), layers × cutoff in wide mode (no communication inside)."""
+    return model.cutoff * (model.layers if mode == "wide" else 1)
+
+
+class GlobalSums(NamedTuple):
+    """A decomposed evaluation's totals over every rank: ``energy`` (eV) and ``virial`` = dE/dε [3, 3]."""
+
+    energy: float
+    virial: np.ndarray
+
+
+def global_sums(backend, energies, dE_dstrain) -> GlobalSums:
+    """Sum this rank's owned energies [n_local] and dE/dstrain [3, 3] over all ranks (one allreduce)."""
+    totals = backend.allreduce(np.append(dE_dstrain.detach().cpu().numpy().ravel(), energies.detach().sum().item()))
+    return GlobalSums(float(totals[9]), totals[:9].reshape(3, 3))
 
 
 def _within_shell(part: Decomposition, positions: np.ndarray, r: float) -> np.ndarray:
@@ -117,7 +138,7 @@ def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, str
     if model.device != device:
         model.to(device)
     model.species_index(atoms.numbers)  # unknown elements raise here, on every rank alike
-    part = Decomposition(atoms, model.cutoff * (model.layers if mode == "wide" else 1), backend, grid)
+    part = Decomposition(atoms, ghost_reach(model, mode), backend, grid)
     energies, forces, dE_dstrain = forward_decomposed(model, part, mode)
 
     parts = backend.allgather((part.owned, energies.detach().cpu().numpy(), forces.cpu().numpy(),

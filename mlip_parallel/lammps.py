@@ -332,6 +332,7 @@ class LammpsDecomposition:
         from potentials.graph import neighbour_list
 
         from .comm import Comm
+        from .evaluate import ghost_reach
 
         model, backend = self.model, self.backend
         bounds = backend.allgather((np.asarray(lo), np.asarray(hi)))
@@ -342,7 +343,7 @@ class LammpsDecomposition:
         drift = outside.max(initial=0.0)
         drift = float(backend.allreduce(drift, op="max")) if backend.size > 1 else drift
         self.skin = self.user_skin + 2.0 * drift
-        reach = model.cutoff * (model.layers if self.mode == "wide" else 1)
+        reach = ghost_reach(model, self.mode)
         self.comm = Comm(backend, self.grid, self.domain)
         self.comm.borders(positions, ids, reach + self.skin)
         ghost_numbers = self.comm.forward_comm(torch.as_tensor(numbers, dtype=torch.float64))
@@ -454,7 +455,7 @@ class Bridge:
         """Forces on LAMMPS's local atoms; the global energy and virial to LAMMPS (collective)."""
         import numpy as np
 
-        from .evaluate import forward_decomposed
+        from .evaluate import forward_decomposed, global_sums
 
         lmp = self.lmp
         table = self.type_numbers()  # may raise alike on every rank, before any message
@@ -482,13 +483,10 @@ class Bridge:
         forces = forces.detach().cpu().numpy()
         if not np.all(np.isfinite(forces)):
             raise LammpsBridgeError(f"rank {self.backend.rank}: non-finite forces at step {step}", everywhere=False)
-        d = dE_dstrain.detach().cpu().numpy()
-        w = -0.5 * (d + d.T)  # LAMMPS's virial sum r_a f_b = -dE/dstrain, order xx yy zz xy xz yz
-        totals = np.array([w[0, 0], w[1, 1], w[2, 2], w[0, 1], w[0, 2], w[1, 2], float(energies.detach().sum())])
-        if self.backend.size > 1:
-            totals = self.backend.allreduce(totals)
         # both global, the same on every rank (LAMMPS divides the virial by the number of ranks and sums)
-        self.energy, self.virial = float(totals[6]), totals[:6]
+        self.energy, d = global_sums(self.backend, energies, dE_dstrain)
+        w = -0.5 * (d + d.T)  # LAMMPS's virial sum r_a f_b = -dE/dstrain, order xx yy zz xy xz yz
+        self.virial = np.array([w[0, 0], w[1, 1], w[2, 2], w[0, 1], w[0, 2], w[1, 2]])
         self.forces = forces
         if nlocal:
             np.ctypeslib.as_array(f_ptr[0], shape=(nlocal, 3))[:] = forces

@@ -271,13 +271,13 @@ def graph_parallel_loss(model, structure: Structure, weights: dict, counts: Coun
     gradients equals the gradient of the structure's loss (energy and stress are global sums, so
     their terms enter through dL/dE and dL/dσ computed from the allreduced values); ``terms`` are the
     loss values (floats, identical on every rank)."""
-    from ..evaluate import Decomposition, forward_decomposed
+    from ..evaluate import Decomposition, forward_decomposed, ghost_reach, global_sums
 
     atoms = structure.to_atoms()
-    part = Decomposition(atoms, model.cutoff * (model.layers if mode == "wide" else 1), backend)
+    part = Decomposition(atoms, ghost_reach(model, mode), backend)
     energies, forces, dE_dstrain = forward_decomposed(model, part, mode, create_graph=True)
     e_local = energies.sum()
-    totals = backend.allreduce(np.append(dE_dstrain.detach().cpu().numpy().ravel(), e_local.item()))
+    totals = global_sums(backend, energies, dE_dstrain)
     n, volume = len(structure.numbers), abs(np.linalg.det(structure.cell))
     reference_forces = torch.as_tensor(structure.forces[part.owned], dtype=torch.float64, device=forces.device) \
         if structure.forces is not None else None
@@ -286,11 +286,11 @@ def graph_parallel_loss(model, structure: Structure, weights: dict, counts: Coun
     terms = {"energy": 0.0, "forces": float(backend.allreduce(np.array([force_sq.item()]))[0]) / counts.force_components,
              "stress": 0.0}
     if structure.energy is not None:
-        residual = (totals[9] - structure.energy) / n
+        residual = (totals.energy - structure.energy) / n
         terms["energy"] = residual**2 / counts.energies
         surrogate = surrogate + weights["energy"] * (2 * residual / n / counts.energies) * e_local
     if structure.stress is not None:
-        virial = totals[:9].reshape(3, 3)
+        virial = totals.virial
         residual = 0.5 * (virial + virial.T) / volume - structure.stress
         terms["stress"] = float((residual**2).sum()) / (9 * counts.stresses)
         coefficient = torch.as_tensor(2 * residual / (9 * counts.stresses) / volume, device=dE_dstrain.device)
