@@ -126,7 +126,7 @@ class Comm:
         ghosts, wide shells from several hops, small periodic cells from sending to oneself.
         """
         n_local = len(positions)
-        frac = self.domain.wrapped_fractional(np.asarray(positions, dtype=np.float64))
+        frac = self.domain.fractional(np.asarray(positions, dtype=np.float64))
         held = np.column_stack([frac, np.zeros((n_local, 3)), np.asarray(ids, dtype=np.float64)])
         cut = self.domain.fractional_distance(r_ghost) * (1 + 1e-9) + 1e-12
         coords = self.grid.coords(self.rank)

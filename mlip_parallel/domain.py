@@ -47,12 +47,13 @@ class Domain:
         return positions @ self.inverse
 
     def wrapped_fractional(self, wrapped: np.ndarray) -> np.ndarray:
-        """Fractional coordinates [N, 3] of positions already wrapped by ``wrap``, clamped as LAMMPS's
-        remap does to 0 ≤ s < 1 along periodic dimensions (rounding can leave x = -1e-17 at s = -1e-18,
-        or s = 1.0 just below a face): every decision of which subdomain holds an atom reads these."""
+        """Fractional coordinates [N, 3] of positions already wrapped by ``wrap``, clamped into 0 ≤ s < 1
+        along periodic dimensions (rounding can leave x = -1e-17 at s = -1e-18, or a point just below the
+        upper face at s = 1.0): every decision of which subdomain *owns* an atom reads these (as LAMMPS's
+        remap bounds lamda coordinates). The positions themselves are not moved, so the clamp goes to the
+        nearest value inside; ghost selection reads the plain ``fractional`` coordinates."""
         s = self.fractional(wrapped)
-        below_one = np.nextafter(1.0, 0.0)
-        return np.where(self.pbc, np.clip(np.where(s >= 1.0, 0.0, s), 0.0, below_one), s)
+        return np.where(self.pbc, np.clip(s, 0.0, np.nextafter(1.0, 0.0)), s)
 
     def wrap(self, positions: np.ndarray):
         """Map atoms into the cell along periodic dimensions.

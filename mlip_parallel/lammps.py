@@ -262,21 +262,6 @@ def _lammps_grid_type():
     return LammpsGrid
 
 
-def _domain_type():
-    from .domain import Domain
-
-    class LammpsDomain(Domain):
-        """LAMMPS's box (origin at boxlo, fractional = LAMMPS's lamda coordinates). Its local atoms may
-        have left their subdomain, and the box, since LAMMPS last migrated and wrapped them: the halo
-        selects ghosts by their actual fractional coordinates (not wrapped or clamped), within a shell
-        widened by twice the farthest such excursion, and ghost images follow from the same coordinates."""
-
-        def wrapped_fractional(self, positions):
-            return self.fractional(positions)
-
-    return LammpsDomain
-
-
 def _not_a_brick(lo, hi):
     return LammpsBridgeError(f"LAMMPS's subdomains are not a brick grid ({len(lo)} ranks; comm_style tiled or "
                              f"balance rcb?): the bridge follows brick decompositions only (comm_style brick, "
@@ -301,12 +286,17 @@ class LammpsDecomposition:
         ``lo``, ``hi``: [3] this rank's fractional subdomain bounds. Returns whether it rebuilt."""
         import numpy as np
 
+        from .domain import Domain
+
         changed = self.comm is None or not (
             np.array_equal(ids, self.ids) and np.array_equal(numbers, self.local_numbers)
             and np.array_equal(pbc, self.pbc) and np.array_equal(lo, self.lo) and np.array_equal(hi, self.hi))
         if self.comm is None or not (np.array_equal(cell, self.cell) and np.array_equal(pbc, self.domain.pbc)):
             self.cell = cell
-            self.domain = _domain_type()(cell, pbc, np.zeros(3), np.ones(3))
+            # LAMMPS's box (origin at boxlo; fractional = lamda). Its atoms may have left their subdomain,
+            # and the box, since LAMMPS last migrated them: ``borders`` selects ghosts by their actual
+            # fractional coordinates, within a shell widened by twice the farthest such excursion.
+            self.domain = Domain(cell, pbc, np.zeros(3), np.ones(3))
             if self.comm is not None:
                 self.comm.domain = self.domain
         if changed:

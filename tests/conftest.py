@@ -39,3 +39,12 @@ def mpirun():
         return proc.returncode, output, time.perf_counter() - start
 
     return run
+
+
+def assert_job_aborted(rc, out, seconds, message, limit=30):
+    """An mpiexec job ended by an error on one rank: non-zero status, ``message`` printed, no rank got past
+    it ("not reached"), and promptly (within ``limit`` seconds, not a hang)."""
+    assert rc != 0, out
+    assert message in out, out
+    assert "not reached" not in out
+    assert seconds < limit, f"took {seconds:.1f} s"

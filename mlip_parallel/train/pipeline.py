@@ -460,18 +460,18 @@ class PipelineTrainer:
         (``potentials.save_parts``), so no rank ever holds more than its own parts and one other."""
         import torch.distributed as dist
 
-        net = model if model is not None else self.model
-        stage, rank = self.stage.stage, dist.get_rank()
-        state = {k: v.detach().cpu() for k, v in net.state_dict().items()
-                 if stage == 0 or net.part_of(k) is not None}  # shared buffers once, from stage 0
-        if rank == 0:
-            def pieces():
-                yield state
-                for source in range(1, self.stages):
-                    holder = [None]
-                    dist.recv_object_list(holder, src=source)
-                    yield holder[0]
-            save_parts(net, str(path), pieces())
-        elif self.replica == 0:
-            dist.send_object_list([state], dst=0)
+        if self.replica == 0:  # the other replicas hold the same weights
+            net = model if model is not None else self.model
+            state = {k: v.detach().cpu() for k, v in net.state_dict().items()
+                     if self.stage.first or net.part_of(k) is not None}  # shared buffers once, from stage 0
+            if self.stage.first:  # rank 0
+                def pieces():
+                    yield state
+                    for source in range(1, self.stages):
+                        holder = [None]
+                        dist.recv_object_list(holder, src=source)
+                        yield holder[0]
+                save_parts(net, str(path), pieces())
+            else:
+                dist.send_object_list([state], dst=0)
         dist.barrier()

@@ -7,9 +7,10 @@ the EMA, and runs epochs through one of three strategies with one interface —
   through the halo;
 * ``PipelineParallel``: the model's blocks over stages (``pipeline.PipelineTrainer``).
 
-A strategy's ``step(global_batch, epoch)`` computes the gradients, clips them and takes the optimizer
-step, returning the loss; ``error_sums(net, structures)`` scores a model (summed over ranks); ``save`` /
-``load`` handle checkpoints and resume state.
+A strategy's ``step(global_batch, optimizer, epoch)`` computes the gradients, clips them and takes the
+optimizer step, returning the loss; ``error_sums(net, structures)`` scores a model (summed over ranks);
+``state_dict`` / ``load_state_dict`` carry its own resume state (2BW's stale weights). The Trainer
+writes checkpoints and metrics.
 """
 from __future__ import annotations
 
@@ -24,8 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ConfigError, check_output_directory
-
-QUANTITIES = ("energy", "forces", "stress")
+from .training import QUANTITIES
 
 
 # ----------------------------------------------------------------------------- processes
@@ -203,7 +203,7 @@ def load_data(config):
     if not train or not validation:
         raise ConfigError(f"need at least one training and one validation structure, got {len(train)} and "
                           f"{len(validation)} (set data.validation or a larger data.validation_fraction)")
-    weights = {q: config["loss"][f"{q}_weight"] for q in ("energy", "forces", "stress")}
+    weights = {q: config["loss"][f"{q}_weight"] for q in QUANTITIES}
     for part in (train, validation, test):
         check_labels(part, weights)
     return train, validation, test, weights
