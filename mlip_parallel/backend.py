@@ -5,13 +5,17 @@ MPI library is CUDA-aware) and count the seconds spent communicating in ``comm_s
 """
 from __future__ import annotations
 
+import atexit
 import os
+import socket
+import sys
 import time
 
 import numpy as np
 import torch
 
-from .launch import install_abort_on_error, launched_by_mpiexec  # noqa: F401 (re-exported)
+from .errors import BackendError
+from .launch import install_abort_on_error, launched_by_mpiexec, launched_by_torchrun  # noqa: F401 (re-exported)
 
 
 class SerialBackend:
@@ -42,9 +46,6 @@ class SerialBackend:
 
     def barrier(self):
         pass
-
-    def abort(self, code=1):
-        raise SystemExit(code)
 
     @property
     def library(self) -> str:
@@ -131,34 +132,214 @@ class MPIBackend:
     def barrier(self):
         self.comm.Barrier()
 
-    def abort(self, code=1):
-        self.MPI.COMM_WORLD.Abort(code)
-
     @property
     def library(self) -> str:
         return " ".join(self.MPI.Get_library_version().splitlines()[0].split())
 
 
+class TorchBackend:
+    """torch.distributed on the process group that ``init_process_group`` set up: NCCL moves CUDA
+    tensors device to device, gloo moves CPU tensors and numpy arrays. Swaps are ``batch_isend_irecv``."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        init_process_group()
+        self.dist, self.comm_seconds = dist, 0.0
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self.local_rank, self.local_size = _local_rank_and_size(self)
+        self.cuda_aware = dist.is_nccl_available() and torch.cuda.is_available()  # NCCL: device-direct
+
+    def sendrecv(self, send, dest, source, recv_rows=None):
+        """As ``MPIBackend.sendrecv``: rows of ``send`` to ``dest``, the rows from ``source`` returned
+        (numpy in, numpy out; a tensor comes back on its own device)."""
+        is_tensor = isinstance(send, torch.Tensor)
+        if dest is not None and dest == source == self.rank:
+            return send.clone() if is_tensor else np.array(send, copy=True)
+        t0 = time.perf_counter()
+        data = send.detach().contiguous() if is_tensor else torch.from_numpy(np.ascontiguousarray(send))
+        if data.device.type == "cuda" and not self.cuda_aware:
+            data = data.cpu()
+        dtype = data.dtype
+        if dtype == torch.bool:
+            data = data.view(torch.uint8)
+        if recv_rows is None:  # the row count first
+            count = torch.zeros(1, dtype=torch.int64, device=data.device)
+            self._swap(torch.tensor([len(data)], dtype=torch.int64, device=data.device), dest, count, source)
+            recv_rows = int(count[0]) if source is not None else 0
+        recv = torch.empty((recv_rows,) + tuple(data.shape[1:]), dtype=data.dtype, device=data.device)
+        self._swap(data, dest if len(data) else None, recv, source if recv_rows else None)
+        if dtype == torch.bool:
+            recv = recv.view(torch.bool)
+        self.comm_seconds += time.perf_counter() - t0
+        if not is_tensor:
+            return recv.numpy()
+        return recv.to(send.device)
+
+    def _swap(self, send, dest, recv, source):
+        """Post the send and the receive together and wait for both; None: no message that way. Zero-row
+        messages are skipped on both ends (each end knows the count)."""
+        ops = []
+        if dest is not None:
+            ops.append(self.dist.P2POp(self.dist.isend, send, dest))
+        if source is not None:
+            ops.append(self.dist.P2POp(self.dist.irecv, recv, source))
+        if ops:
+            for request in self.dist.batch_isend_irecv(ops):
+                request.wait()
+
+    def allreduce(self, value, op="sum"):
+        t0 = time.perf_counter()
+        ops = {"sum": self.dist.ReduceOp.SUM, "max": self.dist.ReduceOp.MAX, "min": self.dist.ReduceOp.MIN}
+        array = np.ndim(value) > 0
+        integer = not array and isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+        t = torch.tensor(np.asarray(value, dtype=np.int64 if integer else np.float64))
+        self.dist.all_reduce(t, op=ops[op])
+        out = t.numpy() if array else (int(t) if integer else type(value)(t.item()))
+        self.comm_seconds += time.perf_counter() - t0
+        return out
+
+    def allgather(self, obj):
+        t0 = time.perf_counter()
+        out = [None] * self.size
+        self.dist.all_gather_object(out, obj)
+        self.comm_seconds += time.perf_counter() - t0
+        return out
+
+    def bcast(self, obj, root=0):
+        holder = [obj]
+        self.dist.broadcast_object_list(holder, src=root)
+        return holder[0]
+
+    def barrier(self):
+        self.dist.barrier()
+
+    @property
+    def library(self) -> str:
+        return f"torch.distributed {self.dist.get_backend()} (torch {torch.__version__})"
+
+
+def _local_rank_and_size(backend) -> tuple:
+    """(rank on this node, ranks on this node): torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE, else counted
+    from every rank's host name."""
+    if "LOCAL_RANK" in os.environ and "LOCAL_WORLD_SIZE" in os.environ:
+        return int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    hosts = backend.allgather(socket.gethostname())
+    mine = [r for r, h in enumerate(hosts) if h == hosts[backend.rank]]
+    return mine.index(backend.rank), len(mine)
+
+
+def init_process_group() -> None:
+    """Set up torch.distributed once per process — the one set-up that the torch halo backend and
+    data/pipeline-parallel training share. Under torchrun from its environment (``env://``); under
+    mpiexec rank 0 picks an address and a free port that MPI tells every rank. Backend
+    ``cpu:gloo,cuda:nccl`` where CUDA exists (each tensor goes the way its device needs), gloo
+    otherwise; each rank's CUDA device is ``rank_device``."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    kind = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    atexit.register(_destroy_process_group)  # else gloo's threads may outlive the interpreter (SIGABRT)
+    if launched_by_torchrun():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        dist.init_process_group(kind, init_method="env://")
+        install_abort_on_error()
+        return
+    mpi = get_backend("mpi")  # the serial backend in a job of one process
+    hosts = mpi.allgather(socket.gethostname())
+    address = None
+    if mpi.rank == 0:
+        try:
+            address = rendezvous(hosts)
+        except BackendError as exc:
+            address = str(exc)
+    address = mpi.bcast(address)
+    if isinstance(address, str):  # raised on every rank alike
+        raise BackendError(address)
+    host, port = address
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank_device(mpi))
+    dist.init_process_group(kind, init_method=f"tcp://{host}:{port}", rank=mpi.rank, world_size=mpi.size)
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def rendezvous(hosts) -> tuple:
+    """(address, free port) of rank 0 that every rank can reach, given every rank's host name: loopback
+    when all ranks share rank 0's host; else ``MASTER_ADDR`` if set, or the first non-loopback address of
+    rank 0's host name (``gethostbyname`` may answer 127.0.1.1, which other nodes cannot reach)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    if len(set(hosts)) == 1:
+        return "127.0.0.1", port
+    if os.environ.get("MASTER_ADDR"):
+        return os.environ["MASTER_ADDR"], port
+    addresses = {info[4][0] for info in socket.getaddrinfo(hosts[0], None, socket.AF_INET)}
+    routable = sorted(a for a in addresses if not a.startswith("127."))
+    if not routable:
+        raise BackendError(f"rank 0's host {hosts[0]!r} resolves only to loopback addresses {sorted(addresses)}, "
+                              "which the other nodes cannot reach: set MASTER_ADDR to an address of rank 0's node")
+    return routable[0], port
+
+
+KINDS = ("mpi", "torch", "serial")
 _BACKENDS: dict = {}
 
 
+def backend_kind() -> str:
+    """The halo backend this process uses when none is given: ``MLIP_PARALLEL_BACKEND`` (mpi, torch or
+    serial) if set; else torch under torchrun, mpi under an MPI launcher with more than one rank,
+    serial otherwise."""
+    kind = os.environ.get("MLIP_PARALLEL_BACKEND", "").strip().lower()
+    if kind:
+        if kind not in KINDS:
+            raise BackendError(f"MLIP_PARALLEL_BACKEND={kind!r}: expected one of {', '.join(KINDS)}")
+        return kind
+    if launched_by_torchrun():
+        return "torch"
+    return "mpi" if launched_by_mpiexec() else "serial"
+
+
 def get_backend(comm=None):
-    """The backend for ``comm``: a backend object is returned as is; an mpi4py communicator gets an
-    MPIBackend (cached per communicator); None means MPI.COMM_WORLD under mpiexec with more than one
-    rank, serial otherwise."""
-    if isinstance(comm, (SerialBackend, MPIBackend)):
+    """The backend for ``comm``: a backend object is returned as is; "mpi", "torch" or "serial" names
+    one; an mpi4py communicator gets an MPIBackend on it; None means ``backend_kind()``. Backends are
+    cached, and a job of one process gets the serial backend whatever was asked."""
+    if isinstance(comm, (SerialBackend, MPIBackend, TorchBackend)):
         return comm
-    if comm is None:
-        if not launched_by_mpiexec():
+    if comm is None or isinstance(comm, str):
+        kind = backend_kind() if comm is None else comm.strip().lower()
+        if kind not in KINDS:
+            raise BackendError(f"unknown backend {comm!r}: expected one of {', '.join(KINDS)}")
+        if kind == "serial" or _world_size(kind) == 1:
             return _BACKENDS.setdefault("serial", SerialBackend())
+        if kind == "torch":
+            if "torch" not in _BACKENDS:
+                _BACKENDS["torch"] = TorchBackend()
+            return _BACKENDS["torch"]
         from mpi4py import MPI
-        if MPI.COMM_WORLD.Get_size() == 1:
-            return _BACKENDS.setdefault("serial", SerialBackend())
         comm = MPI.COMM_WORLD
     key = ("mpi", comm.py2f())
     if key not in _BACKENDS:
         _BACKENDS[key] = MPIBackend(comm)
     return _BACKENDS[key]
+
+
+def _world_size(kind: str) -> int:
+    """How many processes the launcher started (without setting up any communication)."""
+    if launched_by_torchrun():
+        return int(os.environ["WORLD_SIZE"])
+    if not launched_by_mpiexec():
+        return 1
+    from mpi4py import MPI
+    return MPI.COMM_WORLD.Get_size()
 
 
 def set_threads(backend) -> int:

@@ -1,7 +1,8 @@
 """Self-check of an installation: ``mpiexec -n P python -m mlip_parallel.check``.
 
-Prints the ranks, the grid, each rank's host and device, the MPI library and whether it is treated as
-CUDA-aware, then evaluates Lennard-Jones and a random SchNet (float64) on a rattled Cu–Ag crystal
+Also ``torchrun --nproc-per-node P -m mlip_parallel.check`` (the torch.distributed backend). Prints the
+ranks, the grid, each rank's host and device, the communication library and whether CUDA tensors travel
+device to device (NCCL, or a CUDA-aware MPI), then evaluates Lennard-Jones and a random SchNet (float64) on a rattled Cu–Ag crystal
 distributed and in one process, and prints the largest force difference. Exits 1 if it exceeds 1e-8.
 """
 from __future__ import annotations
@@ -35,8 +36,8 @@ def main(argv=None) -> int:
     part = Decomposition(atoms, 4.0, backend)
     owned = backend.allgather(len(part.owned))
     if backend.rank == 0:
-        print(f"mlip-parallel self-check: {backend.size} rank(s), MPI: {backend.library}")
-        print(f"CUDA-aware MPI: {'yes' if backend.cuda_aware else 'no (CUDA tensors are host-staged)'}")
+        print(f"mlip-parallel self-check: {backend.size} rank(s), communication: {backend.library}")
+        print(f"device-direct messages: {'yes' if backend.cuda_aware else 'no (CUDA tensors are host-staged)'}")
         print(f"grid {part.grid.dims} over {len(atoms)} atoms; owned atoms per rank {owned}")
         for rank, host, dev, name in rows:
             print(f"  rank {rank}: host {host}, device {dev} ({name})")

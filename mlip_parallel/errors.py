@@ -6,8 +6,12 @@ class DecompositionError(MLIPError, ValueError):
     """The system cannot be split as asked: a grid that does not match the ranks, no atoms, ..."""
 
 
+class BackendError(MLIPError, RuntimeError):
+    """No such communication backend, or the ranks cannot meet (e.g. no reachable rendezvous address)."""
+
+
 class LostAtomsError(MLIPError, RuntimeError):
     """Atoms went missing or were duplicated while moving between ranks."""
 
 
-__all__ = ["DecompositionError", "InvalidStructureError", "LostAtomsError", "MLIPError", "UnknownSpeciesError"]
+__all__ = ["BackendError", "DecompositionError", "InvalidStructureError", "LostAtomsError", "MLIPError", "UnknownSpeciesError"]

@@ -14,22 +14,34 @@ def launched_by_mpiexec() -> bool:
                                           "MPI_LOCALNRANKS", "HYDRA_CONTROL_FD"))
 
 
+def launched_by_torchrun() -> bool:
+    """True when torchrun (or another launcher setting RANK and WORLD_SIZE) started this process and no
+    MPI launcher did."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and not launched_by_mpiexec()
+
+
 _HOOK_INSTALLED = False
 
 
 def install_abort_on_error():
-    """Make an uncaught exception on any rank print ``rank N: <type>: <message>`` and abort the whole
-    MPI job at once, instead of leaving the other ranks waiting in a collective forever."""
+    """Make an uncaught exception on any rank print ``rank N: <type>: <message>`` and end the whole
+    job at once (MPI_Abort under an MPI launcher; under torchrun this process exits and torchrun stops
+    the others), instead of leaving the other ranks waiting in a collective forever."""
     global _HOOK_INSTALLED
     if _HOOK_INSTALLED:
         return
-    from mpi4py import MPI
+    if launched_by_torchrun():
+        if int(os.environ["WORLD_SIZE"]) == 1:
+            return
+        rank, abort = int(os.environ["RANK"]), lambda: os._exit(1)
+    else:
+        from mpi4py import MPI
 
-    if MPI.COMM_WORLD.Get_size() == 1:
-        return
+        if MPI.COMM_WORLD.Get_size() == 1:
+            return
+        rank, abort = MPI.COMM_WORLD.Get_rank(), lambda: MPI.COMM_WORLD.Abort(1)
 
     def hook(exc_type, exc, tb):
-        rank = MPI.COMM_WORLD.Get_rank()
         if issubclass(exc_type, KeyboardInterrupt):
             sys.stderr.write(f"rank {rank}: interrupted\n")
         else:
@@ -37,7 +49,7 @@ def install_abort_on_error():
             sys.stderr.write(f"{text}rank {rank}: {exc_type.__name__}: {exc}\n")
         sys.stderr.flush()
         time.sleep(0.5)  # let the launcher forward the message before the abort tears the job down
-        MPI.COMM_WORLD.Abort(1)
+        abort()
 
     sys.excepthook = hook
     _HOOK_INSTALLED = True

@@ -17,19 +17,19 @@ def mpiexec_path() -> str:
     return str(local) if local.exists() else shutil.which("mpiexec")
 
 
-@pytest.fixture
-def mpirun():
-    """mpirun(n, script_or_module_args..., timeout=...) → (returncode, output, seconds).
+def _launcher(prefix):
+    """run(n, script_or_module_args..., timeout=..., backend=None) → (returncode, output, seconds).
 
-    Runs ``mpiexec -n n python ARGS`` with one thread per rank; a run past ``timeout`` fails the test
-    (it would be a hang)."""
-    launcher = mpiexec_path()
-    if launcher is None:
-        pytest.fail("mpiexec not found: install the 'mpich' package (pip install -e .[test])")
+    Runs ``prefix(n) + ARGS`` with one thread per rank (``backend``: MLIP_PARALLEL_BACKEND, e.g.
+    "torch"); a run past ``timeout`` fails the test (it would be a hang)."""
 
-    def run(n, *args, timeout=300):
+    def run(n, *args, timeout=300, backend=None):
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        cmd = [launcher, "-n", str(n), sys.executable, *[str(a) for a in args]]
+        env.pop("MLIP_PARALLEL_BACKEND", None)
+        if backend is not None:
+            env["MLIP_PARALLEL_BACKEND"] = backend
+        args = [str(a) for a in args]
+        cmd = prefix(n) + args
         start = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
@@ -41,8 +41,25 @@ def mpirun():
     return run
 
 
+@pytest.fixture
+def mpirun():
+    """``mpiexec -n n python ARGS`` (see ``_launcher``)."""
+    launcher = mpiexec_path()
+    if launcher is None:
+        pytest.fail("mpiexec not found: install the 'mpich' package (pip install -e .[test])")
+    return _launcher(lambda n: [launcher, "-n", str(n), sys.executable])
+
+
+@pytest.fixture
+def torchrun():
+    """``torchrun --standalone --nproc-per-node n ARGS``, no MPI launcher (see ``_launcher``); "-m
+    module" runs a module as under mpiexec."""
+    return _launcher(lambda n: [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                "--nproc-per-node", str(n)])
+
+
 def assert_job_aborted(rc, out, seconds, message, limit=30):
-    """An mpiexec job ended by an error on one rank: non-zero status, ``message`` printed, no rank got past
+    """A job ended by an error on one rank: non-zero status, ``message`` printed, no rank got past
     it ("not reached"), and promptly (within ``limit`` seconds, not a hang)."""
     assert rc != 0, out
     assert message in out, out

@@ -1,4 +1,8 @@
-"""Distributed contracts, each a batch of cases in one mpiexec launch (see tests/mpi/)."""
+"""Distributed contracts, each a batch of cases in one mpiexec (or torchrun) launch (see tests/mpi/).
+
+The MPI backend runs every contract; the torch.distributed backend (gloo here) runs the equivalence and
+double-backward suites on 2–4 ranks, launched by torchrun without MPI and by mpiexec with
+MLIP_PARALLEL_BACKEND=torch, plus the self-check and the abort path."""
 import pytest
 
 from conftest import MPI_DIR, assert_job_aborted
@@ -12,6 +16,22 @@ def test_distributed_equals_reference(mpirun, ranks):
     assert f"P={ranks}:" in out and " 0 failures" in out, out
     if ranks >= 3:  # the cluster geometry leaves middle subdomains empty
         assert " 0 (geometry, grid, rank) with no atoms" not in out, out
+
+
+@pytest.mark.parametrize("launcher, ranks", [("torchrun", 4), ("mpiexec", 2)])
+def test_distributed_equals_reference_torch_backend(mpirun, torchrun, launcher, ranks):
+    run = torchrun if launcher == "torchrun" else mpirun
+    rc, out, _ = run(ranks, MPI_DIR / "equivalence.py", timeout=400, backend="torch")
+    assert rc == 0, out
+    assert f"P={ranks}:" in out and " 0 failures" in out and "communication: torch.distributed gloo" in out, out
+
+
+@pytest.mark.parametrize("launcher, ranks", [("torchrun", 3), ("mpiexec", 2)])
+def test_double_backward_through_halo_torch_backend(mpirun, torchrun, launcher, ranks):
+    run = torchrun if launcher == "torchrun" else mpirun
+    rc, out, _ = run(ranks, MPI_DIR / "double_backward.py", backend="torch")
+    assert rc == 0, out
+    assert "0 parameter-gradient mismatches" in out and "communication: torch.distributed gloo" in out, out
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
@@ -39,15 +59,24 @@ def test_uncaught_bad_input_aborts_job(mpirun):
     assert_job_aborted(rc, out, seconds, "InvalidStructureError: non-finite positions")
 
 
-def test_exception_on_one_rank_aborts_all(mpirun):
-    rc, out, seconds = mpirun(3, MPI_DIR / "raise_on_one_rank.py", timeout=60)
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
+def test_exception_on_one_rank_aborts_all(mpirun, torchrun, launcher):
+    run = torchrun if launcher == "torchrun" else mpirun
+    rc, out, seconds = run(3, MPI_DIR / "raise_on_one_rank.py", timeout=60)
     assert_job_aborted(rc, out, seconds, "rank 1: RuntimeError: deliberate failure on rank 1")
 
 
 def test_self_check_entry_point(mpirun):
     rc, out, _ = mpirun(2, "-m", "mlip_parallel.check", "--repeat", "3")
     assert rc == 0, out
-    for text in ("2 rank(s)", "MPI: MPICH", "CUDA-aware MPI", "rank 1: host", "largest force difference", "OK"):
+    for text in ("2 rank(s)", "communication: MPICH", "device-direct", "rank 1: host", "largest force difference", "OK"):
+        assert text in out, out
+
+
+def test_self_check_under_torchrun(torchrun):
+    rc, out, _ = torchrun(2, "-m", "mlip_parallel.check", "--repeat", "3")
+    assert rc == 0, out
+    for text in ("2 rank(s)", "communication: torch.distributed gloo", "largest force difference", "OK"):
         assert text in out, out
 
 

@@ -244,22 +244,3 @@ def test_bundled_model_matches_emt_on_held_out_structures():
     print(f"cu-emt on {len(held_out)} held-out structures: force MAE {1e3 * errors['forces_mae']:.1f} meV/A, "
           f"energy MAE {1e3 * errors['energy_mae']:.2f} meV/atom")
     assert errors["forces_mae"] <= 0.050, errors
-
-
-def test_rendezvous_address_reachable_from_other_nodes(monkeypatch):
-    """Rank 0 picks the torch.distributed rendezvous: loopback on one host; across hosts MASTER_ADDR or a
-    non-loopback address of its host, never 127.0.1.1 (which gethostbyname may answer)."""
-    import socket
-
-    from mlip_parallel.train.trainer import rendezvous
-
-    assert rendezvous(["node1", "node1"])[0] == "127.0.0.1"
-    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
-    assert rendezvous(["node1", "node2"])[0] == "10.1.2.3"
-    monkeypatch.delenv("MASTER_ADDR")
-    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a: [(2, 1, 6, "", ("127.0.1.1", 0)),
-                                                                  (2, 1, 6, "", ("192.168.7.5", 0))])
-    assert rendezvous(["node1", "node2"])[0] == "192.168.7.5"
-    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a: [(2, 1, 6, "", ("127.0.1.1", 0))])
-    with pytest.raises(ConfigError, match="set MASTER_ADDR"):
-        rendezvous(["node1", "node2"])

@@ -17,7 +17,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -30,79 +29,41 @@ from .training import QUANTITIES
 
 # ----------------------------------------------------------------------------- processes
 class Processes:
-    """Rank, size and gradient/metric sums: torch.distributed for data parallel (set up from mpiexec's
-    MPI world or torchrun's environment), the mlip_parallel MPI backend for graph parallel."""
+    """Rank, size and sums over ranks, through the job's halo backend (``backend_kind``: MPI under
+    mpiexec, torch.distributed under torchrun or ``MLIP_PARALLEL_BACKEND=torch``). Pipeline and
+    data-parallel training also talk torch.distributed directly, on the process group that the torch
+    halo backend uses too (``backend.init_process_group``)."""
 
     def __init__(self, parallel: str):
-        from ..backend import get_backend, launched_by_mpiexec
+        from ..backend import get_backend, init_process_group
 
         self.parallel, self.dist = parallel, None
         self.backend = get_backend()
-        torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and not launched_by_mpiexec()
-        self.rank = int(os.environ["RANK"]) if torchrun else self.backend.rank
-        self.size = int(os.environ["WORLD_SIZE"]) if torchrun else self.backend.size
-        if parallel == "graph" and torchrun:
-            raise ConfigError("parallel: graph runs under mpiexec (it uses the MPI halo exchange), not torchrun")
+        self.rank, self.size = self.backend.rank, self.backend.size
         if parallel == "pipeline" or (parallel == "data" and self.size > 1):
-            import torch
             import torch.distributed as dist
 
-            if not dist.is_initialized():
-                if torchrun:
-                    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-                else:  # rank 0 picks the rendezvous; MPI tells everybody
-                    hosts = self.backend.allgather(socket.gethostname())
-                    address = None
-                    if self.rank == 0:
-                        try:
-                            address = rendezvous(hosts)
-                        except ConfigError as exc:
-                            address = str(exc)
-                    address = self.backend.bcast(address)
-                    if isinstance(address, str):  # raised on every rank alike
-                        raise ConfigError(address)
-                    host, port = address
-                    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                                            init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.size)
+            init_process_group()
             self.dist = dist
 
     def bcast(self, obj):
         """Rank 0's ``obj`` on every rank (a decision rank 0 takes alone, e.g. from its disk)."""
-        if self.size == 1:
-            return obj
-        if self.dist is not None:
-            holder = [obj]
-            self.dist.broadcast_object_list(holder, src=0)
-            return holder[0]
         return self.backend.bcast(obj)
 
     def allgather(self, obj) -> list:
         """Every rank's ``obj``, in rank order."""
-        if self.size == 1:
-            return [obj]
-        if self.dist is not None:
-            out = [None] * self.size
-            self.dist.all_gather_object(out, obj)
-            return out
         return self.backend.allgather(obj)
 
     def barrier(self) -> None:
-        if self.size > 1:
-            self.dist.barrier() if self.dist is not None else self.backend.barrier()
+        self.backend.barrier()
 
     def sum(self, array: np.ndarray) -> np.ndarray:
         """Element-wise sum over ranks (numpy float64)."""
-        if self.size == 1:
-            return np.asarray(array, dtype=np.float64)
-        if self.dist is not None:
-            import torch
-            t = torch.as_tensor(np.asarray(array, dtype=np.float64))
-            self.dist.all_reduce(t)
-            return t.numpy()
         return self.backend.allreduce(np.asarray(array, dtype=np.float64))
 
     def sum_gradients(self, parameters) -> None:
-        """Add every rank's parameter gradients (one flat message)."""
+        """Add every rank's parameter gradients (one flat message; on the device through
+        torch.distributed in data-parallel training)."""
         if self.size == 1:
             return
         import torch
@@ -116,25 +77,6 @@ class Processes:
             return torch.as_tensor(self.backend.allreduce(flat.cpu().numpy()), dtype=flat.dtype, device=flat.device)
 
         sum_gradients(parameters, reduce)
-
-
-def rendezvous(hosts) -> tuple:
-    """(address, free port) of rank 0 that every rank can reach, given every rank's host name: loopback
-    when all ranks share rank 0's host; else ``MASTER_ADDR`` if set, or the first non-loopback address of
-    rank 0's host name (``gethostbyname`` may answer 127.0.1.1, which other nodes cannot reach)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    if len(set(hosts)) == 1:
-        return "127.0.0.1", port
-    if os.environ.get("MASTER_ADDR"):
-        return os.environ["MASTER_ADDR"], port
-    addresses = {info[4][0] for info in socket.getaddrinfo(hosts[0], None, socket.AF_INET)}
-    routable = sorted(a for a in addresses if not a.startswith("127."))
-    if not routable:
-        raise ConfigError(f"rank 0's host {hosts[0]!r} resolves only to loopback addresses {sorted(addresses)}, "
-                          "which the other nodes cannot reach: set MASTER_ADDR to an address of rank 0's node")
-    return routable[0], port
 
 
 # ----------------------------------------------------------------------------- the model and the data
@@ -360,6 +302,7 @@ class Trainer:
         import torch
         from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+        from ..backend import rank_device
         from .training import check_species
 
         self.config = config
@@ -371,8 +314,7 @@ class Trainer:
         self.train_set, self.validation, self.test, self.weights = load_data(config)
         self.last_path, self.shards = self.directory / "last.pt", self.directory / "pipeline"
         self.resume = bool(procs.bcast(config["resume"] and self.last_path.exists()))  # rank 0's disk decides
-        self.device = device = torch.device("cuda", procs.rank % torch.cuda.device_count()) \
-            if torch.cuda.is_available() else torch.device("cpu")
+        self.device = device = rank_device(procs.backend)
         species = model_species(config["model"], self.train_set)
 
         def build(parts=None):

@@ -1,4 +1,5 @@
-"""Distributed == reference, for every geometry × grid × model × mode (run under mpiexec -n P).
+"""Distributed == reference, for every geometry × grid × model × mode (run under mpiexec -n P, or
+torchrun --nproc-per-node P: the job's halo backend, see mlip_parallel.backend.backend_kind).
 
 Lennard-Jones is compared with ASE's LennardJones, SchNet with potentials.predict. Prints one line per
 case on rank 0 and exits non-zero if any case misses its tolerance; reports how many ranks owned no
@@ -12,15 +13,14 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from mpi4py import MPI  # noqa: E402
 
 import mlip_parallel  # noqa: E402
 import potentials  # noqa: E402
 from systems import GEOMETRIES, SPECIES, ase_lj_results, lennard_jones, max_relative_error, schnet  # noqa: E402
 
 torch.set_num_threads(1)
-world = MPI.COMM_WORLD
-P = world.Get_size()
+world = mlip_parallel.get_backend()  # MPI, or torch.distributed under torchrun / MLIP_PARALLEL_BACKEND=torch
+P = world.size
 GRIDS = {1: [None], 2: [None, (2, 1, 1), (1, 1, 2)], 3: [None, (3, 1, 1), (1, 3, 1), (1, 1, 3)],
          4: [None, (1, 1, 4), (2, 2, 1), (4, 1, 1), (1, 2, 2)]}[P]
 
@@ -95,15 +95,19 @@ for name, build in GEOMETRIES.items():
                 if world.rank == 0:
                     print(f"{name:14s} grid={str(grid):10s} {label:9s} {mode:9s} max rel err {worst:.2e}",
                           flush=True)
-    # Record whether some rank owned nothing for this geometry (the empty-rank path).
+    # Each rank evaluates only its share; record whether some rank owned nothing (the empty-rank path).
     for grid in GRIDS:
-        part = mlip_parallel.Decomposition(atoms, 4.0, mlip_parallel.get_backend(), grid)
-        empty_cases += world.allreduce(int(len(part.owned) == 0))
+        part = mlip_parallel.Decomposition(atoms, 4.0, world, grid)
+        owned = world.allgather(len(part.owned))
+        empty_cases += sum(n == 0 for n in owned)
+        if sum(owned) != len(atoms) or (P > 1 and len(atoms) > 8 and max(owned) == len(atoms)):  # shared out
+            failures.append(f"{name} grid={grid}: owned atoms per rank {owned} of {len(atoms)}")
 
 failures = sorted({f for mine in world.allgather(failures) for f in mine})  # every rank's verdict
 if world.rank == 0:
     print("seconds per model:", {label: round(t, 1) for label, t in seconds.items()})
-    print(f"P={P}: {cases} cases, {len(failures)} failures, {empty_cases} (geometry, grid, rank) with no atoms")
+    print(f"P={P}: {cases} cases, {len(failures)} failures, {empty_cases} (geometry, grid, rank) with no atoms; "
+          f"communication: {world.library}")
     for f in failures:
         print("FAIL", f)
 sys.exit(1 if failures else 0)

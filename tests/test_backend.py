@@ -1,0 +1,60 @@
+"""Choosing the communication backend and the torch.distributed rendezvous (no processes started)."""
+import socket
+
+import pytest
+
+from mlip_parallel import backend as backends
+from mlip_parallel.errors import BackendError
+
+LAUNCHER_VARIABLES = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS",
+                      "HYDRA_CONTROL_FD", "RANK", "WORLD_SIZE", "MLIP_PARALLEL_BACKEND")
+
+
+@pytest.fixture
+def bare(monkeypatch):
+    """An environment without any launcher's variables."""
+    for key in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(key, raising=False)
+    return monkeypatch
+
+
+def test_backend_kind_follows_launcher_and_variable(bare):
+    assert backends.backend_kind() == "serial"
+    bare.setenv("PMI_RANK", "0")
+    assert backends.backend_kind() == "mpi"
+    bare.setenv("MLIP_PARALLEL_BACKEND", "torch")
+    assert backends.backend_kind() == "torch"
+    bare.delenv("PMI_RANK")
+    bare.delenv("MLIP_PARALLEL_BACKEND")
+    bare.setenv("RANK", "0")
+    bare.setenv("WORLD_SIZE", "2")
+    assert backends.backend_kind() == "torch"  # torchrun
+    bare.setenv("MLIP_PARALLEL_BACKEND", "nccl")
+    with pytest.raises(BackendError, match="MLIP_PARALLEL_BACKEND='nccl': expected one of mpi, torch, serial"):
+        backends.backend_kind()
+
+
+def test_one_process_gets_the_serial_backend_whatever_was_asked(bare):
+    assert isinstance(backends.get_backend("torch"), backends.SerialBackend)
+    assert isinstance(backends.get_backend("mpi"), backends.SerialBackend)
+    bare.setenv("RANK", "0")
+    bare.setenv("WORLD_SIZE", "1")
+    assert isinstance(backends.get_backend(), backends.SerialBackend)
+    with pytest.raises(BackendError, match="unknown backend 'gloo'"):
+        backends.get_backend("gloo")
+
+
+def test_rendezvous_address_reachable_from_other_nodes(monkeypatch):
+    """Rank 0 picks the torch.distributed rendezvous: loopback on one host; across hosts MASTER_ADDR or a
+    non-loopback address of its host, never 127.0.1.1 (which gethostbyname may answer)."""
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    assert backends.rendezvous(["node1", "node1"])[0] == "127.0.0.1"
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    assert backends.rendezvous(["node1", "node2"])[0] == "10.1.2.3"
+    monkeypatch.delenv("MASTER_ADDR")
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a: [(2, 1, 6, "", ("127.0.1.1", 0)),
+                                                                  (2, 1, 6, "", ("192.168.7.5", 0))])
+    assert backends.rendezvous(["node1", "node2"])[0] == "192.168.7.5"
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a: [(2, 1, 6, "", ("127.0.1.1", 0))])
+    with pytest.raises(BackendError, match="set MASTER_ADDR"):
+        backends.rendezvous(["node1", "node2"])
