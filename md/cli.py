@@ -243,8 +243,9 @@ def simulate(config) -> list:
         writer = csv.DictWriter(csv_file, fieldnames=THERMO_COLUMNS)
         if csv_file.tell() == 0:
             writer.writeheader()
-        print(f"mlip-md: {system.n_atoms} atoms on {backend.size} rank(s) x {threads} thread(s), {config['ensemble']}, "
-              f"steps {first_step} to {steps} of {config['timestep_fs']} fs")
+        via = f" ({backend.library.split(' (')[0]})" if backend.size > 1 else ""
+        print(f"mlip-md: {system.n_atoms} atoms on {backend.size} rank(s){via} x {threads} thread(s), "
+              f"{config['ensemble']}, steps {first_step} to {steps} of {config['timestep_fs']} fs")
         print(" ".join(f"{c:>14s}" for c in SCREEN_COLUMNS))
         from tqdm import tqdm
         bar = tqdm(total=steps, initial=first_step, unit="step", file=sys.stderr, dynamic_ncols=True)

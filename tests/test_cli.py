@@ -70,7 +70,7 @@ def test_mlip_md_job_under_mpiexec(mpirun, tmp_path):
     for message in errors.values():
         assert out.count(message) == 1, (message, out)
     assert not (tmp_path / "bad" / "iron").exists() and not (tmp_path / "bad" / "t").exists()
-    assert "108 atoms on 2 rank(s) x 1 thread(s)" in out and "done in" in out, out
+    assert "108 atoms on 2 rank(s) (MPICH" in out and "x 1 thread(s)" in out and "done in" in out, out
     assert "% of time" in out and all(f"\n{phase} " in out for phase in ("force", "halo", "neighbour", "integrate")), out
     assert re.search(r"steps 20 to 40 \(second half, 21 samples\)", out), out
     for quantity in ("temperature_K", "pressure_GPa", "epot_eV/atom", "etot_eV/atom", "volume_A3"):
@@ -113,6 +113,27 @@ def test_mlip_md_job_under_mpiexec(mpirun, tmp_path):
     for a, b in zip(rows, resumed):
         for column in ("etot_eV", "volume_A3", "pressure_GPa"):
             assert abs(float(a[column]) - float(b[column])) < 1e-9 * abs(float(a[column])), column
+
+
+def test_torch_backend_under_torchrun_equals_one_process(torchrun, tmp_path):
+    """mlip-md under torchrun (no MPI: the torch.distributed backend over gloo) on 3 ranks follows the
+    one-process trajectory (NPT, rebalancing): thermo to 1e-9 and final positions to 1e-9 Å."""
+    from md.cli import main
+    config = dict(JOB, steps=20, output={"directory": str(tmp_path / "serial")})
+    (tmp_path / "serial.yaml").write_text(yaml.safe_dump(config))
+    assert main([str(tmp_path / "serial.yaml")]) == 0
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(dict(config, output={"directory": str(tmp_path / "torch")})))
+    rc, out, _ = torchrun(3, "-m", "md.cli", tmp_path / "job.yaml", timeout=120)
+    assert rc == 0 and "108 atoms on 3 rank(s) (torch.distributed gloo)" in out, out
+    tables = []
+    for run in ("serial", "torch"):
+        with open(tmp_path / run / "thermo.csv") as f:
+            tables.append(list(csv.DictReader(f)))
+    for a, b in zip(*tables):
+        for column in ("etot_eV", "volume_A3", "pressure_GPa"):
+            assert abs(float(a[column]) - float(b[column])) <= 1e-9 * abs(float(a[column])), (column, a, b)
+    final = [read(tmp_path / run / "final.extxyz") for run in ("serial", "torch")]
+    assert np.abs(final[0].positions - final[1].positions).max() < 1e-9
 
 
 def test_bad_config_names_the_key(tmp_path):
