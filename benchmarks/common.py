@@ -49,15 +49,28 @@ def reset_hwm():
         f.write("5")
 
 
-def launch(ranks, script, worker_args):
-    """Run ``mpiexec -n ranks python script --worker ARGS`` (one thread per rank); return the JSON
-    object the worker printed last."""
+def launcher_command(ranks, launcher="mpiexec"):
+    """The command that starts ``ranks`` Python processes: ``mpiexec -n ranks python`` or ``torchrun
+    --standalone --nproc-per-node ranks`` (no MPI: the torch.distributed backend)."""
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
     mpiexec = Path(sys.executable).parent / "mpiexec"
-    cmd = [str(mpiexec if mpiexec.exists() else "mpiexec"), "-n", str(ranks), sys.executable, str(script),
-           "--worker", *[str(a) for a in worker_args]]
+    return [str(mpiexec if mpiexec.exists() else "mpiexec"), "-n", str(ranks), sys.executable]
+
+
+def launch(ranks, script, worker_args, launcher="mpiexec", backend=None):
+    """Run ``script --worker ARGS`` on ``ranks`` processes (one thread each) started by ``launcher``
+    ("mpiexec" or "torchrun"), with ``MLIP_PARALLEL_BACKEND=backend`` if given; return the JSON object
+    the worker printed last."""
+    cmd = launcher_command(ranks, launcher) + [str(script), "--worker", *[str(a) for a in worker_args]]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    env.pop("MLIP_PARALLEL_BACKEND", None)
+    if backend is not None:
+        env["MLIP_PARALLEL_BACKEND"] = backend
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def schnet_worker_setup(cells, features=64, cutoff=5.0):

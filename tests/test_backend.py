@@ -58,3 +58,22 @@ def test_rendezvous_address_reachable_from_other_nodes(monkeypatch):
     monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a: [(2, 1, 6, "", ("127.0.1.1", 0))])
     with pytest.raises(BackendError, match="set MASTER_ADDR"):
         backends.rendezvous(["node1", "node2"])
+
+
+def test_gpu_check_cpu_parts_pass():
+    """benchmarks/gpu_check.py --cpu (the GPU machine's one command, with the CPU as the device): every
+    section runs and every correctness row passes; the throughput rows cover both backends."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu", "--ranks", "2", "--sizes", "4",
+           "--steps", "2", "--md-steps", "10"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert " 0 failed" in out, out
+    for text in ("mpi backend (mpiexec), 2 rank(s)", "torch backend (torchrun), 2 rank(s)", "SchNet on cpu",
+                 "PaiNN on cpu", "NequIP on cpu", "MD on cpu", "2 ranks, torch.distributed gloo", "one process"):
+        assert text in out, (text, out)

@@ -1,0 +1,231 @@
+"""One command for a GPU machine (under 8 minutes on one GPU): does mlip-parallel run there, correctly,
+and how fast? Prints one table.
+
+    python benchmarks/gpu_check.py           # CUDA: needs torch with CUDA and a GPU
+    python benchmarks/gpu_check.py --cpu     # the same checks with the CPU as the device (smaller sizes)
+
+1. the self-check (``mlip_parallel.check``: Lennard-Jones and SchNet, layerwise and wide, distributed vs one
+   process) on 1, 2 and 4 ranks sharing the GPU(s), with the MPI backend (mpiexec; CUDA tensors
+   host-staged unless MLIP_CUDA_AWARE_MPI=1) and the torch backend (torchrun; NCCL on GPUs, gloo on CPUs);
+2. SchNet, PaiNN, NequIP (random weights) and SevenNet-0 on the device, float64 and float32, against a CPU
+   float64 reference: energy and forces;
+3. 100 velocity-Verlet steps on the device against the same run on the CPU (float64);
+4. MD throughput (atom-steps/s) of a float32 SchNet at two sizes (10 k and 100 k atoms; 4 k and 13.5 k
+   with --cpu), 1 vs 2 ranks, torch backend vs MPI backend, with the halo's share of the step and the
+   peak memory per rank (GPU: ``max_memory_allocated``; CPU: resident high-water mark).
+
+Exits 1 if a correctness check fails. Numbers for this machine are in README.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, cu_crystal, launch, launcher_command, reset_hwm, status_mb  # noqa: E402
+
+BACKENDS = {"mpi": "mpiexec", "torch": "torchrun"}  # backend → the launcher that starts its ranks
+
+
+def alloy(cells=3):
+    """Rattled fcc Cu with every third atom Ag (108 atoms for 3 cells)."""
+    atoms = cu_crystal(cells)
+    atoms.numbers[::3] = 47
+    return atoms
+
+
+# ----------------------------------------------------------------------------- 1. self-check
+def self_checks(ranks_list, env):
+    rows = []
+    for backend, launcher in BACKENDS.items():
+        for ranks in ranks_list:
+            cmd = launcher_command(ranks, launcher) + ["-m", "mlip_parallel.check", "--repeat", "3"]
+            start = time.perf_counter()
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(env, MLIP_PARALLEL_BACKEND=backend))
+            lines = [line for line in proc.stdout.splitlines() if "largest force difference" in line]
+            ok = proc.returncode == 0 and bool(lines)
+            detail = lines[-1].split(":")[0] if lines else (proc.stdout + proc.stderr).strip().splitlines()[-1:]
+            rows.append(("self-check", f"{backend} backend ({launcher}), {ranks} rank(s)",
+                         f"{detail} ({time.perf_counter() - start:.0f} s)", ok))
+    return rows
+
+
+# ----------------------------------------------------------------------------- 2. models on the device
+def models():
+    """name → a function building the model: float64, except SevenNet-0 (float32 only; only where sevenn is
+    installed)."""
+    import torch
+
+    import potentials
+
+    def seeded(cls, **kwargs):
+        def build():
+            torch.manual_seed(0)
+            return cls(["Ag", "Cu"], cutoff=4.5, **kwargs).double()
+        return build
+
+    out = {"SchNet": seeded(potentials.SchNet, features=32, layers=3),
+           "PaiNN": seeded(potentials.PaiNN, features=32, layers=3),
+           "NequIP": seeded(potentials.NequIP, features=16, layers=3)}
+    try:
+        from potentials.sevennet import SevenNet
+        out["SevenNet-0"] = lambda: SevenNet("7net-0")
+    except ImportError:
+        pass
+    return out
+
+
+def model_checks(device):
+    import numpy as np
+
+    import potentials
+
+    atoms = alloy()
+    rows = []
+    for name, build in models().items():
+        model = build()
+        reference, precision = potentials.predict(model, atoms), str(model.dtype).replace("torch.", "")
+        scale = float(np.abs(reference["forces"]).max())
+        for dtype, tolerance in (("float64", 1e-9), ("float32", 1e-4)):
+            if dtype == "float64" and precision == "float32":
+                continue  # SevenNet-0 runs in float32 only: its reference is CPU float32
+            model = build().to(device)
+            model = model.float() if dtype == "float32" else model
+            result = potentials.predict(model, atoms)
+            force = float(np.abs(result["forces"] - reference["forces"]).max()) / scale
+            energy = abs(result["energy"] - reference["energy"]) / abs(reference["energy"])
+            rows.append((f"{name} on {device}", f"{dtype} vs CPU {precision}, {len(atoms)} atoms",
+                         f"max |dF|/max|F| {force:.1e}, |dE|/|E| {energy:.1e}", max(force, energy) <= tolerance))
+    return rows
+
+
+# ----------------------------------------------------------------------------- 3. MD on the device
+def md_check(device, steps=100):
+    import numpy as np
+    from ase.md.velocitydistribution import thermalize_momenta
+    from ase.parallel import DummyMPI
+
+    from md.engine import MDSystem, run
+    from md.integrators import VelocityVerlet
+
+    build = models()["SchNet"]
+    final = {}
+    for where in ("cpu", device):
+        atoms = alloy(4)
+        thermalize_momenta(atoms, temperature_K=600, rng=np.random.default_rng(0), comm=DummyMPI())
+        system = MDSystem.from_atoms(build().to(where), atoms, skin=0.5, comm="serial")
+        run(system, VelocityVerlet(2.0), steps, thermo_every=steps)
+        final[where] = system.gather("positions")
+    deviation = float(np.abs(final["cpu"] - final[device]).max())
+    return [(f"MD on {device}", f"{steps} velocity-Verlet steps, SchNet float64, {len(atoms)} atoms",
+             f"max position deviation from CPU {deviation:.1e} A", deviation <= 1e-6)]
+
+
+# ----------------------------------------------------------------------------- 4. throughput
+def throughput_worker(args):
+    """Under a launcher: MD steps/s of a float32 SchNet; rank 0 prints one JSON line."""
+    import numpy as np
+    import torch
+    from ase.md.velocitydistribution import thermalize_momenta
+    from ase.parallel import DummyMPI
+
+    import mlip_parallel
+    import potentials
+    from md.engine import MDSystem, run
+    from md.integrators import VelocityVerlet
+
+    torch.set_num_threads(1)
+    backend = mlip_parallel.get_backend()
+    device = mlip_parallel.rank_device(backend) if not args.cpu else torch.device("cpu")
+    torch.manual_seed(0)
+    model = potentials.SchNet(["Cu"], cutoff=5.0, features=64, layers=3).to(device)
+    atoms = cu_crystal(args.cells)
+    thermalize_momenta(atoms, temperature_K=300, rng=np.random.default_rng(0), comm=DummyMPI())
+    system = MDSystem.from_atoms(model, atoms, skin=1.0)
+    integrator = VelocityVerlet(2.0)
+    run(system, integrator, 2, thermo_every=2)  # warm-up (allocations, kernels)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        reset_hwm()
+    halo0, seconds0 = system.timers["halo"], time.perf_counter()
+    backend.barrier()
+    start = time.perf_counter()
+    run(system, integrator, args.steps, thermo_every=args.steps)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    halo = (system.timers["halo"] - halo0) / args.steps
+    memory = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else status_mb("VmHWM")
+    halos, memories = backend.allgather(halo), backend.allgather(memory)
+    if backend.rank == 0:
+        print(json.dumps({"atoms": len(atoms), "seconds_per_step": seconds / args.steps, "halo": max(halos),
+                          "memory_mb": max(memories), "library": backend.library, "t": time.perf_counter() - seconds0}))
+
+
+def throughput(sizes, steps, cpu):
+    rows = []
+    for cells in sizes:
+        for ranks in (1, 2):
+            for backend, launcher in BACKENDS.items():
+                if ranks == 1 and backend == "torch":
+                    continue  # one rank: no messages, the backends do not differ
+                options = ["--cells", cells, "--steps", steps] + (["--cpu"] if cpu else [])
+                r = launch(ranks, __file__, options, launcher=launcher, backend=backend)
+                label = "one process" if ranks == 1 else f"{ranks} ranks, {r['library'].split(' (')[0]}"
+                rows.append((f"MD throughput, {r['atoms']} atoms", label,
+                             f"{r['atoms'] / r['seconds_per_step']:,.0f} atom-steps/s, halo "
+                             f"{1e3 * r['halo']:.1f} of {1e3 * r['seconds_per_step']:.1f} ms/step, "
+                             f"peak {r['memory_mb']:,.0f} MB/rank", None))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu", action="store_true", help="use the CPU as the device (no GPU needed)")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], help="self-check rank counts")
+    parser.add_argument("--sizes", type=int, nargs="+", default=None,
+                        help="throughput sizes in cubic fcc cells per direction (4 atoms each); default "
+                             "14 and 29 (11 k, 98 k atoms) on a GPU, 10 and 15 (4 k, 13.5 k) on the CPU")
+    parser.add_argument("--steps", type=int, default=None, help="timed MD steps per throughput run")
+    parser.add_argument("--md-steps", type=int, default=100, help="steps of the device-vs-CPU MD check")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["self-check", "models", "md", "throughput"])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--cells", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return throughput_worker(args)
+
+    import torch
+    if not args.cpu and not torch.cuda.is_available():
+        sys.exit("gpu_check: torch sees no CUDA device (torch.cuda.is_available() is False); "
+                 "run with --cpu to check the CPU path")
+    device = "cpu" if args.cpu else "cuda"
+    sizes = args.sizes or ([10, 15] if args.cpu else [14, 29])
+    steps = args.steps or (5 if args.cpu else 20)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    print(f"mlip-parallel gpu_check on {torch.cuda.get_device_name() if device == 'cuda' else 'the CPU'}, "
+          f"torch {torch.__version__}", flush=True)
+    start, rows = time.perf_counter(), []
+    sections = {"self-check": lambda: self_checks(args.ranks, env), "models": lambda: model_checks(device),
+                "md": lambda: md_check(device, args.md_steps), "throughput": lambda: throughput(sizes, steps, args.cpu)}
+    for name, section in sections.items():
+        if name not in args.skip:
+            rows += section()
+            print(f"  {name} done ({time.perf_counter() - start:.0f} s)", flush=True)
+    widths = [max(len(str(r[k])) for r in rows) for k in range(3)]
+    print(f"\n{'check':{widths[0]}s}  {'setting':{widths[1]}s}  {'result':{widths[2]}s}  verdict")
+    for check, setting, result, ok in rows:
+        verdict = "-" if ok is None else ("OK" if ok else "FAILED")
+        print(f"{check:{widths[0]}s}  {setting:{widths[1]}s}  {result:{widths[2]}s}  {verdict}")
+    failed = [r for r in rows if r[3] is False]
+    print(f"\n{len(rows)} rows, {len(failed)} failed, {time.perf_counter() - start:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
