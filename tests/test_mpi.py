@@ -73,8 +73,8 @@ def test_self_check_entry_point(mpirun):
         assert text in out, out
 
 
-def test_self_check_under_torchrun(torchrun):
-    rc, out, _ = torchrun(2, "-m", "mlip_parallel.check", "--repeat", "3")
+def test_self_check_under_torchrun_without_mpi(torchrun):
+    rc, out, _ = torchrun(2, MPI_DIR / "check_without_mpi.py", "--repeat", "3")
     assert rc == 0, out
     for text in ("2 rank(s)", "communication: torch.distributed gloo", "largest force difference", "OK"):
         assert text in out, out
