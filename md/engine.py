@@ -18,20 +18,19 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import torch
 from ase import units
 
-from mlip_parallel import MODES, Comm, DecompositionError, Domain, Grid, LostAtomsError, forward_decomposed, get_backend
+from mlip_parallel import (MODES, DecompositionError, Domain, Grid, LostAtomsError, Subdomain, forward_decomposed,
+                           get_backend)
 from mlip_parallel.evaluate import ghost_reach, global_sums
 from potentials.errors import InvalidStructureError
-from potentials.graph import neighbour_list
 
 PER_ATOM = ("positions", "velocities", "masses", "numbers", "ids", "image")
 PHASES = ("force", "halo", "neighbour", "integrate", "output")  # where a step's time goes (``MDSystem.timers``)
 
 
 class MDSystem:
-    """Rank-local atoms, their decomposition and the neighbour skin; computes forces.
+    """Rank-local atoms and their ``Subdomain`` (``sub``, rebuilt when they moved skin/2); computes forces.
 
     ``atoms``: dict of this rank's per-atom arrays (PER_ATOM keys: positions [n, 3] Å, velocities
     [n, 3] Å/ASE-time, masses [n] amu, numbers [n], ids [n] global ids, image [n, 3]). After
@@ -118,42 +117,30 @@ class MDSystem:
         return cls(model, {k: v[mine] for k, v in state.items()}, cell, pbc, **kwargs), step
 
     # --------------------------------------------------------------- decomposition
-    @property
-    def positions(self) -> np.ndarray:
-        return self.atoms["positions"]
-
     def rebuild(self, rebalance: bool = False) -> None:
         """Wrap, migrate atoms to their owners, rebuild ghosts and the pair candidates (collective).
         ``rebalance``: first move the cut planes so that ranks own similar atom counts."""
         positions = self.atoms["positions"]
         if not np.all(np.isfinite(positions)):
             raise InvalidStructureError(f"rank {self.backend.rank}: non-finite positions at rebuild")
-        self.domain = Domain.from_positions(positions, self.cell, self.pbc, self.backend)
+        domain = Domain.from_positions(positions, self.cell, self.pbc, self.backend)
         if self.dims is None:  # chosen once: the grid keeps its shape when the cell changes
-            self.dims = Grid.for_ranks(self.backend.size, self.domain, self.grid_dims).dims
+            self.dims = Grid.for_ranks(self.backend.size, domain, self.grid_dims).dims
         if rebalance:
-            wrapped, _ = self.domain.wrap(positions)
-            self.cuts = Grid.balanced_cuts(self.dims, self.domain, wrapped, self.backend)
-        self.grid = Grid.from_cuts(self.dims, self.domain, self.cuts) if self.cuts is not None else \
-            Grid.uniform(self.dims, self.domain)
-        self.comm = Comm(self.backend, self.grid, self.domain)
-        self.thinnest = min(np.diff(self.grid.planes[d]).min() / np.linalg.norm(self.domain.inverse[:, d])
+            wrapped, _ = domain.wrap(positions)
+            self.cuts = Grid.balanced_cuts(self.dims, domain, wrapped, self.backend)
+        grid = Grid.from_cuts(self.dims, domain, self.cuts) if self.cuts is not None else \
+            Grid.uniform(self.dims, domain)
+        self.thinnest = min(np.diff(grid.planes[d]).min() / np.linalg.norm(domain.inverse[:, d])
                             for d in range(3))  # Å: the smallest subdomain width, for the blow-up check
-        self.atoms = self.comm.exchange(self.atoms)
+        self.sub = Subdomain(self.backend, domain, grid)
+        self.atoms = self.sub.comm.exchange(self.atoms)
         count = int(self.backend.allreduce(len(self.atoms["ids"])))
         if count != self.n_atoms:
             raise LostAtomsError(f"{self.n_atoms} atoms before migration, {count} after")
-        reach = ghost_reach(self.model, self.mode)
-        self.comm.borders(self.atoms["positions"], self.atoms["ids"], reach + self.skin)
-        ghost_numbers = self.comm.forward_comm(torch.as_tensor(self.atoms["numbers"], dtype=torch.float64))
-        self.numbers = np.concatenate([self.atoms["numbers"], ghost_numbers.numpy().round().astype(np.int64)])
-        local = np.concatenate([self.atoms["positions"], self._ghost_positions()])
-        i, j, _ = neighbour_list(local, self.domain.cell, False, self.model.cutoff + self.skin)
-        if self.mode == "layerwise":  # only owned atoms receive: drop ghost-ghost pairs once, here
-            keep = i < len(self.atoms["ids"])
-            i, j = i[keep], j[keep]
-        self.candidates = (i, j)
-        self.reference, self.reference_cell = self.atoms["positions"].copy(), self.cell.copy()
+        self.sub.build(self.atoms["positions"], self.atoms["ids"], self.atoms["numbers"],
+                       ghost_reach(self.model, self.mode), self.skin, self.model.cutoff + self.skin,
+                       layerwise=self.mode == "layerwise")
         self.rebuilds += 1
 
     def set_cell(self, cell) -> None:
@@ -164,7 +151,7 @@ class MDSystem:
         self.cell = np.asarray(cell, dtype=np.float64)
         if not np.all(np.isfinite(self.cell)) or abs(np.linalg.det(self.cell)) < 1e-9:
             raise InvalidStructureError(f"the cell became degenerate or non-finite: {self.cell.tolist()}")
-        self.domain = self.comm.domain = Domain(self.cell, self.pbc, self.domain.lo, self.domain.hi)
+        self.sub.set_cell(self.cell)
 
     def maybe_rebuild(self, previous: np.ndarray | None = None, rebalance: bool = False) -> bool:
         """Rebuild when any atom moved more than skin/2 since the last rebuild (decided collectively);
@@ -172,13 +159,9 @@ class MDSystem:
         (before this step), an atom that moved farther than the thinnest subdomain in one step ends the
         run: the dynamics has blown up. ``rebalance``: rebuild now, with new cut planes."""
         positions = self.atoms["positions"]
-        moved = np.sqrt(((positions - self.reference) ** 2).sum(axis=1))
-        step = np.sqrt(((positions - previous) ** 2).sum(axis=1)) if previous is not None else moved[:0]
-        image = self.comm.ghost_image
-        cell_shift = np.sqrt(((image @ (self.cell - self.reference_cell)) ** 2).sum(axis=1)) if len(image) else moved[:0]
-        farthest, jump, ghost_extra = self.backend.allreduce(
-            np.array([moved.max() if len(moved) else 0.0, step.max() if len(step) else 0.0,
-                      cell_shift.max() if len(cell_shift) else 0.0]), op="max")
+        step = np.sqrt(((positions - previous) ** 2).sum(axis=1)).max(initial=0.0) if previous is not None else 0.0
+        moved, ghost_shift = self.sub.displacement(positions)
+        farthest, jump, ghost_extra = self.backend.allreduce(np.array([moved, step, ghost_shift]), op="max")
         if not (np.isfinite(farthest) and np.isfinite(jump)):
             raise InvalidStructureError("non-finite positions during MD")
         if jump > self.thinnest:
@@ -189,15 +172,12 @@ class MDSystem:
             return True
         return False
 
-    def _ghost_positions(self) -> np.ndarray:
-        owned = torch.as_tensor(self.atoms["positions"], dtype=torch.float64)
-        return self.comm.ghost_positions(owned, torch.as_tensor(self.domain.cell)).numpy()
-
     # ---------------------------------------------------------------------- forces
     def compute_forces(self) -> None:
         """Forces on owned atoms, the global energy and virial (collective)."""
         start, messages = time.perf_counter(), self.backend.comm_seconds
-        energies, forces, dE_dstrain = forward_decomposed(self.model, self, self.mode, candidates=self.candidates)
+        self.sub.positions = self.atoms["positions"]
+        energies, forces, dE_dstrain = forward_decomposed(self.model, self.sub, self.mode)
         self.forces = forces.detach().cpu().numpy()
         if not np.all(np.isfinite(self.forces)):
             raise InvalidStructureError(f"rank {self.backend.rank}: non-finite forces")
@@ -219,7 +199,7 @@ class MDSystem:
     def thermo(self, step: int, dt: float) -> dict:
         """Global thermodynamic quantities (collective): ASE's conventions (3N degrees of freedom)."""
         kinetic = self.kinetic_energy()
-        volume = abs(np.linalg.det(self.domain.cell))
+        volume = abs(np.linalg.det(self.sub.domain.cell))
         temperature = 2.0 * kinetic / (3.0 * self.n_atoms * units.kB)
         pressure = (2.0 * kinetic - np.trace(self.virial)) / (3.0 * volume)
         return {"step": step, "time_fs": step * dt / units.fs, "temperature_K": temperature,

@@ -14,6 +14,7 @@ __all__ = lazy_exports(__name__, {
     "errors": ("DecompositionError", "InvalidStructureError", "LostAtomsError", "MLIPError", "UnknownSpeciesError"),
     "evaluate": ("MODES", "Decomposition", "evaluate", "forward_decomposed"),
     "grid": ("Grid", "choose_dims"),
+    "subdomain": ("Subdomain",),
 }) + ["install_abort_on_error", "launched_by_mpiexec"]
 
 if launched_by_mpiexec():

@@ -6,41 +6,30 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from potentials.graph import AtomGraph, NoHalo, check_positions, neighbour_list
-from potentials.predict import strained_coordinates, voigt_stress
+from potentials.graph import AtomGraph, NoHalo, check_positions, edge_vectors, neighbour_list, strained_coordinates
+from potentials.predict import voigt_stress
 
 from .backend import get_backend, rank_device
-from .comm import Comm, FeatureHalo
+from .comm import FeatureHalo
 from .domain import Domain
 from .errors import LostAtomsError
 from .grid import Grid
+from .subdomain import Subdomain
 
 MODES = ("layerwise", "wide")
 
 
-class Decomposition:
-    """One rank's share of a replicated structure: the grid, the halo (``comm``) with its ghosts, and
-    ``owned`` [n_local] indices of this rank's atoms in the caller's order.
-
-    What ``forward_decomposed`` reads (MD builds the same attributes from rank-local atoms):
-    ``domain``, ``grid``, ``comm`` (after borders), ``positions`` [n_local, 3] Å, ``numbers``
-    [n_local + n_ghost] atomic numbers of the local rows, ``skin`` (Å) the ghost shell holds beyond the
-    model's reach."""
-
-    skin = 0.0
+class Decomposition(Subdomain):
+    """The ``Subdomain`` of this rank in a structure ``atoms`` that every rank holds alike (ghosts within
+    ``r_ghost`` Å; no skin, no candidates); ``owned`` [n_local] indices of its atoms in ``atoms``."""
 
     def __init__(self, atoms, r_ghost: float, backend, grid=None):
         positions = check_positions(atoms.positions)
-        self.domain = Domain.from_positions(positions, atoms.cell, atoms.pbc)
-        self.grid = Grid.for_ranks(backend.size, self.domain, grid)
-        wrapped, _ = self.domain.wrap(positions)
-        owner = self.grid.owner(self.domain.wrapped_fractional(wrapped))
-        self.owned = np.flatnonzero(owner == backend.rank)
-        self.comm = Comm(backend, self.grid, self.domain)
-        self.comm.borders(wrapped[self.owned], self.owned, r_ghost)
-        self.positions = wrapped[self.owned]  # [n_local, 3] Å, wrapped
-        self.local_ids = np.concatenate([self.owned, self.comm.ghost_ids])  # [n_local + n_ghost]
-        self.numbers = np.asarray(atoms.numbers)[self.local_ids]  # atomic numbers of local rows
+        domain = Domain.from_positions(positions, atoms.cell, atoms.pbc)
+        super().__init__(backend, domain, Grid.for_ranks(backend.size, domain, grid))
+        wrapped, _ = domain.wrap(positions)
+        self.owned = np.flatnonzero(self.grid.owner(domain.wrapped_fractional(wrapped)) == backend.rank)
+        self.build(wrapped[self.owned], self.owned, np.asarray(atoms.numbers)[self.owned], r_ghost)
 
 
 def ghost_reach(model, mode: str) -> float:
@@ -62,58 +51,48 @@ def global_sums(backend, energies, dE_dstrain) -> GlobalSums:
     return GlobalSums(float(totals[9]), totals[:9].reshape(3, 3))
 
 
-def _within_shell(part: Decomposition, positions: np.ndarray, r: float) -> np.ndarray:
-    """[n] bool: local atoms within fractional distance ``r`` (Å) of this rank's subdomain."""
-    lo, hi = part.grid.bounds(part.comm.rank)
-    cut = part.domain.fractional_distance(r) * (1 + 1e-9) + 1e-12
-    frac = part.domain.fractional(positions)
-    return np.all((frac >= lo - cut) & (frac < hi + cut), axis=1)
-
-
-def forward_decomposed(model, part: Decomposition, mode: str = "layerwise", create_graph: bool = False,
-                       candidates=None):
-    """Differentiable evaluation of this rank's share (collective: every rank calls it together).
+def forward_decomposed(model, sub: Subdomain, mode: str = "layerwise", create_graph: bool = False):
+    """Differentiable evaluation of this rank's share ``sub`` (collective: every rank calls it together;
+    ``sub``'s ghost shell must reach ``ghost_reach(model, mode)``).
 
     Returns torch float64 (energies [n_local], forces [n_local, 3], dE/dstrain [3, 3]) for the owned
     atoms, on the model's device. Forces are those of the *total* energy (ghost gradients come home
     through the reverse exchange); dE/dstrain is this rank's part — sum it over ranks. With
     ``create_graph`` the results stay differentiable w.r.t. the parameters: a loss on them
-    backpropagates through the halo (training on decomposed structures). ``candidates``: (i, j) local
-    row pairs known to include every pair closer than the cutoff (a neighbour list with a skin); by
-    default the pairs are searched anew.
+    backpropagates through the halo (training on decomposed structures).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    halo, device = part.comm, model.device
-    pos, strain, pos_s, cell_s = strained_coordinates(part.positions, part.domain.cell, device)
-    all_pos = torch.cat([pos_s, halo.ghost_positions(pos_s, cell_s)])
+    halo, device = sub.comm, model.device
+    x = strained_coordinates(sub.positions, sub.domain.cell, device)
+    all_pos = torch.cat([x.positions, halo.ghost_positions(x.positions, x.cell)])
 
     positions = all_pos.detach().cpu().numpy()
-    if candidates is None:
-        i, j, _ = neighbour_list(positions, part.domain.cell, False, model.cutoff)
+    if sub.candidates is None:
+        i, j, _ = neighbour_list(positions, sub.domain.cell, False, model.cutoff)
         near = np.ones(len(i), dtype=bool)
     else:
-        i, j = candidates
+        i, j = sub.candidates
         delta = positions[j] - positions[i]
         near = np.einsum("ij,ij->i", delta, delta) < model.cutoff**2
     if mode == "layerwise":
         receives = np.arange(len(all_pos)) < halo.n_local
     else:  # atoms farther than (layers - 1) cutoffs (+ skin) from the subdomain only ever send
-        receives = _within_shell(part, positions, (model.layers - 1) * model.cutoff + part.skin)
+        receives = sub.within(positions, (model.layers - 1) * model.cutoff + sub.skin)
     keep = receives[i] & near
     i, j = i[keep], j[keep]
     i_t, j_t = torch.as_tensor(i, device=device), torch.as_tensor(j, device=device)
     graph = AtomGraph(
-        species=torch.as_tensor(model.species_index(part.numbers), device=device),
+        species=torch.as_tensor(model.species_index(sub.numbers), device=device),
         edge_index=torch.stack([j_t, i_t]),
-        edge_vec=all_pos[j_t] - all_pos[i_t],
+        edge_vec=edge_vectors(all_pos, i_t, j_t),
         n_local=halo.n_local,
         halo=FeatureHalo(halo) if mode == "layerwise" else NoHalo(),
         n_receivers=halo.n_local if mode == "layerwise" else None,
     )
     energies = model(graph).to(torch.float64)
     # Every rank differentiates the same op sequence, so the reverse exchanges run in lock-step.
-    dE_dpos, dE_dstrain = torch.autograd.grad(energies.sum(), [pos, strain], create_graph=create_graph)
+    dE_dpos, dE_dstrain = torch.autograd.grad(energies.sum(), [x.pos, x.strain], create_graph=create_graph)
     return energies, -dE_dpos, dE_dstrain
 
 

@@ -12,10 +12,10 @@ see them).
 
 The halo follows LAMMPS's decomposition (docs/architecture.md §2–§3): a ``Grid`` whose cut planes and
 rank layout are LAMMPS's subdomains (``sublo``/``subhi``, or ``sublo_lambda``/``subhi_lambda`` for
-triclinic boxes; re-read after ``balance`` / ``fix balance``) and our own ``Comm`` over LAMMPS's local
-atoms, so ``forward_decomposed`` evaluates message-passing models layerwise exactly as the MD engine
-does: ghost features refreshed between layers, ghost gradients summed into their owners by the reverse
-exchange. LAMMPS's own ghost atoms are not used (fix external sets local forces only, and LAMMPS
+triclinic boxes; re-read after ``balance`` / ``fix balance``) and our own ``Subdomain`` (halo) over
+LAMMPS's local atoms, so ``forward_decomposed`` evaluates message-passing models layerwise exactly as the
+MD engine does: ghost features refreshed between layers, ghost gradients summed into their owners by the
+reverse exchange. LAMMPS's own ghost atoms are not used (fix external sets local forces only, and LAMMPS
 cannot refresh ghost features). The ghosts and the pair candidates are rebuilt when LAMMPS migrates or
 reorders atoms, when the subdomains change, and when any atom moved more than half our skin since the
 last rebuild (a cell change counts through the ghosts' images), decided collectively; atoms that have
@@ -269,86 +269,62 @@ def _not_a_brick(lo, hi):
 
 
 class LammpsDecomposition:
-    """This rank's share of LAMMPS's system as ``forward_decomposed`` reads it (the attributes of
-    ``mlip_parallel.evaluate.Decomposition``): ``domain`` (LAMMPS's box, origin at boxlo), ``grid``
-    (LAMMPS's subdomains), ``comm`` (our halo over LAMMPS's local atoms), ``positions`` [n_local, 3] Å
-    relative to boxlo, ``numbers`` [n_local + n_ghost], ``skin`` (the ghost shell beyond the model's
-    reach), and ``candidates``, the pairs within cutoff + skin at the last rebuild."""
+    """LAMMPS's local atoms as a ``Subdomain`` (``sub``, what ``forward_decomposed`` reads): ``domain``
+    LAMMPS's box (origin at boxlo), ``grid`` LAMMPS's subdomains, ``positions`` relative to boxlo, and
+    the candidate pairs within cutoff + ``skin``, the user's skin (the ghost shell's is wider by twice the
+    farthest excursion of an atom out of its subdomain). ``rebuilds`` counts the halo rebuilds."""
 
     def __init__(self, model, backend, mode: str, skin: float):
-        self.model, self.backend, self.mode, self.user_skin = model, backend, mode, float(skin)
-        self.skin = self.user_skin
-        self.comm = None
-        self.rebuilds = 0
+        self.model, self.backend, self.mode, self.skin = model, backend, mode, float(skin)
+        self.sub, self.rebuilds = None, 0
+
+    @property
+    def grid(self):
+        return self.sub.grid
 
     def update(self, positions, ids, numbers, cell, pbc, lo, hi) -> bool:
         """Take this step's local atoms (LAMMPS order) and box; rebuild the halo when needed (collective).
         ``lo``, ``hi``: [3] this rank's fractional subdomain bounds. Returns whether it rebuilt."""
         import numpy as np
 
-        from .domain import Domain
-
-        changed = self.comm is None or not (
-            np.array_equal(ids, self.ids) and np.array_equal(numbers, self.local_numbers)
-            and np.array_equal(pbc, self.pbc) and np.array_equal(lo, self.lo) and np.array_equal(hi, self.hi))
-        if self.comm is None or not (np.array_equal(cell, self.cell) and np.array_equal(pbc, self.domain.pbc)):
-            self.cell = cell
-            # LAMMPS's box (origin at boxlo; fractional = lamda). Its atoms may have left their subdomain,
-            # and the box, since LAMMPS last migrated them: ``borders`` selects ghosts by their actual
-            # fractional coordinates, within a shell widened by twice the farthest such excursion.
-            self.domain = Domain(cell, pbc, np.zeros(3), np.ones(3))
-            if self.comm is not None:
-                self.comm.domain = self.domain
-        if changed:
-            moved = ghost_extra = np.inf
-        else:
-            moved = np.sqrt(((positions - self.reference) ** 2).sum(axis=1)).max(initial=0.0)
-            image = self.comm.ghost_image
-            ghost_extra = np.sqrt(((image @ (cell - self.reference_cell)) ** 2).sum(axis=1)).max(initial=0.0)
-        flag = np.array([1.0 if changed else 0.0, 0.0 if changed else moved + ghost_extra])
+        sub = self.sub
+        changed = sub is None or not (
+            np.array_equal(ids, sub.ids) and np.array_equal(numbers, sub.numbers[:len(sub.ids)])
+            and np.array_equal(pbc, sub.domain.pbc) and np.array_equal(lo, self.lo) and np.array_equal(hi, self.hi))
         if not np.all(np.isfinite(positions)):
             raise LammpsBridgeError(f"rank {self.backend.rank}: non-finite positions from LAMMPS", everywhere=False)
-        flag = self.backend.allreduce(flag, op="max") if self.backend.size > 1 else flag
-        self.positions = positions
-        if flag[0] == 0 and flag[1] <= 0.5 * self.user_skin:
+        if not changed and not np.array_equal(cell, sub.domain.cell):
+            sub.set_cell(cell)
+        farthest = np.inf if changed else sum(sub.displacement(positions))
+        farthest = self.backend.allreduce(farthest, op="max") if self.backend.size > 1 else farthest
+        if farthest <= 0.5 * self.skin:
+            sub.positions = positions
             return False
         self._rebuild(positions, ids, numbers, cell, pbc, lo, hi)
         return True
 
     def _rebuild(self, positions, ids, numbers, cell, pbc, lo, hi) -> None:
         import numpy as np
-        import torch
 
-        from potentials.graph import neighbour_list
-
-        from .comm import Comm
+        from .domain import Domain
         from .evaluate import ghost_reach
+        from .subdomain import Subdomain
 
-        model, backend = self.model, self.backend
+        backend = self.backend
         bounds = backend.allgather((np.asarray(lo), np.asarray(hi)))
-        self.grid = _lammps_grid_type()([b[0] for b in bounds], [b[1] for b in bounds], pbc)
-        # atoms LAMMPS has not migrated since they left their subdomain: widen the shell by twice the farthest
-        frac = self.domain.fractional(positions)
-        outside = np.maximum(np.maximum(lo - frac, frac - hi), 0.0) / np.linalg.norm(self.domain.inverse, axis=0)
+        grid = _lammps_grid_type()([b[0] for b in bounds], [b[1] for b in bounds], pbc)
+        # LAMMPS's box (origin at boxlo; fractional = lamda). Its atoms may have left their subdomain, and
+        # the box, since LAMMPS last migrated them: ``borders`` selects ghosts by their actual fractional
+        # coordinates, within a shell widened by twice the farthest such excursion.
+        domain = Domain(cell, pbc, np.zeros(3), np.ones(3))
+        frac = domain.fractional(positions)
+        outside = np.maximum(np.maximum(lo - frac, frac - hi), 0.0) / np.linalg.norm(domain.inverse, axis=0)
         drift = outside.max(initial=0.0)
         drift = float(backend.allreduce(drift, op="max")) if backend.size > 1 else drift
-        self.skin = self.user_skin + 2.0 * drift
-        reach = ghost_reach(model, self.mode)
-        self.comm = Comm(backend, self.grid, self.domain)
-        self.comm.borders(positions, ids, reach + self.skin)
-        ghost_numbers = self.comm.forward_comm(torch.as_tensor(numbers, dtype=torch.float64))
-        self.numbers = np.concatenate([numbers, ghost_numbers.numpy().round().astype(np.int64)])
-        owned = torch.as_tensor(positions, dtype=torch.float64)
-        ghosts = self.comm.ghost_positions(owned, torch.as_tensor(self.domain.cell)).numpy()
-        i, j, _ = neighbour_list(np.concatenate([positions, ghosts]), self.domain.cell, False,
-                                 model.cutoff + self.user_skin)
-        if self.mode == "layerwise":  # only owned atoms receive: drop ghost-ghost pairs once, here
-            keep = i < len(positions)
-            i, j = i[keep], j[keep]
-        self.candidates = (i, j)
-        self.ids, self.local_numbers, self.pbc = ids.copy(), numbers.copy(), np.array(pbc, dtype=bool)
+        self.sub = Subdomain(backend, domain, grid).build(
+            positions, ids, numbers, ghost_reach(self.model, self.mode), self.skin + 2.0 * drift,
+            self.model.cutoff + self.skin, layerwise=self.mode == "layerwise")
         self.lo, self.hi = np.array(lo), np.array(hi)
-        self.reference, self.reference_cell = positions.copy(), np.array(cell)
         self.rebuilds += 1
 
 
@@ -467,9 +443,8 @@ class Bridge:
         else:
             lo = (np.array(lmp.extract_global("sublo")[:3]) - boxlo) / extent
             hi = (np.array(lmp.extract_global("subhi")[:3]) - boxlo) / extent
-        part = self.decomposition
-        part.update(x - boxlo, tags, numbers, cell, pbc, lo, hi)
-        energies, forces, dE_dstrain = forward_decomposed(self.model, part, part.mode, candidates=part.candidates)
+        self.decomposition.update(x - boxlo, tags, numbers, cell, pbc, lo, hi)
+        energies, forces, dE_dstrain = forward_decomposed(self.model, self.decomposition.sub, self.mode)
         forces = forces.detach().cpu().numpy()
         if not np.all(np.isfinite(forces)):
             raise LammpsBridgeError(f"rank {self.backend.rank}: non-finite forces at step {step}", everywhere=False)

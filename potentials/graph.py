@@ -1,4 +1,5 @@
-"""The graph a model reads, the halo hook, structure checks and the neighbour list.
+"""The graph a model reads, the halo hook, structure checks, the neighbour list, and the strained
+coordinates and edge vectors every evaluation (one process, decomposed, batched) builds graphs from.
 
 Edge convention (torch-geometric's ``source_to_target`` flow): ``edge_index[0]`` holds senders j,
 ``edge_index[1]`` receivers i, and ``edge_vec[e] = r_j - r_i`` (Å) points from the receiver to the
@@ -7,7 +8,7 @@ sender, periodic image included.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -107,3 +108,34 @@ def neighbour_list(positions: np.ndarray, cell: np.ndarray, pbc, cutoff: float):
     i, j, s = vesin.NeighborList(cutoff=float(cutoff), full_list=True).compute(
         points=positions, box=box, periodic=pbc, quantities="ijS")
     return i.astype(np.int64), j.astype(np.int64), s.astype(np.int64)
+
+
+class StrainedCoordinates(NamedTuple):
+    """Leaves ``pos`` [N, 3] and ``strain`` (zero, the shape of the cell: [3, 3] or [B, 3, 3]), float64,
+    requiring grad: dE/dpos and dE/dstrain give forces and stress. ``positions`` [N, 3] = pos (1 + ε) and
+    ``cell`` = cell (1 + ε), each structure by its own ε, are what edges are built from."""
+
+    pos: torch.Tensor
+    strain: torch.Tensor
+    positions: torch.Tensor
+    cell: torch.Tensor
+
+
+def strained_coordinates(positions, cell, device=None, batch=None) -> StrainedCoordinates:
+    """Fresh leaves for ``positions`` [N, 3] Å and ``cell`` [3, 3], or cells [B, 3, 3] with ``batch`` [N]
+    long, the structure of each atom (numpy or torch; ``device`` None: that of ``positions``)."""
+    pos = torch.as_tensor(positions, dtype=torch.float64, device=device).detach().clone().requires_grad_(True)
+    cell = torch.as_tensor(cell, dtype=torch.float64, device=pos.device)
+    strain = torch.zeros_like(cell, requires_grad=True)
+    deform = torch.eye(3, dtype=torch.float64, device=pos.device) + strain
+    moved = pos @ deform if batch is None else torch.einsum("ni,nij->nj", pos, deform[batch])
+    return StrainedCoordinates(pos, strain, moved, cell @ deform)
+
+
+def edge_vectors(positions: torch.Tensor, i, j, shifts=None, cell=None, edge_batch=None) -> torch.Tensor:
+    """[E, 3] r_j - r_i (+ ``shifts`` [E, 3] float64 image counts @ ``cell`` [3, 3], or @ the cell of each
+    edge's structure, ``cell[edge_batch]`` of [B, 3, 3]); ``positions`` [N, 3], ``i``, ``j`` [E] long."""
+    vec = positions[j] - positions[i]
+    if shifts is None:
+        return vec
+    return vec + (shifts @ cell if edge_batch is None else torch.einsum("ei,eij->ej", shifts, cell[edge_batch]))

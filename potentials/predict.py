@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from .base import Potential
-from .graph import AtomGraph, check_positions, complete_cell, neighbour_list
+from .graph import AtomGraph, check_positions, complete_cell, edge_vectors, neighbour_list, strained_coordinates
 
 
 def voigt_stress(dE_dstrain: np.ndarray, volume: float) -> np.ndarray:
@@ -13,16 +13,6 @@ def voigt_stress(dE_dstrain: np.ndarray, volume: float) -> np.ndarray:
     from ase.stress import full_3x3_to_voigt_6_stress
 
     return full_3x3_to_voigt_6_stress(0.5 * (dE_dstrain + dE_dstrain.T) / volume)
-
-
-def strained_coordinates(positions: np.ndarray, cell: np.ndarray, device):
-    """Leaves for forces and stress: ``pos`` [N, 3] and ``strain`` [3, 3] (zero), float64, requiring
-    grad, and the deformed ``pos @ (1 + strain)`` and ``cell @ (1 + strain)`` that models read.
-    Returns (pos, strain, deformed_pos, deformed_cell)."""
-    pos = torch.tensor(positions, dtype=torch.float64, device=device, requires_grad=True)
-    strain = torch.zeros(3, 3, dtype=torch.float64, device=device, requires_grad=True)
-    deform = torch.eye(3, dtype=torch.float64, device=device) + strain
-    return pos, strain, pos @ deform, torch.as_tensor(cell, dtype=torch.float64, device=device) @ deform
 
 
 def energy_forces(model: Potential, atoms, create_graph: bool = False):
@@ -37,13 +27,13 @@ def energy_forces(model: Potential, atoms, create_graph: bool = False):
     species = torch.as_tensor(model.species_index(atoms.numbers), device=device)
     i, j, shifts = neighbour_list(positions, cell, atoms.pbc, model.cutoff)
 
-    pos, strain, pos_s, cell_s = strained_coordinates(positions, cell, device)
+    x = strained_coordinates(positions, cell, device)
     i_t, j_t = torch.as_tensor(i, device=device), torch.as_tensor(j, device=device)
-    edge_vec = pos_s[j_t] - pos_s[i_t] + torch.as_tensor(shifts, dtype=torch.float64, device=device) @ cell_s
+    edge_vec = edge_vectors(x.positions, i_t, j_t, torch.as_tensor(shifts, dtype=torch.float64, device=device), x.cell)
     graph = AtomGraph(species=species, edge_index=torch.stack([j_t, i_t]), edge_vec=edge_vec,
                       n_local=len(positions))
     energies = model(graph).to(torch.float64)
-    dE_dpos, dE_dstrain = torch.autograd.grad(energies.sum(), [pos, strain], create_graph=create_graph)
+    dE_dpos, dE_dstrain = torch.autograd.grad(energies.sum(), [x.pos, x.strain], create_graph=create_graph)
     return energies, -dE_dpos, dE_dstrain
 
 

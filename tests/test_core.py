@@ -8,7 +8,9 @@ from ase.build import fcc111
 
 import mlip_parallel
 import potentials
-from mlip_parallel import Decomposition, Domain, Grid, SerialBackend
+from mlip_parallel import Decomposition, Domain, Grid, SerialBackend, Subdomain, forward_decomposed
+from mlip_parallel.evaluate import ghost_reach
+from potentials.predict import voigt_stress
 from systems import GEOMETRIES, SPECIES, ase_lj_results, lennard_jones, max_relative_error, schnet
 
 torch.set_num_threads(1)
@@ -90,6 +92,50 @@ def test_serial_decomposition_matches_predict(name):
             for mode in ("layerwise", "wide"):
                 errors = max_relative_error(mlip_parallel.evaluate(model, atoms, mode=mode, comm=backend), reference)
                 assert max(errors.values()) < tol, (cls.__name__, dtype, mode, errors)
+
+
+@pytest.mark.parametrize("mode", mlip_parallel.MODES)
+def test_subdomain_pairs_and_ghosts_hold_until_atoms_moved_half_the_skin(mode):
+    """The Subdomain contract MD and the LAMMPS bridge rely on: built once with a skin, its ghost shell
+    and candidate pairs still give the one-process result after every atom moved (just under) skin/2."""
+    atoms, model, skin = GEOMETRIES["sheared"](), schnet(), 1.0
+    domain = Domain.from_positions(atoms.positions, atoms.cell, atoms.pbc)
+    wrapped, _ = domain.wrap(atoms.positions)
+    sub = Subdomain(SerialBackend(), domain, Grid.for_ranks(1, domain)).build(
+        wrapped, np.arange(len(atoms)), atoms.numbers, ghost_reach(model, mode), skin, model.cutoff + skin,
+        layerwise=mode == "layerwise")
+    step = np.random.default_rng(0).normal(size=wrapped.shape)
+    sub.positions = wrapped + 0.499 * skin * step / np.linalg.norm(step, axis=1, keepdims=True)
+    assert sub.displacement(sub.positions)[0] < 0.5 * skin
+    moved = atoms.copy()
+    moved.positions = sub.positions
+    energies, forces, dE_dstrain = forward_decomposed(model, sub, mode)
+    errors = max_relative_error({"energy": energies.sum().item(), "energies": energies.detach().numpy(),
+                                 "forces": forces.numpy(), "stress": voigt_stress(dE_dstrain.numpy(), moved.cell.volume)},
+                                potentials.predict(model, moved))
+    assert max(errors.values()) < 1e-10, errors
+
+
+def test_batched_strain_and_edges_equal_one_structure_at_a_time():
+    """potentials.graph's strained coordinates and edge vectors, batched (training) and for one
+    structure (predict, forward_decomposed): the same energies, forces and stress."""
+    from mlip_parallel.train.training import Batch, Structure, predict_batch
+    from potentials.graph import complete_cell
+    from potentials.predict import energy_forces
+
+    model = schnet()
+    structures = [GEOMETRIES[name]() for name in ("fcc_bulk", "sheared", "small_cell", "clusters")]
+    batch = Batch([Structure(a.numbers, a.positions, complete_cell(a.cell, a.pbc), a.pbc, None, None, None, "")
+                   for a in structures], model, model.device)
+    energy, forces, stress = predict_batch(model, batch, create_graph=False)
+    start = 0
+    for b, atoms in enumerate(structures):
+        e, f, dE_dstrain = energy_forces(model, atoms)
+        volume = abs(np.linalg.det(complete_cell(atoms.cell, atoms.pbc)))
+        assert abs(energy[b].item() - e.sum().item()) < 1e-10 * abs(e.sum().item())
+        assert torch.allclose(forces[start:start + len(atoms)], f, rtol=0, atol=1e-10)
+        assert torch.allclose(stress[b], 0.5 * (dE_dstrain + dE_dstrain.T) / volume, rtol=0, atol=1e-12)
+        start += len(atoms)
 
 
 def _energy(model, atoms):

@@ -16,7 +16,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from potentials.graph import AtomGraph, check_positions, complete_cell, neighbour_list
+from potentials.graph import (AtomGraph, check_positions, complete_cell, edge_vectors, neighbour_list,
+                             strained_coordinates)
 
 from ..errors import MLIPError
 
@@ -182,14 +183,11 @@ class BatchGeometry(NamedTuple):
 
 def batch_geometry(batch: Batch) -> BatchGeometry:
     """Fresh leaves and the graph of ``batch`` (each structure strained by its own ε)."""
-    pos = batch.positions.clone().requires_grad_(True)
-    strain = torch.zeros(batch.size, 3, 3, dtype=torch.float64, device=pos.device, requires_grad=True)
-    pos_s = pos + torch.einsum("ni,nij->nj", pos, strain[batch.batch])
-    cell_s = batch.cells + batch.cells @ strain
-    edge_vec = pos_s[batch.j] - pos_s[batch.i] + torch.einsum("ei,eij->ej", batch.shifts, cell_s[batch.edge_batch])
+    x = strained_coordinates(batch.positions, batch.cells, batch=batch.batch)
+    edge_vec = edge_vectors(x.positions, batch.i, batch.j, batch.shifts, x.cell, batch.edge_batch)
     graph = AtomGraph(species=batch.species, edge_index=torch.stack([batch.j, batch.i]), edge_vec=edge_vec,
-                      n_local=len(pos))
-    return BatchGeometry(pos, strain, graph)
+                      n_local=len(x.pos))
+    return BatchGeometry(x.pos, x.strain, graph)
 
 
 def structure_energies(batch: Batch, atom_energies: torch.Tensor) -> torch.Tensor:
