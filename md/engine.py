@@ -140,7 +140,7 @@ class MDSystem:
             raise LostAtomsError(f"{self.n_atoms} atoms before migration, {count} after")
         self.sub.build(self.atoms["positions"], self.atoms["ids"], self.atoms["numbers"],
                        ghost_reach(self.model, self.mode), self.skin, self.model.cutoff + self.skin,
-                       layerwise=self.mode == "layerwise")
+                       layerwise=self.mode == "layerwise", device=self.model.device)
         self.rebuilds += 1
 
     def set_cell(self, cell) -> None:

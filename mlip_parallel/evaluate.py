@@ -6,7 +6,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from potentials.graph import AtomGraph, NoHalo, check_positions, edge_vectors, neighbour_list, strained_coordinates
+from potentials.graph import AtomGraph, NoHalo, check_positions, edge_vectors, neighbour_pairs, strained_coordinates
 from potentials.predict import voigt_stress
 
 from .backend import get_backend, rank_device
@@ -67,21 +67,20 @@ def forward_decomposed(model, sub: Subdomain, mode: str = "layerwise", create_gr
     x = strained_coordinates(sub.positions, sub.domain.cell, device)
     all_pos = torch.cat([x.positions, halo.ghost_positions(x.positions, x.cell)])
 
-    positions = all_pos.detach().cpu().numpy()
+    rows = all_pos.detach()  # pairs are chosen where the positions are (on the GPU for a CUDA model)
     if sub.candidates is None:
-        i, j, _ = neighbour_list(positions, sub.domain.cell, False, model.cutoff)
-        near = np.ones(len(i), dtype=bool)
+        i, j = neighbour_pairs(rows, model.cutoff)
     else:
-        i, j = sub.candidates
-        delta = positions[j] - positions[i]
-        near = np.einsum("ij,ij->i", delta, delta) < model.cutoff**2
+        i, j = (c.to(device) for c in sub.candidates)
+        delta = rows[j] - rows[i]
+        near = (delta * delta).sum(dim=1) < model.cutoff**2
+        i, j = i[near], j[near]
     if mode == "layerwise":
-        receives = np.arange(len(all_pos)) < halo.n_local
+        keep = i < halo.n_local
     else:  # atoms farther than (layers - 1) cutoffs (+ skin) from the subdomain only ever send
-        receives = sub.within(positions, (model.layers - 1) * model.cutoff + sub.skin)
-    keep = receives[i] & near
-    i, j = i[keep], j[keep]
-    i_t, j_t = torch.as_tensor(i, device=device), torch.as_tensor(j, device=device)
+        receives = sub.within(rows.cpu().numpy(), (model.layers - 1) * model.cutoff + sub.skin)
+        keep = torch.as_tensor(receives, device=device)[i]
+    i_t, j_t = i[keep], j[keep]
     graph = AtomGraph(
         species=torch.as_tensor(model.species_index(sub.numbers), device=device),
         edge_index=torch.stack([j_t, i_t]),

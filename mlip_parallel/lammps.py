@@ -323,7 +323,7 @@ class LammpsDecomposition:
         drift = float(backend.allreduce(drift, op="max")) if backend.size > 1 else drift
         self.sub = Subdomain(backend, domain, grid).build(
             positions, ids, numbers, ghost_reach(self.model, self.mode), self.skin + 2.0 * drift,
-            self.model.cutoff + self.skin, layerwise=self.mode == "layerwise")
+            self.model.cutoff + self.skin, layerwise=self.mode == "layerwise", device=self.model.device)
         self.lo, self.hi = np.array(lo), np.array(hi)
         self.rebuilds += 1
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from potentials.graph import neighbour_list
+from potentials.graph import neighbour_pairs
 
 from .comm import Comm
 from .domain import Domain
@@ -17,8 +17,9 @@ class Subdomain:
     After ``build``: ``positions`` [n_local, 3] Å owned atoms (callers keep them current between builds),
     ``ids`` [n_local] their global ids, ``numbers`` [n_local + n_ghost] atomic numbers of the local rows
     (owned, then ghosts), ``skin`` (Å) the ghost shell holds beyond the model's reach, ``candidates``
-    (i, j) int64 [E] local row pairs that include every pair closer than the model's cutoff until the
-    atoms have moved skin/2 (None: ``forward_decomposed`` searches the pairs at each call).
+    (i, j) int64 [E] tensors (on the model's device) of local row pairs that include every pair closer
+    than the model's cutoff until the atoms have moved skin/2 (None: ``forward_decomposed`` searches the
+    pairs at each call).
     Migration (MD) is ``comm.exchange`` before ``build``."""
 
     domain: Domain
@@ -28,24 +29,25 @@ class Subdomain:
     ids: np.ndarray
     numbers: np.ndarray
     skin: float = 0.0
-    candidates: tuple[np.ndarray, np.ndarray] | None = None
+    candidates: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, backend, domain: Domain, grid: Grid):
         self.domain, self.grid, self.comm = domain, grid, Comm(backend, grid, domain)
 
     def build(self, positions, ids, numbers, r_ghost: float, skin: float = 0.0, pair_cutoff: float | None = None,
-              layerwise: bool = False) -> "Subdomain":
+              layerwise: bool = False, device=None) -> "Subdomain":
         """Ghosts of every atom image within ``r_ghost`` + ``skin`` (Å) of the brick and their numbers
         (collective); with ``pair_cutoff`` (Å), the candidate pairs within it (``layerwise``: owned
-        receivers i only). positions [n_local, 3] Å, ids [n_local], numbers [n_local]."""
+        receivers i only), searched on ``device`` (the model's; default CPU). positions [n_local, 3] Å,
+        ids [n_local], numbers [n_local]."""
         self.comm.borders(positions, ids, r_ghost + skin)
         self.positions, self.ids, self.skin = positions, ids, float(skin)
         ghosts = self.comm.forward_comm(torch.as_tensor(numbers, dtype=torch.float64))
         self.numbers = np.concatenate([numbers, ghosts.numpy().round().astype(np.int64)])
         self.reference, self.reference_cell = positions.copy(), self.domain.cell.copy()
         if pair_cutoff is not None:
-            local = np.concatenate([positions, self.ghost_positions()])
-            i, j, _ = neighbour_list(local, self.domain.cell, False, pair_cutoff)
+            local = torch.as_tensor(np.concatenate([positions, self.ghost_positions()]), device=device)
+            i, j = neighbour_pairs(local, pair_cutoff)
             keep = i < len(positions) if layerwise else slice(None)  # only owned atoms receive
             self.candidates = (i[keep], j[keep])
         return self

@@ -94,6 +94,21 @@ def check_positions(positions) -> np.ndarray:
     return positions
 
 
+def neighbour_pairs(positions: torch.Tensor, cutoff: float) -> tuple:
+    """(i, j) int64 [E] on ``positions``' device: pairs of rows of ``positions`` [N, 3] Å closer than
+    ``cutoff`` (both directions), without periodic images (a rank's owned + ghost atoms hold them
+    explicitly). Searched where the positions are (vesin-torch: on the GPU for CUDA tensors)."""
+    from vesin_torch import NeighborList
+
+    if len(positions) == 0:
+        empty = torch.zeros(0, dtype=torch.int64, device=positions.device)
+        return empty, empty
+    box = torch.zeros((3, 3), dtype=positions.dtype, device=positions.device)
+    i, j = NeighborList(cutoff=float(cutoff), full_list=True).compute(
+        points=positions.detach(), box=box, periodic=False, quantities="ij")
+    return i.to(torch.int64), j.to(torch.int64)
+
+
 def neighbour_list(positions: np.ndarray, cell: np.ndarray, pbc, cutoff: float):
     """Pairs closer than ``cutoff`` (both directions), via vesin.
 
