@@ -1,17 +1,24 @@
 """Pipeline-parallel training of a many-block SchNet (energy + force + stress loss, four sweeps),
 side by side in one run:
 
-* throughput (structures/s) and per-stage peak memory vs one process, S = 2 and 4 (4 ranks
-  oversubscribe this 2-core machine: read its throughput as a functional check, its memory as real);
-* measured bubble fraction (time blocked in receives / step time, mean over stages) vs the
-  theoretical (S − 1)/(M + S − 1);
-* peak memory of 1F1B vs GPipe at equal M.
+* time per step (gradients of the global batch) and per-stage peak memory vs one process, S = 2 and 4
+  (4 ranks oversubscribe this 2-core machine: read its throughput as a functional check, its memory as
+  real), for GPipe, 1F1B and auto (the cost-aware schedule chosen after a timed warm-up step);
+* the simulator's predicted step time (``schedule.check`` with the sweep costs each run measured in
+  its first step) beside the measured one;
+* measured bubble fraction (time blocked in receives / step time, mean over stages) vs the predicted;
+* peak memory of auto and GPipe relative to 1F1B at equal M;
+* the predicted gain of auto over plain four-sweep 1F1B at 4 and 8 stages, from the costs measured at
+  S = 2 (per block: a stage's costs divided by its blocks).
 
     python benchmarks/pipeline.py [--blocks 8] [--features 64] [--atoms-per-structure 256] [--microbatches 8]
+                                  [--render]
 
-Peak memory is the process's resident high-water mark (VmHWM) during the first step above its resident
-size after set-up (VmRSS): the activations held by in-flight micro-batches. Time is the mean of the
-following steps.
+Every run first takes the steps that measure the sweep costs (two; auto: three, on plain, split and
+plain sweeps, after which it picks its schedule). Peak memory is the process's resident high-water mark
+(VmHWM) during the next step above its resident size before it (VmRSS, after returning freed heap to
+the system): the activations held by in-flight micro-batches.
+Time is the mean of the following steps.
 """
 import argparse
 import json
@@ -19,6 +26,19 @@ import sys
 import time
 
 from common import ROOT, cu_structures, launch, reset_hwm, status_mb
+
+
+def trimmed_rss() -> float:
+    """VmRSS after garbage collection and returning freed heap to the system (glibc malloc_trim)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    return status_mb("VmRSS")
 
 
 def worker(args):
@@ -42,8 +62,9 @@ def worker(args):
             model.zero_grad()
             batch = Batch(structures, model, model.device)
             total_loss(loss_terms(*predict_batch(model, batch), batch, Counts.of(structures)), weights).backward()
+        step()
+        base = trimmed_rss()
         reset_hwm()
-        base = status_mb("VmRSS")
         step()
         peak = status_mb("VmHWM") - base
         start = time.perf_counter()
@@ -53,6 +74,7 @@ def worker(args):
         print(json.dumps({"seconds": seconds, "peak_mb": [peak], "bubble": [0.0]}))
         return
     from mlip_parallel.train.pipeline import PipelineTrainer
+    from mlip_parallel.train.schedule import render
     from mlip_parallel.train.trainer import Processes
 
     Processes("pipeline")
@@ -60,9 +82,11 @@ def worker(args):
 
     trainer = PipelineTrainer(build, args.stages, args.microbatches, args.schedule,
                               boundaries=[args.blocks * s // args.stages for s in range(args.stages + 1)])
+    while trainer.costs is None:  # the first step measures the costs (auto: two, its timed warm-up)
+        trainer.gradients(structures, weights)
     dist.barrier()
+    base = trimmed_rss()
     reset_hwm()
-    base = status_mb("VmRSS")
     trainer.gradients(structures, weights)
     peak = status_mb("VmHWM") - base
     dist.barrier()
@@ -75,8 +99,30 @@ def worker(args):
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (peak, float(np.mean(bubbles)), trainer.stage.in_flight_peak))
     if dist.get_rank() == 0:
+        costs, timeline = trainer.costs, trainer.timeline
         print(json.dumps({"seconds": seconds, "peak_mb": [g[0] for g in gathered], "bubble": [g[1] for g in gathered],
-                          "in_flight": [g[2] for g in gathered], "boundaries": trainer.boundaries}))
+                          "in_flight": [g[2] for g in gathered], "boundaries": trainer.boundaries,
+                          "name": trainer.schedule_name, "predicted": timeline["time"],
+                          "predicted_bubble": timeline["bubble_fraction"],
+                          "costs": {"seconds": costs.seconds, "latency": costs.latency, "memory": costs.memory},
+                          "render": render(timeline) if args.render else ""}))
+    dist.destroy_process_group()
+
+
+def scaled_costs(costs, blocks, stages):
+    """Costs of ``stages`` even stages from those measured on 2 even stages of ``blocks`` blocks: per block, a
+    measured stage's seconds and memory divided by its blocks (the first half of the new stages from stage
+    0's, the second from stage 1's), times the new stage's blocks."""
+    from mlip_parallel.train.schedule import Costs
+
+    per = blocks // 2
+    new = blocks // stages
+
+    def row(table, s):
+        source = table[0 if s < stages // 2 else 1]
+        return {k: v * new / per for k, v in source.items()}
+    return Costs(tuple(row(costs["seconds"], s) for s in range(stages)), costs["latency"],
+                 tuple(row(costs["memory"], s) for s in range(stages)))
 
 
 def main():
@@ -89,30 +135,52 @@ def main():
     parser.add_argument("--atoms-per-structure", type=int, default=256, choices=(32, 108, 256))
     parser.add_argument("--structures", type=int, default=8)
     parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--render", action="store_true", help="print auto's chosen schedule with measured durations")
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
     common = ["--blocks", args.blocks, "--features", args.features, "--atoms-per-structure", args.atoms_per_structure,
               "--structures", args.structures, "--microbatches", args.microbatches]
+    common += ["--render"] if args.render else []
     one = launch(1, __file__, common + ["--stages", 1])
     print(f"SchNet {args.blocks} blocks, F={args.features}; global batch {args.structures} x "
           f"{args.atoms_per_structure} atoms, M={args.microbatches} micro-batches; energy+force+stress loss")
-    print(f"{'run':24s} {'s/step':>8s} {'speed-up':>9s} {'peak MB per stage':>28s} {'bubble':>8s} {'theory':>7s}")
-    print(f"{'1 process':24s} {one['seconds']:8.2f} {1.0:9.2f} {one['peak_mb'][0]:28.0f} {'':>8s} {'':>7s}")
+    print(f"{'run':12s} {'s/step':>7s} {'speed-up':>8s} {'predicted':>9s} {'pred/meas':>9s} {'peak MB per stage':>18s} "
+          f"{'bubble':>6s} {'pred.':>5s}  schedule")
+    print(f"{'1 process':12s} {one['seconds']:7.2f} {1.0:8.2f} {'':>9s} {'':>9s} {one['peak_mb'][0]:18.0f}")
     results = {}
     for stages in (2, 4):
-        for schedule in ("gpipe", "1f1b"):
+        for schedule in ("gpipe", "1f1b", "auto"):
             r = launch(stages, __file__, common + ["--stages", stages, "--schedule", schedule])
             results[stages, schedule] = r
-            theory = (stages - 1) / (args.microbatches + stages - 1)
             peaks = " ".join(f"{p:.0f}" for p in r["peak_mb"])
-            print(f"{f'S={stages} {schedule}':24s} {r['seconds']:8.2f} {one['seconds'] / r['seconds']:9.2f} "
-                  f"{peaks:>28s} {sum(r['bubble']) / len(r['bubble']):8.2f} {theory:7.2f}   in flight {r['in_flight']}")
+            print(f"{f'S={stages} {schedule}':12s} {r['seconds']:7.2f} {one['seconds'] / r['seconds']:8.2f} "
+                  f"{r['predicted']:9.2f} {r['predicted'] / r['seconds']:9.2f} {peaks:>18s} "
+                  f"{sum(r['bubble']) / len(r['bubble']):6.2f} {r['predicted_bubble']:5.2f}  {r['name']}")
     for stages in (2, 4):
-        g, o = results[stages, "gpipe"], results[stages, "1f1b"]
-        print(f"S={stages}: peak memory 1F1B / GPipe per stage: "
-              + " ".join(f"{a / b:.2f}" for a, b in zip(o["peak_mb"], g["peak_mb"])))
+        o = results[stages, "1f1b"]
+        for schedule in ("gpipe", "auto"):
+            print(f"S={stages}: peak memory {schedule} / 1F1B per stage: "
+                  + " ".join(f"{a / b:.2f}" for a, b in zip(results[stages, schedule]["peak_mb"], o["peak_mb"])))
+    if args.render:
+        print("S=2 auto, measured durations:\n" + results[2, "auto"]["render"])
+    from mlip_parallel.train.schedule import SWEEPS, auto, check, one_f_one_b
+
+    measured = results[2, "auto"]["costs"]
+    for s, (seconds, held) in enumerate(zip(measured["seconds"], measured["memory"])):
+        print(f"S=2 measured costs, stage {s}: " + ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in seconds.items())
+              + "; held " + ", ".join(f"{k} {v / 2 ** 20:.0f} MB" for k, v in held.items()))
+    print(f"S=2 message latency {1e3 * measured['latency']:.2f} ms")
+    for stages in (4, 8):
+        if args.blocks % stages or stages > args.blocks:
+            continue
+        costs = scaled_costs(measured, args.blocks, stages)
+        name, _, chosen = auto(stages, args.microbatches, SWEEPS["forces"], costs)
+        plain = check(one_f_one_b(stages, args.microbatches), stages, args.microbatches, costs=costs)
+        print(f"S={stages} predicted from the S=2 costs: 1F1B {plain['time']:.2f} s (bubble "
+              f"{plain['bubble_fraction']:.2f}), auto {chosen['time']:.2f} s (bubble {chosen['bubble_fraction']:.2f}; "
+              f"{name}): {plain['time'] / chosen['time']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
-"""Pipeline schedules (mlip_parallel.train.schedule): validity, memory bound, bubble, and the checker's errors."""
+"""Pipeline schedules (mlip_parallel.train.schedule): validity, memory bound, bubble, and the checker's errors;
+split sweeps (the deferred W), the timed simulator, list scheduling and auto."""
 from collections import Counter
 from fractions import Fraction
 
 import pytest
 
-from mlip_parallel.train.schedule import (SCHEDULES, SWEEPS, Action, ScheduleError, check, dependencies, gpipe,
-                                    one_f_one_b, render, theoretical_bubble)
+from mlip_parallel.train.schedule import (PRIORITIES, SCHEDULES, SWEEPS, Action, Costs, ScheduleError, auto, check,
+                                          dependencies, gpipe, in_flight_bound, list_schedule, one_f_one_b, render,
+                                          split, sweeps_of, theoretical_bubble)
 
 GRID = [(S, M) for S in range(1, 6) for M in range(1, 9)]
 
@@ -131,3 +133,134 @@ def test_render_grid():
     assert all(len(line.split()) == 4 for line in lines[1:])
     assert "B1.0" in text
     assert render(one_f_one_b(3, 4)) == text  # a schedule is checked first
+
+
+# ----------------------------------------------- split sweeps, measured costs, list scheduling, auto
+SPLITS = {"plain": lambda sweeps: tuple(sweeps), "B": lambda sweeps: split(sweeps, ("B",)), "A+B": split}
+
+
+def _random_costs(stages, seed, memory=False):
+    import random
+    rng = random.Random(seed)
+    seconds = tuple({k: rng.uniform(0.2, 3.0) for k in ("F", "B1", "A", "B", "A.in", "WA", "B.in", "WB")}
+                    for _ in range(stages))
+    held = tuple({"F": rng.uniform(1, 2), "B1": rng.uniform(1, 3), "WA": rng.uniform(0, 1), "WB": rng.uniform(0, 1)}
+                 for _ in range(stages))
+    return Costs(seconds, latency=rng.uniform(0, 0.3), memory=held if memory else None)
+
+
+def test_split_sweeps_and_their_dependencies():
+    assert split(SWEEPS["forces"]) == ("F", "B1", "A", "B", "WA", "WB")
+    assert split(SWEEPS["forces"], ("B",)) == ("F", "B1", "A", "B", "WB")
+    assert split(SWEEPS["energy"]) == ("F", "B", "WB")
+    assert split(SWEEPS["evaluate"]) == SWEEPS["evaluate"]
+    forces = split(SWEEPS["forces"])
+    # WA / WB need only their own A / B; A and B (the parts neighbours wait for) keep the whole sweeps' dependencies
+    assert dependencies(Action(1, "WA", 2), 3, forces) == [Action(1, "A", 2)]
+    assert dependencies(Action(1, "WB", 2), 3, forces) == [Action(1, "B", 2)]
+    assert set(dependencies(Action(1, "B", 2), 3, forces)) == {Action(1, "A", 2), Action(2, "A", 2), Action(2, "B", 2)}
+    assert set(dependencies(Action(1, "A", 2), 3, forces)) == {Action(1, "B1", 2), Action(0, "A", 2), Action(0, "B1", 2)}
+    assert set(dependencies(Action(0, "B", 0), 2, split(SWEEPS["energy"]))) == {Action(0, "F", 0), Action(1, "B", 0)}
+    assert str(Action(0, "WB", 13)) == "WB13" and sweeps_of(gpipe(2, 2, forces)) == forces
+
+
+@pytest.mark.parametrize("kind, parts", [("forces", "B"), ("forces", "A+B"), ("energy", "B")])
+def test_split_and_list_schedules_are_complete_and_deadlock_free(kind, parts):
+    """Every fixed order on split sweeps and every list schedule (each priority, under random measured costs and
+    bounds 1 .. S + 1): all actions once, no deadlock, each action after its dependencies (plus the latency
+    across stages), each W after its A or B, and never more in flight than the bound."""
+    sweeps = SPLITS[parts](SWEEPS[kind])
+    for S, M in GRID[::2]:
+        costs = _random_costs(S, 7 * S + M)
+        schedules = {"gpipe": gpipe(S, M, sweeps), "1f1b": one_f_one_b(S, M, sweeps)}
+        for bound in range(1, S + 2):
+            for priority in PRIORITIES:
+                schedules[priority, bound] = list_schedule(S, M, sweeps, costs, bound, priority)
+        for name, schedule in schedules.items():
+            bound = name[1] if isinstance(name, tuple) else None
+            r = check(schedule, S, M, sweeps, max_in_flight=bound, costs=costs)
+            assert r["busy"] == pytest.approx(sum(costs.duration(a, sweeps) for acts in schedule for a in acts))
+            for a, t in r["start"].items():
+                for d in dependencies(a, S, sweeps):
+                    assert r["end"][d] + (costs.latency if d.stage != a.stage else 0) <= t + 1e-12, (name, S, M, a, d)
+            assert all(r["start"][Action(a.stage, "W" + a.sweep, a.microbatch)] >= r["end"][a]
+                       for acts in schedule for a in acts if "W" + a.sweep in sweeps)
+
+
+def test_w_keeps_a_micro_batch_in_flight():
+    """A micro-batch is in flight until its last action on the stage: deferring every W to the end holds all M."""
+    sweeps = split(SWEEPS["forces"])
+    late_w = [[a for a in acts if a.sweep[0] != "W"] + [a for a in acts if a.sweep[0] == "W"]
+              for acts in one_f_one_b(2, 4, sweeps)]
+    assert check(late_w, 2, 4, sweeps)["max_in_flight"] == [4, 4]
+    with pytest.raises(ScheduleError, match=r"stage 0 holds 3 micro-batches in flight at step \d+ \(during F2\), "
+                                            r"more than max_in_flight=2"):
+        check(late_w, 2, 4, sweeps, max_in_flight=2)
+    early_w = [[Action(0, sw, 0) for sw in ("F", "B1", "A", "WB", "B", "WA")], [Action(1, sw, 0) for sw in sweeps]]
+    with pytest.raises(ScheduleError, match=r"deadlock.*WB0@stage0 waits for B0@stage0"):
+        check(early_w, 2, 1, sweeps)
+
+
+def test_timed_simulation():
+    """Unit costs without latency reproduce the unit-time model; latency delays every message; a whole A or B
+    costs its own measurement, or its parts' sum; the memory model holds the double-backward graph until WA."""
+    sweeps = SWEEPS["forces"]
+    for S, M in GRID[::5]:
+        unit = Costs(tuple({sw: 1.0 for sw in ("F", "B1", "A", "B")} for _ in range(S)))
+        for order in (gpipe, one_f_one_b):
+            a, b = check(order(S, M), S, M), check(order(S, M), S, M, costs=unit)
+            assert a["steps"] == b["time"] and a["bubble_fraction"] == pytest.approx(b["bubble_fraction"])
+    # one micro-batch on 2 stages: 8 actions in a chain, 4 of its links cross stages
+    costs = Costs(({sw: 1.0 for sw in ("F", "B1", "A", "B")},) * 2, latency=0.5)
+    assert check(gpipe(2, 1), 2, 1, costs=costs)["time"] == pytest.approx(8 + 4 * 0.5)
+    parts = Costs(({"F": 1.0, "B1": 1.0, "A": 1.5, "A.in": 0.5, "WA": 1.25, "B.in": 0.25, "WB": 0.75},) * 2)
+    assert parts.duration(Action(0, "A", 0), sweeps) == 1.5  # measured whole
+    assert parts.duration(Action(0, "B", 0), sweeps) == 1.0  # B.in + WB
+    assert parts.duration(Action(0, "B", 0), split(sweeps, ("B",))) == 0.25
+    assert parts.duration(Action(0, "A", 0), split(sweeps, ("B",))) == 1.5
+    assert parts.duration(Action(0, "A", 0), split(sweeps)) == 0.5
+    # B split: stage 1's WB overlaps stage 0's B, so the chain is shorter by stage 1's WB
+    only_b = split(sweeps, ("B",))
+    chain = 1 + 1 + 1 + 1 + 1.5 + 1.5 + 0.25 + 1  # F F B1 B1 A A, stage 1's B.in, stage 0's B.in + WB
+    assert check(gpipe(2, 1, only_b), 2, 1, only_b, costs=parts)["time"] == pytest.approx(chain)
+    with pytest.raises(ScheduleError, match="costs have no duration of sweep WA on stage 0"):
+        no_wa = Costs(({"F": 1, "B1": 1, "A.in": 1, "B.in": 1, "WB": 1},))
+        check(gpipe(1, 1, split(sweeps)), 1, 1, split(sweeps), costs=no_wa)
+    held = Costs(parts.seconds, memory=({"F": 1.0, "B1": 10.0, "WA": 100.0, "WB": 1000.0},) * 2)
+    order = [[Action(s, sw, 0) for sw in ("F", "B1", "A", "B", "WB", "WA")] for s in range(2)]
+    assert check(order, 2, 1, split(sweeps), costs=held)["peak_memory"] == [1111.0, 1111.0]
+    assert check(gpipe(2, 1), 2, 1, sweeps, costs=held)["peak_memory"] == [11.0, 11.0]
+
+
+def test_auto_beats_1f1b_within_the_memory_bound():
+    """auto's choice is never predicted slower than 1F1B, holds at most 1.2 x 1F1B's in flight (or, with measured
+    memory, 1.2 x its modelled peak per stage), and splits the sweeps whose deferred part is dear."""
+    for S, M in [(2, 8), (3, 4), (4, 8)]:
+        for memory in (False, True):
+            costs = _random_costs(S, S * M, memory)
+            name, schedule, result = auto(S, M, SWEEPS["forces"], costs)
+            reference = check(one_f_one_b(S, M), S, M, costs=costs)
+            assert result["time"] <= reference["time"] + 1e-12, (S, M, name)
+            if memory:
+                assert all(p <= 1.2 * q * (1 + 1e-9) for p, q in zip(result["peak_memory"], reference["peak_memory"]))
+            else:
+                assert max(result["max_in_flight"]) <= in_flight_bound(S, M) == int(1.2 * S + 1e-9)
+    dear_w = Costs(({"F": 1.0, "B1": 1.0, "A": 3.0, "A.in": 1.0, "WA": 2.0, "B.in": 0.25, "WB": 2.5},) * 2, latency=0.05)
+    name, schedule, result = auto(2, 8, SWEEPS["forces"], dear_w)
+    assert "split A+B" in name and sweeps_of(schedule) == split(SWEEPS["forces"])
+    assert result["time"] < check(one_f_one_b(2, 8), 2, 8, costs=dear_w)["time"]
+    name, schedule, result = auto(3, 4)  # no costs: the unit-time model
+    assert result["steps"] <= check(one_f_one_b(3, 4), 3, 4)["steps"]
+    with pytest.raises(ScheduleError, match="unknown priority 'fastest'"):
+        list_schedule(2, 2, priority="fastest")
+
+
+def test_render_with_measured_durations():
+    costs = Costs(({"F": 0.01, "B1": 0.02, "A": 0.03, "A.in": 0.01, "WA": 0.025, "B.in": 0.001, "WB": 0.02},) * 2,
+                  latency=0.001)
+    name, schedule, result = auto(2, 2, SWEEPS["forces"], costs)
+    lines = render(result).splitlines()
+    assert lines[0].split() == ["ms", "s0", "s1"]
+    assert lines[1].split() == ["0", "F0", "10", "."]
+    assert lines[-1].startswith(f"predicted step {1e3 * result['time']:.0f} ms, bubble ")
+    assert "|" in render(result)

@@ -88,12 +88,13 @@ def test_resume_two_plus_two_epochs_equals_four(quick_data, tmp_path):
 def test_two_ranks_equal_one_process(mpirun, quick_data, tmp_path, parallel):
     """Same global batch, float64: parameters after 6 optimizer steps (gradient clipping and EMA on)
     equal the single-process run. Pipeline: 2 stage-local models, up to 4 micro-batches (the last batch
-    of each epoch has 2 structures), 1F1B, four sweeps, pipelined validation."""
+    of each epoch has 2 structures), schedule auto (three timed warm-up steps, then the order predicted
+    fastest under the measured costs), four sweeps, pipelined validation."""
     serial, distributed = tmp_path / "serial", tmp_path / "distributed"
     config = job(serial, quick_data, epochs=2, parallel="data", optimizer={"lr": 0.005, "gradient_clip": 1.0})
     train(validate(config, SCHEMA, CHOICES))
     config = dict(config, parallel=parallel, output={"directory": str(distributed)},
-                  pipeline={"stages": 2, "microbatches": 4, "schedule": "1f1b"})  # 10 structures: 4 + 4 + 2
+                  pipeline={"stages": 2, "microbatches": 4, "schedule": "auto"})  # 10 structures: 4 + 4 + 2
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
     rc, out, _ = mpirun(2, "-m", "mlip_parallel.train.cli", tmp_path / "job.yaml", timeout=300)
     assert rc == 0, out
@@ -107,11 +108,72 @@ def test_two_ranks_equal_one_process(mpirun, quick_data, tmp_path, parallel):
 
 def test_pipeline_resume_merged_checkpoint_and_restaging(mpirun, quick_data, tmp_path):
     """mlip-train, parallel: pipeline, NequIP on 4 ranks (tests/mpi/pipeline_training.py): resume 2 + 2
-    epochs == 4 (every stage's shard and metrics); the merged last.pt in one process gives the pipelined
-    validation errors; from that last.pt, 4 stages × 1 replica == 2 stages × 2 replicas."""
+    epochs == 4 (every stage's shard and metrics; 1F1B); resume under auto keeps the measured costs; the
+    merged last.pt in one process gives the pipelined validation errors; from that last.pt (auto),
+    4 stages × 1 replica == 2 stages × 2 replicas."""
     rc, out, _ = mpirun(4, MPI_DIR / "pipeline_training.py", quick_data, tmp_path, timeout=300)
     assert rc == 0, out
-    assert "pipeline training 0 failures" in out and out.count(" ok ") == 5, out
+    assert "pipeline training 0 failures" in out and out.count(" ok ") == 6, out
+
+
+@pytest.mark.parametrize("name", ["SchNet", "PaiNN", "NequIP"])
+def test_split_backward_equals_whole_backward(name):
+    """pipeline.backward_split (a sweep's input part now, its parameter part later, in another order) gives the
+    input and parameter gradients of one backward, for A and B of a middle stage (inputs: the stage input and
+    the force-backward seed) and of the first stage (B has no inputs there: all of it is deferred), float64."""
+    from ase.build import bulk
+
+    from mlip_parallel.train.pipeline import backward_split
+    from mlip_parallel.train.training import Batch, Structure, batch_geometry
+
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True)
+    atoms.rattle(0.05, seed=1)
+    structure = Structure(atoms.numbers, atoms.positions, atoms.cell[:], atoms.pbc, 0.0, np.zeros((4, 3)),
+                          np.zeros((3, 3)), "x")
+    kwargs = {"SchNet": dict(features=8, rbf=8), "PaiNN": dict(features=4, rbf=8),
+              "NequIP": dict(l_max=1, features=2, radial=4, radial_hidden=8)}[name]
+    model = getattr(potentials, name)(["Cu"], cutoff=4.0, layers=3, seed=2, **kwargs).double()
+    params = list(model.parameters())
+    batch = Batch([structure], model, model.device)
+    seeds = torch.Generator().manual_seed(0)
+
+    def graphs(first):  # a stage of blocks 1..2 (or the first stage, blocks 0..1, from the embedding)
+        geometry = batch_geometry(batch)
+        ctx = model.context(geometry.graph)
+        blocks = range(0, 2) if first else range(1, 3)
+        h_in = None if first else torch.randn(4, model.feature_width(1), generator=seeds, dtype=torch.float64)
+        h = model.embed(geometry.graph, ctx) if first else h_in.requires_grad_(True)
+        for k in blocks:
+            h = model.block(k, h, geometry.graph, ctx)
+        g_out = torch.randn(h.shape, generator=seeds, dtype=h.dtype).requires_grad_(True)
+        grads = torch.autograd.grad(h, [geometry.pos] + ([] if first else [h_in]), g_out, create_graph=True)
+        return h, h_in, g_out, grads
+
+    for first in (False, True):
+        results = []
+        for split in (False, True):
+            torch.manual_seed(0)
+            seeds.manual_seed(0)
+            for p in params:
+                p.grad = None
+            h, h_in, g_out, grads = graphs(first)
+            cotangents = [torch.randn(g.shape, generator=seeds, dtype=g.dtype) for g in grads]
+            inputs = [g_out] + ([] if first else [h_in])
+            sweeps = [(list(grads), cotangents, inputs), ([h], [torch.randn(h.shape, generator=seeds, dtype=h.dtype)],
+                                                           [] if first else [h_in])]
+            deferred = []
+            for tensors, seed, leaves in sweeps:  # A, then B
+                if split:
+                    deferred.append(backward_split(tensors, seed, leaves, params))
+                else:
+                    torch.autograd.backward(tensors, seed, retain_graph=True, inputs=params + leaves)
+            for part in reversed(deferred):  # W in another order than their sweeps
+                part.run()
+            results.append([t.grad for t in params + inputs])
+        for a, b in zip(*results):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert torch.allclose(a, b, rtol=1e-12, atol=1e-14), name
 
 
 def labelled(atoms, forces=True, energy=-1.0):

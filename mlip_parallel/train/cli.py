@@ -66,7 +66,9 @@ SCHEMA = {
     "pipeline": {
         "stages": (int, 2, "pipeline: stages per pipeline; ranks = replicas × stages (data parallel across replicas)"),
         "microbatches": (int, 4, "pipeline: micro-batches per global batch and replica"),
-        "schedule": (str, "1f1b", "pipeline: gpipe or 1f1b (at most stages micro-batches in flight per stage)"),
+        "schedule": (str, "auto", "pipeline: auto (times three warm-up steps, then runs the order predicted "
+                                  "fastest under those costs within 1.2 × 1F1B's memory), gpipe, or 1f1b (at most "
+                                  "stages micro-batches in flight per stage)"),
         "boundaries": (list, None, "pipeline: block index where each stage starts, plus the end, e.g. [0, 2, 6] "
                                    "(default: balance measured block costs)"),
         "two_bw": (bool, False, "pipeline: PipeDream-2BW one-step-stale weight updates"),
@@ -80,7 +82,7 @@ SCHEMA = {
 }
 CHOICES = {"model.name": ("SchNet", "PaiNN", "NequIP"), "model.dtype": ("float32", "float64"),
            "schedule.name": ("plateau", "cosine", "none"), "parallel": ("data", "graph", "pipeline"),
-           "pipeline.schedule": ("gpipe", "1f1b")}
+           "pipeline.schedule": ("auto", "gpipe", "1f1b")}
 METRIC_COLUMNS = ("epoch", "train_loss", "val_loss", "energy_mae", "energy_rmse", "forces_mae", "forces_rmse",
                   "stress_mae", "stress_rmse", "lr", "seconds")
 

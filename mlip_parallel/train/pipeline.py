@@ -22,6 +22,15 @@ Energy-only training runs F and B; evaluation (validation and test errors) runs 
 which never touches tensors; ``PipelineStage`` executes actions and never decides order. Parameter
 gradients equal single-process double-backward gradients (the test). A global batch with fewer
 structures than micro-batches runs with fewer micro-batches (a replica with none sits the step out).
+
+Split sweeps (zero-bubble pipelines): when a schedule holds WA / WB actions, A / B back-propagate only
+into what a neighbour waits for, and WA(m) / WB(m) later add the parameter gradients from the
+gradients captured at the nodes where the parameters' branches join that graph (``backward_split``).
+Messages are posted ahead: a stage posts every receive of a step (``irecv``) before its first action
+and never waits for a send (``isend``, completed at the end of the step). The trainer measures each
+stage's seconds per sweep, the memory a micro-batch holds and the message latency in its first steps
+(``schedule.Costs``); ``schedule: auto`` times three warm-up steps, then runs the order the simulator
+predicts fastest.
 """
 from __future__ import annotations
 
@@ -34,7 +43,7 @@ from potentials.base import block_part, stage_parts
 from potentials.checkpoint import save_parts
 
 from ..errors import MLIPError
-from .schedule import Sweep
+from .schedule import DEFERRED, Sweep
 from .training import Batch, Counts, TrainingError, batch_geometry, loss_terms, prediction_errors, \
     structure_energies, sum_gradients, symmetric_stress
 
@@ -105,7 +114,110 @@ def check_boundaries(boundaries, stages: int, blocks: int) -> list:
 
 
 def _tag(m: int, sweep: str, part: int) -> int:
-    return (m * 4 + list(Sweep).index(Sweep(sweep))) * 4 + part
+    return (m * len(Sweep) + list(Sweep).index(Sweep(sweep))) * 4 + part
+
+
+def _node(t):
+    """The autograd node that receives ``t``'s gradient: its grad_fn, or a leaf's gradient accumulator."""
+    return t.grad_fn if t.grad_fn is not None else t.view_as(t).grad_fn.next_functions[0][0]
+
+
+class DeferredGradients:
+    """The parameter-gradient part of one backward pass, split off by ``backward_split`` and run later
+    (the "W" of zero-bubble pipelines). ``run()`` adds the parameters' gradients to their ``.grad``: each
+    join (a node where parameters' branches meet the graph to the inputs) is called with the gradient it
+    received in the input pass, and one backward then runs from what it passes to those branches (and
+    from the seeds of outputs that are branches themselves) to the parameters, through branch nodes only."""
+
+    def __init__(self, parameters, joins, branch, seeded):
+        self.parameters, self.joins, self.branch, self.seeded = parameters, joins, branch, seeded
+
+    def run(self) -> None:
+        from torch.autograd.graph import GradientEdge
+
+        arriving = dict(self.seeded)  # (branch node, input) -> gradient
+        for join, grads in self.joins:
+            grads = [g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=m.device)
+                     for g, m in zip(grads, join._input_metadata)]
+            with torch.no_grad():
+                outputs = join(*grads)
+            for (child, k), g in zip(join.next_functions, outputs if isinstance(outputs, tuple) else (outputs,)):
+                if g is None or child not in self.branch:
+                    continue
+                expected = child._input_metadata[k]
+                if g.shape != expected.shape:  # what the engine does for a broadcast input
+                    g = g.sum_to_size(expected.shape)
+                arriving[child, k] = g.to(expected.dtype) + arriving[child, k] if (child, k) in arriving \
+                    else g.to(expected.dtype)
+        if arriving:
+            edges = list(arriving)
+            grads = torch.autograd.grad([GradientEdge(node, k) for node, k in edges], self.parameters,
+                                        [arriving[e] for e in edges], retain_graph=True, allow_unused=True)
+            with torch.no_grad():
+                for p, g in zip(self.parameters, grads):
+                    if g is not None:
+                        p.grad = (g.clone() if g._is_view() else g) if p.grad is None else p.grad.add_(g)
+        self.joins = self.branch = self.seeded = None  # release the graph
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the captured gradients (held until ``run``)."""
+        grads = [g for _, captured in self.joins or () for g in captured if g is not None]
+        grads += list((self.seeded or {}).values())
+        return sum(storage.nbytes() for storage in {g.untyped_storage().data_ptr(): g.untyped_storage()
+                                                    for g in grads}.values())
+
+
+def backward_split(tensors, seeds, inputs, parameters) -> DeferredGradients:
+    """Back-propagate ``seeds`` from ``tensors`` into the ``inputs``' ``.grad`` now, keeping the graph, and
+    return the parameters' part for later: ``run()`` of the result then adds exactly the gradients that
+    ``torch.autograd.backward(tensors, seeds, inputs=inputs + parameters)`` would have (up to the order
+    of sums). The input pass skips the parameters' branches (the nodes that lead to parameters and not
+    to the inputs); it captures the gradient arriving at each join, a node that leads to the inputs
+    with a branch among its next functions (as ``torch.distributed.pipelining``'s
+    ``stage_backward_input`` does)."""
+    roots = {}
+    for t, g in zip(tensors, seeds):
+        roots.setdefault(_node(t), {})[t.output_nr if t.grad_fn is not None else 0] = g
+    users, queue, seen = {}, list(roots), set(roots)  # node -> the nodes whose backward feeds it
+    while queue:
+        node = queue.pop()
+        for child, _ in node.next_functions:
+            if child is not None:
+                users.setdefault(child, []).append(node)
+                if child not in seen:
+                    seen.add(child)
+                    queue.append(child)
+
+    def closure(starts, stop=()):  # nodes reachable along `users` (towards the outputs), not entering `stop`
+        found, hit, queue = set(starts), set(), list(starts)
+        while queue:
+            for user in users.get(queue.pop(), ()):
+                if user in stop:
+                    hit.add(user)
+                elif user not in found:
+                    found.add(user)
+                    queue.append(user)
+        return found, hit
+
+    leads_to_inputs, _ = closure([_node(t) for t in inputs if _node(t) in seen])
+    joins, branch = set(), set()
+    for p in parameters:
+        if _node(p) in seen:
+            reached, hit = closure([_node(p)], leads_to_inputs)
+            joins |= hit
+            branch |= reached
+    captured = {}
+    handles = [node.register_prehook(lambda grads, node=node: captured.__setitem__(node, grads)) for node in joins]
+    try:
+        if tensors and inputs:
+            torch.autograd.backward(list(tensors), list(seeds), retain_graph=True, inputs=list(inputs))
+    finally:
+        for handle in handles:
+            handle.remove()
+    seeded = {(node, k): g for node in roots if node in branch for k, g in roots[node].items()}
+    return DeferredGradients(list(parameters), [(node, captured[node]) for node in joins if node in captured],
+                             branch, seeded)
 
 
 class PipelineStage:
@@ -119,7 +231,13 @@ class PipelineStage:
 
     ``run(actions, batches, counts, weights)`` executes this stage's schedule actions, accumulating the
     parameters' gradients; ``evaluate(actions, batches, model)`` runs F and B1 without a double-backward
-    graph and returns this stage's error sums.
+    graph and returns this stage's error sums. When ``actions`` hold WA / WB, sweeps A / B compute only
+    what the neighbours wait for and WA / WB the deferred parameter gradients (``backward_split``).
+    Every receive of a run is posted (``irecv``) before its first action; sends are ``isend``s, waited
+    for at its end. ``timings``: (action, seconds of compute, waits excluded) of the last run; with
+    ``measure_memory`` set, ``memory[m]``: the bytes micro-batch m held (``schedule.Costs.memory``'s "F",
+    "B1", "WA", "WB": the storages autograd saved in F and in B1, each once, and the gradients A and B
+    captured for WA and WB).
     """
 
     def __init__(self, model, stage: int, stages: int, boundaries, peers, recompute: bool = False):
@@ -136,34 +254,78 @@ class PipelineStage:
         self.evaluating = False
         self.state: dict = {}
         self.pending: list = []
+        self.inbox: dict = {}
+        self.timings: list = []
+        self.measure_memory, self.memory = False, {}
         self.in_flight_peak, self.wait_seconds, self.run_seconds = 0, 0.0, 0.0
 
     # ---------------------------------------------------------------- messages
     # Each message is tagged with (micro-batch, sweep, part): a schedule may interleave sweeps of
     # different micro-batches differently on the two ends of a link.
+    def _incoming(self, action) -> list:
+        """The messages ``action`` receives: (part, shape, dtype, source) each."""
+        m, sweep = action.microbatch, action.sweep
+        batch, dtype = self.batches[m], self.net.dtype
+        n, structures = len(batch.species), batch.size
+        forces = [(1, (n, 3), torch.float64), (2, (structures, 3, 3), torch.float64)]
+        if sweep == Sweep.F and not self.first:
+            return [(0, (n, self.net.feature_width(self.blocks.start)), dtype, self.prev)]
+        if sweep == Sweep.A and not self.first:
+            return [(0, (n, self.net.feature_width(self.blocks.start)), dtype, self.prev)] + \
+                [(part, shape, dt, self.prev) for part, shape, dt in forces]
+        if sweep in (Sweep.B1, Sweep.B) and not self.last:
+            h_out = (0, (n, self.net.feature_width(self.blocks.stop)), dtype, self.next)
+            return [h_out] + ([(part, shape, dt, self.next) for part, shape, dt in forces] if sweep == Sweep.B1 else [])
+        return []
+
+    def _post_receives(self, actions) -> None:
+        import torch.distributed as dist
+        for action in actions:
+            for part, shape, dtype, source in self._incoming(action):
+                out = torch.empty(shape, dtype=dtype, device=self.net.device)
+                key = action.microbatch, action.sweep, part
+                self.inbox[key] = dist.irecv(out, source, tag=_tag(*key)), out
+
     def _send(self, tensor, to, m, sweep, part=0):
         import torch.distributed as dist
         self.pending.append(dist.isend(tensor.detach().contiguous(), to, tag=_tag(m, sweep, part)))
 
-    def _recv(self, shape, dtype, source, m, sweep, part=0):
-        import torch.distributed as dist
-        out = torch.empty(shape, dtype=dtype, device=self.net.device)
+    def _recv(self, m, sweep, part=0):
+        """The posted receive of (micro-batch, sweep, part), once it has arrived."""
+        request, out = self.inbox.pop((m, str(sweep), part))
         start = time.perf_counter()
-        dist.recv(out, source, tag=_tag(m, sweep, part))
+        request.wait()
         self.wait_seconds += time.perf_counter() - start
         return out
+
+    def _saved_bytes(self, m, phase):
+        """While ``measure_memory``: a context adding the bytes of the storages autograd saves (each once,
+        the parameters' not) to ``memory[m][phase]``; else none."""
+        import contextlib
+        if not self.measure_memory:
+            return contextlib.nullcontext()
+        counted = self.memory.setdefault(m, {"F": 0, "B1": 0, "WA": 0, "WB": 0, "seen": {
+            p.untyped_storage().data_ptr() for p in self.parameters}})
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in counted["seen"]:
+                counted["seen"].add(storage.data_ptr())
+                counted[phase] += storage.nbytes()
+            return t
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
     # ------------------------------------------------------------------ sweeps
     def forward(self, m: int) -> None:
         batch = self.batches[m]
-        n, width = len(batch.species), self.net.feature_width(self.blocks.start)
-        h_in = None if self.first else self._recv((n, width), self.net.dtype, self.prev, m, "F")
+        h_in = None if self.first else self._recv(m, "F")
         if self.recompute and not self.evaluating:  # keep only the input; rebuild before the first backward
             with torch.no_grad():
                 out = self._stage_forward(batch, h_in)[2]
             self.state[m] = {"h_in_value": h_in}
         else:
-            geometry, h_in, out = self._stage_forward(batch, h_in)
+            with self._saved_bytes(m, "F"):
+                geometry, h_in, out = self._stage_forward(batch, h_in)
             self.state[m] = {"geometry": geometry, "h_in": h_in, "out": out}
         if not self.last:
             self._send(out, self.next, m, "F")
@@ -192,25 +354,36 @@ class PipelineStage:
             s.update(geometry=geometry, h_in=h_in, out=out)
         return s
 
+    def _backward(self, m, sweep, tensors, seeds, inputs) -> None:
+        """Seeds from tensors into the ``inputs``' ``.grad`` and the parameters' (keeping the graph); the
+        parameters' part deferred to the action of ``DEFERRED[sweep]`` when the schedule holds one."""
+        keep = [k for k, t in enumerate(tensors) if t.requires_grad]
+        tensors, seeds = [tensors[k] for k in keep], [seeds[k] for k in keep]
+        if DEFERRED.get(sweep) in self.deferred:
+            deferred = self.state[m][DEFERRED[sweep]] = backward_split(tensors, seeds, inputs, self.parameters)
+            if self.measure_memory:
+                self.memory.setdefault(m, {})[str(DEFERRED[sweep])] = deferred.nbytes
+        elif tensors:  # B frees the graph as it goes (the micro-batch's last use of it)
+            torch.autograd.backward(tensors, seeds, retain_graph=sweep != Sweep.B, inputs=self.parameters + inputs)
+
     def force_backward(self, m: int) -> None:
         s, batch = self._graph(m), self.batches[m]
         geometry, out = s["geometry"], s["out"]
         if self.last:
             g_out = torch.ones_like(out)  # dE/dE
             if self.evaluating:
-                self.errors += prediction_errors(batch, energy=out.detach())
+                self.errors[m] = self.errors.get(m, 0) + prediction_errors(batch, energy=out.detach())
         else:
-            g_out = self._recv(out.shape, out.dtype, self.next, m, "B1").requires_grad_(not self.evaluating)
+            g_out = self._recv(m, "B1").requires_grad_(not self.evaluating)
         inputs = [geometry.pos, geometry.strain] + ([] if self.first else [s["h_in"]])
-        grads = torch.autograd.grad(out, inputs, g_out, create_graph=not self.evaluating, allow_unused=True)
+        with self._saved_bytes(m, "B1"):
+            grads = torch.autograd.grad(out, inputs, g_out, create_graph=not self.evaluating, allow_unused=True)
         f_pos, f_strain = (g if g is not None else torch.zeros_like(x) for g, x in zip(grads[:2], inputs[:2]))
         carry_pos, carry_strain = f_pos.detach(), f_strain.detach()
         if not self.last:
-            carry_pos = carry_pos + self._recv(f_pos.shape, torch.float64, self.next, m, "B1", 1)
-            carry_strain = carry_strain + self._recv(f_strain.shape, torch.float64, self.next, m, "B1", 2)
-        if self.evaluating:
-            del self.state[m]
-        else:
+            carry_pos = carry_pos + self._recv(m, "B1", 1)
+            carry_strain = carry_strain + self._recv(m, "B1", 2)
+        if not self.evaluating:
             s.update(g_out=g_out, f_pos=f_pos, f_strain=f_strain, g_in=None if self.first else grads[2])
         if not self.first:
             self._send(grads[2], self.prev, m, "B1")
@@ -220,30 +393,27 @@ class PipelineStage:
         # stage 0: forces and stress of the whole model → their errors, or their loss and its cotangents
         # w.r.t. the carried Σ f_s (F = −Σ f_s: the same for every stage's f_s). The energy term is the last stage's.
         if self.evaluating:
-            self.errors += prediction_errors(batch, forces=-carry_pos, stress=symmetric_stress(carry_strain, batch))
+            errors = prediction_errors(batch, forces=-carry_pos, stress=symmetric_stress(carry_strain, batch))
+            self.errors[m] = self.errors.get(m, 0) + errors
             return
         carry_pos.requires_grad_(True), carry_strain.requires_grad_(True)
         terms = loss_terms(batch.energy, -carry_pos, symmetric_stress(carry_strain, batch), batch, self.counts)
         part = self.weights["forces"] * terms["forces"] + self.weights["stress"] * terms["stress"]
-        self.loss_value += float(part.detach())
+        self.losses[m] = float(part.detach())
         s["cot_f"] = torch.autograd.grad(part, [carry_pos, carry_strain])
 
     def double_backward_up(self, m: int) -> None:
         s = self.state[m]
         if self.first:
-            cot_pos, cot_strain = s["cot_f"]
-            cot_g_in = None
+            cot_pos, cot_strain = s.pop("cot_f")
         else:
-            cot_g_in = self._recv(s["g_in"].shape, s["g_in"].dtype, self.prev, m, "A")
-            cot_pos = self._recv(s["f_pos"].shape, torch.float64, self.prev, m, "A", 1)
-            cot_strain = self._recv(s["f_strain"].shape, torch.float64, self.prev, m, "A", 2)
+            cot_g_in = self._recv(m, "A")
+            cot_pos, cot_strain = self._recv(m, "A", 1), self._recv(m, "A", 2)
         tensors, seeds = [s["f_pos"], s["f_strain"]], [cot_pos, cot_strain]
         if not self.first:
             tensors.append(s["g_in"]), seeds.append(cot_g_in)
-        inputs = list(self.parameters) + ([] if self.last else [s["g_out"]]) + ([] if self.first else [s["h_in"]])
-        keep = [k for k, t in enumerate(tensors) if t.requires_grad]
-        torch.autograd.backward([tensors[k] for k in keep], [seeds[k] for k in keep], retain_graph=True,
-                                inputs=inputs)
+        inputs = ([] if self.last else [s["g_out"]]) + ([] if self.first else [s["h_in"]])
+        self._backward(m, Sweep.A, tensors, seeds, inputs)
         if not self.last:
             g = s["g_out"].grad
             self._send(g if g is not None else torch.zeros_like(s["g_out"]), self.next, m, "A")
@@ -254,51 +424,74 @@ class PipelineStage:
 
     def backward(self, m: int) -> None:
         s, batch = self._graph(m), self.batches[m]
-        del self.state[m]
-        out = s["out"]
+        out = s.pop("out")
         if self.last:  # the energy term of the loss, and its cotangent w.r.t. E
             energy = out.detach().requires_grad_(True)
             part = self.weights["energy"] * loss_terms(energy, batch.forces, batch.stress, batch, self.counts)["energy"]
-            self.loss_value += float(part.detach())
+            self.losses[m] = self.losses.get(m, 0.0) + float(part.detach())
             seed = torch.autograd.grad(part, energy)[0]
         else:
-            seed = self._recv(out.shape, out.dtype, self.next, m, "B")
-        inputs = list(self.parameters) + ([] if self.first else [s["h_in"]])
-        if out.requires_grad:
-            torch.autograd.backward([out], [seed], inputs=inputs)
+            seed = self._recv(m, "B")
+        self._backward(m, Sweep.B, [out], [seed], [] if self.first else [s["h_in"]])
         if not self.first:
             g = s["h_in"].grad
             self._send(g if g is not None else torch.zeros_like(s["h_in"]), self.prev, m, "B")
+        for key in ("geometry", "h_in"):
+            s.pop(key, None)
 
-    SWEEPS = {Sweep.F: forward, Sweep.B1: force_backward, Sweep.A: double_backward_up, Sweep.B: backward}
+    def deferred_double_backward(self, m: int) -> None:
+        """WA: the parameter gradients that A of micro-batch m left for later."""
+        self.state[m].pop(Sweep.WA).run()
+
+    def deferred_backward(self, m: int) -> None:
+        """WB: the parameter gradients that B of micro-batch m left for later."""
+        self.state[m].pop(Sweep.WB).run()
+
+    SWEEPS = {Sweep.F: forward, Sweep.B1: force_backward, Sweep.A: double_backward_up, Sweep.B: backward,
+              Sweep.WA: deferred_double_backward, Sweep.WB: deferred_backward}
 
     def _execute(self, actions, batches) -> None:
-        self.batches, self.wait_seconds, start = batches, 0.0, time.perf_counter()
+        self.batches, self.wait_seconds, self.timings, self.memory = batches, 0.0, [], {}
+        self.deferred = {a.sweep for a in actions} & set(DEFERRED.values())
+        left = {}  # actions left per micro-batch: its state goes with the last
         for action in actions:
-            self.SWEEPS[action.sweep](self, action.microbatch)
-        for request in self.pending:
-            request.wait()
-        self.pending, self.batches = [], None
+            left[action.microbatch] = left.get(action.microbatch, 0) + 1
+        start = time.perf_counter()
+        try:
+            self._post_receives(actions)
+            for action in actions:
+                waited, began = self.wait_seconds, time.perf_counter()
+                self.SWEEPS[action.sweep](self, action.microbatch)
+                left[action.microbatch] -= 1
+                if not left[action.microbatch]:
+                    self.state.pop(action.microbatch, None)
+                self.timings.append((action, time.perf_counter() - began - (self.wait_seconds - waited)))
+            for request in self.pending:
+                request.wait()
+        finally:
+            self.pending, self.batches, self.inbox, self.state = [], None, {}, {}
         self.run_seconds = time.perf_counter() - start  # of which wait_seconds blocked in receives
 
     def run(self, actions, batches, counts: Counts, weights: dict) -> float:
         """Execute this stage's ``actions`` (schedule order) over ``batches``; gradients accumulate
         into the parameters' ``.grad``. Returns this stage's part of the loss (the force and stress
-        terms on stage 0, the energy term on the last; sum over stages for the total)."""
-        self.counts, self.weights, self.loss_value = counts, weights, 0.0
+        terms on stage 0, the energy term on the last; sum over stages for the total), summed in
+        micro-batch order whatever the schedule."""
+        self.counts, self.weights, self.losses = counts, weights, {}
         self._execute(actions, batches)
-        return self.loss_value
+        return float(sum(self.losses[m] for m in sorted(self.losses)))
 
     def evaluate(self, actions, batches, model=None) -> np.ndarray:
         """Run ``actions`` (sweeps F and B1 only) with ``model`` (default: the trained one; e.g. its EMA:
         the same parts); return this stage's error sums [9] (``training.prediction_errors``: the energy's
-        on the last stage, forces' and stress's on the first; sum over stages for the whole model's)."""
-        self.net, self.evaluating, self.errors = model if model is not None else self.model, True, np.zeros(9)
+        on the last stage, forces' and stress's on the first; sum over stages for the whole model's),
+        summed in micro-batch order whatever the schedule."""
+        self.net, self.evaluating, self.errors = model if model is not None else self.model, True, {}
         try:
             self._execute(actions, batches)
         finally:
             self.net, self.evaluating = self.model, False
-        return self.errors
+        return sum((self.errors[m] for m in sorted(self.errors)), np.zeros(9))
 
 
 class PipelineTrainer:
@@ -308,20 +501,30 @@ class PipelineTrainer:
 
     ``build(parts)`` returns the model holding ``parts`` (a ``BlockPotential`` with a fixed seed, e.g.
     ``lambda parts: SchNet(..., parts=parts, seed=0)``): the trainer builds this rank's stage with it
-    (``self.model``), never the whole model. ``schedule``: a name in ``schedule.SCHEDULES``; ``sweeps``:
-    "forces" (four sweeps; energy, force and stress loss) or "energy" (two sweeps). ``boundaries``
-    [S + 1] block indices, or None to balance block costs measured on ``sample`` (structures), one
-    block at a time, on rank 0. ``two_bw``: PipeDream-2BW — the gradient of step t is computed with the
-    weights of step t − 1 and applied to the current ones (one-step-stale updates, two weight versions
-    of this stage's parameters). ``recompute``: activation recomputation (see ``PipelineStage``).
-    Raises PipelineError for a layout that cannot work, on every rank, before any step.
+    (``self.model``), never the whole model. ``schedule``: a name in ``schedule.SCHEDULE_NAMES`` —
+    "auto" (the default) runs its first three steps with 1F1B on plain, split (A and B) and again plain
+    sweeps, timing them, and from then on the schedule that ``schedule.auto`` predicts fastest under
+    those costs. Every schedule measures ``costs`` in its first steps (seconds per stage and sweep,
+    memory, message latency; the same on every rank: per stage, averaged over replicas; a later step's
+    value replaces an earlier's, so the first, cold step only counts where nothing else measured it),
+    and ``timeline`` then predicts its step; ``costs`` given (a ``schedule.Costs``) skip the measurement.
+    ``sweeps``: "forces" (four sweeps; energy, force and stress loss) or "energy" (two sweeps). ``boundaries`` [S + 1] block indices, or None to balance block costs measured on
+    ``sample`` (structures), one block at a time, on rank 0. ``two_bw``: PipeDream-2BW — the gradient of
+    step t is computed with the weights of step t − 1 and applied to the current ones (one-step-stale
+    updates, two weight versions of this stage's parameters). ``recompute``: activation recomputation
+    (see ``PipelineStage``). Raises PipelineError for a layout that cannot work, on every rank, before
+    any step.
+
+    Results are deterministic given the schedule; ``auto``'s depends on measured times, so two runs may
+    differ in the last bits (float64: ~1e-16). The costs are part of ``state_dict``: a resumed run keeps
+    the schedule of the run it continues.
     """
 
-    def __init__(self, build, stages: int, microbatches: int, schedule: str = "1f1b", sweeps: str = "forces",
-                 boundaries=None, sample=None, two_bw: bool = False, recompute: bool = False):
+    def __init__(self, build, stages: int, microbatches: int, schedule: str = "auto", sweeps: str = "forces",
+                 boundaries=None, sample=None, two_bw: bool = False, recompute: bool = False, costs=None):
         import torch.distributed as dist
 
-        from .schedule import SCHEDULES
+        from .schedule import SCHEDULE_NAMES
 
         world, rank = dist.get_world_size(), dist.get_rank()
         layers = build(frozenset()).layers
@@ -331,10 +534,12 @@ class PipelineTrainer:
             raise PipelineError(f"{stages} stages need at least {stages} interaction blocks; the model has {layers}")
         if microbatches < 1:
             raise PipelineError(f"microbatches must be at least 1, got {microbatches}")
-        if schedule not in SCHEDULES:
-            raise PipelineError(f"unknown schedule {schedule!r}; known {sorted(SCHEDULES)}")
+        if schedule not in SCHEDULE_NAMES:
+            raise PipelineError(f"unknown schedule {schedule!r}; known {list(SCHEDULE_NAMES)}")
         if sweeps not in ("forces", "energy"):
             raise PipelineError(f"sweeps must be 'forces' or 'energy', got {sweeps!r}")
+        if costs is not None and len(costs.seconds) != stages:
+            raise PipelineError(f"costs are given for {len(costs.seconds)} stages, the pipeline has {stages}")
         self.stages, self.microbatches, self.replicas = stages, microbatches, world // stages
         self.schedule, self.sweeps = schedule, sweeps
         self.replica, stage = divmod(rank, stages)
@@ -348,7 +553,7 @@ class PipelineTrainer:
         self.model = build(stage_parts(layers, self.boundaries, stage))
         peers = (rank - 1 if stage > 0 else None, rank + 1 if stage < stages - 1 else None)
         self.stage = PipelineStage(self.model, stage, stages, self.boundaries, peers, recompute)
-        self._actions = {}
+        self.costs, self._actions, self._warm_up = costs, {}, []  # the warm-up steps' measurements
         self.actions(microbatches, sweeps)  # check the schedule now
         groups = [dist.new_group([d * stages + s for d in range(self.replicas)]) for s in range(stages)]
         self.replica_group = groups[stage]
@@ -360,36 +565,133 @@ class PipelineTrainer:
         """This stage's parameters (give them to the optimizer)."""
         return self.stage.parameters
 
-    def actions(self, microbatches: int, sweeps: str) -> list:
-        """This stage's actions of the schedule for ``microbatches`` micro-batches and ``sweeps`` ("forces",
-        "energy" or "evaluate"), checked by simulation once and cached."""
-        from .schedule import SCHEDULES, SWEEPS, check
+    def plan(self, microbatches: int, sweeps: str) -> tuple:
+        """(name, schedule [S lists], check's result) for ``microbatches`` micro-batches and ``sweeps``
+        ("forces", "energy" or "evaluate"), checked by simulation once and cached: the fixed order named
+        by ``self.schedule``, or under auto, until the costs are measured, 1F1B on plain, split and again
+        plain sweeps (the timed warm-up, three steps), then ``schedule.auto``'s choice. Once ``self.costs``
+        are known the result predicts the step in seconds (``schedule.render`` shows it)."""
+        from .schedule import SCHEDULES, SWEEPS, auto, check, one_f_one_b, split, sweeps_of
 
-        key = microbatches, sweeps
+        key = microbatches, sweeps, len(self._warm_up) if self.costs is None else None
         if key not in self._actions:
-            lists = SCHEDULES[self.schedule](self.stages, microbatches, SWEEPS[sweeps])
-            self.timeline = check(lists, self.stages, microbatches, SWEEPS[sweeps])
-            self._actions[key] = lists[self.stage.stage]
+            kind = SWEEPS[sweeps]
+
+            def known(needed):  # the costs, when they time every sweep of ``needed``
+                return self.costs if self.costs is not None and all(
+                    sw in row for row in self.costs.seconds for sw in needed) else None
+            if self.schedule != "auto":
+                name, lists = self.schedule, SCHEDULES[self.schedule](self.stages, microbatches, kind)
+            elif known(split(kind)) is None and sweeps != "evaluate":  # the timed warm-up: plain, split, plain
+                split_step = len(self._warm_up) == 1
+                name, lists = f"1f1b{' split A+B' if split_step else ''} (timed warm-up)", \
+                    one_f_one_b(self.stages, microbatches, split(kind) if split_step else kind)
+            else:
+                name, lists, _ = auto(self.stages, microbatches, kind, known(split(kind)))
+            used = sweeps_of(lists)
+            self._actions[key] = name, lists, check(lists, self.stages, microbatches, used, costs=known(used))
         return self._actions[key]
+
+    def actions(self, microbatches: int, sweeps: str) -> list:
+        """This stage's actions of ``plan(microbatches, sweeps)``; the plan is kept as ``self.timeline``
+        (check's result) and ``self.schedule_name``."""
+        self.schedule_name, lists, self.timeline = self.plan(microbatches, sweeps)
+        return lists[self.stage.stage]
 
     def _micro_batches(self, structures, model) -> list:
         """``structures`` in at most ``self.microbatches`` micro-batches (fewer when there are fewer structures)."""
         chunks = np.array_split(np.arange(len(structures)), min(self.microbatches, len(structures)))
         return [Batch([structures[k] for k in chunk], model, model.device) for chunk in chunks]
 
+    def _latency(self, batches) -> float | None:
+        """Half the fastest of three round trips, to the next stage, of a message the size of a micro-batch's
+        features (None on the last stage). Collective over the stages of this replica."""
+        import torch.distributed as dist
+
+        stage, best = self.stage, None
+        rows = max(1, int(np.mean([len(b.species) for b in batches])))  # the same on every stage of the replica
+
+        def message(block):  # features entering ``block``
+            return torch.zeros(rows, self.model.feature_width(block), dtype=self.model.dtype, device=self.model.device)
+        for _ in range(3):
+            if not stage.first:
+                echo = message(stage.blocks.start)
+                dist.recv(echo, stage.prev), dist.send(echo, stage.prev)
+            if not stage.last:
+                ping, begin = message(stage.blocks.stop), time.perf_counter()
+                dist.send(ping, stage.next), dist.recv(ping, stage.next)
+                trip = (time.perf_counter() - begin) / 2
+                best = trip if best is None else min(best, trip)
+        return best
+
+    @staticmethod
+    def _timed(stage) -> tuple:
+        """({key: seconds}, {key: bytes}) of a stage's last run: medians over its micro-batches, by sweep
+        (a split A or B as "A.in", "B.in"; ``schedule.Costs``)."""
+        from .schedule import DEFERRED
+
+        split = {a.sweep for a, _ in stage.timings} & set(DEFERRED.values())
+        times, held = {}, {}
+        for action, seconds in stage.timings:
+            key = f"{action.sweep}.in" if DEFERRED.get(action.sweep) in split else str(action.sweep)
+            times.setdefault(key, []).append(seconds)
+        for counted in stage.memory.values():
+            for key, value in counted.items():
+                if key != "seen" and (key in ("F", "B1") or key in split):
+                    held.setdefault(key, []).append(value)
+        return ({k: float(np.median(v)) for k, v in times.items()}, {k: float(np.median(v)) for k, v in held.items()})
+
+    def _measure_costs(self, steps) -> None:
+        """Set ``self.costs`` from every rank's warm-up ``steps`` (each ((seconds, memory), latency), or None
+        where its replica had no structure): per stage, key and step the median over micro-batches (a
+        later step's value replaces an earlier's), averaged over replicas; the latency averaged over
+        links. Collective over all ranks, and the same costs on each; no costs (the warm-up starts over)
+        when a stage has no replica that ran every step."""
+        import torch.distributed as dist
+
+        from .schedule import Costs
+
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, None if None in steps else steps)
+        self._warm_up, seconds, memory, latencies = [], [], [], []
+        for s in range(self.stages):
+            runs = [gathered[d * self.stages + s] for d in range(self.replicas)]
+            runs = [r for r in runs if r is not None]
+            if not runs:
+                return
+            merged = [({k: v for step in run for k, v in step[0][0].items()},
+                       {k: v for step in run for k, v in step[0][1].items()}) for run in runs]
+            seconds.append({k: float(np.mean([m[0][k] for m in merged])) for k in merged[0][0]})
+            memory.append({k: float(np.mean([m[1][k] for m in merged])) for k in merged[0][1]})
+            latencies += [step[1] for run in runs for step in run if step[1] is not None]
+        self.costs = Costs(tuple(seconds), float(np.mean(latencies)) if latencies else 0.0, tuple(memory))
+        self._actions = {}
+
     def gradients(self, structures, weights: dict) -> float:
         """Accumulate d loss / d parameters of the global batch ``structures`` into this stage's
         parameters' ``.grad`` (zeroed first); return the loss (every rank). Replica d takes structures
-        d, d + R, …; a replica with none adds zero gradients."""
+        d, d + R, …; a replica with none adds zero gradients. The first calls measure the costs of their
+        actions (``self.costs``): two (the first, cold, is remeasured), under auto three, its warm-up."""
         import torch.distributed as dist
 
         for p in self.parameters:
             p.grad = None
         mine = structures[self.replica::self.replicas]
-        loss = 0.0
+        loss, measured = 0.0, None
+        warm_up = self.costs is None
         if mine:
             batches = self._micro_batches(mine, self.model)
-            loss = self.stage.run(self.actions(len(batches), self.sweeps), batches, Counts.of(structures), weights)
+            self.stage.measure_memory = warm_up
+            try:
+                loss = self.stage.run(self.actions(len(batches), self.sweeps), batches, Counts.of(structures), weights)
+            finally:
+                self.stage.measure_memory = False
+            if warm_up:
+                measured = self._timed(self.stage), self._latency(batches)
+        if warm_up:
+            self._warm_up.append(measured)
+            if len(self._warm_up) == (3 if self.schedule == "auto" else 2):
+                self._measure_costs(self._warm_up)
         if self.replicas > 1:
             def all_reduce(flat):
                 dist.all_reduce(flat, group=self.replica_group)
@@ -446,12 +748,22 @@ class PipelineTrainer:
         return total.numpy()
 
     def state_dict(self) -> dict:
-        """The trainer's own state (2BW's stale weights of this stage), for a stage's checkpoint shard."""
-        return {"stale": [p.cpu() for p in self.stale] if self.two_bw else []}
+        """The trainer's own state, for a stage's checkpoint shard: 2BW's stale weights of this stage, and
+        the measured costs (auto's schedule)."""
+        costs = None if self.costs is None else {
+            "seconds": [dict(row) for row in self.costs.seconds], "latency": self.costs.latency,
+            "memory": [dict(row) for row in self.costs.memory] if self.costs.memory is not None else None}
+        return {"stale": [p.cpu() for p in self.stale] if self.two_bw else [], "costs": costs}
 
     def load_state_dict(self, state: dict) -> None:
+        from .schedule import Costs
+
         if self.two_bw:
             self.stale = [p.to(q.device) for p, q in zip(state["stale"], self.parameters)]
+        costs = state.get("costs")
+        if costs is not None and len(costs["seconds"]) == self.stages:
+            memory = tuple(costs["memory"]) if costs.get("memory") is not None else None
+            self.costs, self._actions = Costs(tuple(costs["seconds"]), costs["latency"], memory), {}
 
     def save_merged(self, path, model=None) -> None:
         """Write one ordinary ``potentials`` checkpoint of the whole model (``model``: this stage's parts

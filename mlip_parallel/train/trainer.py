@@ -268,20 +268,30 @@ class GraphParallel(DataParallel):
 
 class PipelineParallel:
     """The model's blocks over pipeline stages (``pipeline.PipelineTrainer``; ``model`` holds this stage's
-    parts), data parallel across replicas; validation and test are pipelined evaluations."""
+    parts), data parallel across replicas; validation and test are pipelined evaluations. Once the
+    trainer has measured its sweep costs, rank 0 prints the schedule of a full global batch once, with
+    its predicted step time."""
 
     def __init__(self, pipeline, config, weights):
         self.pipeline, self.model = pipeline, pipeline.model
         self.weights, self.clip, self.batch_size = weights, config["optimizer"]["gradient_clip"], config["batch_size"]
         self.parameters = pipeline.parameters
+        self.reported = False
 
     def step(self, global_batch, optimizer, epoch) -> float:
         from .training import TrainingError
 
         try:
-            return self.pipeline.step(global_batch, self.weights, optimizer, self.clip)
+            loss = self.pipeline.step(global_batch, self.weights, optimizer, self.clip)
         except TrainingError as exc:
             raise TrainingError(f"epoch {epoch}: {exc}") from None
+        if not self.reported and self.pipeline.costs is not None:
+            self.reported = True
+            name, _, timeline = self.pipeline.plan(self.pipeline.microbatches, self.pipeline.sweeps)
+            if self.pipeline.replica == 0 and self.pipeline.stage.first:
+                print(f"mlip-train: pipeline schedule {name}: predicted {timeline['time']:.3g} s per global "
+                      f"batch, bubble {timeline['bubble_fraction']:.2f} (measured sweep costs)", flush=True)
+        return loss
 
     def error_sums(self, net, structures) -> np.ndarray:
         return self.pipeline.error_sums(structures, self.batch_size, net)

@@ -8,6 +8,11 @@ the one-process model built from the same seed:
   SchNet with GPipe and 1F1B, four sweeps and two (energy only), and with activation recomputation;
   PaiNN and NequIP with 1F1B; ragged global batches: 7 structures in 4 micro-batches, fewer structures
   than replicas × micro-batches, and (P = 4) a replica with no structure at all;
+* split sweeps (A's and B's parameter gradients deferred to WA, WB) and ``auto``: the timed warm-up
+  (1F1B on plain, split and plain sweeps) and the schedule auto then chooses, for SchNet (four sweeps, energy only, recomputation),
+  PaiNN and NequIP (P = 4: SchNet and PaiNN); auto under given costs with a dear W (a split list
+  schedule); GPipe and 1F1B on B-split and A+B-split sweeps as given orders (P = 3); AdamW steps and evaluation with auto
+  (SchNet). These lines print "largest relative difference";
 * AdamW steps over two epochs of 7 structures in global batches of 3 (a ragged last batch of 1):
   parameters equal the single-process run (1e-9), for every model;
 * PipeDream-2BW: parameters after 4 steps equal a single-process reference that applies the same
@@ -28,6 +33,7 @@ from mpi4py import MPI  # noqa: E402
 
 import potentials  # noqa: E402
 from mlip_parallel.train.pipeline import PipelineTrainer  # noqa: E402
+from mlip_parallel.train.schedule import SWEEPS, Costs, check, gpipe, one_f_one_b, split, sweeps_of  # noqa: E402
 from mlip_parallel.train.trainer import Processes  # noqa: E402
 from mlip_parallel.train.training import Batch, Counts, Structure, error_sums, loss_terms, predict_batch, \
     total_loss  # noqa: E402
@@ -73,13 +79,14 @@ def reference_gradients(net, weights, data):
 failures = []
 
 
-def compare(label, values, reference, tolerance=1e-9):
-    """Largest relative difference of matching tensors, over every rank; a failure above ``tolerance``."""
+def compare(label, values, reference, tolerance=1e-9, word="max rel err"):
+    """Largest relative difference of matching tensors, over every rank; a failure above ``tolerance``.
+    ``word`` heads the printed number (tests/test_mpi.py counts the "max rel err" lines of the fixed schedules)."""
     err = max([float((a - b).abs().max()) / max(float(b.abs().max()), 1e-300) for a, b in zip(values, reference)],
               default=0.0)
     err = world.allreduce(err, op=MPI.MAX)
     if world.rank == 0:
-        print(f"{label:72s} max rel err {err:.2e}", flush=True)
+        print(f"{label:72s} {word} {err:.2e}", flush=True)
     if err > tolerance:
         failures.append(label)
 
@@ -100,21 +107,33 @@ def owned_pairs(trainer, values, reference_values):
     return [(values[n], reference_values[n]) for n, _ in trainer.model.named_parameters()]
 
 
-def gradient_case(name, schedule, sweeps, recompute, microbatches, data, boundaries=None):
+def gradient_case(name, schedule, sweeps, recompute, microbatches, data, boundaries=None, steps=1, costs=None,
+                  lists=None):
+    """``steps`` gradient computations of one trainer (auto: the first three are the timed warm-up, 1F1B on
+    plain, split and plain sweeps; the later ones auto's choice), each compared with one process.
+    ``lists``: run this schedule."""
     weights = WEIGHTS if sweeps == "forces" else ENERGY_ONLY
     trainer = PipelineTrainer(MODELS[name], STAGES, microbatches=microbatches, schedule=schedule, sweeps=sweeps,
-                              sample=data[:2], recompute=recompute, boundaries=boundaries)
+                              sample=data[:2], recompute=recompute, boundaries=boundaries, costs=costs)
     check_parts(name, trainer)
-    loss = trainer.gradients(data, weights)
+    if lists is not None:  # a given order (e.g. split GPipe: every W after every B, the longest deferral)
+        kind = sweeps_of(lists)
+        trainer._actions[microbatches, sweeps, 0] = (f"{schedule} on {'/'.join(kind)} (given)", lists,
+                                                     check(lists, STAGES, microbatches, kind))
     reference = REFERENCES[name]
     ref_loss, ref_grads = reference_gradients(reference, weights, data)
-    grads = {n: p.grad for n, p in trainer.model.named_parameters()}
-    pairs = owned_pairs(trainer, grads, {n: g for (n, _), g in zip(reference.named_parameters(), ref_grads)})
-    label = (f"{name} {schedule}{' recompute' if recompute else ''} {sweeps}, {len(data)} structures, "
-             f"M={microbatches}: gradients")
-    compare(label, [a for a, _ in pairs], [b for _, b in pairs])
-    if abs(loss - ref_loss) > 1e-10 * abs(ref_loss):
-        failures.append(f"{label}: loss {loss} vs {ref_loss}")
+    for _ in range(steps):  # auto: the warm-up (plain, split, plain), then its choice
+        loss = trainer.gradients(data, weights)
+        grads = {n: p.grad for n, p in trainer.model.named_parameters()}
+        pairs = owned_pairs(trainer, grads, {n: g for (n, _), g in zip(reference.named_parameters(), ref_grads)})
+        label = (f"{name} {schedule}{' recompute' if recompute else ''} {sweeps}, {len(data)} structures, "
+                 f"M={microbatches}: gradients")
+        if schedule == "auto" or lists is not None:
+            label = f"{name} {trainer.schedule_name}{' recompute' if recompute else ''} {sweeps}, M={microbatches}"
+        compare(label, [a for a, _ in pairs], [b for _, b in pairs],
+                word="max rel err" if schedule != "auto" and lists is None else "largest relative difference")
+        if abs(loss - ref_loss) > 1e-10 * abs(ref_loss):
+            failures.append(f"{label}: loss {loss} vs {ref_loss}")
     return trainer
 
 
@@ -131,10 +150,31 @@ gradient_case("SchNet", "1f1b", "forces", False, microbatches=4, data=DATA[:3])
 if P == 4:
     gradient_case("PaiNN", "1f1b", "forces", False, microbatches=2, data=DATA[:1])
 
+# ----------------------- split sweeps (B's parameter part deferred to W) and cost-aware schedules (auto)
+# auto: the timed warm-up, then the schedule chosen under the measured costs; given costs that make the
+# deferred W dear, a split list schedule; split GPipe (every W after every B) and split 1F1B as given orders
+AUTO_CASES = [("SchNet", "forces", False), ("SchNet", "energy", False), ("SchNet", "forces", True),
+              ("PaiNN", "forces", False), ("NequIP", "forces", False)]
+for name, sweeps, recompute in AUTO_CASES if P != 4 else AUTO_CASES[:1] + AUTO_CASES[3:4]:
+    gradient_case(name, "auto", sweeps, recompute, microbatches=4, data=DATA[:7], steps=4)
+DEAR_W = Costs(tuple({"F": 1.0, "B1": 1.0, "A": 3.0, "A.in": 1.0, "WA": 2.0, "B": 3.0, "B.in": 0.5, "WB": 2.5}
+                     for _ in range(STAGES)), latency=0.1)
+trainer = gradient_case("SchNet", "auto", "forces", False, microbatches=4, data=DATA[:7], costs=DEAR_W)
+if "split" not in trainer.schedule_name:
+    failures.append(f"auto under costs with a dear W chose {trainer.schedule_name}, not a split schedule")
+if P != 4:
+    for schedule, order in (("gpipe", gpipe), ("1f1b", one_f_one_b)):
+        for parts in (("B",), ("A", "B")):
+            lists = order(STAGES, 4, split(SWEEPS["forces"], parts))
+            gradient_case("SchNet", schedule, "forces", False, microbatches=4, data=DATA[:7], lists=lists)
+    gradient_case("NequIP", "gpipe", "energy", False, microbatches=4, data=DATA[:7],
+                  lists=gpipe(STAGES, 4, split(SWEEPS["energy"])))
+
 # --------------------------------------------- optimizer steps with a ragged last batch; evaluation
-for name in MODELS:
+for name, schedule in [(name, "1f1b") for name in MODELS] + [("SchNet", "auto")]:
+    word = "max rel err" if schedule == "1f1b" else "largest relative difference"
     reference = MODELS[name]()
-    trainer = PipelineTrainer(MODELS[name], STAGES, microbatches=2, schedule="1f1b", sample=DATA[:2])
+    trainer = PipelineTrainer(MODELS[name], STAGES, microbatches=2, schedule=schedule, sample=DATA[:2])
     optimizer = torch.optim.AdamW(trainer.parameters, lr=1e-3)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     data, steps = DATA[:7], 0
@@ -150,11 +190,12 @@ for name in MODELS:
             ref_optimizer.step()
             steps += 1
     pairs = owned_pairs(trainer, dict(trainer.model.named_parameters()), dict(reference.named_parameters()))
-    compare(f"{name} 1F1B: parameters after {steps} AdamW steps (ragged last batch)",
-            [a.detach() for a, _ in pairs], [b.detach() for _, b in pairs])
+    compare(f"{name} {schedule.upper()}: parameters after {steps} AdamW steps (ragged last batch)",
+            [a.detach() for a, _ in pairs], [b.detach() for _, b in pairs], word=word)
     sums = trainer.error_sums(DATA, batch_size=3)
     expected = error_sums(reference, DATA, 3, reference.device)
-    compare(f"{name}: pipelined evaluation error sums", [torch.as_tensor(sums)], [torch.as_tensor(expected)])
+    compare(f"{name}{' auto' if schedule == 'auto' else ''}: pipelined evaluation error sums",
+            [torch.as_tensor(sums)], [torch.as_tensor(expected)], word=word)
     if name == "NequIP":  # the merged checkpoint, written part by part, is the whole model
         directory = world.bcast(tempfile.mkdtemp() if world.rank == 0 else None)
         trainer.save_merged(os.path.join(directory, "merged.pt"))

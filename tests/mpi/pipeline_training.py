@@ -1,7 +1,9 @@
 """mlip-train with parallel: pipeline on 4 ranks (run under mpiexec -n 4 with DATA and a shared OUT directory):
 
-* resume: 2 epochs, then resume to 4 (2 replicas × 2 stages, NequIP, a ragged last batch every epoch)
-  equals 4 uninterrupted epochs: every stage's shard (weights, AdamW, EMA, schedule) and metrics.csv;
+* resume: 2 epochs, then resume to 4 (2 replicas × 2 stages, NequIP, a ragged last batch every epoch,
+  pipeline.schedule 1f1b) equals 4 uninterrupted epochs: every stage's shard (weights, AdamW, EMA,
+  schedule; not the measured sweep costs) and metrics.csv;
+* resume with pipeline.schedule auto keeps the costs measured by the interrupted run (so its schedule);
 * the merged last.pt is an ordinary checkpoint: ``potentials.load`` in one process gives the validation
   errors that the pipelined evaluation of the stages wrote to metrics.csv;
 * a merged checkpoint starts pipeline runs with other numbers of stages: 4 stages × 1 replica and
@@ -40,9 +42,15 @@ def job(directory, epochs, **changes):
     return validate(config, SCHEMA, CHOICES)
 
 
-def shards(directory):
-    return [torch.load(os.path.join(OUT, directory, "pipeline", f"stage{s}.pt"), weights_only=True)["training"]
-            for s in range(len(os.listdir(os.path.join(OUT, directory, "pipeline"))) - 1)]
+def shards(directory, costs=False):
+    """Every stage's training state; without its measured sweep costs (timings differ from run to run)
+    unless ``costs``."""
+    states = [torch.load(os.path.join(OUT, directory, "pipeline", f"stage{s}.pt"), weights_only=True)["training"]
+              for s in range(len(os.listdir(os.path.join(OUT, directory, "pipeline"))) - 1)]
+    if not costs:
+        for state in states:
+            state["pipeline"].pop("costs")
+    return states
 
 
 def metrics(directory):
@@ -71,9 +79,17 @@ def equal_states(a, b) -> float:
 
 
 # ------------------------------------------------------------------------ resume
-train(job("straight", 4))
-train(job("resumed", 2))
-train(job("resumed", 4, resume=True))
+FIXED = {"stages": 2, "microbatches": 2, "boundaries": [0, 2, 4], "schedule": "1f1b"}
+train(job("straight", 4, pipeline=FIXED))
+train(job("resumed", 2, pipeline=FIXED))
+train(job("resumed", 4, pipeline=FIXED, resume=True))
+train(job("auto", 1))  # pipeline.schedule: auto, the default
+before = [shard["pipeline"]["costs"] for shard in shards("auto", costs=True)] if world.rank == 0 else None
+train(job("auto", 2, resume=True))
+if world.rank == 0:
+    after = [shard["pipeline"]["costs"] for shard in shards("auto", costs=True)]
+    report("pipeline resume (auto): the interrupted run's measured costs kept", before == after and all(before),
+           f"{len(after)} shards")
 _, validation, _ = split(read_structures(DATA), [0.25, 0.0], job("straight", 4)["seed"])  # collective (ASE reads on rank 0)
 if world.rank == 0:
     a, b = shards("straight"), shards("resumed")
