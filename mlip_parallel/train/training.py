@@ -136,12 +136,36 @@ def fit_reference_energies(structures, species) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- batches
-class Batch:
+class Labels:
+    """The labels of ``structures`` on ``device``, as ``loss_terms`` reads them: energy [B] eV,
+    ``atoms_per_structure`` [B], forces [N, 3] eV/Å, stress [B, 3, 3] eV/Å³ (NaN where absent) and the
+    masks ``has_energy`` [B], ``has_forces`` [N], ``has_stress`` [B] (bool). ``rows``: of one structure,
+    only these atoms' forces (a rank's owned atoms in graph-parallel training)."""
+
+    def __init__(self, structures, device, rows=None):
+        f64 = dict(dtype=torch.float64, device=device)
+        self.atoms_per_structure = torch.as_tensor([len(s.numbers) for s in structures], **f64)
+        self.energy = torch.tensor([np.nan if s.energy is None else s.energy for s in structures], **f64)
+        forces = np.concatenate([np.full((len(s.numbers), 3), np.nan) if s.forces is None else s.forces
+                                 for s in structures])
+        has_forces = np.repeat([s.forces is not None for s in structures], [len(s.numbers) for s in structures])
+        if rows is not None:
+            forces, has_forces = forces[rows], has_forces[rows]
+        self.forces = torch.as_tensor(forces, **f64)
+        self.stress = torch.as_tensor(np.stack(
+            [np.full((3, 3), np.nan) if s.stress is None else s.stress for s in structures]), **f64)
+        as_mask = lambda flags: torch.as_tensor(np.asarray(flags, dtype=bool), device=device)  # noqa: E731
+        self.has_energy = as_mask([s.energy is not None for s in structures])
+        self.has_forces = as_mask(has_forces)
+        self.has_stress = as_mask([s.stress is not None for s in structures])
+
+
+class Batch(Labels):
     """Several structures as one disjoint graph on ``device``: species [N], edges, ``batch`` [N]
-    structure index of each atom, and the labels: energy [B], forces [N, 3], stress [B, 3, 3] (NaN
-    where absent) with the masks ``has_energy`` [B], ``has_forces`` [N], ``has_stress`` [B] (bool)."""
+    structure index of each atom, and their ``Labels``."""
 
     def __init__(self, structures, model, device):
+        super().__init__(structures, device)
         self.size = len(structures)
         self.n_atoms = np.array([len(s.numbers) for s in structures])
         offsets = np.concatenate([[0], np.cumsum(self.n_atoms)[:-1]])
@@ -158,18 +182,7 @@ class Batch:
         self.positions = torch.as_tensor(np.concatenate([s.positions for s in structures]), device=device)
         self.cells = torch.as_tensor(np.stack([s.cell for s in structures]), device=device)
         self.volumes = torch.linalg.det(self.cells).abs()
-        f64 = dict(dtype=torch.float64, device=device)
-        self.atoms_per_structure = torch.as_tensor(self.n_atoms, **f64)
-        self.energy = torch.tensor([np.nan if s.energy is None else s.energy for s in structures], **f64)
-        self.forces = torch.as_tensor(np.concatenate(
-            [np.full((len(s.numbers), 3), np.nan) if s.forces is None else s.forces for s in structures]), **f64)
-        self.stress = torch.as_tensor(np.stack(
-            [np.full((3, 3), np.nan) if s.stress is None else s.stress for s in structures]), **f64)
         self.sources = [s.source for s in structures]
-        as_mask = lambda flags: torch.as_tensor(np.asarray(flags, dtype=bool), device=device)  # noqa: E731
-        self.has_energy = as_mask([s.energy is not None for s in structures])
-        self.has_forces = as_mask(np.repeat([s.forces is not None for s in structures], self.n_atoms))
-        self.has_stress = as_mask([s.stress is not None for s in structures])
 
 
 class BatchGeometry(NamedTuple):
@@ -226,7 +239,7 @@ class Counts:
                    max(1.0, float(sum(s.stress is not None for s in structures))))
 
 
-def loss_terms(energy, forces, stress, batch: Batch, counts: Counts) -> dict:
+def loss_terms(energy, forces, stress, batch: Labels, counts: Counts) -> dict:
     """Summed squared errors of this batch divided by the global counts: energy per atom, force
     components, stress components (/9). Unlabelled entries are left out (label masks); a non-finite
     prediction of a labelled entry makes the loss non-finite."""
@@ -265,35 +278,24 @@ def check_species(model, structures, role: str, error=DataError) -> None:
 def graph_parallel_loss(model, structure: Structure, weights: dict, counts: Counts, backend, mode="layerwise"):
     """This rank's share of one structure's loss, decomposed over ``backend``'s ranks (collective).
 
-    Returns (surrogate, terms): ``surrogate`` is differentiable; the sum over ranks of its parameter
-    gradients equals the gradient of the structure's loss (energy and stress are global sums, so
-    their terms enter through dL/dE and dL/dσ computed from the allreduced values); ``terms`` are the
-    loss values (floats, identical on every rank)."""
+    Returns (surrogate, terms). The loss is ``loss_terms``'s, on this rank's owned atoms' forces and on
+    the global energy and stress (allreduced values whose gradient flows through this rank's share
+    only), so the sum over ranks of ``surrogate``'s parameter gradients equals the gradient of the
+    structure's loss. ``terms``: the loss values (floats, identical on every rank)."""
     from ..evaluate import Decomposition, forward_decomposed, ghost_reach, global_sums
 
-    atoms = structure.to_atoms()
-    part = Decomposition(atoms, ghost_reach(model, mode), backend)
+    part = Decomposition(structure.to_atoms(), ghost_reach(model, mode), backend)
     energies, forces, dE_dstrain = forward_decomposed(model, part, mode, create_graph=True)
-    e_local = energies.sum()
     totals = global_sums(backend, energies, dE_dstrain)
-    n, volume = len(structure.numbers), abs(np.linalg.det(structure.cell))
-    reference_forces = torch.as_tensor(structure.forces[part.owned], dtype=torch.float64, device=forces.device) \
-        if structure.forces is not None else None
-    force_sq = ((forces - reference_forces) ** 2).sum() if reference_forces is not None else forces.sum() * 0.0
-    surrogate = weights["forces"] * force_sq / counts.force_components
-    terms = {"energy": 0.0, "forces": float(backend.allreduce(np.array([force_sq.item()]))[0]) / counts.force_components,
-             "stress": 0.0}
-    if structure.energy is not None:
-        residual = (totals.energy - structure.energy) / n
-        terms["energy"] = residual**2 / counts.energies
-        surrogate = surrogate + weights["energy"] * (2 * residual / n / counts.energies) * e_local
-    if structure.stress is not None:
-        virial = totals.virial
-        residual = 0.5 * (virial + virial.T) / volume - structure.stress
-        terms["stress"] = float((residual**2).sum()) / (9 * counts.stresses)
-        coefficient = torch.as_tensor(2 * residual / (9 * counts.stresses) / volume, device=dE_dstrain.device)
-        surrogate = surrogate + weights["stress"] * (coefficient * dE_dstrain).sum()
-    return surrogate, terms
+    mine = energies.sum()
+    energy = mine + (totals.energy - mine.detach())  # the global value; d/dθ of this rank's share
+    virial = dE_dstrain + (torch.as_tensor(totals.virial, device=dE_dstrain.device) - dE_dstrain.detach())
+    stress = 0.5 * (virial + virial.T) / abs(np.linalg.det(structure.cell))
+    labels = Labels([structure], forces.device, rows=part.owned)
+    local = loss_terms(energy[None], forces, stress[None], labels, counts)
+    terms = {q: float(local[q]) for q in QUANTITIES}
+    terms["forces"] = float(backend.allreduce(np.array([terms["forces"]]))[0])  # force rows are split
+    return total_loss(local, weights), terms
 
 
 # ----------------------------------------------------------------------------- errors
