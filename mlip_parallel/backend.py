@@ -1,7 +1,13 @@
-"""The only code that talks to MPI: a serial backend and an mpi4py backend with one interface.
+"""The only code that talks between ranks: three backends with one interface (docs/architecture.md §2).
 
-Both move numpy arrays or torch tensors (host-staged: CUDA tensors are copied to the host unless the
-MPI library is CUDA-aware) and count the seconds spent communicating in ``comm_seconds``.
+* ``MPIBackend``: mpi4py; CUDA tensors are staged through the host unless the MPI library is CUDA-aware
+  (``MLIP_CUDA_AWARE_MPI=1``).
+* ``TorchBackend``: torch.distributed; NCCL moves CUDA tensors device to device, gloo moves CPU data.
+* ``SerialBackend``: one process.
+
+Each moves numpy arrays or torch tensors and counts the seconds spent communicating in
+``comm_seconds``. ``get_backend`` chooses one; ``init_process_group`` is the one torch.distributed
+set-up, shared with training; ``rank_device`` is each rank's device.
 """
 from __future__ import annotations
 
@@ -286,7 +292,7 @@ def rendezvous(hosts) -> tuple:
     routable = sorted(a for a in addresses if not a.startswith("127."))
     if not routable:
         raise BackendError(f"rank 0's host {hosts[0]!r} resolves only to loopback addresses {sorted(addresses)}, "
-                              "which the other nodes cannot reach: set MASTER_ADDR to an address of rank 0's node")
+                           "which the other nodes cannot reach: set MASTER_ADDR to an address of rank 0's node")
     return routable[0], port
 
 
@@ -318,7 +324,7 @@ def get_backend(comm=None):
         kind = backend_kind() if comm is None else comm.strip().lower()
         if kind not in KINDS:
             raise BackendError(f"unknown backend {comm!r}: expected one of {', '.join(KINDS)}")
-        if kind == "serial" or _world_size(kind) == 1:
+        if kind == "serial" or _world_size() == 1:
             return _BACKENDS.setdefault("serial", SerialBackend())
         if kind == "torch":
             if "torch" not in _BACKENDS:
@@ -332,7 +338,7 @@ def get_backend(comm=None):
     return _BACKENDS[key]
 
 
-def _world_size(kind: str) -> int:
+def _world_size() -> int:
     """How many processes the launcher started (without setting up any communication)."""
     if launched_by_torchrun():
         return int(os.environ["WORLD_SIZE"])
