@@ -24,7 +24,6 @@ MICROBATCHES = 4
 
 
 def worker(args):
-    import numpy as np
     import torch
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 

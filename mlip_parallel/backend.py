@@ -14,7 +14,6 @@ from __future__ import annotations
 import atexit
 import os
 import socket
-import sys
 import time
 
 import numpy as np
