@@ -296,13 +296,9 @@ def in_flight_bound(stages, microbatches, factor=MEMORY_FACTOR) -> int:
     return max(one_f_one_b_peak, math.floor(factor * one_f_one_b_peak + 1e-9))
 
 
-def _levels(actions, stages, sweeps, duration, latency) -> dict:
+def _levels(actions, successors, duration, latency) -> dict:
     """Critical-path length from the start of each action to the end of the step (its own duration, plus
-    the longest chain of actions that wait for it, with latency between stages)."""
-    successors = {a: [] for a in actions}
-    for a in actions:
-        for d in dependencies(a, stages, sweeps):
-            successors[d].append(a)
+    the longest chain of actions that wait for it, ``successors[a]``, with latency between stages)."""
     level = {}
     for a in actions:  # memoised depth-first
         stack = [a]
@@ -354,7 +350,7 @@ def list_schedule(stages, microbatches, sweeps=SWEEPS["forces"], costs=None, max
     for a in actions:
         for d in deps[a]:
             successors[d].append(a)
-    level, key = _levels(actions, stages, sweeps, duration, latency), PRIORITIES[priority]
+    level, key = _levels(actions, successors, duration, latency), PRIORITIES[priority]
     ready = [dict() for _ in range(stages)]  # action -> time its inputs are there
     for a in actions:
         if not deps[a]:
