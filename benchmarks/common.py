@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def cu_crystal(cells):
-    """Rattled fcc Cu, ``cells`` cubic cells per direction (4·cells³ atoms)."""
+    """Rattled fcc Cu, ``cells`` cubic cells per direction (4·cells³ atoms), or (nx, ny, nz) of them."""
     from ase.build import bulk
 
     atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(cells)
@@ -73,9 +73,9 @@ def launch(ranks, script, worker_args, launcher="mpiexec", backend=None):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def schnet_worker_setup(cells, features=64, cutoff=5.0):
-    """In a worker: one torch thread, the backend, the Cu crystal and a seeded SchNet (same on all ranks).
-    Returns (backend, atoms, model)."""
+def schnet_worker_setup(cells, features=64, cutoff=5.0, layers=3):
+    """In a worker: one torch thread, the backend, the Cu crystal (``cu_crystal(cells)``) and a seeded
+    SchNet (same on all ranks). Returns (backend, atoms, model)."""
     import torch
 
     import mlip_parallel
@@ -83,7 +83,7 @@ def schnet_worker_setup(cells, features=64, cutoff=5.0):
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = potentials.SchNet(["Cu"], cutoff=cutoff, features=features, layers=3)
+    model = potentials.SchNet(["Cu"], cutoff=cutoff, features=features, layers=layers)
     return mlip_parallel.get_backend(), cu_crystal(cells), model
 
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, cu_crystal, launch, launcher_command, reset_hwm, status_mb  # noqa: E402
+from common import ROOT, cu_crystal, launch, launcher_command, reset_hwm, schnet_worker_setup, status_mb  # noqa: E402
 
 BACKENDS = {"mpi": "mpiexec", "torch": "torchrun"}  # backend → the launcher that starts its ranks
 
@@ -134,16 +134,12 @@ def throughput_worker(args):
     from ase.parallel import DummyMPI
 
     import mlip_parallel
-    import potentials
     from md.engine import MDSystem, run
     from md.integrators import VelocityVerlet
 
-    torch.set_num_threads(1)
-    backend = mlip_parallel.get_backend()
+    backend, atoms, model = schnet_worker_setup(args.cells)
     device = mlip_parallel.rank_device(backend) if not args.cpu else torch.device("cpu")
-    torch.manual_seed(0)
-    model = potentials.SchNet(["Cu"], cutoff=5.0, features=64, layers=3).to(device)
-    atoms = cu_crystal(args.cells)
+    model.to(device)
     thermalize_momenta(atoms, temperature_K=300, rng=np.random.default_rng(0), comm=DummyMPI())
     system = MDSystem.from_atoms(model, atoms, skin=1.0)
     integrator = VelocityVerlet(2.0)

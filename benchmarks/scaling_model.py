@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import launch  # noqa: E402
+from common import launch, schnet_worker_setup  # noqa: E402
 
 CUTOFF, SKIN, FEATURES, LAYERS = 5.0, 1.0, 64, 3
 ALLREDUCES = 3  # global sums per MD step: energy/virial, the rebuild decision, thermo
@@ -41,21 +41,15 @@ DENSITY = 4 / 3.61**3  # fcc Cu, atoms/Å³
 def worker(args):
     import numpy as np
     import torch
-    from ase.build import bulk
     from ase.md.velocitydistribution import thermalize_momenta
     from ase.parallel import DummyMPI
 
     import mlip_parallel
-    import potentials
     from md.engine import PHASES, MDSystem, run
     from md.integrators import VelocityVerlet
 
-    torch.set_num_threads(1)
-    backend = mlip_parallel.get_backend()
-    torch.manual_seed(0)
-    model = potentials.SchNet(["Cu"], cutoff=CUTOFF, features=FEATURES, layers=LAYERS)
-    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat((args.cells, args.cells, args.cells * backend.size))
-    atoms.rattle(0.05, seed=0)
+    P = mlip_parallel.get_backend().size  # one cube of cells per rank, stacked along z
+    backend, atoms, model = schnet_worker_setup((args.cells, args.cells, args.cells * P), FEATURES, CUTOFF, LAYERS)
     thermalize_momenta(atoms, temperature_K=300, rng=np.random.default_rng(0), comm=DummyMPI())
     grid = (1, 1, backend.size)
     system = MDSystem.from_atoms(model, atoms, skin=SKIN, grid=grid)
