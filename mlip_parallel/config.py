@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from .errors import MLIPError
+from .launch import launched_by_torchrun
 
 
 class ConfigError(MLIPError, ValueError):
@@ -89,14 +90,14 @@ def launch_rank() -> int:
     """This process's rank in its MPI job (0 outside one), without initialising MPI: MPI's own answer
     when mpi4py has already initialised it, else the launcher's environment (MPICH/Hydra PMI_RANK, Open
     MPI, PMIx, Slurm, torchrun)."""
+    if launched_by_torchrun():  # an MPI initialised under torchrun is a world of one
+        return int(os.environ["RANK"])
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         return mpi.COMM_WORLD.Get_rank()
     for key in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
         if key in os.environ:
             return int(os.environ[key])
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-        return int(os.environ["RANK"])
     return 0
 
 
