@@ -393,11 +393,11 @@ class PipelineStage:
         # stage 0: forces and stress of the whole model → their errors, or their loss and its cotangents
         # w.r.t. the carried Σ f_s (F = −Σ f_s: the same for every stage's f_s). The energy term is the last stage's.
         if self.evaluating:
-            errors = prediction_errors(batch, forces=-carry_pos, stress=symmetric_stress(carry_strain, batch))
+            errors = prediction_errors(batch, forces=-carry_pos, stress=symmetric_stress(carry_strain, batch.volumes))
             self.errors[m] = self.errors.get(m, 0) + errors
             return
         carry_pos.requires_grad_(True), carry_strain.requires_grad_(True)
-        terms = loss_terms(batch.energy, -carry_pos, symmetric_stress(carry_strain, batch), batch, self.counts)
+        terms = loss_terms(batch.energy, -carry_pos, symmetric_stress(carry_strain, batch.volumes), batch, self.counts)
         part = self.weights["forces"] * terms["forces"] + self.weights["stress"] * terms["stress"]
         self.losses[m] = float(part.detach())
         s["cot_f"] = torch.autograd.grad(part, [carry_pos, carry_strain])

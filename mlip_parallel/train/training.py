@@ -215,12 +215,12 @@ def predict_batch(model, batch: Batch, create_graph: bool = True):
     pos, strain, graph = batch_geometry(batch)
     energy = structure_energies(batch, model(graph))
     dE_dpos, dE_dstrain = torch.autograd.grad(energy.sum(), [pos, strain], create_graph=create_graph)
-    return energy, -dE_dpos, symmetric_stress(dE_dstrain, batch)
+    return energy, -dE_dpos, symmetric_stress(dE_dstrain, batch.volumes)
 
 
-def symmetric_stress(dE_dstrain: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """dE/dε [B, 3, 3] → stress [B, 3, 3] = sym(dE/dε) / V (ASE's sign)."""
-    return 0.5 * (dE_dstrain + dE_dstrain.transpose(1, 2)) / batch.volumes[:, None, None]
+def symmetric_stress(dE_dstrain: torch.Tensor, volumes: torch.Tensor) -> torch.Tensor:
+    """dE/dε [B, 3, 3] and cell volumes [B] Å³ → stress [B, 3, 3] = sym(dE/dε) / V (ASE's sign)."""
+    return 0.5 * (dE_dstrain + dE_dstrain.transpose(1, 2)) / volumes[:, None, None]
 
 
 @dataclass
@@ -290,9 +290,9 @@ def graph_parallel_loss(model, structure: Structure, weights: dict, counts: Coun
     mine = energies.sum()
     energy = mine + (totals.energy - mine.detach())  # the global value; d/dθ of this rank's share
     virial = dE_dstrain + (torch.as_tensor(totals.virial, device=dE_dstrain.device) - dE_dstrain.detach())
-    stress = 0.5 * (virial + virial.T) / abs(np.linalg.det(structure.cell))
+    volume = torch.tensor([abs(np.linalg.det(structure.cell))], dtype=torch.float64, device=virial.device)
     labels = Labels([structure], forces.device, rows=part.owned)
-    local = loss_terms(energy[None], forces, stress[None], labels, counts)
+    local = loss_terms(energy[None], forces, symmetric_stress(virial[None], volume), labels, counts)
     terms = {q: float(local[q]) for q in QUANTITIES}
     terms["forces"] = float(backend.allreduce(np.array([terms["forces"]]))[0])  # force rows are split
     return total_loss(local, weights), terms
