@@ -16,7 +16,8 @@ import torch  # noqa: E402
 
 import mlip_parallel  # noqa: E402
 import potentials  # noqa: E402
-from systems import GEOMETRIES, SPECIES, ase_lj_results, lennard_jones, max_relative_error, schnet  # noqa: E402
+from systems import (GEOMETRIES, SPECIES, ase_lj_results, lennard_jones, max_relative_error, schnet,  # noqa: E402
+                     shared_out)
 
 torch.set_num_threads(1)
 world = mlip_parallel.get_backend()  # MPI, or torch.distributed under torchrun / MLIP_PARALLEL_BACKEND=torch
@@ -100,7 +101,7 @@ for name, build in GEOMETRIES.items():
         part = mlip_parallel.Decomposition(atoms, 4.0, world, grid)
         owned = world.allgather(len(part.owned))
         empty_cases += sum(n == 0 for n in owned)
-        if sum(owned) != len(atoms) or (P > 1 and len(atoms) > 8 and max(owned) == len(atoms)):  # shared out
+        if not shared_out(owned, len(atoms)):
             failures.append(f"{name} grid={grid}: owned atoms per rank {owned} of {len(atoms)}")
 
 failures = sorted({f for mine in world.allgather(failures) for f in mine})  # every rank's verdict
