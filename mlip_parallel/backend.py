@@ -269,11 +269,23 @@ def init_process_group() -> None:
     dist.init_process_group(kind, init_method=f"tcp://{host}:{port}", rank=mpi.rank, world_size=mpi.size)
 
 
-def _destroy_process_group() -> None:
+def _destroy_process_group(wait_seconds: float = 10.0) -> None:
+    """At exit: wait until every rank has got here (through the rendezvous store, not a collective, and
+    at most ``wait_seconds``: a rank that exits alone is not held), then tear the process group down.
+    A rank that tears its connections down while a peer still uses them can make gloo abort (SIGABRT)."""
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.add("mlip_parallel/exit", 1)
+        deadline = time.monotonic() + wait_seconds
+        while store.add("mlip_parallel/exit", 0) < dist.get_world_size() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    except Exception:  # noqa: BLE001 (the store is gone: its host rank has exited already)
+        pass
+    dist.destroy_process_group()
 
 
 def rendezvous(hosts) -> tuple:
