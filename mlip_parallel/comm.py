@@ -174,8 +174,10 @@ class Comm:
 
     def ghost_positions(self, positions: torch.Tensor, cell: torch.Tensor) -> torch.Tensor:
         """Ghost positions [n_ghost, 3] from owned ``positions`` [n_local, 3] and ``cell`` [3, 3]."""
-        image = torch.as_tensor(self.ghost_image, dtype=positions.dtype, device=positions.device)
-        return self.forward_comm(positions) + image @ cell
+        key = ("image", positions.dtype, str(positions.device))
+        if key not in self._index_cache:  # kept with the plan: no per-call host → device copy
+            self._index_cache[key] = torch.as_tensor(self.ghost_image, dtype=positions.dtype, device=positions.device)
+        return self.forward_comm(positions) + self._index_cache[key] @ cell
 
     def describe(self) -> str:
         """The plan as text, one line per swap (for debugging: print it on every rank)."""

@@ -6,6 +6,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from potentials.errors import InvalidStructureError
 from potentials.graph import AtomGraph, NoHalo, check_positions, edge_vectors, neighbour_pairs, strained_coordinates
 from potentials.predict import voigt_stress
 
@@ -45,9 +46,17 @@ class GlobalSums(NamedTuple):
     virial: np.ndarray
 
 
-def global_sums(backend, energies, dE_dstrain) -> GlobalSums:
-    """Sum this rank's owned energies [n_local] and dE/dstrain [3, 3] over all ranks (one allreduce)."""
-    totals = backend.allreduce(np.append(dE_dstrain.detach().cpu().numpy().ravel(), energies.detach().sum().item()))
+def global_sums(backend, energies, dE_dstrain, forces=None) -> GlobalSums:
+    """Sum this rank's owned energies [n_local] and dE/dstrain [3, 3] over all ranks (one device → host
+    copy of 10 numbers, one allreduce). With ``forces`` [n_local, 3], this rank first checks, in the same
+    copy, that they are finite (``InvalidStructureError`` otherwise)."""
+    local = [dE_dstrain.detach().reshape(9).double(), energies.detach().sum().reshape(1).double()]
+    if forces is not None:
+        local.append(torch.isfinite(forces).all().reshape(1).double())
+    local = torch.cat(local).cpu().numpy()
+    if forces is not None and not local[10]:
+        raise InvalidStructureError(f"rank {backend.rank}: non-finite forces")
+    totals = backend.allreduce(local[:10])
     return GlobalSums(float(totals[9]), totals[:9].reshape(3, 3))
 
 
@@ -71,7 +80,7 @@ def forward_decomposed(model, sub: Subdomain, mode: str = "layerwise", create_gr
     if sub.candidates is None:
         i, j = neighbour_pairs(rows, model.cutoff)
     else:
-        i, j = (c.to(device) for c in sub.candidates)
+        i, j = sub.candidates
         delta = rows[j] - rows[i]
         near = (delta * delta).sum(dim=1) < model.cutoff**2
         i, j = i[near], j[near]
@@ -82,7 +91,7 @@ def forward_decomposed(model, sub: Subdomain, mode: str = "layerwise", create_gr
         keep = torch.as_tensor(receives, device=device)[i]
     i_t, j_t = i[keep], j[keep]
     graph = AtomGraph(
-        species=torch.as_tensor(model.species_index(sub.numbers), device=device),
+        species=sub.species(model),
         edge_index=torch.stack([j_t, i_t]),
         edge_vec=edge_vectors(all_pos, i_t, j_t),
         n_local=halo.n_local,

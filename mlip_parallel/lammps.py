@@ -295,7 +295,7 @@ class LammpsDecomposition:
             raise LammpsBridgeError(f"rank {self.backend.rank}: non-finite positions from LAMMPS", everywhere=False)
         if not changed and not np.array_equal(cell, sub.domain.cell):
             sub.set_cell(cell)
-        farthest = np.inf if changed else sum(sub.displacement(positions))
+        farthest = np.inf if changed else sum(sub.displacement(positions)[:2])
         farthest = self.backend.allreduce(farthest, op="max") if self.backend.size > 1 else farthest
         if farthest <= 0.5 * self.skin:
             sub.positions = positions

@@ -1,6 +1,8 @@
 """One rank's share of a decomposed system: what ``forward_decomposed`` reads (docs/architecture.md §3)."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -11,21 +13,31 @@ from .domain import Domain
 from .grid import Grid
 
 
+class Displacement(NamedTuple):
+    """Since the last ``Subdomain.build`` (this rank, Å): ``owned`` the farthest move of an owned atom,
+    ``ghost`` the farthest move of a ghost through the cell's change (its image shift @ Δcell), ``step``
+    the farthest move since the ``previous`` positions (0 without them)."""
+
+    owned: float
+    ghost: float
+    step: float
+
+
 class Subdomain:
     """This rank's brick of ``grid`` over ``domain``, its halo ``comm`` and its atoms.
 
-    After ``build``: ``positions`` [n_local, 3] Å owned atoms (callers keep them current between builds),
-    ``ids`` [n_local] their global ids, ``numbers`` [n_local + n_ghost] atomic numbers of the local rows
-    (owned, then ghosts), ``skin`` (Å) the ghost shell holds beyond the model's reach, ``candidates``
-    (i, j) int64 [E] tensors (on the model's device) of local row pairs that include every pair closer
-    than the model's cutoff until the atoms have moved skin/2 (None: ``forward_decomposed`` searches the
-    pairs at each call).
+    After ``build``: ``positions`` [n_local, 3] Å owned atoms (numpy, or a float64 tensor on the model's
+    device; callers keep them current between builds), ``ids`` [n_local] their global ids, ``numbers``
+    [n_local + n_ghost] atomic numbers of the local rows (owned, then ghosts), ``skin`` (Å) the ghost
+    shell holds beyond the model's reach, ``candidates`` (i, j) int64 [E] tensors (on the model's device)
+    of local row pairs that include every pair closer than the model's cutoff until the atoms have moved
+    skin/2 (None: ``forward_decomposed`` searches the pairs at each call).
     Migration (MD) is ``comm.exchange`` before ``build``."""
 
     domain: Domain
     grid: Grid
     comm: Comm
-    positions: np.ndarray
+    positions: np.ndarray | torch.Tensor
     ids: np.ndarray
     numbers: np.ndarray
     skin: float = 0.0
@@ -38,35 +50,47 @@ class Subdomain:
               layerwise: bool = False, device=None) -> "Subdomain":
         """Ghosts of every atom image within ``r_ghost`` + ``skin`` (Å) of the brick and their numbers
         (collective); with ``pair_cutoff`` (Å), the candidate pairs within it (``layerwise``: owned
-        receivers i only), searched on ``device`` (the model's; default CPU). positions [n_local, 3] Å,
-        ids [n_local], numbers [n_local]."""
+        receivers i only), searched on ``device`` (the model's; default CPU). positions [n_local, 3] Å
+        (numpy), ids [n_local], numbers [n_local]."""
         self.comm.borders(positions, ids, r_ghost + skin)
         self.positions, self.ids, self.skin = positions, ids, float(skin)
         ghosts = self.comm.forward_comm(torch.as_tensor(numbers, dtype=torch.float64))
         self.numbers = np.concatenate([numbers, ghosts.numpy().round().astype(np.int64)])
-        self.reference, self.reference_cell = positions.copy(), self.domain.cell.copy()
+        self.reference = torch.as_tensor(positions, dtype=torch.float64, device=device).clone()
+        self.reference_cell = self.domain.cell.copy()
+        self.images = np.unique(self.comm.ghost_image, axis=0)  # the distinct image shifts of the ghosts
+        self._species = None  # (model, its species index)
         if pair_cutoff is not None:
-            local = torch.as_tensor(np.concatenate([positions, self.ghost_positions()]), device=device)
+            cell = torch.as_tensor(self.domain.cell, device=self.reference.device)
+            local = torch.cat([self.reference, self.comm.ghost_positions(self.reference, cell)])
             i, j = neighbour_pairs(local, pair_cutoff)
             keep = i < len(positions) if layerwise else slice(None)  # only owned atoms receive
             self.candidates = (i[keep], j[keep])
         return self
 
-    def ghost_positions(self) -> np.ndarray:
-        """[n_ghost, 3] Å: the ghosts' positions from their owners' current ``positions`` (collective)."""
-        owned = torch.as_tensor(self.positions, dtype=torch.float64)
-        return self.comm.ghost_positions(owned, torch.as_tensor(self.domain.cell)).numpy()
+    def species(self, model) -> torch.Tensor:
+        """int64 [n_local + n_ghost] on the model's device: ``model.species_index(numbers)``, kept until
+        the next ``build`` (no per-step host → device copy)."""
+        held = self._species
+        if held is None or held[0] is not model or held[1].device != model.device:
+            held = self._species = (model, torch.as_tensor(model.species_index(self.numbers), device=model.device))
+        return held[1]
 
     def set_cell(self, cell) -> None:
         """A new cell [3, 3] (same pbc and region, e.g. a barostat's): ghosts follow it at once."""
         self.domain = self.comm.domain = Domain(cell, self.domain.pbc, self.domain.lo, self.domain.hi)
 
-    def displacement(self, positions) -> tuple[float, float]:
-        """Since ``build`` (this rank, Å): the farthest move of an owned atom to ``positions`` [n_local, 3],
-        and of a ghost through the cell's change (its image shift @ Δcell)."""
-        moved = np.sqrt(((positions - self.reference) ** 2).sum(axis=1)).max(initial=0.0)
-        shift = self.comm.ghost_image @ (self.domain.cell - self.reference_cell)
-        return moved, np.sqrt((shift**2).sum(axis=1)).max(initial=0.0)
+    def displacement(self, positions, previous=None) -> Displacement:
+        """How far atoms moved since ``build`` (and since ``previous`` [n_local, 3]) to ``positions``
+        [n_local, 3] (numpy or tensors; tensors are reduced where they are, one device → host copy)."""
+        pos = torch.as_tensor(positions, dtype=torch.float64, device=self.reference.device)
+        moves = [pos - self.reference]
+        if previous is not None:
+            moves.append(pos - torch.as_tensor(previous, dtype=torch.float64, device=pos.device))
+        farthest = torch.stack([(d * d).sum(dim=1).max() if len(d) else d.new_zeros(()) for d in moves])
+        owned, *step = torch.sqrt(farthest).tolist()
+        shift = self.images @ (self.domain.cell - self.reference_cell)
+        return Displacement(owned, float(np.sqrt((shift**2).sum(axis=1)).max(initial=0.0)), step[0] if step else 0.0)
 
     def within(self, positions: np.ndarray, r: float) -> np.ndarray:
         """[n] bool: which of ``positions`` [n, 3] lie within ``r`` (Å, per fractional direction) of the brick."""
