@@ -105,24 +105,33 @@ def model_checks(device):
 
 # ----------------------------------------------------------------------------- 3. MD on the device
 def md_check(device, steps=100):
+    """``steps`` steps on ``device`` and on the CPU from one start, for NVE, Langevin (the counter-based
+    noise drawn on the device) and anisotropic MTK NPT; the atoms must stay tensors on ``device``."""
     import numpy as np
     from ase.md.velocitydistribution import thermalize_momenta
     from ase.parallel import DummyMPI
 
     from md.engine import MDSystem, run
-    from md.integrators import VelocityVerlet
+    from md.integrators import MTK, Langevin, VelocityVerlet
 
     build = models()["SchNet"]
-    final = {}
-    for where in ("cpu", device):
-        atoms = alloy(4)
-        thermalize_momenta(atoms, temperature_K=600, rng=np.random.default_rng(0), comm=DummyMPI())
-        system = MDSystem.from_atoms(build().to(where), atoms, skin=0.5, comm="serial")
-        run(system, VelocityVerlet(2.0), steps, thermo_every=steps)
-        final[where] = system.gather("positions")
-    deviation = float(np.abs(final["cpu"] - final[device]).max())
-    return [(f"MD on {device}", f"{steps} velocity-Verlet steps, SchNet float64, {len(atoms)} atoms",
-             f"max position deviation from CPU {deviation:.1e} A", deviation <= 1e-6)]
+    integrators = {"NVE": lambda: VelocityVerlet(2.0), "Langevin": lambda: Langevin(2.0, 600.0, 0.01, seed=1),
+                   "MTK NPT": lambda: MTK(2.0, 600.0, 1.0, tdamp_fs=100.0, pdamp_fs=500.0, isotropic=False)}
+    rows = []
+    for name, make in integrators.items():
+        final, resident = {}, True
+        for where in ("cpu", device):
+            atoms = alloy(4)
+            thermalize_momenta(atoms, temperature_K=600, rng=np.random.default_rng(0), comm=DummyMPI())
+            system = MDSystem.from_atoms(build().to(where), atoms, skin=0.5, comm="serial")
+            run(system, make(), steps, thermo_every=steps)
+            final[where] = system.gather("positions")
+            resident &= all(str(t.device) == str(system.device) for t in (*system.atoms.values(), system.forces))
+        deviation = float(np.abs(final["cpu"] - final[device]).max())
+        rows.append((f"MD on {device}: {name}", f"{steps} steps, SchNet float64, {len(atoms)} atoms",
+                     f"max position deviation from CPU {deviation:.1e} A, atoms resident {resident}",
+                     deviation <= 1e-6 and resident))
+    return rows
 
 
 # ----------------------------------------------------------------------------- 4. throughput

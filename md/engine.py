@@ -11,6 +11,13 @@ One step, written once (``run``):
     integrator.second_half(system)      half-kick, thermostat/barostat
     thermo (allreduced)
 
+Where the data live: per-atom arrays (positions, velocities, forces, ...) are torch tensors on the
+model's device (``cuda:<local rank>`` on GPUs) from one rebuild to the next; integrator sub-steps,
+the skin check and the model run there. A step copies to the host only a few global numbers (the
+skin check's three distances, the energy and virial, the kinetic tensor). A rebuild (every few
+tens of steps) stages the owned atoms through the host for migration and the ghost plan; thermo
+output and restarts gather what they write.
+
 Units are ASE's: Å, eV, amu, time in ASE units (``dt_fs * ase.units.fs``).
 """
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import torch
 from ase import units
 
 from mlip_parallel import (MODES, DecompositionError, Domain, Grid, LostAtomsError, Subdomain, forward_decomposed,
@@ -29,13 +37,19 @@ PER_ATOM = ("positions", "velocities", "masses", "numbers", "ids", "image")
 PHASES = ("force", "halo", "neighbour", "integrate", "output")  # where a step's time goes (``MDSystem.timers``)
 
 
+def _host(x) -> np.ndarray:
+    """A tensor (any device) or array as a host numpy array."""
+    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+
 class MDSystem:
     """Rank-local atoms and their ``Subdomain`` (``sub``, rebuilt when they moved skin/2); computes forces.
 
-    ``atoms``: dict of this rank's per-atom arrays (PER_ATOM keys: positions [n, 3] Å, velocities
-    [n, 3] Å/ASE-time, masses [n] amu, numbers [n], ids [n] global ids, image [n, 3]). After
-    ``compute_forces``: ``forces`` [n, 3] eV/Å, ``energy`` (eV, global), ``virial`` [3, 3] = dE/dε
-    (global).
+    ``atoms``: dict of this rank's per-atom tensors on ``device`` (the model's; PER_ATOM keys:
+    positions [n, 3] float64 Å, velocities [n, 3] float64 Å/ASE-time, masses [n] float64 amu, numbers
+    [n], ids [n] global ids, image [n, 3] int64). After ``compute_forces``: ``forces`` [n, 3] float64
+    eV/Å on ``device``, ``energy`` (eV, global, float), ``virial`` [3, 3] = dE/dε (global, numpy).
+    ``gather(key)`` collects any of them in global id order on the host.
 
     ``timers``: this rank's seconds so far per phase (``PHASES``): force (the model, less its halo
     messages), halo (feature and gradient exchanges and the energy/virial sum inside the force call),
@@ -56,9 +70,9 @@ class MDSystem:
         if skin < 0:
             raise ValueError(f"skin must be >= 0, got {skin}")
         self.model, self.mode, self.skin, self.grid_dims = model, mode, float(skin), grid
-        self.backend = get_backend(comm)
+        self.backend, self.device = get_backend(comm), model.device
         self.cell, self.pbc = np.asarray(cell, dtype=np.float64), np.asarray(pbc, dtype=bool)
-        self.atoms = {k: np.asarray(atoms[k]) for k in PER_ATOM}
+        self.atoms = {k: _host(atoms[k]) for k in PER_ATOM}
         self.n_atoms = int(self.backend.allreduce(len(self.atoms["ids"])))
         if self.n_atoms == 0:
             raise InvalidStructureError("the system has no atoms")
@@ -120,7 +134,8 @@ class MDSystem:
     def rebuild(self, rebalance: bool = False) -> None:
         """Wrap, migrate atoms to their owners, rebuild ghosts and the pair candidates (collective).
         ``rebalance``: first move the cut planes so that ranks own similar atom counts."""
-        positions = self.atoms["positions"]
+        host = {k: _host(v) for k, v in self.atoms.items()}  # migration and the ghost plan work on the host
+        positions = host["positions"]
         if not np.all(np.isfinite(positions)):
             raise InvalidStructureError(f"rank {self.backend.rank}: non-finite positions at rebuild")
         domain = Domain.from_positions(positions, self.cell, self.pbc, self.backend)
@@ -134,13 +149,13 @@ class MDSystem:
         self.thinnest = min(np.diff(grid.planes[d]).min() / np.linalg.norm(domain.inverse[:, d])
                             for d in range(3))  # Å: the smallest subdomain width, for the blow-up check
         self.sub = Subdomain(self.backend, domain, grid)
-        self.atoms = self.sub.comm.exchange(self.atoms)
-        count = int(self.backend.allreduce(len(self.atoms["ids"])))
+        host = self.sub.comm.exchange(host)
+        count = int(self.backend.allreduce(len(host["ids"])))
         if count != self.n_atoms:
             raise LostAtomsError(f"{self.n_atoms} atoms before migration, {count} after")
-        self.sub.build(self.atoms["positions"], self.atoms["ids"], self.atoms["numbers"],
-                       ghost_reach(self.model, self.mode), self.skin, self.model.cutoff + self.skin,
-                       layerwise=self.mode == "layerwise", device=self.model.device)
+        self.sub.build(host["positions"], host["ids"], host["numbers"], ghost_reach(self.model, self.mode),
+                       self.skin, self.model.cutoff + self.skin, layerwise=self.mode == "layerwise", device=self.device)
+        self.atoms = {k: torch.as_tensor(v, device=self.device) for k, v in host.items()}
         self.rebuilds += 1
 
     def set_cell(self, cell) -> None:
@@ -153,16 +168,16 @@ class MDSystem:
             raise InvalidStructureError(f"the cell became degenerate or non-finite: {self.cell.tolist()}")
         self.sub.set_cell(self.cell)
 
-    def maybe_rebuild(self, previous: np.ndarray | None = None, rebalance: bool = False) -> bool:
+    def maybe_rebuild(self, previous: torch.Tensor | None = None, rebalance: bool = False) -> bool:
         """Rebuild when any atom moved more than skin/2 since the last rebuild (decided collectively);
         a changed cell moves ghosts further, by their image shift @ Δcell. With ``previous`` positions
         (before this step), an atom that moved farther than the thinnest subdomain in one step ends the
         run: the dynamics has blown up. ``rebalance``: rebuild now, with new cut planes."""
-        positions = self.atoms["positions"]
-        step = np.sqrt(((positions - previous) ** 2).sum(axis=1)).max(initial=0.0) if previous is not None else 0.0
-        moved, ghost_shift = self.sub.displacement(positions)
-        farthest, jump, ghost_extra = self.backend.allreduce(np.array([moved, step, ghost_shift]), op="max")
-        if not (np.isfinite(farthest) and np.isfinite(jump)):
+        moved = np.array(self.sub.displacement(self.atoms["positions"], previous))  # owned, ghost, step
+        finite = np.isfinite(moved).all()  # sent as a flag: an MPI MAX need not propagate NaN
+        farthest, ghost_extra, jump, broken = self.backend.allreduce(
+            np.append(np.where(finite, moved, 0.0), float(not finite)), op="max")
+        if broken:
             raise InvalidStructureError("non-finite positions during MD")
         if jump > self.thinnest:
             raise InvalidStructureError(f"an atom moved {jump:.3g} A in one step, farther than the thinnest "
@@ -178,10 +193,8 @@ class MDSystem:
         start, messages = time.perf_counter(), self.backend.comm_seconds
         self.sub.positions = self.atoms["positions"]
         energies, forces, dE_dstrain = forward_decomposed(self.model, self.sub, self.mode)
-        self.forces = forces.detach().cpu().numpy()
-        if not np.all(np.isfinite(self.forces)):
-            raise InvalidStructureError(f"rank {self.backend.rank}: non-finite forces")
-        self.energy, self.virial = global_sums(self.backend, energies, dE_dstrain)
+        self.forces = forces.detach()
+        self.energy, self.virial = global_sums(self.backend, energies, dE_dstrain, forces=self.forces)
         halo = self.backend.comm_seconds - messages
         self.timers["halo"] += halo
         self.timers["force"] += time.perf_counter() - start - halo
@@ -190,7 +203,7 @@ class MDSystem:
     def kinetic_tensor(self) -> np.ndarray:
         """[3, 3] Σ m v⊗v over all atoms (eV, collective)."""
         v, m = self.atoms["velocities"], self.atoms["masses"]
-        return self.backend.allreduce((m[:, None] * v).T @ v)
+        return self.backend.allreduce(_host((m[:, None] * v).T @ v))
 
     def kinetic_energy(self) -> float:
         """Σ ½ m v² over all atoms (eV, collective)."""
@@ -208,7 +221,8 @@ class MDSystem:
 
     def gather(self, key: str) -> np.ndarray:
         """A per-atom array of every rank, in global id order (collective; for output and tests)."""
-        parts = self.backend.allgather((self.atoms["ids"], self.atoms[key] if key in self.atoms else getattr(self, key)))
+        value = self.atoms[key] if key in self.atoms else getattr(self, key)
+        parts = self.backend.allgather((_host(self.atoms["ids"]), _host(value)))
         ids = np.concatenate([p[0] for p in parts])
         values = np.concatenate([p[1] for p in parts])
         out = np.empty_like(values)

@@ -1,6 +1,7 @@
 """Integrators of the native MD engine (docs/architecture.md §4): small objects over the explicit state of an
-``MDSystem`` — its rank-local ``atoms`` (positions, velocities, masses, ids), ``forces``, the global
-``virial`` and ``cell``.
+``MDSystem`` — its rank-local ``atoms`` (positions, velocities, masses, ids: torch tensors on the model's
+device), ``forces`` (there too), the global ``virial`` and ``cell`` (host numpy, 3 × 3). Per-atom
+arithmetic runs where the atoms are; only global scalars and 3 × 3 matrices pass through the host.
 
 Each integrator splits a step around the force call: ``first_half(system, step)`` (kicks, drift,
 thermostat and barostat sub-steps, a new cell) and ``second_half(system, step)``. Its own global
@@ -13,25 +14,44 @@ Units are ASE's: Å, eV, amu; time steps and damping times are given in fs.
 from __future__ import annotations
 
 import numpy as np
+import torch
 from ase import units
 from scipy.special import exprel
 
 
-def gaussian(seed: int, step: int, ids: np.ndarray) -> np.ndarray:
-    """[n, 3] standard normal numbers that depend only on (seed, step, global atom id): the same
-    trajectory whatever the number of ranks. Counter-based (splitmix64 hash + Box–Muller)."""
-    def mix(x):
-        x = (x + np.uint64(0x9E3779B97F4A7C15)) & np.uint64(0xFFFFFFFFFFFFFFFF)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
+def _signed(constant: int) -> int:
+    """A uint64 constant as the int64 with the same bits."""
+    return constant - (1 << 64) if constant >= 1 << 63 else constant
 
-    with np.errstate(over="ignore"):
-        base = mix(mix(np.uint64(seed)) ^ np.uint64(step))
-        keys = mix(base ^ np.asarray(ids, dtype=np.uint64))[:, None] * np.uint64(8) + np.arange(6, dtype=np.uint64)
-        u = (mix(keys) >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+def _shift_right(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 tensors read as uint64 bit patterns."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """The splitmix64 finaliser over int64 tensors holding uint64 bits (two's-complement wrap-around)."""
+    x = x + _signed(0x9E3779B97F4A7C15)
+    x = (x ^ _shift_right(x, 30)) * _signed(0xBF58476D1CE4E5B9)
+    x = (x ^ _shift_right(x, 27)) * _signed(0x94D049BB133111EB)
+    return x ^ _shift_right(x, 31)
+
+
+def uniforms(seed: int, step: int, ids: torch.Tensor) -> torch.Tensor:
+    """[n, 6] float64 uniforms in [0, 1) (53 bits), on ``ids``' device, a function of (seed, step, global
+    atom id, column) only: splitmix64 hashes of counters, computed where the atoms are."""
+    ids = torch.as_tensor(ids, dtype=torch.int64)
+    base = _mix(_mix(torch.tensor(int(seed), dtype=torch.int64, device=ids.device)) ^ int(step))
+    keys = _mix(base ^ ids)[:, None] * 8 + torch.arange(6, device=ids.device)
+    return _shift_right(_mix(keys), 11).to(torch.float64) * 2.0**-53
+
+
+def gaussian(seed: int, step: int, ids: torch.Tensor) -> torch.Tensor:
+    """[n, 3] float64 standard normal numbers (Box–Muller of ``uniforms``) that depend only on (seed,
+    step, global atom id): the same trajectory whatever the number of ranks."""
+    u = uniforms(seed, step, ids)
     u1, u2 = 1.0 - u[:, :3], u[:, 3:]  # u1 in (0, 1]
-    return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+    return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * torch.pi * u2)
 
 
 class VelocityVerlet:
@@ -87,7 +107,7 @@ class Langevin(VelocityVerlet):
         a = system.atoms
         self.kick(system, 0.5 * self.dt)
         self.drift(system, 0.5 * self.dt)
-        noise = gaussian(self.seed, step, a["ids"]) * np.sqrt(self.kT / a["masses"])[:, None]
+        noise = gaussian(self.seed, step, a["ids"]) * torch.sqrt(self.kT / a["masses"])[:, None]
         a["velocities"] = self.c1 * a["velocities"] + self.c2 * noise
         self.drift(system, 0.5 * self.dt)
 
@@ -115,7 +135,7 @@ class Bussi(VelocityVerlet):
         c, ratio = self.c, target / (dof * kinetic)
         alpha2 = c + (1 - c) * ratio * (r1 * r1 + rest) + 2.0 * r1 * np.sqrt(c * (1 - c) * ratio)
         sign = np.sign(r1 + np.sqrt(c / ((1 - c) * ratio)))
-        system.atoms["velocities"] = system.atoms["velocities"] * (sign * np.sqrt(alpha2))
+        system.atoms["velocities"] = system.atoms["velocities"] * float(sign * np.sqrt(alpha2))
 
 
 # Fourth-order Suzuki–Yoshida weights for the chain sub-steps.
@@ -229,10 +249,15 @@ class MTK(NoseHoover):
         return (1, 9) if self.isotropic else (9, 9)  # (dof, mass_dof)
 
     def _eig(self):
-        """Eigenvalues [3] and eigenvectors [3, 3] (columns) of the cell momenta."""
+        """Eigenvalues [3] and eigenvectors [3, 3] (columns) of the cell momenta (numpy)."""
         if self.isotropic:
             return np.full(3, float(self.p_cell)), np.eye(3)
         return np.linalg.eigh(self.p_cell)
+
+    @staticmethod
+    def _on(like: torch.Tensor, *arrays):
+        """Small host arrays (eigenvectors, factors) as float64 tensors on ``like``'s device."""
+        return [torch.as_tensor(x, dtype=torch.float64, device=like.device) for x in arrays]
 
     def _barostat_half(self, system) -> None:
         dof, mass_dof = self._cell_chain()
@@ -254,16 +279,17 @@ class MTK(NoseHoover):
         a, mass = system.atoms, self._cell_mass(system.n_atoms)
         eigvals, u = self._eig()
         kappa = (eigvals + eigvals.sum() / (3 * system.n_atoms)) * delta / mass
-        accel = (system.forces / a["masses"][:, None]) @ u
-        v = (a["velocities"] @ u) * np.exp(-kappa) + delta * accel * exprel(-kappa)
+        u, decay, growth = self._on(a["velocities"], u, np.exp(-kappa), delta * exprel(-kappa))
+        v = (a["velocities"] @ u) * decay + ((system.forces / a["masses"][:, None]) @ u) * growth
         a["velocities"] = v @ u.T
 
     def drift(self, system, delta: float) -> None:
         a = system.atoms
         eigvals, u = self._eig()
         x = eigvals * delta / self._cell_mass(system.n_atoms)
-        a["positions"] = ((a["positions"] @ u) * np.exp(x) + delta * (a["velocities"] @ u) * exprel(x)) @ u.T
         system.set_cell(((system.cell @ u) * np.exp(x)) @ u.T)
+        u, scale, growth = self._on(a["positions"], u, np.exp(x), delta * exprel(x))
+        a["positions"] = ((a["positions"] @ u) * scale + (a["velocities"] @ u) * growth) @ u.T
 
     def first_half(self, system, step: int) -> None:
         self._barostat_half(system)

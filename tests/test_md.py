@@ -13,7 +13,7 @@ from ase.md.verlet import VelocityVerlet as AseVelocityVerlet
 
 import potentials
 from md.engine import MDSystem, run
-from md.integrators import MTK, Bussi, Langevin, NoseHoover, VelocityVerlet, gaussian
+from md.integrators import MTK, Bussi, Langevin, NoseHoover, VelocityVerlet, gaussian, uniforms
 
 torch.set_num_threads(1)
 LJ = dict(epsilon=0.0104, sigma=3.4, cutoff=8.0)
@@ -49,12 +49,29 @@ def test_nve_energy_drift_is_bounded():
     assert np.abs(etot - etot[0]).max() < 0.01 * ekin.mean(), (np.abs(etot - etot[0]).max(), ekin.mean())
 
 
+def splitmix_uniforms(seed, step, ids):
+    """The counter-based uniforms written with numpy's uint64 arithmetic: an oracle for the int64 torch
+    version (which relies on two's-complement wrap-around and emulated logical shifts)."""
+    def mix(x):
+        x = (x + np.uint64(0x9E3779B97F4A7C15)) & np.uint64(0xFFFFFFFFFFFFFFFF)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+    with np.errstate(over="ignore"):
+        base = mix(mix(np.uint64(seed)) ^ np.uint64(step))
+        keys = mix(base ^ np.asarray(ids, dtype=np.uint64))[:, None] * np.uint64(8) + np.arange(6, dtype=np.uint64)
+        return (mix(keys) >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
 def test_gaussian_depends_only_on_seed_step_and_id():
-    ids = np.arange(20000)
+    ids = torch.arange(20000)
+    for seed, step in ((3, 17), (2**40 + 5, 123456789)):
+        assert np.array_equal(uniforms(seed, step, ids).numpy(), splitmix_uniforms(seed, step, ids.numpy()))
     z = gaussian(3, 17, ids)
-    perm = np.random.default_rng(0).permutation(ids)
-    assert np.array_equal(gaussian(3, 17, perm), z[perm])  # not on which rank, or in which order
-    assert not np.array_equal(gaussian(3, 18, ids), z) and not np.array_equal(gaussian(4, 17, ids), z)
+    perm = torch.as_tensor(np.random.default_rng(0).permutation(20000))
+    assert torch.equal(gaussian(3, 17, perm), z[perm])  # not on which rank, or in which order
+    assert not torch.equal(gaussian(3, 18, ids), z) and not torch.equal(gaussian(4, 17, ids), z)
     assert abs(z.mean()) < 0.02 and abs(z.var() - 1) < 0.02
 
 
@@ -149,3 +166,59 @@ def test_exploding_dynamics_ends_the_run_with_a_message():
     system = MDSystem.from_atoms(potentials.LennardJones(**LJ), atoms, skin=1.0)
     with pytest.raises(potentials.InvalidStructureError, match="in one step"):
         run(system, VelocityVerlet(5.0), 10)
+
+
+class HostTransfers:
+    """Records every per-atom-sized copy between torch and numpy (either way) while active: tensor →
+    host (``numpy``, ``cpu``, ``tolist``, ``__array__``) and host → tensor
+    (``torch.as_tensor`` / ``tensor`` / ``from_numpy`` of an array). Arrays of ≤ ``small`` numbers
+    (global sums, 3 × 3 matrices) are allowed."""
+
+    def __init__(self, monkeypatch, small=16):
+        self.seen = []
+
+        def watch_tensor(name):
+            original = getattr(torch.Tensor, name)
+
+            def wrapper(t, *args, **kwargs):
+                if t.numel() > small:
+                    self.seen.append(f"Tensor.{name} of {tuple(t.shape)}")
+                return original(t, *args, **kwargs)
+            monkeypatch.setattr(torch.Tensor, name, wrapper)
+
+        def watch_factory(name):
+            original = getattr(torch, name)
+
+            def wrapper(data, *args, **kwargs):
+                if isinstance(data, np.ndarray) and data.size > small:
+                    self.seen.append(f"torch.{name} of {data.shape}")
+                return original(data, *args, **kwargs)
+            monkeypatch.setattr(torch, name, wrapper)
+
+        for name in ("numpy", "cpu", "tolist", "__array__"):
+            watch_tensor(name)
+        for name in ("as_tensor", "tensor", "from_numpy"):
+            watch_factory(name)
+
+
+@pytest.mark.parametrize("integrator", ["langevin", "mtk-anisotropic"])
+def test_steps_between_rebuilds_keep_atoms_on_the_device(monkeypatch, integrator):
+    """Device residency: positions, velocities and forces stay tensors on the model's device, and a
+    step that does not rebuild copies no per-atom array between host and device (only the skin
+    check's distances, energy, virial and kinetic tensor: ≤ 16 numbers each). Checked on CPU by
+    recording every torch ↔ numpy conversion of the step."""
+    torch.manual_seed(0)
+    model = potentials.SchNet(["Ar"], cutoff=5.0, features=8, layers=2).double()
+    make = {"langevin": lambda: Langevin(2.0, 100.0, friction=0.02, seed=1),
+            "mtk-anisotropic": lambda: MTK(2.0, 100.0, 0.1, tdamp_fs=100.0, pdamp_fs=500.0, isotropic=False)}
+    system = MDSystem.from_atoms(model, argon(100), skin=2.0)
+    steps = make[integrator]()
+    run(system, steps, 2)
+    rebuilds = system.rebuilds
+    transfers = HostTransfers(monkeypatch)
+    run(system, steps, 5, thermo_every=5, start_step=2)
+    monkeypatch.undo()
+    assert system.rebuilds == rebuilds  # no rebuild: the skin is wide and the atoms slow
+    assert transfers.seen == [], transfers.seen
+    for value in (*system.atoms.values(), system.forces):
+        assert isinstance(value, torch.Tensor) and value.device == model.device
