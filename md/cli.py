@@ -51,6 +51,8 @@ SCHEMA = {
     "seed": (int, 0, "seed of the initial velocities and of the thermostat noise"),
     "skin": (float, 1.0, "neighbour skin, Å: rebuild when an atom moved more than skin/2"),
     "mode": (str, "layerwise", "layerwise or wide halo"),
+    "device": (str, "auto", "where each rank's model and atoms live: auto (cuda:<local rank> where CUDA exists, "
+                            "else cpu), cpu or cuda"),
     "balance_every": (int, 0, "load balance: 0 keeps uniform cut planes; N > 0 shifts them so ranks own similar "
                               "atom counts, at the start and every N steps (slabs, droplets)"),
     "restart_from": (str, None, "continue from a restart.npz (structure, velocities and step come from it)"),
@@ -65,6 +67,7 @@ SCHEMA = {
     },
 }
 CHOICES = {"ensemble": ("nve", "langevin", "bussi", "nose-hoover", "npt"), "mode": ("layerwise", "wide"),
+           "device": ("auto", "cpu", "cuda"),
            "model.dtype": ("float32", "float64"), "output.trajectory_format": ("extxyz", "traj")}
 
 
@@ -192,6 +195,11 @@ def prepare(config) -> dict:
         numbers = atoms.numbers
         if config["ensemble"] == "npt" and not atoms.pbc.all():
             raise ConfigError(f"ensemble npt needs a fully periodic structure, got pbc={atoms.pbc.tolist()}")
+    if config["device"] == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("device: cuda, but torch sees no CUDA device (use auto or cpu)")
     model = build_model(config["model"])
     check_species(model, numbers, config["model"])
     return {"model": model, "integrator": integrator, "atoms": atoms}
@@ -210,8 +218,10 @@ def simulate(config) -> list:
     from ase import Atoms, units
     from ase.calculators.singlepoint import SinglePointCalculator
 
+    import torch
+
     from mlip_parallel import get_backend
-    from mlip_parallel.backend import set_threads
+    from mlip_parallel.backend import rank_device, set_threads
     from potentials.predict import voigt_stress
 
     from .engine import PHASES, MDSystem, run
@@ -219,6 +229,7 @@ def simulate(config) -> list:
     backend = get_backend()
     threads = set_threads(backend)
     model, integrator = start["model"], start["integrator"]
+    model.to(torch.device("cpu") if config["device"] == "cpu" else rank_device(backend))  # atoms follow it
     # From here on every rank takes part in collectives: an error is not a config error any more (prepare
     # checked the config and the restart file); uncaught, it ends the whole job through the abort hook.
     if config["restart_from"] is not None:
@@ -244,7 +255,7 @@ def simulate(config) -> list:
         if csv_file.tell() == 0:
             writer.writeheader()
         via = f" ({backend.library.split(' (')[0]})" if backend.size > 1 else ""
-        print(f"mlip-md: {system.n_atoms} atoms on {backend.size} rank(s){via} x {threads} thread(s), "
+        print(f"mlip-md: {system.n_atoms} atoms on {backend.size} rank(s){via} x {threads} thread(s), {system.device}, "
               f"{config['ensemble']}, steps {first_step} to {steps} of {config['timestep_fs']} fs")
         print(" ".join(f"{c:>14s}" for c in SCREEN_COLUMNS))
         from tqdm import tqdm

@@ -118,8 +118,65 @@ def _tag(m: int, sweep: str, part: int) -> int:
 
 
 def _node(t):
-    """The autograd node that receives ``t``'s gradient: its grad_fn, or a leaf's gradient accumulator."""
+    """The autograd node that receives ``t``'s gradient: its grad_fn, or a leaf's gradient accumulator
+    (``t`` a tensor, or a ``GradientEdge``: its node)."""
+    if not isinstance(t, torch.Tensor):
+        return t.node
     return t.grad_fn if t.grad_fn is not None else t.view_as(t).grad_fn.next_functions[0][0]
+
+
+def _slot(t) -> int:
+    """The input slot of ``_node(t)`` that receives ``t``'s gradient."""
+    if not isinstance(t, torch.Tensor):
+        return t.output_nr
+    return t.output_nr if t.grad_fn is not None else 0
+
+
+class SavedActivations:
+    """Saved-tensor hooks for one micro-batch's forward graph on a stage, so that the double backward's
+    first sweep (A) stops at the forward graph instead of running through it.
+
+    The force backward B1 (``create_graph``) builds a graph whose nodes read the tensors the forward
+    saved. Left alone, those reads connect B1's graph to the forward graph, and A, which back-propagates
+    through B1's graph into the parameters, runs through the forward graph too; B then runs through it
+    again (with the energy's cotangent). One process runs it once, with the sum of both. Under these
+    hooks, a saved tensor that requires grad is unpacked in B1 (``capturing``) as a fresh leaf (an alias
+    of the same storage): A's backward then ends at those leaves, and their gradients (``captured``:
+    origin → summed gradient) are what A would have sent into the forward graph. B adds them as seeds
+    at their origins (``seeds``): one traversal of the forward graph, as in one process. Leaves of the
+    forward graph (parameters, the stage input, positions and strain) are origins too: a parameter's
+    gradient is added to its ``.grad`` in A, the stage input's joins the cotangent B sends down.
+    The packed form holds the origin's index and a detached view (no reference cycle through the graph)."""
+
+    def __init__(self, count=None):
+        self.origins: list = []   # index -> a leaf tensor, or the GradientEdge of a non-leaf
+        self.aliases: list = []   # (index, alias leaf) unpacked while capturing
+        self.capturing = False
+        self.count = count        # a callable counting the saved bytes (memory measurement), or None
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t):
+        if self.count is not None:
+            self.count(t)
+        if not t.requires_grad:
+            return None, t
+        from torch.autograd.graph import get_gradient_edge
+        self.origins.append(t if t.grad_fn is None else get_gradient_edge(t))
+        return len(self.origins) - 1, t.detach()
+
+    def unpack(self, packed):
+        index, t = packed
+        if index is None or not self.capturing:
+            return t
+        alias = t.detach().requires_grad_(True)
+        self.aliases.append((index, alias))
+        return alias
+
+    def take_aliases(self) -> list:
+        aliases, self.aliases = self.aliases, []
+        return aliases
 
 
 class DeferredGradients:
@@ -178,7 +235,8 @@ def backward_split(tensors, seeds, inputs, parameters) -> DeferredGradients:
     ``stage_backward_input`` does)."""
     roots = {}
     for t, g in zip(tensors, seeds):
-        roots.setdefault(_node(t), {})[t.output_nr if t.grad_fn is not None else 0] = g
+        slots = roots.setdefault(_node(t), {})
+        slots[_slot(t)] = g + slots[_slot(t)] if _slot(t) in slots else g
     users, queue, seen = {}, list(roots), set(roots)  # node -> the nodes whose backward feeds it
     while queue:
         node = queue.pop()
