@@ -7,12 +7,14 @@ side by side in one run:
 * the simulator's predicted step time (``schedule.check`` with the sweep costs each run measured in
   its first step) beside the measured one;
 * measured bubble fraction (time blocked in receives / step time, mean over stages) vs the predicted;
-* peak memory of auto and GPipe relative to 1F1B at equal M;
+* peak memory of auto and GPipe relative to 1F1B at equal M, and relative to 1F1B with A not merged into B
+  (``--no-merge`` runs: A back-propagates through the forward graph itself, as before the merge);
+* the sweep costs (ms per micro-batch) each S = 2 run measured, stage by stage, merged and not;
 * the predicted gain of auto over plain four-sweep 1F1B at 4 and 8 stages, from the costs measured at
   S = 2 (per block: a stage's costs divided by its blocks).
 
     python benchmarks/pipeline.py [--blocks 8] [--features 64] [--atoms-per-structure 256] [--microbatches 8]
-                                  [--render]
+                                  [--render] [--no-s4]
 
 Every run first takes the steps that measure the sweep costs (two; auto: three, on plain, split and
 plain sweeps, after which it picks its schedule). Peak memory is the process's resident high-water mark
@@ -81,7 +83,8 @@ def worker(args):
     import torch.distributed as dist
 
     trainer = PipelineTrainer(build, args.stages, args.microbatches, args.schedule,
-                              boundaries=[args.blocks * s // args.stages for s in range(args.stages + 1)])
+                              boundaries=[args.blocks * s // args.stages for s in range(args.stages + 1)],
+                              merge=not args.no_merge)
     while trainer.costs is None:  # the first step measures the costs (auto: two, its timed warm-up)
         trainer.gradients(structures, weights)
     dist.barrier()
@@ -120,7 +123,7 @@ def scaled_costs(costs, blocks, stages):
 
     def row(table, s):
         source = table[0 if s < stages // 2 else 1]
-        return {k: v * new / per for k, v in source.items()}
+        return {k: v if k == "merged" else v * new / per for k, v in source.items()}  # "merged" is a flag
     return Costs(tuple(row(costs["seconds"], s) for s in range(stages)), costs["latency"],
                  tuple(row(costs["memory"], s) for s in range(stages)))
 
@@ -136,6 +139,8 @@ def main():
     parser.add_argument("--structures", type=int, default=8)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--render", action="store_true", help="print auto's chosen schedule with measured durations")
+    parser.add_argument("--no-merge", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no-s4", action="store_true", help="skip the 4-stage runs (oversubscribed on 2 cores)")
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -146,23 +151,37 @@ def main():
     one = launch(1, __file__, common + ["--stages", 1])
     print(f"SchNet {args.blocks} blocks, F={args.features}; global batch {args.structures} x "
           f"{args.atoms_per_structure} atoms, M={args.microbatches} micro-batches; energy+force+stress loss")
-    print(f"{'run':12s} {'s/step':>7s} {'speed-up':>8s} {'predicted':>9s} {'pred/meas':>9s} {'peak MB per stage':>18s} "
+    print(f"{'run':19s} {'s/step':>7s} {'speed-up':>8s} {'predicted':>9s} {'pred/meas':>9s} {'peak MB per stage':>18s} "
           f"{'bubble':>6s} {'pred.':>5s}  schedule")
-    print(f"{'1 process':12s} {one['seconds']:7.2f} {1.0:8.2f} {'':>9s} {'':>9s} {one['peak_mb'][0]:18.0f}")
+    print(f"{'1 process':19s} {one['seconds']:7.2f} {1.0:8.2f} {'':>9s} {'':>9s} {one['peak_mb'][0]:18.0f}")
     results = {}
-    for stages in (2, 4):
-        for schedule in ("gpipe", "1f1b", "auto"):
-            r = launch(stages, __file__, common + ["--stages", stages, "--schedule", schedule])
-            results[stages, schedule] = r
-            peaks = " ".join(f"{p:.0f}" for p in r["peak_mb"])
-            print(f"{f'S={stages} {schedule}':12s} {r['seconds']:7.2f} {one['seconds'] / r['seconds']:8.2f} "
-                  f"{r['predicted']:9.2f} {r['predicted'] / r['seconds']:9.2f} {peaks:>18s} "
-                  f"{sum(r['bubble']) / len(r['bubble']):6.2f} {r['predicted_bubble']:5.2f}  {r['name']}")
-    for stages in (2, 4):
-        o = results[stages, "1f1b"]
-        for schedule in ("gpipe", "auto"):
-            print(f"S={stages}: peak memory {schedule} / 1F1B per stage: "
-                  + " ".join(f"{a / b:.2f}" for a, b in zip(results[stages, schedule]["peak_mb"], o["peak_mb"])))
+    runs = [(2, s) for s in ("gpipe", "1f1b", "auto", "1f1b unmerged", "auto unmerged")]
+    runs += [] if args.no_s4 else [(4, s) for s in ("gpipe", "1f1b", "auto")]
+    for stages, schedule in runs:
+        name, *rest = schedule.split()
+        extra = ["--no-merge"] if rest else []
+        r = launch(stages, __file__, common + ["--stages", stages, "--schedule", name] + extra)
+        results[stages, schedule] = r
+        peaks = " ".join(f"{p:.0f}" for p in r["peak_mb"])
+        print(f"{f'S={stages} {schedule}':19s} {r['seconds']:7.2f} {one['seconds'] / r['seconds']:8.2f} "
+              f"{r['predicted']:9.2f} {r['predicted'] / r['seconds']:9.2f} {peaks:>18s} "
+              f"{sum(r['bubble']) / len(r['bubble']):6.2f} {r['predicted_bubble']:5.2f}  {r['name']}")
+    for stages, schedule in runs:
+        if schedule == "1f1b":
+            continue
+        reference = "1f1b unmerged" if schedule.endswith("unmerged") else "1f1b"
+        line = " ".join(f"{a / b:.2f}" for a, b in zip(results[stages, schedule]["peak_mb"],
+                                                       results[stages, reference]["peak_mb"]))
+        if stages == 2 and not schedule.endswith("unmerged"):
+            line += "; / 1F1B unmerged: " + " ".join(f"{a / b:.2f}" for a, b in zip(
+                results[stages, schedule]["peak_mb"], results[2, "1f1b unmerged"]["peak_mb"]))
+        print(f"S={stages}: peak memory {schedule} / {reference} per stage: {line}")
+    for schedule in ("1f1b", "auto", "1f1b unmerged", "auto unmerged"):
+        measured = results[2, schedule]["costs"]
+        print(f"S=2 {schedule:13s} sweep costs, ms per micro-batch: " + "; ".join(
+            f"stage {s}: " + " ".join(f"{k} {1e3 * v:.0f}" for k, v in row.items()) + f" (sum of F, B1, A, B "
+            f"{1e3 * sum(row.get(k, 0.0) for k in ('F', 'B1', 'A', 'B')):.0f})"
+            for s, row in enumerate(measured["seconds"])))
     if args.render:
         print("S=2 auto, measured durations:\n" + results[2, "auto"]["render"])
     from mlip_parallel.train.schedule import SWEEPS, auto, check, one_f_one_b
@@ -170,10 +189,11 @@ def main():
     measured = results[2, "auto"]["costs"]
     for s, (seconds, held) in enumerate(zip(measured["seconds"], measured["memory"])):
         print(f"S=2 measured costs, stage {s}: " + ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in seconds.items())
-              + "; held " + ", ".join(f"{k} {v / 2 ** 20:.0f} MB" for k, v in held.items()))
+              + "; held " + ", ".join(f"{k} {v / 2 ** 20:.0f} MB" for k, v in held.items() if k != "merged")
+              + (" (B1's graph until B: A runs in B)" if held.get("merged") else ""))
     print(f"S=2 message latency {1e3 * measured['latency']:.2f} ms")
     for stages in (4, 8):
-        if args.blocks % stages or stages > args.blocks:
+        if args.blocks % stages or stages > args.blocks or args.no_s4:
             continue
         costs = scaled_costs(measured, args.blocks, stages)
         name, _, chosen = auto(stages, args.microbatches, SWEEPS["forces"], costs)

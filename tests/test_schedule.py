@@ -232,6 +232,31 @@ def test_timed_simulation():
     assert check(gpipe(2, 1), 2, 1, sweeps, costs=held)["peak_memory"] == [11.0, 11.0]
 
 
+def test_merged_a_costs_and_memory():
+    """With A's parameter part merged into B (stages time no WA), auto leaves A split out and considers plain
+    and B-split sweeps; the memory model holds B1's graph until B (or WB, B split) and A's captured gradients
+    from A to B."""
+    sweeps = SWEEPS["forces"]
+    merged = Costs(({"F": 1.0, "B1": 1.0, "A": 0.5, "B": 2.5, "B.in": 0.5, "WB": 2.0},) * 2,
+                   memory=({"F": 1.0, "B1": 10.0, "A": 100.0, "WB": 1000.0, "merged": 1.0},) * 2)
+    assert merged.times(sweeps) and merged.times(split(sweeps, ("B",))) and not merged.times(split(sweeps))
+    name, schedule, _ = auto(2, 8, sweeps, merged)
+    assert "split A+B" not in name and sweeps_of(schedule) != split(sweeps)
+    one = [[Action(0, sw, 0) for sw in ("F", "B1", "A", "B")]]
+    assert check(one, 1, 1, sweeps, costs=merged)["peak_memory"] == [111.0]  # F + B1 + A's, all until B
+    unmerged = Costs(merged.seconds, memory=({"F": 1.0, "B1": 10.0, "A": 100.0, "WB": 1000.0, "merged": 0.0},))
+    plain = Costs(merged.seconds, memory=({"F": 1.0, "B1": 10.0, "WB": 1000.0},))
+    assert check(one, 1, 1, sweeps, costs=plain)["peak_memory"] == [11.0]  # B1's graph goes with A
+    # two micro-batches, A of the second before B of the first: both hold F, B1 (unless freed by A) and A's
+    two = [[Action(0, sw, m) for sw, m in (("F", 0), ("F", 1), ("B1", 0), ("B1", 1), ("A", 0), ("A", 1), ("B", 0),
+                                             ("B", 1))]]
+    assert check(two, 1, 2, sweeps, costs=merged)["peak_memory"] == [222.0]
+    assert check(two, 1, 2, sweeps, costs=unmerged)["peak_memory"] == [212.0]
+    assert check(two, 1, 2, sweeps, costs=plain)["peak_memory"] == [22.0]
+    b_split = [[Action(0, sw, 0) for sw in ("F", "B1", "A", "B", "WB")]]
+    assert check(b_split, 1, 1, split(sweeps, ("B",)), costs=merged)["peak_memory"] == [1111.0]
+
+
 def test_auto_beats_1f1b_within_the_memory_bound():
     """auto's choice is never predicted slower than 1F1B, holds at most 1.2 x 1F1B's in flight (or, with measured
     memory, 1.2 x its modelled peak per stage), and splits the sweeps whose deferred part is dear."""

@@ -291,7 +291,7 @@ def test_help_documents_every_key(capsys):
     out = capsys.readouterr().out
     for key in ("train", "validation_fraction", "hyperparameters", "forces_weight", "gradient_clip", "patience",
                 "ema_decay", "batch_size", "parallel", "resume", "directory", "stages", "microbatches", "schedule",
-                "boundaries", "two_bw", "recompute"):
+                "boundaries", "two_bw", "recompute", "merge"):
         assert key in out, key
 
 

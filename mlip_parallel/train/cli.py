@@ -73,6 +73,9 @@ SCHEMA = {
                                    "(default: balance measured block costs)"),
         "two_bw": (bool, False, "pipeline: PipeDream-2BW one-step-stale weight updates"),
         "recompute": (bool, False, "pipeline: recompute each stage's forward before its backward sweeps"),
+        "merge": (bool, True, "pipeline: the double backward's first sweep computes only what the next stage waits "
+                              "for and leaves the rest to the second, one pass through the forward graph (faster; "
+                              "holds A's gradients until B: false for 1F1B's memory of before)"),
     },
     "resume": (bool, False, "continue from OUTPUT/last.pt when it exists (same config; epochs = the new total)"),
     "output": {

@@ -17,6 +17,17 @@ messages. Per micro-batch the force loss takes four sweeps:
     B  (S−1 → 0)  backward through stage s's forward graph, seed = cotangent of h_s (from stage s+1:
                   its A and B parts), on the last stage dL/dE: parameter gradients, cotangent of h_{s−1}
 
+A's parameter part runs in B (``merge``, the default). B1's graph reads the tensors the forward saved,
+so a whole A back-propagates through the forward graph as well, and B then runs through it again: the
+forward graph's backward twice per micro-batch, where one process runs it once with the summed
+cotangents (on SchNet, stage 0's A cost 100 ms against 52 ms for F + B1). Under ``merge``, A computes
+only the cotangent of g_s that the next stage waits for (``backward_split``: the input pass into g_s),
+sends it, and keeps where the rest enters the graph with its gradients (``DeferredGradients.edges``: the
+join nodes' parameter-side outputs, computed by formula where known, ``_branch_outputs``); B
+back-propagates those together with its own seed, one traversal of the forward graph. The last stage,
+which sends nothing up, leaves all of A to B. The price is memory: the gradients A leaves to B (on
+SchNet about 0.7 × B1's graph) are held from A to B, and on the last stage B1's graph until B.
+
 Energy-only training runs F and B; evaluation (validation and test errors) runs F and B1 without
 ``create_graph``. The order of sweeps over micro-batches is a schedule (``mlip_parallel.train.schedule``),
 which never touches tensors; ``PipelineStage`` executes actions and never decides order. Parameter
@@ -126,57 +137,49 @@ def _node(t):
 
 
 def _slot(t) -> int:
-    """The input slot of ``_node(t)`` that receives ``t``'s gradient."""
+    """The input of ``_node(t)`` that receives ``t``'s gradient."""
     if not isinstance(t, torch.Tensor):
         return t.output_nr
     return t.output_nr if t.grad_fn is not None else 0
 
 
-class SavedActivations:
-    """Saved-tensor hooks for one micro-batch's forward graph on a stage, so that the double backward's
-    first sweep (A) stops at the forward graph instead of running through it.
+def _branch_outputs(join, grads, wanted):
+    """The outputs of autograd node ``join`` called with ``grads``, computed only at the indices ``wanted``
+    (None elsewhere), for the nodes whose formulas are known here (matrix product, product, softplus'
+    backward): a join's outputs towards the stage's inputs were computed in the input pass, and calling
+    the node would compute them again. None for any other node (then it is called)."""
+    name = join.name()
+    if len(grads) != 1 or name not in _BRANCH_FORMULAS:
+        return None
+    try:
+        saved = {k: getattr(join, f"_saved_{k}") for k in _BRANCH_FORMULAS[name][0]}
+    except AttributeError:  # saved tensors released, or another autograd version
+        return None
+    formulas, grad = _BRANCH_FORMULAS[name][1], grads[0]
+    if len(join.next_functions) != len(formulas) or any(v is None for v in saved.values()):
+        return None
+    return tuple(formulas[k](grad, **saved) if k in wanted else None for k in range(len(formulas)))
 
-    The force backward B1 (``create_graph``) builds a graph whose nodes read the tensors the forward
-    saved. Left alone, those reads connect B1's graph to the forward graph, and A, which back-propagates
-    through B1's graph into the parameters, runs through the forward graph too; B then runs through it
-    again (with the energy's cotangent). One process runs it once, with the sum of both. Under these
-    hooks, a saved tensor that requires grad is unpacked in B1 (``capturing``) as a fresh leaf (an alias
-    of the same storage): A's backward then ends at those leaves, and their gradients (``captured``:
-    origin → summed gradient) are what A would have sent into the forward graph. B adds them as seeds
-    at their origins (``seeds``): one traversal of the forward graph, as in one process. Leaves of the
-    forward graph (parameters, the stage input, positions and strain) are origins too: a parameter's
-    gradient is added to its ``.grad`` in A, the stage input's joins the cotangent B sends down.
-    The packed form holds the origin's index and a detached view (no reference cycle through the graph)."""
 
-    def __init__(self, count=None):
-        self.origins: list = []   # index -> a leaf tensor, or the GradientEdge of a non-leaf
-        self.aliases: list = []   # (index, alias leaf) unpacked while capturing
-        self.capturing = False
-        self.count = count        # a callable counting the saved bytes (memory measurement), or None
+def _softplus_double_backward(grad, self, beta, threshold):  # torch's softplus_double_backward
+    x = self * beta
+    y = torch.sigmoid(x)
+    return grad * y * (1 - y) * (x < threshold).to(grad.dtype) * beta
 
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
-    def pack(self, t):
-        if self.count is not None:
-            self.count(t)
-        if not t.requires_grad:
-            return None, t
-        from torch.autograd.graph import get_gradient_edge
-        self.origins.append(t if t.grad_fn is None else get_gradient_edge(t))
-        return len(self.origins) - 1, t.detach()
+_BRANCH_FORMULAS = {  # node name -> (its saved values, the formula of each output, in next_functions order)
+    "MmBackward0": (("self", "mat2"), (lambda g, self, mat2: g.mm(mat2.t()),
+                                       lambda g, self, mat2: self.t().mm(g))),
+    "MulBackward0": (("self", "other"), (lambda g, self, other: g * other,
+                                         lambda g, self, other: g * self)),
+    "SoftplusBackwardBackward0": (("grad_output", "self", "beta", "threshold"), (
+        lambda g, grad_output, self, beta, threshold: torch.ops.aten.softplus_backward(g, self, beta, threshold),
+        lambda g, grad_output, self, beta, threshold:
+            _softplus_double_backward(g * grad_output, self, beta, threshold))),
+}
 
-    def unpack(self, packed):
-        index, t = packed
-        if index is None or not self.capturing:
-            return t
-        alias = t.detach().requires_grad_(True)
-        self.aliases.append((index, alias))
-        return alias
 
-    def take_aliases(self) -> list:
-        aliases, self.aliases = self.aliases, []
-        return aliases
+_GATHERS = ("IndexSelectBackward0",)  # nodes whose gradient ([E] edge rows) is larger than what they pass on ([N])
 
 
 class DeferredGradients:
@@ -189,15 +192,35 @@ class DeferredGradients:
     def __init__(self, parameters, joins, branch, seeded):
         self.parameters, self.joins, self.branch, self.seeded = parameters, joins, branch, seeded
 
-    def run(self) -> None:
+    def edges(self) -> tuple:
+        """(gradient edges, gradients): where the deferred part starts (the join nodes called now with the
+        gradients they received), to back-propagate from, e.g. together with another backward pass that
+        reaches the same parameters (one traversal of their common graph). Releases the captured graph."""
         from torch.autograd.graph import GradientEdge
 
+        arriving = self._arriving()
+        self.joins = self.branch = self.seeded = None
+        for (node, k) in [e for e in arriving if e[0].name() in _GATHERS]:  # hold [N] rows, not [E]
+            g = arriving.pop((node, k))
+            with torch.no_grad():
+                out = node(g)
+            for (child, slot), g in zip(node.next_functions, out if isinstance(out, tuple) else (out,)):
+                if child is not None and g is not None:
+                    arriving[child, slot] = g + arriving[child, slot] if (child, slot) in arriving else g
+        edges = list(arriving)
+        return [GradientEdge(node, k) for node, k in edges], [arriving[e] for e in edges]
+
+    def _arriving(self) -> dict:
         arriving = dict(self.seeded)  # (branch node, input) -> gradient
         for join, grads in self.joins:
             grads = [g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=m.device)
                      for g, m in zip(grads, join._input_metadata)]
+            wanted = {k for k, (child, _) in enumerate(join.next_functions)
+                      if child is not None and child in self.branch}
             with torch.no_grad():
-                outputs = join(*grads)
+                outputs = _branch_outputs(join, grads, wanted)
+                if outputs is None:
+                    outputs = join(*grads)
             for (child, k), g in zip(join.next_functions, outputs if isinstance(outputs, tuple) else (outputs,)):
                 if g is None or child not in self.branch:
                     continue
@@ -206,6 +229,12 @@ class DeferredGradients:
                     g = g.sum_to_size(expected.shape)
                 arriving[child, k] = g.to(expected.dtype) + arriving[child, k] if (child, k) in arriving \
                     else g.to(expected.dtype)
+        return arriving
+
+    def run(self) -> None:
+        from torch.autograd.graph import GradientEdge
+
+        arriving = self._arriving()
         if arriving:
             edges = list(arriving)
             grads = torch.autograd.grad([GradientEdge(node, k) for node, k in edges], self.parameters,
@@ -213,7 +242,8 @@ class DeferredGradients:
             with torch.no_grad():
                 for p, g in zip(self.parameters, grads):
                     if g is not None:
-                        p.grad = (g.clone() if g._is_view() else g) if p.grad is None else p.grad.add_(g)
+                        fresh = g._is_view() or g.stride() != p.stride()  # .grad in the parameter's layout
+                        p.grad = (torch.empty_like(p).copy_(g) if fresh else g) if p.grad is None else p.grad.add_(g)
         self.joins = self.branch = self.seeded = None  # release the graph
 
     @property
@@ -223,6 +253,24 @@ class DeferredGradients:
         grads += list((self.seeded or {}).values())
         return sum(storage.nbytes() for storage in {g.untyped_storage().data_ptr(): g.untyped_storage()
                                                     for g in grads}.values())
+
+
+class _Seeds:
+    """Seeds of a backward pass put off (tensors or gradient edges, and their gradients), for B under
+    ``PipelineStage.merge``: the last stage's whole A, which has nothing to send on; elsewhere the part of
+    A left after its input pass (``DeferredGradients.edges``)."""
+
+    def __init__(self, tensors, seeds):
+        self.tensors, self.seeds = tensors, seeds
+
+    def edges(self) -> tuple:
+        return self.tensors, self.seeds
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the seeds' storages (each once)."""
+        return sum(storage.nbytes() for storage in {g.untyped_storage().data_ptr(): g.untyped_storage()
+                                                    for g in self.seeds}.values())
 
 
 def backward_split(tensors, seeds, inputs, parameters) -> DeferredGradients:
@@ -291,11 +339,14 @@ class PipelineStage:
     parameters' gradients; ``evaluate(actions, batches, model)`` runs F and B1 without a double-backward
     graph and returns this stage's error sums. When ``actions`` hold WA / WB, sweeps A / B compute only
     what the neighbours wait for and WA / WB the deferred parameter gradients (``backward_split``).
+    ``merge_a_into_b`` (default True): without WA, A computes only what the next stage waits for and B
+    the rest of A with its own (``merge`` during a run; see the module docstring).
     Every receive of a run is posted (``irecv``) before its first action; sends are ``isend``s, waited
     for at its end. ``timings``: (action, seconds of compute, waits excluded) of the last run; with
     ``measure_memory`` set, ``memory[m]``: the bytes micro-batch m held (``schedule.Costs.memory``'s "F",
-    "B1", "WA", "WB": the storages autograd saved in F and in B1, each once, and the gradients A and B
-    captured for WA and WB).
+    "B1", "A", "WA", "WB": the storages autograd saved in F and in B1, each once, the gradients A left
+    to B under ``merge``, and those A and B captured for WA and WB; "merged": 1 where B1's graph is held
+    until B).
     """
 
     def __init__(self, model, stage: int, stages: int, boundaries, peers, recompute: bool = False):
@@ -316,6 +367,7 @@ class PipelineStage:
         self.timings: list = []
         self.measure_memory, self.memory = False, {}
         self.in_flight_peak, self.wait_seconds, self.run_seconds = 0, 0.0, 0.0
+        self.merge_a_into_b, self.merge = True, False
 
     # ---------------------------------------------------------------- messages
     # Each message is tagged with (micro-batch, sweep, part): a schedule may interleave sweeps of
@@ -362,8 +414,7 @@ class PipelineStage:
         import contextlib
         if not self.measure_memory:
             return contextlib.nullcontext()
-        counted = self.memory.setdefault(m, {"F": 0, "B1": 0, "WA": 0, "WB": 0, "seen": {
-            p.untyped_storage().data_ptr() for p in self.parameters}})
+        counted = self._counted(m)
 
         def pack(t):
             storage = t.untyped_storage()
@@ -372,6 +423,13 @@ class PipelineStage:
                 counted[phase] += storage.nbytes()
             return t
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def _counted(self, m) -> dict:
+        """Micro-batch m's memory record (``measure_memory``); "merged" marks B1's graph held until B (the
+        last stage's A runs entirely in B under ``merge``)."""
+        return self.memory.setdefault(m, {"F": 0, "B1": 0, "A": 0, "WA": 0, "WB": 0,
+                                          "merged": int(self.merge and self.last),
+                                          "seen": {p.untyped_storage().data_ptr() for p in self.parameters}})
 
     # ------------------------------------------------------------------ sweeps
     def forward(self, m: int) -> None:
@@ -415,7 +473,7 @@ class PipelineStage:
     def _backward(self, m, sweep, tensors, seeds, inputs) -> None:
         """Seeds from tensors into the ``inputs``' ``.grad`` and the parameters' (keeping the graph); the
         parameters' part deferred to the action of ``DEFERRED[sweep]`` when the schedule holds one."""
-        keep = [k for k, t in enumerate(tensors) if t.requires_grad]
+        keep = [k for k, t in enumerate(tensors) if not isinstance(t, torch.Tensor) or t.requires_grad]
         tensors, seeds = [tensors[k] for k in keep], [seeds[k] for k in keep]
         if DEFERRED.get(sweep) in self.deferred:
             deferred = self.state[m][DEFERRED[sweep]] = backward_split(tensors, seeds, inputs, self.parameters)
@@ -471,12 +529,26 @@ class PipelineStage:
         if not self.first:
             tensors.append(s["g_in"]), seeds.append(cot_g_in)
         inputs = ([] if self.last else [s["g_out"]]) + ([] if self.first else [s["h_in"]])
-        self._backward(m, Sweep.A, tensors, seeds, inputs)
+        rest = None
+        if self.merge:  # only the cotangent of g_out now (none on the last stage); the rest in one pass with B's
+            keep = [k for k, t in enumerate(tensors) if t.requires_grad]
+            tensors, seeds = [tensors[k] for k in keep], [seeds[k] for k in keep]
+            if self.last:  # nothing to send: all of A runs in B (B1's graph is held until then)
+                s["A.rest"] = _Seeds(tensors, seeds)
+            else:
+                rest = backward_split(tensors, seeds, [s["g_out"]],
+                                      self.parameters + ([] if self.first else [s["h_in"]]))
+        else:
+            self._backward(m, Sweep.A, tensors, seeds, inputs)
         if not self.last:
             g = s["g_out"].grad
             self._send(g if g is not None else torch.zeros_like(s["g_out"]), self.next, m, "A")
             self._send(cot_pos, self.next, m, "A", 1)
             self._send(cot_strain, self.next, m, "A", 2)
+        if rest is not None:  # once sent: where the rest enters the graph, and the gradients it starts with;
+            s["A.rest"] = _Seeds(*rest.edges())  # the part of B1's graph only the input pass needed is freed
+            if self.measure_memory:
+                self._counted(m)["A"] = s["A.rest"].nbytes
         for key in ("f_pos", "f_strain", "g_in", "g_out"):
             s.pop(key, None)
 
@@ -490,7 +562,11 @@ class PipelineStage:
             seed = torch.autograd.grad(part, energy)[0]
         else:
             seed = self._recv(m, "B")
-        self._backward(m, Sweep.B, [out], [seed], [] if self.first else [s["h_in"]])
+        tensors, seeds = [out], [seed]
+        if "A.rest" in s:  # A's part that B's graph carries on (``merge``): one pass for both
+            edges, grads = s.pop("A.rest").edges()
+            tensors, seeds = tensors + edges, seeds + grads
+        self._backward(m, Sweep.B, tensors, seeds, [] if self.first else [s["h_in"]])
         if not self.first:
             g = s["h_in"].grad
             self._send(g if g is not None else torch.zeros_like(s["h_in"]), self.prev, m, "B")
@@ -511,6 +587,9 @@ class PipelineStage:
     def _execute(self, actions, batches) -> None:
         self.batches, self.wait_seconds, self.timings, self.memory = batches, 0.0, [], {}
         self.deferred = {a.sweep for a in actions} & set(DEFERRED.values())
+        # A computes only what the next stage waits for, B the rest with its own (not with A split: WA)
+        self.merge = self.merge_a_into_b and not self.evaluating and Sweep.WA not in self.deferred \
+            and any(a.sweep == Sweep.A for a in actions)
         left = {}  # actions left per micro-batch: its state goes with the last
         for action in actions:
             left[action.microbatch] = left.get(action.microbatch, 0) + 1
@@ -570,8 +649,10 @@ class PipelineTrainer:
     ``sample`` (structures), one block at a time, on rank 0. ``two_bw``: PipeDream-2BW — the gradient of
     step t is computed with the weights of step t − 1 and applied to the current ones (one-step-stale
     updates, two weight versions of this stage's parameters). ``recompute``: activation recomputation
-    (see ``PipelineStage``). Raises PipelineError for a layout that cannot work, on every rank, before
-    any step.
+    (see ``PipelineStage``). ``merge``: A computes only the cotangent the next stage waits for and B
+    the rest of A with its own, one traversal of the forward graph (``PipelineStage.merge``; False: A
+    runs through the forward graph itself, as one process would not). Raises PipelineError for a layout
+    that cannot work, on every rank, before any step.
 
     Results are deterministic given the schedule; ``auto``'s depends on measured times, so two runs may
     differ in the last bits (float64: ~1e-16). The costs are part of ``state_dict``: a resumed run keeps
@@ -579,7 +660,8 @@ class PipelineTrainer:
     """
 
     def __init__(self, build, stages: int, microbatches: int, schedule: str = "auto", sweeps: str = "forces",
-                 boundaries=None, sample=None, two_bw: bool = False, recompute: bool = False, costs=None):
+                 boundaries=None, sample=None, two_bw: bool = False, recompute: bool = False, costs=None,
+                 merge: bool = True):
         import torch.distributed as dist
 
         from .schedule import SCHEDULE_NAMES
@@ -611,6 +693,7 @@ class PipelineTrainer:
         self.model = build(stage_parts(layers, self.boundaries, stage))
         peers = (rank - 1 if stage > 0 else None, rank + 1 if stage < stages - 1 else None)
         self.stage = PipelineStage(self.model, stage, stages, self.boundaries, peers, recompute)
+        self.stage.merge_a_into_b = merge
         self.costs, self._actions, self._warm_up = costs, {}, []  # the warm-up steps' measurements
         self.actions(microbatches, sweeps)  # check the schedule now
         groups = [dist.new_group([d * stages + s for d in range(self.replicas)]) for s in range(stages)]
@@ -634,18 +717,21 @@ class PipelineTrainer:
         key = microbatches, sweeps, len(self._warm_up) if self.costs is None else None
         if key not in self._actions:
             kind = SWEEPS[sweeps]
+            # with A merged into B (``PipelineStage.merge``) A is already the part the next stage waits for:
+            # only B's parameter part is worth deferring (WB), and the warm-up times B split
+            parts, tag = ((Sweep.B,), "B") if self.stage.merge_a_into_b else ((Sweep.A, Sweep.B), "A+B")
 
             def known(needed):  # the costs, when they time every sweep of ``needed``
                 return self.costs if self.costs is not None and all(
                     sw in row for row in self.costs.seconds for sw in needed) else None
             if self.schedule != "auto":
                 name, lists = self.schedule, SCHEDULES[self.schedule](self.stages, microbatches, kind)
-            elif known(split(kind)) is None and sweeps != "evaluate":  # the timed warm-up: plain, split, plain
+            elif known(split(kind, parts)) is None and sweeps != "evaluate":  # the timed warm-up: plain, split, plain
                 split_step = len(self._warm_up) == 1
-                name, lists = f"1f1b{' split A+B' if split_step else ''} (timed warm-up)", \
-                    one_f_one_b(self.stages, microbatches, split(kind) if split_step else kind)
+                name, lists = f"1f1b{' split ' + tag if split_step else ''} (timed warm-up)", \
+                    one_f_one_b(self.stages, microbatches, split(kind, parts) if split_step else kind)
             else:
-                name, lists, _ = auto(self.stages, microbatches, kind, known(split(kind)))
+                name, lists, _ = auto(self.stages, microbatches, kind, known(split(kind, parts)))
             used = sweeps_of(lists)
             self._actions[key] = name, lists, check(lists, self.stages, microbatches, used, costs=known(used))
         return self._actions[key]
@@ -695,7 +781,7 @@ class PipelineTrainer:
             times.setdefault(key, []).append(seconds)
         for counted in stage.memory.values():
             for key, value in counted.items():
-                if key != "seen" and (key in ("F", "B1") or key in split):
+                if key != "seen" and (key in ("F", "B1", "A", "merged") or key in split):
                     held.setdefault(key, []).append(value)
         return ({k: float(np.median(v)) for k, v in times.items()}, {k: float(np.median(v)) for k, v in held.items()})
 

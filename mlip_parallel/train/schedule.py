@@ -102,10 +102,25 @@ class Costs:
     ``latency`` of a message between neighbouring stages (seconds); and optionally ``memory[s]``, the
     bytes a micro-batch holds on stage s: "F" from the start of F to the end of its last action (the
     forward graph), "B1" from the start of B1 to the end of A, or of WA when split (the double-backward
-    graph), "WA" / "WB" from the start of A / B to the end of WA / WB (the gradients captured for them)."""
+    graph), or to the end of B (of WB when split) where "merged" is set (the stage's A runs in B), "A" from
+    the start of A to the end of B (the gradients A leaves to B), "WA" / "WB" from the start of A / B to the
+    end of WA / WB (the gradients captured for them)."""
     seconds: tuple
     latency: float = 0.0
     memory: tuple = None
+
+    def times(self, sweeps) -> bool:
+        """Whether these costs give every action of ``sweeps`` a duration on every stage."""
+        for row in self.seconds:
+            for sw in sweeps:
+                deferred = DEFERRED.get(sw)
+                if deferred is not None and deferred in sweeps:
+                    needed = [f"{sw}.in"]
+                else:
+                    needed = [str(sw)] if str(sw) in row or deferred is None else [f"{sw}.in", str(deferred)]
+                if any(key not in row for key in needed):
+                    return False
+        return True
 
     def duration(self, action, sweeps) -> float:
         row, sweep = self.seconds[action.stage], str(action.sweep)
@@ -278,9 +293,12 @@ def _peak_memory(actions, sweeps, held) -> float:
     def bytes_of(key, present=True):
         return held.get(key, 0.0) if present else 0.0
     split_a, split_b = Sweep.WA in sweeps, Sweep.WB in sweeps
-    gains = {Sweep.F: bytes_of("F"), Sweep.B1: bytes_of("B1", Sweep.A in sweeps), Sweep.A: bytes_of("WA", split_a),
-             Sweep.B: bytes_of("WB", split_b)}
-    frees = {Sweep.A: bytes_of("B1", not split_a), Sweep.WA: bytes_of("B1") + bytes_of("WA"), Sweep.WB: bytes_of("WB")}
+    merged = bool(held.get("merged")) and not split_a  # B1's graph held until B (or WB), not freed by A
+    gains = {Sweep.F: bytes_of("F"), Sweep.B1: bytes_of("B1", Sweep.A in sweeps),
+             Sweep.A: bytes_of("WA", split_a) + bytes_of("A"), Sweep.B: bytes_of("WB", split_b)}
+    frees = {Sweep.A: bytes_of("B1", not split_a and not merged), Sweep.WA: bytes_of("B1") + bytes_of("WA"),
+             Sweep.B: bytes_of("A") + bytes_of("B1", merged and not split_b),
+             Sweep.WB: bytes_of("WB") + bytes_of("B1", merged and split_b)}
     last = {a.microbatch: k for k, a in enumerate(actions)}
     now = peak = 0.0
     for k, a in enumerate(actions):
@@ -399,6 +417,8 @@ def candidates(stages, microbatches, sweeps=SWEEPS["forces"], costs=None, max_in
     bound = in_flight_bound(stages, microbatches) if max_in_flight is None else max_in_flight
     out = {}
     for kind in dict.fromkeys([tuple(sweeps), split(sweeps, (Sweep.B,)), split(sweeps)]):
+        if costs is not None and not costs.times(kind):
+            continue  # e.g. A split, where the stages merge A's parameter part into B and never time WA
         tag = {0: "", 1: " split"}.get(len(kind) - len(sweeps), " split A+B")
         out["gpipe" + tag] = gpipe(stages, microbatches, kind)
         out["1f1b" + tag] = one_f_one_b(stages, microbatches, kind)

@@ -175,7 +175,8 @@ def pipeline_trainer(config, procs, build, train_set, weights, resume_layout):
     sweeps = "energy" if weights["forces"] == 0 and weights["stress"] == 0 else "forces"
     try:
         return PipelineTrainer(build, pc["stages"], pc["microbatches"], pc["schedule"], sweeps, boundaries=boundaries,
-                               sample=train_set[:1], two_bw=pc["two_bw"], recompute=pc["recompute"])
+                               sample=train_set[:1], two_bw=pc["two_bw"], recompute=pc["recompute"],
+                               merge=pc["merge"])
     except PipelineError as exc:
         raise ConfigError(f"pipeline: {exc}") from None
 

@@ -6,6 +6,8 @@ the one-process model built from the same seed:
 * every rank's parameters are exactly its stage's parts (names checked against the whole model's);
 * gradients of every stage equal the single-process double backward (1e-9), and the loss equals it:
   SchNet with GPipe and 1F1B, four sweeps and two (energy only), and with activation recomputation;
+  A's parameter part merged into B (the default: A computes only the cotangent the next stage waits
+  for) and not (SchNet 1F1B);
   PaiNN and NequIP with 1F1B; ragged global batches: 7 structures in 4 micro-batches, fewer structures
   than replicas × micro-batches, and (P = 4) a replica with no structure at all;
 * split sweeps (A's and B's parameter gradients deferred to WA, WB) and ``auto``: the timed warm-up
@@ -108,13 +110,14 @@ def owned_pairs(trainer, values, reference_values):
 
 
 def gradient_case(name, schedule, sweeps, recompute, microbatches, data, boundaries=None, steps=1, costs=None,
-                  lists=None):
+                  lists=None, merge=True):
     """``steps`` gradient computations of one trainer (auto: the first three are the timed warm-up, 1F1B on
     plain, split and plain sweeps; the later ones auto's choice), each compared with one process.
-    ``lists``: run this schedule."""
+    ``lists``: run this schedule. ``merge``: A's parameter part runs in B (the default; False: A runs
+    through the forward graph itself, as with A split)."""
     weights = WEIGHTS if sweeps == "forces" else ENERGY_ONLY
     trainer = PipelineTrainer(MODELS[name], STAGES, microbatches=microbatches, schedule=schedule, sweeps=sweeps,
-                              sample=data[:2], recompute=recompute, boundaries=boundaries, costs=costs)
+                              sample=data[:2], recompute=recompute, boundaries=boundaries, costs=costs, merge=merge)
     check_parts(name, trainer)
     if lists is not None:  # a given order (e.g. split GPipe: every W after every B, the longest deferral)
         kind = sweeps_of(lists)
@@ -130,8 +133,9 @@ def gradient_case(name, schedule, sweeps, recompute, microbatches, data, boundar
                  f"M={microbatches}: gradients")
         if schedule == "auto" or lists is not None:
             label = f"{name} {trainer.schedule_name}{' recompute' if recompute else ''} {sweeps}, M={microbatches}"
+        label += "" if merge else " (A not merged into B)"
         compare(label, [a for a, _ in pairs], [b for _, b in pairs],
-                word="max rel err" if schedule != "auto" and lists is None else "largest relative difference")
+                word="max rel err" if schedule != "auto" and lists is None and merge else "largest relative difference")
         if abs(loss - ref_loss) > 1e-10 * abs(ref_loss):
             failures.append(f"{label}: loss {loss} vs {ref_loss}")
     return trainer
@@ -145,6 +149,8 @@ if P == 4:  # data x pipeline: the schedule variants already ran on a single pip
     CASES = [c for c in CASES if c[1:] == ("1f1b", "forces", False)]
 for name, schedule, sweeps, recompute in CASES:
     gradient_case(name, schedule, sweeps, recompute, microbatches=4, data=DATA[:7])  # ragged micro-batches
+# A running through the forward graph itself (not merged into B), as before the merge and with A split
+gradient_case("SchNet", "1f1b", "forces", False, microbatches=4, data=DATA[:7], merge=False)
 # fewer structures than replicas × micro-batches (P = 4: replica 1 gets 1 structure; then none)
 gradient_case("SchNet", "1f1b", "forces", False, microbatches=4, data=DATA[:3])
 if P == 4:
