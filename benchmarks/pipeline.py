@@ -166,15 +166,16 @@ def main():
         print(f"{f'S={stages} {schedule}':19s} {r['seconds']:7.2f} {one['seconds'] / r['seconds']:8.2f} "
               f"{r['predicted']:9.2f} {r['predicted'] / r['seconds']:9.2f} {peaks:>18s} "
               f"{sum(r['bubble']) / len(r['bubble']):6.2f} {r['predicted_bubble']:5.2f}  {r['name']}")
+    def memory_ratios(run, reference):  # peak memory per stage, run / reference
+        return " ".join(f"{a / b:.2f}" for a, b in zip(run["peak_mb"], reference["peak_mb"]))
+
     for stages, schedule in runs:
         if schedule == "1f1b":
             continue
         reference = "1f1b unmerged" if schedule.endswith("unmerged") else "1f1b"
-        line = " ".join(f"{a / b:.2f}" for a, b in zip(results[stages, schedule]["peak_mb"],
-                                                       results[stages, reference]["peak_mb"]))
+        line = memory_ratios(results[stages, schedule], results[stages, reference])
         if stages == 2 and not schedule.endswith("unmerged"):
-            line += "; / 1F1B unmerged: " + " ".join(f"{a / b:.2f}" for a, b in zip(
-                results[stages, schedule]["peak_mb"], results[2, "1f1b unmerged"]["peak_mb"]))
+            line += "; / 1F1B unmerged: " + memory_ratios(results[stages, schedule], results[2, "1f1b unmerged"])
         print(f"S={stages}: peak memory {schedule} / {reference} per stage: {line}")
     for schedule in ("1f1b", "auto", "1f1b unmerged", "auto unmerged"):
         measured = results[2, schedule]["costs"]
@@ -193,7 +194,7 @@ def main():
               + (" (B1's graph until B: A runs in B)" if held.get("merged") else ""))
     print(f"S=2 message latency {1e3 * measured['latency']:.2f} ms")
     for stages in (4, 8):
-        if args.blocks % stages or stages > args.blocks or args.no_s4:
+        if args.blocks % stages or stages > args.blocks:  # predictions from the S=2 costs: no S=4 run needed
             continue
         costs = scaled_costs(measured, args.blocks, stages)
         name, _, chosen = auto(stages, args.microbatches, SWEEPS["forces"], costs)

@@ -255,6 +255,12 @@ class DeferredGradients:
                                                     for g in grads}.values())
 
 
+def _startable(tensors, seeds) -> tuple:
+    """The (tensors, seeds) a backward pass can start from: gradient edges, and tensors that require grad."""
+    keep = [k for k, t in enumerate(tensors) if not isinstance(t, torch.Tensor) or t.requires_grad]
+    return [tensors[k] for k in keep], [seeds[k] for k in keep]
+
+
 class _Seeds:
     """Seeds of a backward pass put off (tensors or gradient edges, and their gradients), for B under
     ``PipelineStage.merge``: the last stage's whole A, which has nothing to send on; elsewhere the part of
@@ -473,8 +479,7 @@ class PipelineStage:
     def _backward(self, m, sweep, tensors, seeds, inputs) -> None:
         """Seeds from tensors into the ``inputs``' ``.grad`` and the parameters' (keeping the graph); the
         parameters' part deferred to the action of ``DEFERRED[sweep]`` when the schedule holds one."""
-        keep = [k for k, t in enumerate(tensors) if not isinstance(t, torch.Tensor) or t.requires_grad]
-        tensors, seeds = [tensors[k] for k in keep], [seeds[k] for k in keep]
+        tensors, seeds = _startable(tensors, seeds)
         if DEFERRED.get(sweep) in self.deferred:
             deferred = self.state[m][DEFERRED[sweep]] = backward_split(tensors, seeds, inputs, self.parameters)
             if self.measure_memory:
@@ -531,8 +536,7 @@ class PipelineStage:
         inputs = ([] if self.last else [s["g_out"]]) + ([] if self.first else [s["h_in"]])
         rest = None
         if self.merge:  # only the cotangent of g_out now (none on the last stage); the rest in one pass with B's
-            keep = [k for k, t in enumerate(tensors) if t.requires_grad]
-            tensors, seeds = [tensors[k] for k in keep], [seeds[k] for k in keep]
+            tensors, seeds = _startable(tensors, seeds)
             if self.last:  # nothing to send: all of A runs in B (B1's graph is held until then)
                 s["A.rest"] = _Seeds(tensors, seeds)
             else:
