@@ -289,3 +289,25 @@ def test_render_with_measured_durations():
     assert lines[1].split() == ["0", "F0", "10", "."]
     assert lines[-1].startswith(f"predicted step {1e3 * result['time']:.0f} ms, bubble ")
     assert "|" in render(result)
+
+
+def test_warm_up_costs_are_medians_at_a_common_machine_speed():
+    """pipeline.combine_steps: each step is scaled to the median speed of the sweeps every step times (F, B1,
+    A), so a split step that ran on a machine 25 % slower does not make the split sweeps look dear; per key
+    the median over the steps that timed it, the cold first step only where nothing later timed the key."""
+    from mlip_parallel.train.pipeline import combine_steps
+
+    plain = {"F": 2.0, "B1": 2.0, "A": 4.0, "B": 6.0}
+    split_b = {"F": 2.0, "B1": 2.0, "A": 4.0, "B.in": 2.0, "WB": 4.5}
+    memory = {"F": 10.0, "B1": 20.0}
+    slow = {k: 1.25 * v for k, v in split_b.items()}  # a step on a busy machine
+    cold = {k: 3.0 * v for k, v in plain.items()} | {"only_cold": 7.0}
+    steps = [(cold, memory), (slow, memory | {"WB": 5.0}), (plain, memory), (split_b, memory | {"WB": 5.0}),
+             (dict(plain, B=6.6), memory)]
+    seconds, held = combine_steps(steps)
+    # the slow step rescaled: B.in + WB 6.5 s, cheaper than B (unscaled, their mean would be 7.3 s, dearer)
+    assert seconds["B.in"] == pytest.approx(2.0) and seconds["WB"] == pytest.approx(4.5)
+    assert seconds["B"] == pytest.approx(6.3)  # median of the two warm plain steps, the cold one left out
+    assert seconds["F"] == pytest.approx(2.0) and seconds["A"] == pytest.approx(4.0)
+    assert seconds["only_cold"] == pytest.approx(7.0 * 8.0 / 24.0)  # nothing later timed it: the cold step's, rescaled
+    assert held == {"F": 10.0, "B1": 20.0, "WB": 5.0}

@@ -66,7 +66,7 @@ SCHEMA = {
     "pipeline": {
         "stages": (int, 2, "pipeline: stages per pipeline; ranks = replicas × stages (data parallel across replicas)"),
         "microbatches": (int, 4, "pipeline: micro-batches per global batch and replica"),
-        "schedule": (str, "auto", "pipeline: auto (times three warm-up steps, then runs the order predicted "
+        "schedule": (str, "auto", "pipeline: auto (times five warm-up steps, then runs the order predicted "
                                   "fastest under those costs within 1.2 × 1F1B's memory), gpipe, or 1f1b (at most "
                                   "stages micro-batches in flight per stage)"),
         "boundaries": (list, None, "pipeline: block index where each stage starts, plus the end, e.g. [0, 2, 6] "

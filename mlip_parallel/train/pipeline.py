@@ -40,8 +40,9 @@ gradients captured at the nodes where the parameters' branches join that graph (
 Messages are posted ahead: a stage posts every receive of a step (``irecv``) before its first action
 and never waits for a send (``isend``, completed at the end of the step). The trainer measures each
 stage's seconds per sweep, the memory a micro-batch holds and the message latency in its first steps
-(``schedule.Costs``); ``schedule: auto`` times three warm-up steps, then runs the order the simulator
-predicts fastest.
+(``schedule.Costs``, medians over steps scaled to a common machine speed, ``combine_steps``);
+``schedule: auto`` times five warm-up steps (1F1B on plain and split sweeps in turn), then runs the order
+the simulator predicts fastest.
 """
 from __future__ import annotations
 
@@ -330,6 +331,29 @@ def backward_split(tensors, seeds, inputs, parameters) -> DeferredGradients:
     seeded = {(node, k): g for node in roots if node in branch for k, g in roots[node].items()}
     return DeferredGradients(list(parameters), [(node, captured[node]) for node in joins if node in captured],
                              branch, seeded)
+
+
+WARM_UP_STEPS = {True: 5, False: 3}  # timed steps: under auto (plain, split, plain, split, plain), else (plain × 3)
+
+
+def combine_steps(steps) -> tuple:
+    """One stage's costs from its timed warm-up ``steps`` [k] of ({key: seconds}, {key: bytes}) (each a
+    step's medians over its micro-batches, ``PipelineTrainer._timed``): per key the median over the
+    steps that have it, the first (cold) step left out where a later one has the key. Seconds are first
+    scaled step by step to a common machine speed: by the median over steps of the summed seconds of the
+    keys every step has (F, B1, A) over this step's. The speed of a shared 2-core or busy machine drifts
+    by ±10–20 % from step to step, and auto compares keys timed in different steps (B whole in plain
+    steps, B.in and WB in split ones). Returns ({key: seconds}, {key: bytes})."""
+    seconds, memory = [step[0] for step in steps], [step[1] for step in steps]
+    shared = [k for k in seconds[0] if all(k in t for t in seconds)]
+    speed = [sum(t[k] for k in shared) for t in seconds]
+    reference = float(np.median(speed[1:] if len(speed) > 1 else speed))
+    scaled = [{k: v * (reference / x if x > 0 else 1.0) for k, v in t.items()} for t, x in zip(seconds, speed)]
+
+    def median(tables):
+        keys = dict.fromkeys(k for t in tables for k in t)
+        return {k: float(np.median([t[k] for t in tables[1:] if k in t] or [tables[0][k]])) for k in keys}
+    return median(scaled), median(memory)
 
 
 class PipelineStage:
@@ -643,12 +667,11 @@ class PipelineTrainer:
     ``build(parts)`` returns the model holding ``parts`` (a ``BlockPotential`` with a fixed seed, e.g.
     ``lambda parts: SchNet(..., parts=parts, seed=0)``): the trainer builds this rank's stage with it
     (``self.model``), never the whole model. ``schedule``: a name in ``schedule.SCHEDULE_NAMES`` —
-    "auto" (the default) runs its first three steps with 1F1B on plain, split (A and B) and again plain
-    sweeps, timing them, and from then on the schedule that ``schedule.auto`` predicts fastest under
-    those costs. Every schedule measures ``costs`` in its first steps (seconds per stage and sweep,
-    memory, message latency; the same on every rank: per stage, averaged over replicas; a later step's
-    value replaces an earlier's, so the first, cold step only counts where nothing else measured it),
-    and ``timeline`` then predicts its step; ``costs`` given (a ``schedule.Costs``) skip the measurement.
+    "auto" (the default) runs its first five steps with 1F1B on plain and split sweeps in turn, timing
+    them, and from then on the schedule that ``schedule.auto`` predicts fastest under those costs. Every
+    schedule measures ``costs`` in its first steps with full micro-batches (``WARM_UP_STEPS``;
+    seconds per stage and sweep, memory, message latency; the same on every rank: per stage the median
+    over steps, ``combine_steps``, averaged over replicas), and ``timeline`` then predicts its step; ``costs`` given (a ``schedule.Costs``) skip the measurement.
     ``sweeps``: "forces" (four sweeps; energy, force and stress loss) or "energy" (two sweeps). ``boundaries`` [S + 1] block indices, or None to balance block costs measured on
     ``sample`` (structures), one block at a time, on rank 0. ``two_bw``: PipeDream-2BW — the gradient of
     step t is computed with the weights of step t − 1 and applied to the current ones (one-step-stale
@@ -699,6 +722,7 @@ class PipelineTrainer:
         self.stage = PipelineStage(self.model, stage, stages, self.boundaries, peers, recompute)
         self.stage.merge_a_into_b = merge
         self.costs, self._actions, self._warm_up = costs, {}, []  # the warm-up steps' measurements
+        self._timed_size = 0  # structures per micro-batch of the steps the warm-up times (the most seen)
         self.actions(microbatches, sweeps)  # check the schedule now
         groups = [dist.new_group([d * stages + s for d in range(self.replicas)]) for s in range(stages)]
         self.replica_group = groups[stage]
@@ -713,9 +737,10 @@ class PipelineTrainer:
     def plan(self, microbatches: int, sweeps: str) -> tuple:
         """(name, schedule [S lists], check's result) for ``microbatches`` micro-batches and ``sweeps``
         ("forces", "energy" or "evaluate"), checked by simulation once and cached: the fixed order named
-        by ``self.schedule``, or under auto, until the costs are measured, 1F1B on plain, split and again
-        plain sweeps (the timed warm-up, three steps), then ``schedule.auto``'s choice. Once ``self.costs``
-        are known the result predicts the step in seconds (``schedule.render`` shows it)."""
+        by ``self.schedule``, or under auto, until the costs are measured, 1F1B alternately on plain and
+        split sweeps (the timed warm-up, ``WARM_UP_STEPS``: plain, split, plain, split, plain), then
+        ``schedule.auto``'s choice. Once ``self.costs`` are known the result predicts the step in seconds
+        (``schedule.render`` shows it)."""
         from .schedule import SCHEDULES, SWEEPS, auto, check, one_f_one_b, split, sweeps_of
 
         key = microbatches, sweeps, len(self._warm_up) if self.costs is None else None
@@ -725,19 +750,18 @@ class PipelineTrainer:
             # only B's parameter part is worth deferring (WB), and the warm-up times B split
             parts, tag = ((Sweep.B,), "B") if self.stage.merge_a_into_b else ((Sweep.A, Sweep.B), "A+B")
 
-            def known(needed):  # the costs, when they time every sweep of ``needed``
-                return self.costs if self.costs is not None and all(
-                    sw in row for row in self.costs.seconds for sw in needed) else None
+            def timing(needed):  # the costs, when they time every action of ``needed``
+                return self.costs if self.costs is not None and self.costs.times(needed) else None
             if self.schedule != "auto":
                 name, lists = self.schedule, SCHEDULES[self.schedule](self.stages, microbatches, kind)
-            elif known(split(kind, parts)) is None and sweeps != "evaluate":  # the timed warm-up: plain, split, plain
-                split_step = len(self._warm_up) == 1
+            elif timing(split(kind, parts)) is None and sweeps != "evaluate":  # the timed warm-up
+                split_step = len(self._warm_up) % 2 == 1
                 name, lists = f"1f1b{' split ' + tag if split_step else ''} (timed warm-up)", \
                     one_f_one_b(self.stages, microbatches, split(kind, parts) if split_step else kind)
             else:
-                name, lists, _ = auto(self.stages, microbatches, kind, known(split(kind, parts)))
+                name, lists, _ = auto(self.stages, microbatches, kind, timing(split(kind, parts)))
             used = sweeps_of(lists)
-            self._actions[key] = name, lists, check(lists, self.stages, microbatches, used, costs=known(used))
+            self._actions[key] = name, lists, check(lists, self.stages, microbatches, used, costs=timing(used))
         return self._actions[key]
 
     def actions(self, microbatches: int, sweeps: str) -> list:
@@ -791,10 +815,10 @@ class PipelineTrainer:
 
     def _measure_costs(self, steps) -> None:
         """Set ``self.costs`` from every rank's warm-up ``steps`` (each ((seconds, memory), latency), or None
-        where its replica had no structure): per stage, key and step the median over micro-batches (a
-        later step's value replaces an earlier's), averaged over replicas; the latency averaged over
-        links. Collective over all ranks, and the same costs on each; no costs (the warm-up starts over)
-        when a stage has no replica that ran every step."""
+        where its replica had no structure): per stage ``combine_steps`` of each replica's steps, averaged
+        over replicas; the latency the median over steps and links. Collective over all ranks, and the
+        same costs on each; no costs (the warm-up starts over) when a stage has no replica that ran every
+        step."""
         import torch.distributed as dist
 
         from .schedule import Costs
@@ -807,38 +831,42 @@ class PipelineTrainer:
             runs = [r for r in runs if r is not None]
             if not runs:
                 return
-            merged = [({k: v for step in run for k, v in step[0][0].items()},
-                       {k: v for step in run for k, v in step[0][1].items()}) for run in runs]
-            seconds.append({k: float(np.mean([m[0][k] for m in merged])) for k in merged[0][0]})
-            memory.append({k: float(np.mean([m[1][k] for m in merged])) for k in merged[0][1]})
+            combined = [combine_steps([step[0] for step in run]) for run in runs]
+            seconds.append({k: float(np.mean([c[0][k] for c in combined])) for k in combined[0][0]})
+            memory.append({k: float(np.mean([c[1][k] for c in combined])) for k in combined[0][1]})
             latencies += [step[1] for run in runs for step in run if step[1] is not None]
-        self.costs = Costs(tuple(seconds), float(np.mean(latencies)) if latencies else 0.0, tuple(memory))
+        self.costs = Costs(tuple(seconds), float(np.median(latencies)) if latencies else 0.0, tuple(memory))
         self._actions = {}
 
     def gradients(self, structures, weights: dict) -> float:
         """Accumulate d loss / d parameters of the global batch ``structures`` into this stage's
         parameters' ``.grad`` (zeroed first); return the loss (every rank). Replica d takes structures
-        d, d + R, …; a replica with none adds zero gradients. The first calls measure the costs of their
-        actions (``self.costs``): two (the first, cold, is remeasured), under auto three, its warm-up."""
+        d, d + R, …; a replica with none adds zero gradients. The first steps whose micro-batches are
+        as large as any seen (not a remainder batch's smaller ones) measure the costs of their actions
+        (``self.costs``): ``WARM_UP_STEPS[auto or not]`` of them."""
         import torch.distributed as dist
 
         for p in self.parameters:
             p.grad = None
         mine = structures[self.replica::self.replicas]
         loss, measured = 0.0, None
-        warm_up = self.costs is None
+        per_replica = -(-len(structures) // self.replicas)  # structures in replica 0's largest micro-batch
+        size = -(-per_replica // self.microbatches)  # (the same on every rank)
+        if self.costs is None and size > self._timed_size:
+            self._timed_size, self._warm_up, self._actions = size, [], {}
+        timed = self.costs is None and size == self._timed_size
         if mine:
             batches = self._micro_batches(mine, self.model)
-            self.stage.measure_memory = warm_up
+            self.stage.measure_memory = timed
             try:
                 loss = self.stage.run(self.actions(len(batches), self.sweeps), batches, Counts.of(structures), weights)
             finally:
                 self.stage.measure_memory = False
-            if warm_up:
+            if timed:
                 measured = self._timed(self.stage), self._latency(batches)
-        if warm_up:
+        if timed:
             self._warm_up.append(measured)
-            if len(self._warm_up) == (3 if self.schedule == "auto" else 2):
+            if len(self._warm_up) == WARM_UP_STEPS[self.schedule == "auto"]:
                 self._measure_costs(self._warm_up)
         if self.replicas > 1:
             def all_reduce(flat):
