@@ -78,6 +78,9 @@ SCHEMA = {
                               "holds A's gradients until B: false for 1F1B's memory of before)"),
     },
     "resume": (bool, False, "continue from OUTPUT/last.pt when it exists (same config; epochs = the new total)"),
+    "keep_freed_memory": (bool, True, "glibc's malloc keeps freed tensors' memory for reuse instead of returning it "
+                                      "to the system and faulting it in again (CPU training 1.1-1.3x faster; the "
+                                      "resident size stays at its peak); ignored where MALLOC_*_ variables are set"),
     "output": {
         "directory": (str, "train_output", "output directory (refused when it is not empty, unless overwrite or resume)"),
         "overwrite": (bool, False, "write into a non-empty output directory"),
@@ -95,6 +98,29 @@ def train(config) -> list:
     from .trainer import Trainer
 
     return Trainer(config).fit()
+
+
+MALLOPT = {"M_TRIM_THRESHOLD": (-1, 2 ** 31 - 1), "M_TOP_PAD": (-2, 256 << 20), "M_MMAP_THRESHOLD": (-3, 32 << 20)}
+
+
+def keep_freed_memory() -> bool:
+    """Set glibc's malloc to keep freed memory for reuse in this process (``mallopt``): blocks up to 32 MiB
+    from the heap, not from mmaps of their own; the heap top trimmed only beyond 2 GiB, grown 256 MiB
+    at a time. A training step frees and reallocates the same large tensors, and by default glibc hands
+    their pages back and faults them in again (``benchmarks/pipeline_epoch.py --allocator`` measures
+    both). Returns False, changing nothing, where a ``MALLOC_*_`` variable (the user's own choice) is
+    set or the C library has no ``mallopt``."""
+    import ctypes
+    import os
+
+    if any(key.startswith("MALLOC_") and key.endswith("_") for key in os.environ):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return all([mallopt(param, value) == 1 for param, value in MALLOPT.values()])
 
 
 def write_metrics(directory: Path, rows) -> None:
@@ -171,7 +197,10 @@ def main(argv=None) -> int:
         return 0
     args = config_parser("mlip-train", __doc__.splitlines()[0], SCHEMA).parse_args(argv)
     try:
-        train(validate(read_config(args.config), SCHEMA, CHOICES))
+        config = validate(read_config(args.config), SCHEMA, CHOICES)
+        if config["keep_freed_memory"]:
+            keep_freed_memory()
+        train(config)
     except MLIPError as exc:  # bad config or data: raised alike on every rank, before any collective
         report_error("mlip-train", exc)
         return 2

@@ -746,9 +746,8 @@ class PipelineTrainer:
         key = microbatches, sweeps, len(self._warm_up) if self.costs is None else None
         if key not in self._actions:
             kind = SWEEPS[sweeps]
-            # with A merged into B (``PipelineStage.merge``) A is already the part the next stage waits for:
-            # only B's parameter part is worth deferring (WB), and the warm-up times B split
-            parts, tag = ((Sweep.B,), "B") if self.stage.merge_a_into_b else ((Sweep.A, Sweep.B), "A+B")
+            parts = self._split_parts()
+            tag = "+".join(parts)
 
             def timing(needed):  # the costs, when they time every action of ``needed``
                 return self.costs if self.costs is not None and self.costs.times(needed) else None
@@ -763,6 +762,11 @@ class PipelineTrainer:
             used = sweeps_of(lists)
             self._actions[key] = name, lists, check(lists, self.stages, microbatches, used, costs=timing(used))
         return self._actions[key]
+
+    def _split_parts(self) -> tuple:
+        """The sweeps whose parameter parts auto may defer (and its warm-up times split): with A merged into B
+        (``PipelineStage.merge``) A is already the part the next stage waits for, so B only; else A and B."""
+        return (Sweep.B,) if self.stage.merge_a_into_b else (Sweep.A, Sweep.B)
 
     def actions(self, microbatches: int, sweeps: str) -> list:
         """This stage's actions of ``plan(microbatches, sweeps)``; the plan is kept as ``self.timeline``
@@ -932,14 +936,17 @@ class PipelineTrainer:
         return {"stale": [p.cpu() for p in self.stale] if self.two_bw else [], "costs": costs}
 
     def load_state_dict(self, state: dict) -> None:
-        from .schedule import Costs
+        from .schedule import SWEEPS, Costs, split
 
         if self.two_bw:
             self.stale = [p.to(q.device) for p, q in zip(state["stale"], self.parameters)]
         costs = state.get("costs")
         if costs is not None and len(costs["seconds"]) == self.stages:
             memory = tuple(costs["memory"]) if costs.get("memory") is not None else None
-            self.costs, self._actions = Costs(tuple(costs["seconds"]), costs["latency"], memory), {}
+            loaded = Costs(tuple(costs["seconds"]), costs["latency"], memory)
+            # auto needs the split sweeps timed: costs a fixed schedule measured are measured again
+            if self.schedule != "auto" or loaded.times(split(SWEEPS[self.sweeps], self._split_parts())):
+                self.costs, self._actions = loaded, {}
 
     def save_merged(self, path, model=None) -> None:
         """Write one ordinary ``potentials`` checkpoint of the whole model (``model``: this stage's parts
