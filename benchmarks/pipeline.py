@@ -16,8 +16,9 @@ side by side in one run:
     python benchmarks/pipeline.py [--blocks 8] [--features 64] [--atoms-per-structure 256] [--microbatches 8]
                                   [--render] [--no-s4]
 
-Every run first takes the steps that measure the sweep costs (two; auto: three, on plain, split and
-plain sweeps, after which it picks its schedule). Peak memory is the process's resident high-water mark
+Every process runs with glibc's malloc keeping freed memory (``keep_freed_memory``, mlip-train's default).
+Every run first takes the steps that measure the sweep costs (three; auto: five, on plain and split
+sweeps in turn, after which it picks its schedule). Peak memory is the process's resident high-water mark
 (VmHWM) during the next step above its resident size before it (VmRSS, after returning freed heap to
 the system): the activations held by in-flight micro-batches.
 Time is the mean of the following steps.
@@ -48,9 +49,11 @@ def worker(args):
     import torch
 
     import potentials
+    from mlip_parallel.train.cli import keep_freed_memory
     from mlip_parallel.train.training import Batch, Counts, loss_terms, predict_batch, total_loss
 
     torch.set_num_threads(1)
+    keep_freed_memory()  # as mlip-train does (its default), on both sides
     structures = cu_structures(args.structures, args.atoms_per_structure)
 
     def build(parts=None):
