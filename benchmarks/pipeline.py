@@ -3,9 +3,9 @@ side by side in one run:
 
 * time per step (gradients of the global batch) and per-stage peak memory vs one process, S = 2 and 4
   (4 ranks oversubscribe this 2-core machine: read its throughput as a functional check, its memory as
-  real), for GPipe, 1F1B and auto (the cost-aware schedule chosen after a timed warm-up step);
+  real), for GPipe, 1F1B and auto (the cost-aware schedule chosen after its timed warm-up steps);
 * the simulator's predicted step time (``schedule.check`` with the sweep costs each run measured in
-  its first step) beside the measured one;
+  its warm-up steps) beside the measured one;
 * measured bubble fraction (time blocked in receives / step time, mean over stages) vs the predicted;
 * peak memory of auto and GPipe relative to 1F1B at equal M, and relative to 1F1B with A not merged into B
   (``--no-merge`` runs: A back-propagates through the forward graph itself, as before the merge);
@@ -88,7 +88,7 @@ def worker(args):
     trainer = PipelineTrainer(build, args.stages, args.microbatches, args.schedule,
                               boundaries=[args.blocks * s // args.stages for s in range(args.stages + 1)],
                               merge=not args.no_merge)
-    while trainer.costs is None:  # the first step measures the costs (auto: two, its timed warm-up)
+    while trainer.costs is None:  # the warm-up steps measure the costs (three; auto: five)
         trainer.gradients(structures, weights)
     dist.barrier()
     base = trimmed_rss()

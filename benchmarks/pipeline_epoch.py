@@ -26,6 +26,7 @@ import yaml
 
 from common import ROOT, cu_crystal, launcher_command
 
+
 def write_data(path, count):
     from ase.calculators.emt import EMT
     from ase.calculators.singlepoint import SinglePointCalculator
@@ -72,6 +73,8 @@ def main():
     parser.add_argument("--structures", type=int, default=20, help="structures in the data set (10 %% validation)")
     parser.add_argument("--allocator", choices=("kept", "glibc", "both"), default="kept")
     args = parser.parse_args()
+    if args.epochs < 2:
+        parser.error("--epochs must be at least 2 (the first epoch holds the start-up and is left out)")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     for key in [k for k in env if k.startswith("MALLOC_")]:
         env.pop(key)

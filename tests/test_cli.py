@@ -1,7 +1,6 @@
 """mlip-md: a YAML job under mpiexec writes its thermo table, trajectory, final structure, plot and
 summary; bad configurations name the key, once per job, before anything is written."""
 import csv
-import os
 import re
 import subprocess
 import sys
@@ -195,27 +194,3 @@ def test_help_documents_every_key(capsys):
                 "pressure_GPa", "pdamp_fs", "isotropic", "balance_every", "trajectory_format", "overwrite"):
         assert key in out, key
 
-
-KEEP_FREED_MEMORY = """
-import ctypes, numpy as np
-from mlip_parallel.train.cli import keep_freed_memory
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
-libc = ctypes.CDLL(None)
-libc.mallinfo2.restype = MallInfo2
-def mmapped(mib):  # bytes in mmaps of their own while a block of ``mib`` MiB is held
-    block = np.ones(mib << 17)
-    return libc.mallinfo2().hblkhd
-print(mmapped(8) >= 8 << 20, keep_freed_memory(), mmapped(16) < 1 << 20)
-"""
-
-
-def test_keep_freed_memory_serves_large_blocks_from_the_heap():
-    """mlip-train's keep_freed_memory (glibc's mallopt): a 16 MiB block, mmapped by default, then comes from the
-    heap (where freed memory is kept for the next step); a MALLOC_*_ variable the user set wins."""
-    run = subprocess.run([sys.executable, "-c", KEEP_FREED_MEMORY], capture_output=True, text=True)
-    assert run.stdout.split() == ["True", "True", "True"], run.stdout + run.stderr
-    env = dict(os.environ, MALLOC_TOP_PAD_="0")
-    run = subprocess.run([sys.executable, "-c", KEEP_FREED_MEMORY], capture_output=True, text=True, env=env)
-    assert run.stdout.split() == ["True", "False", "False"], run.stdout + run.stderr

@@ -1,8 +1,12 @@
 """mlip-train: a short run learns; resume is exact; data parallel and graph parallel on 2 ranks equal one
-process; bad data is named; the bundled cu-emt model matches EMT on held-out structures."""
+process; bad data is named; the bundled cu-emt model matches EMT on held-out structures; glibc keeps freed
+memory for reuse."""
 import csv
 import importlib.util
+import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -15,7 +19,7 @@ from ase.io import write
 import potentials
 from conftest import MPI_DIR, ROOT
 from mlip_parallel.config import ConfigError
-from mlip_parallel.train.cli import CHOICES, SCHEMA, main, train, validate
+from mlip_parallel.train.cli import CHOICES, SCHEMA, USER_MALLOC, main, train, validate
 from mlip_parallel.train.training import DataError
 
 spec = importlib.util.spec_from_file_location("generate_cu_emt_data", ROOT / "examples" / "generate_cu_emt_data.py")
@@ -118,7 +122,7 @@ def test_pipeline_resume_merged_checkpoint_and_restaging(mpirun, quick_data, tmp
     4 stages × 1 replica == 2 stages × 2 replicas."""
     rc, out, _ = mpirun(4, MPI_DIR / "pipeline_training.py", quick_data, tmp_path, timeout=300)
     assert rc == 0, out
-    assert "pipeline training 0 failures" in out and out.count(" ok ") == 6, out
+    assert "pipeline training 0 failures" in out and out.count(" ok ") == 7, out
 
 
 @pytest.mark.parametrize("name", ["SchNet", "PaiNN", "NequIP"])
@@ -311,3 +315,33 @@ def test_bundled_model_matches_emt_on_held_out_structures():
     print(f"cu-emt on {len(held_out)} held-out structures: force MAE {1e3 * errors['forces_mae']:.1f} meV/A, "
           f"energy MAE {1e3 * errors['energy_mae']:.2f} meV/atom")
     assert errors["forces_mae"] <= 0.050, errors
+
+
+KEEP_FREED_MEMORY = """
+import ctypes, numpy as np
+from mlip_parallel.train.cli import keep_freed_memory
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+def mmapped(mib):  # bytes in mmaps of their own while a block of ``mib`` MiB is held
+    block = np.ones(mib << 17)
+    return libc.mallinfo2().hblkhd
+print(mmapped(8) >= 8 << 20, keep_freed_memory(), mmapped(16) < 1 << 20)
+"""
+
+
+def test_keep_freed_memory_serves_large_blocks_from_the_heap():
+    """mlip-train's keep_freed_memory (glibc's mallopt): a 16 MiB block, mmapped by default, then comes from the
+    heap (where freed memory is kept for the next step); a MALLOC_*_ variable the user set wins."""
+    import ctypes
+
+    if not hasattr(ctypes.CDLL(None), "mallinfo2"):
+        pytest.skip("needs glibc >= 2.33 (mallinfo2)")
+    env = {k: v for k, v in os.environ.items() if k not in USER_MALLOC and k != "GLIBC_TUNABLES"}
+    run = subprocess.run([sys.executable, "-c", KEEP_FREED_MEMORY], capture_output=True, text=True, env=env)
+    assert run.stdout.split() == ["True", "True", "True"], run.stdout + run.stderr
+    env = dict(env, MALLOC_TOP_PAD_="0")
+    run = subprocess.run([sys.executable, "-c", KEEP_FREED_MEMORY], capture_output=True, text=True, env=env)
+    assert run.stdout.split() == ["True", "False", "False"], run.stdout + run.stderr

@@ -80,7 +80,8 @@ SCHEMA = {
     "resume": (bool, False, "continue from OUTPUT/last.pt when it exists (same config; epochs = the new total)"),
     "keep_freed_memory": (bool, True, "glibc's malloc keeps freed tensors' memory for reuse instead of returning it "
                                       "to the system and faulting it in again (CPU training 1.1-1.3x faster; the "
-                                      "resident size stays at its peak); ignored where MALLOC_*_ variables are set"),
+                                      "resident size stays at its peak); your own MALLOC_TRIM_THRESHOLD_, "
+                                      "MALLOC_TOP_PAD_, MALLOC_MMAP_THRESHOLD_ or glibc.malloc tunables win"),
     "output": {
         "directory": (str, "train_output", "output directory (refused when it is not empty, unless overwrite or resume)"),
         "overwrite": (bool, False, "write into a non-empty output directory"),
@@ -101,6 +102,7 @@ def train(config) -> list:
 
 
 MALLOPT = {"M_TRIM_THRESHOLD": (-1, 2 ** 31 - 1), "M_TOP_PAD": (-2, 256 << 20), "M_MMAP_THRESHOLD": (-3, 32 << 20)}
+USER_MALLOC = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_MMAP_MAX_")
 
 
 def keep_freed_memory() -> bool:
@@ -108,16 +110,18 @@ def keep_freed_memory() -> bool:
     from the heap, not from mmaps of their own; the heap top trimmed only beyond 2 GiB, grown 256 MiB
     at a time. A training step frees and reallocates the same large tensors, and by default glibc hands
     their pages back and faults them in again (``benchmarks/pipeline_epoch.py --allocator`` measures
-    both). Returns False, changing nothing, where a ``MALLOC_*_`` variable (the user's own choice) is
-    set or the C library has no ``mallopt``."""
+    both). The ``mlip-train`` command calls it (config key ``keep_freed_memory``); ``train(config)``
+    leaves the calling process as it is. Returns False, changing nothing, where the user set one of these
+    thresholds (``USER_MALLOC``, or ``glibc.malloc`` in ``GLIBC_TUNABLES``) or the C library has no
+    ``mallopt``."""
     import ctypes
     import os
 
-    if any(key.startswith("MALLOC_") and key.endswith("_") for key in os.environ):
+    if any(key in os.environ for key in USER_MALLOC) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # no such symbol; TypeError: no CDLL(None) (Windows)
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return all([mallopt(param, value) == 1 for param, value in MALLOPT.values()])

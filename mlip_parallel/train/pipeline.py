@@ -333,7 +333,8 @@ def backward_split(tensors, seeds, inputs, parameters) -> DeferredGradients:
                              branch, seeded)
 
 
-WARM_UP_STEPS = {True: 5, False: 3}  # timed steps: under auto (plain, split, plain, split, plain), else (plain × 3)
+WARM_UP_STEPS = {True: 5, False: 3}  # timed steps: under auto (plain, split, plain, split, plain), else (plain × 3);
+# after the cold first step, F, B1 and A are timed 4 times under auto, B 2 times plain and 2 split
 
 
 def combine_steps(steps) -> tuple:
@@ -669,7 +670,7 @@ class PipelineTrainer:
     (``self.model``), never the whole model. ``schedule``: a name in ``schedule.SCHEDULE_NAMES`` —
     "auto" (the default) runs its first five steps with 1F1B on plain and split sweeps in turn, timing
     them, and from then on the schedule that ``schedule.auto`` predicts fastest under those costs. Every
-    schedule measures ``costs`` in its first steps with full micro-batches (``WARM_UP_STEPS``;
+    schedule measures ``costs`` in its first steps on full global batches (``WARM_UP_STEPS``;
     seconds per stage and sweep, memory, message latency; the same on every rank: per stage the median
     over steps, ``combine_steps``, averaged over replicas), and ``timeline`` then predicts its step; ``costs`` given (a ``schedule.Costs``) skip the measurement.
     ``sweeps``: "forces" (four sweeps; energy, force and stress loss) or "energy" (two sweeps). ``boundaries`` [S + 1] block indices, or None to balance block costs measured on
@@ -721,8 +722,11 @@ class PipelineTrainer:
         peers = (rank - 1 if stage > 0 else None, rank + 1 if stage < stages - 1 else None)
         self.stage = PipelineStage(self.model, stage, stages, self.boundaries, peers, recompute)
         self.stage.merge_a_into_b = merge
+        if costs is not None and not self._usable(costs):
+            raise PipelineError("schedule auto needs costs that time the split sweeps "
+                                f"({'/'.join(self._split_sweeps())}: e.g. B.in and WB), got keys {sorted(costs.seconds[0])}")
         self.costs, self._actions, self._warm_up = costs, {}, []  # the warm-up steps' measurements
-        self._timed_size = 0  # structures per micro-batch of the steps the warm-up times (the most seen)
+        self._timed_size = 0  # structures in the global batches the warm-up times (the most seen)
         self.actions(microbatches, sweeps)  # check the schedule now
         groups = [dist.new_group([d * stages + s for d in range(self.replicas)]) for s in range(stages)]
         self.replica_group = groups[stage]
@@ -767,6 +771,15 @@ class PipelineTrainer:
         """The sweeps whose parameter parts auto may defer (and its warm-up times split): with A merged into B
         (``PipelineStage.merge``) A is already the part the next stage waits for, so B only; else A and B."""
         return (Sweep.B,) if self.stage.merge_a_into_b else (Sweep.A, Sweep.B)
+
+    def _split_sweeps(self) -> tuple:
+        from .schedule import SWEEPS, split
+        return split(SWEEPS[self.sweeps], self._split_parts())
+
+    def _usable(self, costs) -> bool:
+        """Whether ``costs`` serve this trainer: any under a fixed schedule (they only predict its step);
+        under auto only costs that time the split sweeps too, which it weighs against the plain ones."""
+        return self.schedule != "auto" or costs.times(self._split_sweeps())
 
     def actions(self, microbatches: int, sweeps: str) -> list:
         """This stage's actions of ``plan(microbatches, sweeps)``; the plan is kept as ``self.timeline``
@@ -845,17 +858,16 @@ class PipelineTrainer:
     def gradients(self, structures, weights: dict) -> float:
         """Accumulate d loss / d parameters of the global batch ``structures`` into this stage's
         parameters' ``.grad`` (zeroed first); return the loss (every rank). Replica d takes structures
-        d, d + R, …; a replica with none adds zero gradients. The first steps whose micro-batches are
-        as large as any seen (not a remainder batch's smaller ones) measure the costs of their actions
-        (``self.costs``): ``WARM_UP_STEPS[auto or not]`` of them."""
+        d, d + R, …; a replica with none adds zero gradients. The first steps on global batches as
+        large as any seen (not a remainder batch: its micro-batches are smaller, or fewer) measure the
+        costs of their actions (``self.costs``): ``WARM_UP_STEPS[auto or not]`` of them."""
         import torch.distributed as dist
 
         for p in self.parameters:
             p.grad = None
         mine = structures[self.replica::self.replicas]
         loss, measured = 0.0, None
-        per_replica = -(-len(structures) // self.replicas)  # structures in replica 0's largest micro-batch
-        size = -(-per_replica // self.microbatches)  # (the same on every rank)
+        size = len(structures)  # the same on every rank
         if self.costs is None and size > self._timed_size:
             self._timed_size, self._warm_up, self._actions = size, [], {}
         timed = self.costs is None and size == self._timed_size
@@ -936,7 +948,7 @@ class PipelineTrainer:
         return {"stale": [p.cpu() for p in self.stale] if self.two_bw else [], "costs": costs}
 
     def load_state_dict(self, state: dict) -> None:
-        from .schedule import SWEEPS, Costs, split
+        from .schedule import Costs
 
         if self.two_bw:
             self.stale = [p.to(q.device) for p, q in zip(state["stale"], self.parameters)]
@@ -944,8 +956,7 @@ class PipelineTrainer:
         if costs is not None and len(costs["seconds"]) == self.stages:
             memory = tuple(costs["memory"]) if costs.get("memory") is not None else None
             loaded = Costs(tuple(costs["seconds"]), costs["latency"], memory)
-            # auto needs the split sweeps timed: costs a fixed schedule measured are measured again
-            if self.schedule != "auto" or loaded.times(split(SWEEPS[self.sweeps], self._split_parts())):
+            if self._usable(loaded):  # else (a fixed schedule's costs, resumed under auto) measured again
                 self.costs, self._actions = loaded, {}
 
     def save_merged(self, path, model=None) -> None:

@@ -16,7 +16,7 @@ the one-process model built from the same seed:
   schedule); GPipe and 1F1B on B-split and A+B-split sweeps as given orders (P = 3); AdamW steps and evaluation with auto
   (SchNet). These lines print "largest relative difference";
 * AdamW steps over two epochs of 7 structures in global batches of 3 (a ragged last batch of 1; auto:
-  three epochs, its warm-up timing only the batches with full micro-batches): parameters equal the single-process run
+  three epochs, its warm-up timing only the full global batches): parameters equal the single-process run
   (1e-9), for every model;
 * PipeDream-2BW: parameters after 4 steps equal a single-process reference that applies the same
   one-step-delayed update rule;

@@ -3,7 +3,8 @@
 * resume: 2 epochs, then resume to 4 (2 replicas × 2 stages, NequIP, a ragged last batch every epoch,
   pipeline.schedule 1f1b) equals 4 uninterrupted epochs: every stage's shard (weights, AdamW, EMA,
   schedule; not the measured sweep costs) and metrics.csv;
-* resume with pipeline.schedule auto keeps the costs measured by the interrupted run (so its schedule);
+* resume with pipeline.schedule auto keeps the costs measured by the interrupted run (so its schedule),
+  and measures them again where a 1F1B run measured them (they time no split sweeps);
 * the merged last.pt is an ordinary checkpoint: ``potentials.load`` in one process gives the validation
   errors that the pipelined evaluation of the stages wrote to metrics.csv;
 * a merged checkpoint starts pipeline runs with other numbers of stages: 4 stages × 1 replica and
@@ -12,6 +13,7 @@
 """
 import csv
 import os
+import shutil
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -82,13 +84,25 @@ FIXED = {"stages": 2, "microbatches": 2, "boundaries": [0, 2, 4], "schedule": "1
 train(job("straight", 4, pipeline=FIXED))
 train(job("resumed", 2, pipeline=FIXED))
 train(job("resumed", 4, pipeline=FIXED, resume=True))
-train(job("auto", 3))  # pipeline.schedule: auto, the default (its warm-up: five of the six steps)
+train(job("auto", 3))  # pipeline.schedule: auto, the default (its warm-up: five of the six full batches)
 before = [shard["pipeline"]["costs"] for shard in shards("auto", costs=True)] if world.rank == 0 else None
 train(job("auto", 4, resume=True))
 if world.rank == 0:
     after = [shard["pipeline"]["costs"] for shard in shards("auto", costs=True)]
     report("pipeline resume (auto): the interrupted run's measured costs kept", before == after and all(before),
            f"{len(after)} shards")
+# a 1F1B run's costs time no split sweeps: resumed under auto they are measured again (its warm-up: 5 of 6 batches)
+if world.rank == 0:  # a copy of the 1F1B run (4 epochs), resumed under auto
+    shutil.copytree(os.path.join(OUT, "resumed"), os.path.join(OUT, "switched"))
+world.Barrier()
+train(job("switched", 7, resume=True))
+if world.rank == 0:
+    def timed_keys(directory):
+        return [set((shard["pipeline"]["costs"] or {"seconds": [{}]})["seconds"][0])
+                for shard in shards(directory, costs=True)]
+    fixed, switched = timed_keys("resumed"), timed_keys("switched")
+    report("pipeline resume 1f1b -> auto: the costs measured again, split sweeps timed",
+           all("WB" not in k for k in fixed) and all({"B.in", "WB"} <= k for k in switched), f"{switched[0]}")
 _, validation, _ = split(read_structures(DATA), [0.25, 0.0], job("straight", 4)["seed"])  # collective (ASE reads on rank 0)
 if world.rank == 0:
     a, b = shards("straight"), shards("resumed")
