@@ -82,6 +82,8 @@ def block_costs(build, structures) -> list:
             start = time.perf_counter()
             out = model.block(k, h_in, geometry.graph, ctx)
             torch.autograd.grad(out, [h_in, geometry.pos], torch.ones_like(out), retain_graph=True, allow_unused=True)
+            if h_in.device.type == "cuda":  # device time, not the time to queue kernels
+                torch.cuda.synchronize(h_in.device)
             seconds.append(time.perf_counter() - start)
         costs.append(min(seconds))
         del model, out
@@ -373,8 +375,10 @@ class PipelineStage:
     ``merge_a_into_b`` (default True): without WA, A computes only what the next stage waits for and B
     the rest of A with its own (``merge`` during a run; see the module docstring).
     Every receive of a run is posted (``irecv``) before its first action; sends are ``isend``s, waited
-    for at its end. ``timings``: (action, seconds of compute, waits excluded) of the last run; with
-    ``measure_memory`` set, ``memory[m]``: the bytes micro-batch m held (``schedule.Costs.memory``'s "F",
+    for at its end. ``timings``: (action, seconds of compute, waits excluded) of the last run. With
+    ``measuring`` set (the trainer's timed warm-up steps): on a CUDA device the stream is synchronised
+    before and after each action and after each receive, so that timings are device time, not the time
+    to queue kernels; and ``memory[m]``: the bytes micro-batch m held (``schedule.Costs.memory``'s "F",
     "B1", "A", "WA", "WB": the storages autograd saved in F and in B1, each once, the gradients A left
     to B under ``merge``, and those A and B captured for WA and WB; "merged": 1 where B1's graph is held
     until B).
@@ -396,7 +400,7 @@ class PipelineStage:
         self.pending: list = []
         self.inbox: dict = {}
         self.timings: list = []
-        self.measure_memory, self.memory = False, {}
+        self.measuring, self.memory = False, {}
         self.in_flight_peak, self.wait_seconds, self.run_seconds = 0, 0.0, 0.0
         self.merge_a_into_b, self.merge = True, False
 
@@ -436,14 +440,20 @@ class PipelineStage:
         request, out = self.inbox.pop((m, str(sweep), part))
         start = time.perf_counter()
         request.wait()
+        self._synchronize()
         self.wait_seconds += time.perf_counter() - start
         return out
 
+    def _synchronize(self) -> None:
+        """While ``measuring`` on a CUDA device: wait for the device's queued work (timings are device time)."""
+        if self.measuring and self.net.device.type == "cuda":
+            torch.cuda.synchronize(self.net.device)
+
     def _saved_bytes(self, m, phase):
-        """While ``measure_memory``: a context adding the bytes of the storages autograd saves (each once,
+        """While ``measuring``: a context adding the bytes of the storages autograd saves (each once,
         the parameters' not) to ``memory[m][phase]``; else none."""
         import contextlib
-        if not self.measure_memory:
+        if not self.measuring:
             return contextlib.nullcontext()
         counted = self._counted(m)
 
@@ -456,7 +466,7 @@ class PipelineStage:
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
     def _counted(self, m) -> dict:
-        """Micro-batch m's memory record (``measure_memory``); "merged" marks B1's graph held until B (the
+        """Micro-batch m's memory record (``measuring``); "merged" marks B1's graph held until B (the
         last stage's A runs entirely in B under ``merge``)."""
         return self.memory.setdefault(m, {"F": 0, "B1": 0, "A": 0, "WA": 0, "WB": 0,
                                           "merged": int(self.merge and self.last),
@@ -507,7 +517,7 @@ class PipelineStage:
         tensors, seeds = _startable(tensors, seeds)
         if DEFERRED.get(sweep) in self.deferred:
             deferred = self.state[m][DEFERRED[sweep]] = backward_split(tensors, seeds, inputs, self.parameters)
-            if self.measure_memory:
+            if self.measuring:
                 self.memory.setdefault(m, {})[str(DEFERRED[sweep])] = deferred.nbytes
         elif tensors:  # B frees the graph as it goes (the micro-batch's last use of it)
             torch.autograd.backward(tensors, seeds, retain_graph=sweep != Sweep.B, inputs=self.parameters + inputs)
@@ -576,7 +586,7 @@ class PipelineStage:
             self._send(cot_strain, self.next, m, "A", 2)
         if rest is not None:  # once sent: where the rest enters the graph, and the gradients it starts with;
             s["A.rest"] = _Seeds(*rest.edges())  # the part of B1's graph only the input pass needed is freed
-            if self.measure_memory:
+            if self.measuring:
                 self._counted(m)["A"] = s["A.rest"].nbytes
         for key in ("f_pos", "f_strain", "g_in", "g_out"):
             s.pop(key, None)
@@ -626,8 +636,10 @@ class PipelineStage:
         try:
             self._post_receives(actions)
             for action in actions:
+                self._synchronize()
                 waited, began = self.wait_seconds, time.perf_counter()
                 self.SWEEPS[action.sweep](self, action.microbatch)
+                self._synchronize()
                 left[action.microbatch] -= 1
                 if not left[action.microbatch]:
                     self.state.pop(action.microbatch, None)
@@ -797,18 +809,25 @@ class PipelineTrainer:
         features (None on the last stage). Collective over the stages of this replica."""
         import torch.distributed as dist
 
-        stage, best = self.stage, None
+        stage, best, device = self.stage, None, self.model.device
         rows = max(1, int(np.mean([len(b.species) for b in batches])))  # the same on every stage of the replica
 
         def message(block):  # features entering ``block``
-            return torch.zeros(rows, self.model.feature_width(block), dtype=self.model.dtype, device=self.model.device)
+            return torch.zeros(rows, self.model.feature_width(block), dtype=self.model.dtype, device=device)
+
+        def synchronize():  # device time on CUDA (NCCL's send and recv return once queued)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
         for _ in range(3):
             if not stage.first:
                 echo = message(stage.blocks.start)
                 dist.recv(echo, stage.prev), dist.send(echo, stage.prev)
             if not stage.last:
-                ping, begin = message(stage.blocks.stop), time.perf_counter()
+                ping = message(stage.blocks.stop)
+                synchronize()
+                begin = time.perf_counter()
                 dist.send(ping, stage.next), dist.recv(ping, stage.next)
+                synchronize()
                 trip = (time.perf_counter() - begin) / 2
                 best = trip if best is None else min(best, trip)
         return best
@@ -873,11 +892,11 @@ class PipelineTrainer:
         timed = self.costs is None and size == self._timed_size
         if mine:
             batches = self._micro_batches(mine, self.model)
-            self.stage.measure_memory = timed
+            self.stage.measuring = timed
             try:
                 loss = self.stage.run(self.actions(len(batches), self.sweeps), batches, Counts.of(structures), weights)
             finally:
-                self.stage.measure_memory = False
+                self.stage.measuring = False
             if timed:
                 measured = self._timed(self.stage), self._latency(batches)
         if timed:
