@@ -17,21 +17,31 @@ def cu_crystal(cells):
     return atoms
 
 
-def cu_structures(count, atoms_per_structure):
-    """``count`` rattled fcc Cu cells of 32, 108 or 256 atoms labelled by ASE's EMT (``training.Structure``)."""
+def cu_emt_frames(count, atoms_per_structure):
+    """``count`` rattled fcc Cu cells of 32, 108 or 256 atoms (ASE Atoms), each holding ASE EMT's energy,
+    forces and stress (a SinglePointCalculator: ready to write as labelled extxyz)."""
     from ase.calculators.emt import EMT
-
-    from mlip_parallel.train.training import Structure
+    from ase.calculators.singlepoint import SinglePointCalculator
 
     cells = {32: 2, 108: 3, 256: 4}[atoms_per_structure]
-    out = []
+    frames = []
     for k in range(count):
         atoms = cu_crystal(cells)
         atoms.rattle(0.1, seed=k)
         atoms.calc = EMT()
-        out.append(Structure(atoms.numbers, atoms.positions, atoms.cell[:], atoms.pbc, atoms.get_potential_energy(),
-                             atoms.get_forces(), atoms.get_stress(voigt=False), f"emt:{k}"))
-    return out
+        energy, forces, stress = atoms.get_potential_energy(), atoms.get_forces(), atoms.get_stress()
+        atoms.calc = SinglePointCalculator(atoms, energy=energy, forces=forces, stress=stress)
+        frames.append(atoms)
+    return frames
+
+
+def cu_structures(count, atoms_per_structure):
+    """``cu_emt_frames`` as ``training.Structure``s."""
+    from mlip_parallel.train.training import Structure
+
+    return [Structure(atoms.numbers, atoms.positions, atoms.cell[:], atoms.pbc, atoms.get_potential_energy(),
+                      atoms.get_forces(), atoms.get_stress(voigt=False), f"emt:{k}")
+            for k, atoms in enumerate(cu_emt_frames(count, atoms_per_structure))]
 
 
 def status_mb(key) -> float:

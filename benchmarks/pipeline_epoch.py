@@ -24,23 +24,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from common import ROOT, cu_crystal, launcher_command
-
-
-def write_data(path, count):
-    from ase.calculators.emt import EMT
-    from ase.calculators.singlepoint import SinglePointCalculator
-    from ase.io import write
-
-    frames = []
-    for k in range(count):
-        atoms = cu_crystal(4)
-        atoms.rattle(0.1, seed=k)
-        atoms.calc = EMT()
-        energy, forces, stress = atoms.get_potential_energy(), atoms.get_forces(), atoms.get_stress()
-        atoms.calc = SinglePointCalculator(atoms, energy=energy, forces=forces, stress=stress)
-        frames.append(atoms)
-    write(path, frames, format="extxyz")
+from common import ROOT, cu_emt_frames, launcher_command
 
 
 def config(data, directory, epochs, parallel, keep_freed_memory):
@@ -80,7 +64,8 @@ def main():
         env.pop(key)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        write_data(tmp / "cu256.extxyz", args.structures)
+        from ase.io import write
+        write(tmp / "cu256.extxyz", cu_emt_frames(args.structures, 256), format="extxyz")
         for allocator in ("kept", "glibc") if args.allocator == "both" else (args.allocator,):
             compare(tmp, args, allocator, env)
 

@@ -64,6 +64,13 @@ class PipelineError(MLIPError, ValueError):
     """A pipeline layout that cannot work: stages vs ranks or blocks, micro-batches, boundaries, schedule."""
 
 
+def _wait_for_device(device) -> None:
+    """On a CUDA device, wait for its queued work (so that a timing is device time, not the time to queue
+    kernels or, with NCCL, messages); nothing elsewhere."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def block_costs(build, structures) -> list:
     """Measured seconds of each interaction block's forward + force backward on ``structures``
     (for cost-balanced boundaries). ``build(parts)`` returns a model holding ``parts``: the blocks are
@@ -82,8 +89,7 @@ def block_costs(build, structures) -> list:
             start = time.perf_counter()
             out = model.block(k, h_in, geometry.graph, ctx)
             torch.autograd.grad(out, [h_in, geometry.pos], torch.ones_like(out), retain_graph=True, allow_unused=True)
-            if h_in.device.type == "cuda":  # device time, not the time to queue kernels
-                torch.cuda.synchronize(h_in.device)
+            _wait_for_device(h_in.device)
             seconds.append(time.perf_counter() - start)
         costs.append(min(seconds))
         del model, out
@@ -253,9 +259,13 @@ class DeferredGradients:
     def nbytes(self) -> int:
         """Bytes of the captured gradients (held until ``run``)."""
         grads = [g for _, captured in self.joins or () for g in captured if g is not None]
-        grads += list((self.seeded or {}).values())
-        return sum(storage.nbytes() for storage in {g.untyped_storage().data_ptr(): g.untyped_storage()
-                                                    for g in grads}.values())
+        return _storage_bytes(grads + list((self.seeded or {}).values()))
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the storages under ``tensors``, each storage once."""
+    return sum(storage.nbytes() for storage in {t.untyped_storage().data_ptr(): t.untyped_storage()
+                                                for t in tensors}.values())
 
 
 def _startable(tensors, seeds) -> tuple:
@@ -278,8 +288,7 @@ class _Seeds:
     @property
     def nbytes(self) -> int:
         """Bytes of the seeds' storages (each once)."""
-        return sum(storage.nbytes() for storage in {g.untyped_storage().data_ptr(): g.untyped_storage()
-                                                    for g in self.seeds}.values())
+        return _storage_bytes(self.seeds)
 
 
 def backward_split(tensors, seeds, inputs, parameters) -> DeferredGradients:
@@ -445,9 +454,9 @@ class PipelineStage:
         return out
 
     def _synchronize(self) -> None:
-        """While ``measuring`` on a CUDA device: wait for the device's queued work (timings are device time)."""
-        if self.measuring and self.net.device.type == "cuda":
-            torch.cuda.synchronize(self.net.device)
+        """While ``measuring``: wait for the device's queued work (timings are device time)."""
+        if self.measuring:
+            _wait_for_device(self.net.device)
 
     def _saved_bytes(self, m, phase):
         """While ``measuring``: a context adding the bytes of the storages autograd saves (each once,
@@ -759,22 +768,23 @@ class PipelineTrainer:
         (``schedule.render`` shows it)."""
         from .schedule import SCHEDULES, SWEEPS, auto, check, one_f_one_b, split, sweeps_of
 
-        key = microbatches, sweeps, len(self._warm_up) if self.costs is None else None
+        warming_up = self.costs is None and sweeps != "evaluate"  # (an evaluation has no split sweeps)
+        key = microbatches, sweeps, len(self._warm_up) % 2 if warming_up else None
         if key not in self._actions:
             kind = SWEEPS[sweeps]
-            parts = self._split_parts()
-            tag = "+".join(parts)
+            split_kind = split(kind, self._split_parts())
 
             def timing(needed):  # the costs, when they time every action of ``needed``
                 return self.costs if self.costs is not None and self.costs.times(needed) else None
             if self.schedule != "auto":
                 name, lists = self.schedule, SCHEDULES[self.schedule](self.stages, microbatches, kind)
-            elif timing(split(kind, parts)) is None and sweeps != "evaluate":  # the timed warm-up
+            elif timing(split_kind) is None and sweeps != "evaluate":  # the timed warm-up
                 split_step = len(self._warm_up) % 2 == 1
+                tag = "+".join(self._split_parts())
                 name, lists = f"1f1b{' split ' + tag if split_step else ''} (timed warm-up)", \
-                    one_f_one_b(self.stages, microbatches, split(kind, parts) if split_step else kind)
+                    one_f_one_b(self.stages, microbatches, split_kind if split_step else kind)
             else:
-                name, lists, _ = auto(self.stages, microbatches, kind, timing(split(kind, parts)))
+                name, lists, _ = auto(self.stages, microbatches, kind, timing(split_kind))
             used = sweeps_of(lists)
             self._actions[key] = name, lists, check(lists, self.stages, microbatches, used, costs=timing(used))
         return self._actions[key]
@@ -785,6 +795,7 @@ class PipelineTrainer:
         return (Sweep.B,) if self.stage.merge_a_into_b else (Sweep.A, Sweep.B)
 
     def _split_sweeps(self) -> tuple:
+        """This trainer's sweeps with the parameter parts of ``_split_parts`` split off."""
         from .schedule import SWEEPS, split
         return split(SWEEPS[self.sweeps], self._split_parts())
 
@@ -814,20 +825,16 @@ class PipelineTrainer:
 
         def message(block):  # features entering ``block``
             return torch.zeros(rows, self.model.feature_width(block), dtype=self.model.dtype, device=device)
-
-        def synchronize():  # device time on CUDA (NCCL's send and recv return once queued)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
         for _ in range(3):
             if not stage.first:
                 echo = message(stage.blocks.start)
                 dist.recv(echo, stage.prev), dist.send(echo, stage.prev)
             if not stage.last:
                 ping = message(stage.blocks.stop)
-                synchronize()
+                _wait_for_device(device)
                 begin = time.perf_counter()
                 dist.send(ping, stage.next), dist.recv(ping, stage.next)
-                synchronize()
+                _wait_for_device(device)
                 trip = (time.perf_counter() - begin) / 2
                 best = trip if best is None else min(best, trip)
         return best
@@ -888,7 +895,7 @@ class PipelineTrainer:
         loss, measured = 0.0, None
         size = len(structures)  # the same on every rank
         if self.costs is None and size > self._timed_size:
-            self._timed_size, self._warm_up, self._actions = size, [], {}
+            self._timed_size, self._warm_up = size, []
         timed = self.costs is None and size == self._timed_size
         if mine:
             batches = self._micro_batches(mine, self.model)
