@@ -111,29 +111,27 @@ class Costs:
 
     def times(self, sweeps) -> bool:
         """Whether these costs give every action of ``sweeps`` a duration on every stage."""
-        for row in self.seconds:
-            for sw in sweeps:
-                deferred = DEFERRED.get(sw)
-                if deferred is not None and deferred in sweeps:
-                    needed = [f"{sw}.in"]
-                else:
-                    needed = [str(sw)] if str(sw) in row or deferred is None else [f"{sw}.in", str(deferred)]
-                if any(key not in row for key in needed):
-                    return False
-        return True
+        return all(key in row for row in self.seconds for sw in sweeps for key in _cost_keys(row, sw, sweeps))
 
     def duration(self, action, sweeps) -> float:
-        row, sweep = self.seconds[action.stage], str(action.sweep)
-        deferred = DEFERRED.get(action.sweep)
+        row = self.seconds[action.stage]
         try:
-            if deferred is not None and deferred in sweeps:
-                return float(row[f"{sweep}.in"])
-            if deferred is not None and sweep not in row:
-                return float(row[f"{sweep}.in"] + row[str(deferred)])
-            return float(row[sweep])
+            return float(sum(row[key] for key in _cost_keys(row, action.sweep, sweeps)))
         except KeyError:
-            raise ScheduleError(f"costs have no duration of sweep {sweep} on stage {action.stage} "
+            raise ScheduleError(f"costs have no duration of sweep {action.sweep} on stage {action.stage} "
                                 f"(sweeps {'/'.join(sweeps)})") from None
+
+
+def _cost_keys(row, sweep, sweeps) -> list:
+    """The keys of a ``Costs.seconds`` row whose seconds sum to one action of ``sweep`` under ``sweeps``: its
+    input part alone where the sweep set defers its parameter part ("B.in" with WB in the set), else the
+    whole sweep ("B"), or where the row has no whole, its parts ("B.in" + "WB")."""
+    deferred = DEFERRED.get(sweep)
+    if deferred is not None and deferred in sweeps:
+        return [f"{sweep}.in"]
+    if deferred is not None and str(sweep) not in row:
+        return [f"{sweep}.in", str(deferred)]
+    return [str(sweep)]
 
 
 def _where(a):
