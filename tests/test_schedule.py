@@ -232,6 +232,31 @@ def test_timed_simulation():
     assert check(gpipe(2, 1), 2, 1, sweeps, costs=held)["peak_memory"] == [11.0, 11.0]
 
 
+def test_messages_leave_when_sent():
+    """A remote successor waits for the action's message (``Costs.sent``: "<key>.sent", capped at the
+    duration), not for its end; a local one for its end. List scheduling and auto plan with the same model."""
+    sweeps = SWEEPS["forces"]
+    row = {"F": 1.0, "B1": 1.0, "A": 1.5, "B": 1.0}
+    at_end, early = Costs((row,) * 2, latency=0.25), Costs((row | {"A.sent": 0.5},) * 2, latency=0.25)
+    # F@0 0-1, F@1 1.25-2.25, B1@1 -3.25, B1@0 3.5-4.5, A@0 4.5-6 (sent at 5), A@1 from 5.25 (else 6.25) to 6.75,
+    # B@1 -7.75, B@0 from 8 (its own A ended at 6, A@1's message at 6) to 9
+    result = check(gpipe(2, 1), 2, 1, sweeps, costs=early)
+    assert result["start"][Action(1, "A", 0)] == pytest.approx(5.25)
+    assert result["start"][Action(0, "B", 0)] == pytest.approx(8.0) and result["time"] == pytest.approx(9.0)
+    assert check(gpipe(2, 1), 2, 1, sweeps, costs=at_end)["time"] == pytest.approx(10.0)
+    assert Costs(({"A": 1.5, "A.sent": 2.0},)).sent(Action(0, "A", 0), sweeps) == 1.5  # capped
+    parts = Costs(({"A.in": 1.0, "A.in.sent": 0.5, "WA": 1.0, "A.sent": 0.1},))  # a whole A from its parts
+    assert parts.sent(Action(0, "A", 0), sweeps) == 2.0 and parts.sent(Action(0, "A", 0), split(sweeps)) == 0.5
+    for S, M in [(2, 8), (3, 4)]:
+        costs = Costs(tuple(dict(r, **{"A.sent": 0.3 * r["A"]}) for r in _random_costs(S, S * M).seconds), 0.01)
+        name, schedule, result = auto(S, M, sweeps, costs)
+        assert result["time"] <= check(one_f_one_b(S, M), S, M, costs=costs)["time"] + 1e-12
+        for priority in PRIORITIES:  # a fixed order only gains from earlier messages
+            lists = list_schedule(S, M, sweeps, costs, S, priority)
+            assert check(lists, S, M, sweeps, costs=costs)["time"] <= \
+                check(lists, S, M, sweeps, costs=Costs(costs.seconds, 0.01))["time"] + 1e-12
+
+
 def test_merged_a_costs_and_memory():
     """With A's parameter part merged into B (stages time no WA), auto leaves A split out and considers plain
     and B-split sweeps; the memory model holds B1's graph until B (or WB, B split) and A's captured gradients
@@ -297,10 +322,11 @@ def test_warm_up_costs_are_medians_at_a_common_machine_speed():
     the median over the steps that timed it, the cold first step only where nothing later timed the key."""
     from mlip_parallel.train.pipeline import combine_steps
 
-    plain = {"F": 2.0, "B1": 2.0, "A": 4.0, "B": 6.0}
-    split_b = {"F": 2.0, "B1": 2.0, "A": 4.0, "B.in": 2.0, "WB": 4.5}
+    plain = {"F": 2.0, "B1": 2.0, "A": 4.0, "A.sent": 1.0, "B": 6.0}
+    split_b = {"F": 2.0, "B1": 2.0, "A": 4.0, "A.sent": 1.0, "B.in": 2.0, "WB": 4.5}
     memory = {"F": 10.0, "B1": 20.0}
-    slow = {k: 1.25 * v for k, v in split_b.items()}  # a step on a busy machine
+    slow = {k: 1.25 * v for k, v in split_b.items()} | {"A.sent": 1.0}  # a step on a busy machine
+    # (the send offsets do not enter the machine speed: A.sent, not slowed, would rescale the slow step)
     cold = {k: 3.0 * v for k, v in plain.items()} | {"only_cold": 7.0}
     steps = [(cold, memory), (slow, memory | {"WB": 5.0}), (plain, memory), (split_b, memory | {"WB": 5.0}),
              (dict(plain, B=6.6), memory)]
@@ -309,5 +335,6 @@ def test_warm_up_costs_are_medians_at_a_common_machine_speed():
     assert seconds["B.in"] == pytest.approx(2.0) and seconds["WB"] == pytest.approx(4.5)
     assert seconds["B"] == pytest.approx(6.3)  # median of the two warm plain steps, the cold one left out
     assert seconds["F"] == pytest.approx(2.0) and seconds["A"] == pytest.approx(4.0)
+    assert seconds["A.sent"] == pytest.approx(1.0)
     assert seconds["only_cold"] == pytest.approx(7.0 * 8.0 / 24.0)  # nothing later timed it: the cold step's, rescaled
     assert held == {"F": 10.0, "B1": 20.0, "WB": 5.0}

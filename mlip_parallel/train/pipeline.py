@@ -353,11 +353,11 @@ def combine_steps(steps) -> tuple:
     step's medians over its micro-batches, ``PipelineTrainer._timed``): per key the median over the
     steps that have it, the first (cold) step left out where a later one has the key. Seconds are first
     scaled step by step to a common machine speed: by the median over steps of the summed seconds of the
-    keys every step has (F, B1, A) over this step's. The speed of a shared 2-core or busy machine drifts
+    keys every step has (F, B1, A; not the ".sent" offsets) over this step's. The speed of a shared 2-core or busy machine drifts
     by ±10–20 % from step to step, and auto compares keys timed in different steps (B whole in plain
     steps, B.in and WB in split ones). Returns ({key: seconds}, {key: bytes})."""
     seconds, memory = [step[0] for step in steps], [step[1] for step in steps]
-    shared = [k for k in seconds[0] if all(k in t for t in seconds)]
+    shared = [k for k in seconds[0] if not k.endswith(".sent") and all(k in t for t in seconds)]
     speed = [sum(t[k] for k in shared) for t in seconds]
     reference = float(np.median(speed[1:] if len(speed) > 1 else speed))
     scaled = [{k: v * (reference / x if x > 0 else 1.0) for k, v in t.items()} for t, x in zip(seconds, speed)]
@@ -384,9 +384,10 @@ class PipelineStage:
     ``merge_a_into_b`` (default True): without WA, A computes only what the next stage waits for and B
     the rest of A with its own (``merge`` during a run; see the module docstring).
     Every receive of a run is posted (``irecv``) before its first action; sends are ``isend``s, waited
-    for at its end. ``timings``: (action, seconds of compute, waits excluded) of the last run. With
-    ``measuring`` set (the trainer's timed warm-up steps): on a CUDA device the stream is synchronised
-    before and after each action and after each receive, so that timings are device time, not the time
+    for at its end. ``timings``: (action, seconds of compute, seconds from its start to its last send or
+    None; waits excluded) of the last run. With ``measuring`` set (the trainer's timed warm-up steps): on a
+    CUDA device the stream is synchronised before and after each action, after each receive and before
+    the clock reads a send, so that timings are device time, not the time
     to queue kernels; and ``memory[m]``: the bytes micro-batch m held (``schedule.Costs.memory``'s "F",
     "B1", "A", "WA", "WB": the storages autograd saved in F and in B1, each once, the gradients A left
     to B under ``merge``, and those A and B captured for WA and WB; "merged": 1 where B1's graph is held
@@ -409,7 +410,7 @@ class PipelineStage:
         self.pending: list = []
         self.inbox: dict = {}
         self.timings: list = []
-        self.measuring, self.memory = False, {}
+        self.measuring, self.memory, self.sent = False, {}, None
         self.in_flight_peak, self.wait_seconds, self.run_seconds = 0, 0.0, 0.0
         self.merge_a_into_b, self.merge = True, False
 
@@ -443,6 +444,8 @@ class PipelineStage:
     def _send(self, tensor, to, m, sweep, part=0):
         import torch.distributed as dist
         self.pending.append(dist.isend(tensor.detach().contiguous(), to, tag=_tag(m, sweep, part)))
+        self._synchronize()
+        self.sent = time.perf_counter(), self.wait_seconds  # when, and the waits until then (``timings``)
 
     def _recv(self, m, sweep, part=0):
         """The posted receive of (micro-batch, sweep, part), once it has arrived."""
@@ -646,13 +649,14 @@ class PipelineStage:
             self._post_receives(actions)
             for action in actions:
                 self._synchronize()
-                waited, began = self.wait_seconds, time.perf_counter()
+                waited, began, self.sent = self.wait_seconds, time.perf_counter(), None
                 self.SWEEPS[action.sweep](self, action.microbatch)
                 self._synchronize()
                 left[action.microbatch] -= 1
                 if not left[action.microbatch]:
                     self.state.pop(action.microbatch, None)
-                self.timings.append((action, time.perf_counter() - began - (self.wait_seconds - waited)))
+                sent = None if self.sent is None else self.sent[0] - began - (self.sent[1] - waited)
+                self.timings.append((action, time.perf_counter() - began - (self.wait_seconds - waited), sent))
             for request in self.pending:
                 request.wait()
         finally:
@@ -842,14 +846,17 @@ class PipelineTrainer:
     @staticmethod
     def _timed(stage) -> tuple:
         """({key: seconds}, {key: bytes}) of a stage's last run: medians over its micro-batches, by sweep
-        (a split A or B as "A.in", "B.in"; ``schedule.Costs``)."""
+        (a split A or B as "A.in", "B.in"), and "<key>.sent" the seconds until the sweep's last message
+        (``schedule.Costs``)."""
         from .schedule import DEFERRED
 
-        split = {a.sweep for a, _ in stage.timings} & set(DEFERRED.values())
+        split = {a.sweep for a, _, _ in stage.timings} & set(DEFERRED.values())
         times, held = {}, {}
-        for action, seconds in stage.timings:
+        for action, seconds, sent in stage.timings:
             key = f"{action.sweep}.in" if DEFERRED.get(action.sweep) in split else str(action.sweep)
             times.setdefault(key, []).append(seconds)
+            if sent is not None:
+                times.setdefault(f"{key}.sent", []).append(sent)
         for counted in stage.memory.values():
             for key, value in counted.items():
                 if key != "seen" and (key in ("F", "B1", "A", "merged") or key in split):

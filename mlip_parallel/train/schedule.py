@@ -27,8 +27,10 @@ A micro-batch is *in flight* on stage s from the start of its first action there
 A schedule, as in ``torch.distributed.pipelining``, decides the order and never touches tensors: one
 list of ``Action`` per stage, in execution order. ``check`` validates and times one without starting
 processes, under this execution model: each stage executes its list in order; an action starts once
-the stage is free and every action it depends on has completed (plus ``Costs.latency`` when that action
-ran on another stage); an action takes ``Costs.seconds`` of its stage and sweep, or one time step without
+the stage is free, every action it depends on on this stage has completed, and the messages of those on
+other stages have arrived: ``Costs.latency`` after they were sent, which is where that action ends unless
+its costs time an earlier send (``Costs.sent``: stage 0's merged A sends its cotangent, then computes what
+it leaves to B); an action takes ``Costs.seconds`` of its stage and sweep, or one time step without
 costs (then all stages step together, and the result has a step × stage ``grid``). ``gpipe`` and
 ``one_f_one_b`` are fixed orders; ``list_schedule`` builds one from measured costs (greedy list
 scheduling under an in-flight bound), and ``auto`` keeps the best predicted of all candidates that
@@ -98,8 +100,9 @@ class Action:
 class Costs:
     """Measured seconds of one action of each sweep on each stage, ``seconds[s][key]`` (per micro-batch):
     keys are the sweeps, with "A" and "B" the whole sweeps, "A.in" and "B.in" their parts a neighbour
-    waits for when WA / WB are split off (a whole sweep without its own key costs A.in + WA); the
-    ``latency`` of a message between neighbouring stages (seconds); and optionally ``memory[s]``, the
+    waits for when WA / WB are split off (a whole sweep without its own key costs A.in + WA), and
+    "<key>.sent" the seconds from the start of such an action to its last message to a neighbour (``sent``);
+    the ``latency`` of a message between neighbouring stages (seconds); and optionally ``memory[s]``, the
     bytes a micro-batch holds on stage s: "F" from the start of F to the end of its last action (the
     forward graph), "B1" from the start of B1 to the end of A, or of WA when split (the double-backward
     graph), or to the end of B (of WB when split) where "merged" is set (the stage's A runs in B), "A" from
@@ -120,6 +123,14 @@ class Costs:
         except KeyError:
             raise ScheduleError(f"costs have no duration of sweep {action.sweep} on stage {action.stage} "
                                 f"(sweeps {'/'.join(sweeps)})") from None
+
+    def sent(self, action, sweeps) -> float:
+        """Seconds from the start of ``action`` until its messages to the neighbours have left: the row's
+        "<key>.sent" where the action is one timed key that has one, else the whole ``duration``."""
+        row, whole = self.seconds[action.stage], self.duration(action, sweeps)
+        keys = _cost_keys(row, action.sweep, sweeps)
+        sent = row.get(f"{keys[0]}.sent") if len(keys) == 1 else None
+        return whole if sent is None else min(float(sent), whole)
 
 
 def _cost_keys(row, sweep, sweeps) -> list:
@@ -237,6 +248,7 @@ def check(schedule, stages, microbatches, sweeps=SWEEPS["forces"], max_in_flight
     sweeps = tuple(sweeps)
     _validate(schedule, stages, microbatches, sweeps)
     duration = (lambda a: 1) if costs is None else (lambda a: costs.duration(a, sweeps))
+    sent = duration if costs is None else (lambda a: costs.sent(a, sweeps))
     latency = 0 if costs is None else costs.latency  # integer steps without costs
     start, end, pos, free = {}, {}, [0] * stages, [0] * stages
     progress = True
@@ -248,7 +260,7 @@ def check(schedule, stages, microbatches, sweeps=SWEEPS["forces"], max_in_flight
                 deps = dependencies(a, stages, sweeps)
                 if any(d not in end for d in deps):
                     break
-                start[a] = max([free[s]] + [end[d] + (latency if d.stage != s else 0) for d in deps])
+                start[a] = max([free[s]] + [end[d] if d.stage == s else start[d] + sent(d) + latency for d in deps])
                 end[a] = free[s] = start[a] + duration(a)
                 pos[s] += 1
                 progress = True
@@ -312,9 +324,10 @@ def in_flight_bound(stages, microbatches, factor=MEMORY_FACTOR) -> int:
     return max(one_f_one_b_peak, math.floor(factor * one_f_one_b_peak + 1e-9))
 
 
-def _levels(actions, successors, duration, latency) -> dict:
-    """Critical-path length from the start of each action to the end of the step (its own duration, plus
-    the longest chain of actions that wait for it, ``successors[a]``, with latency between stages)."""
+def _levels(actions, successors, duration, sent, latency) -> dict:
+    """Critical-path length from the start of each action to the end of the step: its own duration, or
+    the longest chain of actions that wait for it (``successors[a]``), from its end on its stage, from
+    its message (``sent`` plus ``latency``) on another."""
     level = {}
     for a in actions:  # memoised depth-first
         stack = [a]
@@ -325,8 +338,8 @@ def _levels(actions, successors, duration, latency) -> dict:
                 stack.extend(todo)
                 continue
             stack.pop()
-            level[x] = duration(x) + max([level[y] + (latency if y.stage != x.stage else 0) for y in successors[x]],
-                                         default=0.0)
+            level[x] = max([duration(x)] + [level[y] + (duration(x) if y.stage == x.stage else sent(x) + latency)
+                                             for y in successors[x]])
     return level
 
 
@@ -358,6 +371,7 @@ def list_schedule(stages, microbatches, sweeps=SWEEPS["forces"], costs=None, max
     if bound < 1:
         raise ScheduleError(f"max_in_flight must be at least 1, got {bound}")
     duration = (lambda a: 1.0) if costs is None else (lambda a: costs.duration(a, sweeps))
+    sent = duration if costs is None else (lambda a: costs.sent(a, sweeps))
     latency = 0.0 if costs is None else costs.latency
     actions = [Action(s, sw, m) for s in range(stages) for sw in sweeps for m in range(microbatches)]
     deps = {a: dependencies(a, stages, sweeps) for a in actions}
@@ -366,12 +380,12 @@ def list_schedule(stages, microbatches, sweeps=SWEEPS["forces"], costs=None, max
     for a in actions:
         for d in deps[a]:
             successors[d].append(a)
-    level, key = _levels(actions, successors, duration, latency), PRIORITIES[priority]
+    level, key = _levels(actions, successors, duration, sent, latency), PRIORITIES[priority]
     ready = [dict() for _ in range(stages)]  # action -> time its inputs are there
     for a in actions:
         if not deps[a]:
             ready[a.stage][a] = 0.0
-    end, free, lists = {}, [0.0] * stages, [[] for _ in range(stages)]
+    start, end, free, lists = {}, {}, [0.0] * stages, [[] for _ in range(stages)]
     held, left = [set() for _ in range(stages)], {(a.stage, a.microbatch): len(sweeps) for a in actions}
     next_forward, first = [0] * stages, sweeps[0]
     events, now = [0.0], 0.0
@@ -391,7 +405,8 @@ def list_schedule(stages, microbatches, sweeps=SWEEPS["forces"], costs=None, max
                     continue
                 a = min(candidates, key=lambda a: key(a, level))
                 del ready[s][a]
-                end[a] = free[s] = now + duration(a)
+                start[a], end[a] = now, now + duration(a)
+                free[s] = end[a]
                 heapq.heappush(events, free[s])
                 lists[s].append(a)
                 progress = True
@@ -404,7 +419,8 @@ def list_schedule(stages, microbatches, sweeps=SWEEPS["forces"], costs=None, max
                 for b in successors[a]:
                     waiting_on[b] -= 1
                     if not waiting_on[b]:
-                        ready[b.stage][b] = max(end[d] + (latency if d.stage != b.stage else 0.0) for d in deps[b])
+                        ready[b.stage][b] = max(end[d] if d.stage == b.stage else start[d] + sent(d) + latency
+                                                for d in deps[b])
                         heapq.heappush(events, ready[b.stage][b])
     return lists
 
