@@ -2,7 +2,9 @@
 `pipeline.schedule: auto`), run alternately so that both see the same machine:
 
 * the data: ``--structures`` rattled 256-atom fcc Cu cells labelled by ASE's EMT (10 % of them
-  validation), written to a temporary extxyz file;
+  validation), written to a temporary extxyz file; the default 80 make nine full global batches per
+  epoch, so that the first epoch holds auto's five timed warm-up steps (with 18 training structures,
+  two full batches per epoch, the next two epochs held three of them, two on split sweeps);
 * the model: SchNet, 8 blocks, F=64, cutoff 4.5 Å, float32; energy + force + stress loss; global batch
   8, M=8 micro-batches, AdamW, EMA;
 * each run: ``--epochs`` epochs, one torch thread per rank; the table gives each run's seconds per
@@ -11,7 +13,7 @@
   tensors' memory for reuse; ``glibc``: its defaults, under which a step's large tensors go back to the
   system and page-fault in again (``keep_freed_memory: false``); ``both``: the two, one after the other.
 
-    python benchmarks/pipeline_epoch.py [--pairs 3] [--epochs 5] [--structures 20] [--allocator kept|glibc|both]
+    python benchmarks/pipeline_epoch.py [--pairs 3] [--epochs 3] [--structures 80] [--allocator kept|glibc|both]
 """
 import argparse
 import csv
@@ -53,8 +55,8 @@ def run(ranks, job, env) -> tuple:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=3, help="alternating (one process, pipeline) pairs of runs")
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--structures", type=int, default=20, help="structures in the data set (10 %% validation)")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--structures", type=int, default=80, help="structures in the data set (10 %% validation)")
     parser.add_argument("--allocator", choices=("kept", "glibc", "both"), default="kept")
     args = parser.parse_args()
     if args.epochs < 2:
