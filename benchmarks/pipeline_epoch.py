@@ -9,11 +9,17 @@
   8, M=8 micro-batches, AdamW, EMA;
 * each run: ``--epochs`` epochs, one torch thread per rank; the table gives each run's seconds per
   epoch after the first (the first holds the start-up), and per pair of runs the ratio;
+* ``--side-by-side`` (the default; ``--no-side-by-side`` leaves it out): per pair also two one-process
+  runs at once, one per core. Their seconds per epoch against one process alone give this machine's own
+  ceiling for two ranks, 2 × alone / side by side: what a pipeline without bubble or extra work would
+  reach while both cores compute (shared caches, memory bandwidth and the host's placement of the two
+  virtual CPUs slow both when both run);
 * ``--allocator kept`` (mlip-train's default, ``keep_freed_memory: true``): glibc's malloc keeps freed
   tensors' memory for reuse; ``glibc``: its defaults, under which a step's large tensors go back to the
   system and page-fault in again (``keep_freed_memory: false``); ``both``: the two, one after the other.
 
-    python benchmarks/pipeline_epoch.py [--pairs 3] [--epochs 3] [--structures 80] [--allocator kept|glibc|both]
+    python benchmarks/pipeline_epoch.py [--pairs 3] [--epochs 3] [--structures 80] [--no-side-by-side]
+                                        [--allocator kept|glibc|both]
 """
 import argparse
 import csv
@@ -39,17 +45,28 @@ def config(data, directory, epochs, parallel, keep_freed_memory):
             "output": {"directory": str(directory), "overwrite": True}}
 
 
-def run(ranks, job, env) -> tuple:
-    """(seconds of each epoch, the schedule line mlip-train printed) of one run."""
+def start(ranks, job, env) -> tuple:
+    """A started run of ``job`` on ``ranks`` processes: (Popen, command, job)."""
     cmd = ([sys.executable] if ranks == 1 else launcher_command(ranks)) + ["-m", "mlip_parallel.train.cli", str(job)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env), cmd, job
+
+
+def finish(started) -> tuple:
+    """(seconds of each epoch, the schedule line mlip-train printed) of a started run, once it has ended."""
+    proc, cmd, job = started
+    stdout, stderr = proc.communicate()
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{stdout[-3000:]}\n{stderr[-3000:]}")
     directory = Path(yaml.safe_load(job.read_text())["output"]["directory"])
     with open(directory / "metrics.csv") as f:
         seconds = [float(row["seconds"]) for row in csv.DictReader(f)]
-    schedule = [line for line in proc.stdout.splitlines() if "pipeline schedule" in line]
+    schedule = [line for line in stdout.splitlines() if "pipeline schedule" in line]
     return seconds, schedule[0].split("mlip-train: ")[-1] if schedule else ""
+
+
+def per_epoch(*runs) -> float:
+    """Mean seconds per epoch after the first, over ``runs`` (each ``finish``'s result)."""
+    return float(np.mean([seconds for run in runs for seconds in run[0][1:]]))
 
 
 def main():
@@ -57,6 +74,8 @@ def main():
     parser.add_argument("--pairs", type=int, default=3, help="alternating (one process, pipeline) pairs of runs")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--structures", type=int, default=80, help="structures in the data set (10 %% validation)")
+    parser.add_argument("--side-by-side", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run two one-process runs at once per pair (this machine's ceiling for two ranks)")
     parser.add_argument("--allocator", choices=("kept", "glibc", "both"), default="kept")
     args = parser.parse_args()
     if args.epochs < 2:
@@ -73,25 +92,35 @@ def main():
 
 
 def compare(tmp, args, allocator, env):
-    """Alternate one-process and S=2 runs, ``args.pairs`` times; print each pair's seconds per epoch."""
+    """Alternate one-process and S=2 runs (and two one-process runs at once), ``args.pairs`` times; print each
+    pair's seconds per epoch and speed-up, and with ``args.side_by_side`` the machine's ceiling."""
     jobs = {}
-    for ranks, parallel in ((1, "data"), (2, "pipeline")):
-        jobs[ranks] = tmp / f"{parallel}.yaml"
-        jobs[ranks].write_text(yaml.safe_dump(config(tmp / "cu256.extxyz", tmp / parallel, args.epochs, parallel,
-                                                     allocator == "kept")))
+    for name, parallel in (("one", "data"), ("other", "data"), ("pipeline", "pipeline")):
+        jobs[name] = tmp / f"{name}.yaml"
+        jobs[name].write_text(yaml.safe_dump(config(tmp / "cu256.extxyz", tmp / name, args.epochs, parallel,
+                                                    allocator == "kept")))
     train = args.structures - round(0.1 * args.structures)
     print(f"mlip-train, SchNet 8 blocks F=64, {train} training / {args.structures - train} validation structures "
           f"of 256 Cu atoms, batch 8, M=8, {args.epochs} epochs; allocator: {allocator}")
-    print(f"{'pair':>4s} {'one process s/epoch':>20s} {'S=2 s/epoch':>12s} {'speed-up':>8s}  schedule")
-    means = {1: [], 2: []}
+    print(f"{'pair':>4s} {'one process s/epoch':>20s} {'S=2 s/epoch':>12s} {'speed-up':>8s}"
+          + (f" {'side by side s/epoch':>21s} {'ceiling':>7s}" if args.side_by_side else "") + "  schedule")
+    rows = []
     for pair in range(args.pairs):
-        (one, _), (two, schedule) = run(1, jobs[1], env), run(2, jobs[2], env)
-        a, b = float(np.mean(one[1:])), float(np.mean(two[1:]))
-        means[1].append(a), means[2].append(b)
-        print(f"{pair + 1:4d} {a:20.2f} {b:12.2f} {a / b:8.2f}  {schedule}", flush=True)
-    ratios = np.array(means[1]) / np.array(means[2])
-    print(f"mean {np.mean(means[1]):20.2f} {np.mean(means[2]):12.2f} {np.mean(means[1]) / np.mean(means[2]):8.2f}"
-          f"  (per pair: median {np.median(ratios):.2f}, range {ratios.min():.2f}-{ratios.max():.2f})")
+        one = per_epoch(finish(start(1, jobs["one"], env)))
+        two = finish(start(2, jobs["pipeline"], env))
+        row = [one, per_epoch(two)]
+        if args.side_by_side:
+            both = [start(1, jobs[name], env) for name in ("one", "other")]
+            row.append(per_epoch(*[finish(run) for run in both]))
+        rows.append(row)
+        print(f"{pair + 1:4d} {row[0]:20.2f} {row[1]:12.2f} {row[0] / row[1]:8.2f}"
+              + (f" {row[2]:21.2f} {2 * row[0] / row[2]:7.2f}" if args.side_by_side else "") + f"  {two[1]}",
+              flush=True)
+    rows = np.array(rows)
+    mean, ratios = rows.mean(axis=0), rows[:, 0] / rows[:, 1]
+    print(f"mean {mean[0]:20.2f} {mean[1]:12.2f} {mean[0] / mean[1]:8.2f}"
+          + (f" {mean[2]:21.2f} {2 * mean[0] / mean[2]:7.2f}" if args.side_by_side else "")
+          + f"  (speed-up per pair: median {np.median(ratios):.2f}, range {ratios.min():.2f}-{ratios.max():.2f})")
 
 
 if __name__ == "__main__":
