@@ -353,9 +353,10 @@ def combine_steps(steps) -> tuple:
     step's medians over its micro-batches, ``PipelineTrainer._timed``): per key the median over the
     steps that have it, the first (cold) step left out where a later one has the key. Seconds are first
     scaled step by step to a common machine speed: by the median over steps of the summed seconds of the
-    keys every step has (F, B1, A; not the ".sent" offsets) over this step's. The speed of a shared 2-core or busy machine drifts
-    by ±10–20 % from step to step, and auto compares keys timed in different steps (B whole in plain
-    steps, B.in and WB in split ones). Returns ({key: seconds}, {key: bytes})."""
+    keys every step has (F, B1, A; not the ".sent" offsets) over this step's. The speed of a shared
+    2-core or busy machine drifts by ±10–20 % from step to step, and auto compares keys timed in
+    different steps (B whole in plain steps, B.in and WB in split ones). Returns ({key: seconds},
+    {key: bytes})."""
     seconds, memory = [step[0] for step in steps], [step[1] for step in steps]
     shared = [k for k in seconds[0] if not k.endswith(".sent") and all(k in t for t in seconds)]
     speed = [sum(t[k] for k in shared) for t in seconds]
@@ -387,11 +388,10 @@ class PipelineStage:
     for at its end. ``timings``: (action, seconds of compute, seconds from its start to its last send or
     None; waits excluded) of the last run. With ``measuring`` set (the trainer's timed warm-up steps): on a
     CUDA device the stream is synchronised before and after each action, after each receive and before
-    the clock reads a send, so that timings are device time, not the time
-    to queue kernels; and ``memory[m]``: the bytes micro-batch m held (``schedule.Costs.memory``'s "F",
-    "B1", "A", "WA", "WB": the storages autograd saved in F and in B1, each once, the gradients A left
-    to B under ``merge``, and those A and B captured for WA and WB; "merged": 1 where B1's graph is held
-    until B).
+    the clock reads a send, so that timings are device time, not the time to queue kernels; and
+    ``memory[m]``: the bytes micro-batch m held (``schedule.Costs.memory``'s "F", "B1", "A", "WA", "WB":
+    the storages autograd saved in F and in B1, each once, the gradients A left to B under ``merge``,
+    and those A and B captured for WA and WB; "merged": 1 where B1's graph is held until B).
     """
 
     def __init__(self, model, stage: int, stages: int, boundaries, peers, recompute: bool = False):
