@@ -12,7 +12,8 @@ the one-process model built from the same seed:
   than replicas × micro-batches, and (P = 4) a replica with no structure at all;
 * split sweeps (A's and B's parameter gradients deferred to WA, WB) and ``auto``: the timed warm-up
   (1F1B on plain and split sweeps in turn, five steps) and the schedule auto then chooses, for SchNet (four sweeps, energy only, recomputation),
-  PaiNN and NequIP (P = 4: SchNet and PaiNN); auto under given costs with a dear W (a split list
+  PaiNN and NequIP (P = 4: SchNet and PaiNN), whose measured costs time stage 0's sends in F and A
+  (within the sweeps; A's cotangent leaves before A ends); auto under given costs with a dear W (a split list
   schedule); GPipe and 1F1B on B-split and A+B-split sweeps as given orders (P = 3); AdamW steps and evaluation with auto
   (SchNet). These lines print "largest relative difference";
 * AdamW steps over two epochs of 7 structures in global batches of 3 (a ragged last batch of 1; auto:
@@ -141,6 +142,13 @@ def gradient_case(name, schedule, sweeps, recompute, microbatches, data, boundar
             failures.append(f"{label}: loss {loss} vs {ref_loss}")
     if schedule == "auto" and steps > WARM_UP_STEPS[True] and trainer.costs is None:
         failures.append(f"{name} auto: no measured costs after {steps} steps (the warm-up is {WARM_UP_STEPS[True]})")
+    if schedule == "auto" and costs is None and trainer.costs is not None and STAGES > 1:  # stage 0 sends in F (A)
+        row = trainer.costs.seconds[0]
+        sent = {k for k in row if k.endswith(".sent")}
+        expected = {"F.sent", "A.sent"} if sweeps == "forces" else {"F.sent"}
+        if sent != expected or any(row[k] > row[k.removesuffix(".sent")] for k in sent):
+            failures.append(f"{name} auto: stage 0's send times {({k: row[k] for k in sent})} are not those of "
+                            f"{sorted(expected)} within their sweeps ({row})")
     return trainer
 
 
