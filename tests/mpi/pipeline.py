@@ -13,7 +13,7 @@ the one-process model built from the same seed:
 * split sweeps (A's and B's parameter gradients deferred to WA, WB) and ``auto``: the timed warm-up
   (1F1B on plain and split sweeps in turn, five steps) and the schedule auto then chooses, for SchNet (four sweeps, energy only, recomputation),
   PaiNN and NequIP (P = 4: SchNet and PaiNN), whose measured costs time stage 0's sends in F and A
-  (within the sweeps; A's cotangent leaves before A ends); auto under given costs with a dear W (a split list
+  (each within its sweep); auto under given costs with a dear W (a split list
   schedule); GPipe and 1F1B on B-split and A+B-split sweeps as given orders (P = 3); AdamW steps and evaluation with auto
   (SchNet). These lines print "largest relative difference";
 * AdamW steps over two epochs of 7 structures in global batches of 3 (a ragged last batch of 1; auto:
