@@ -193,4 +193,3 @@ def test_help_documents_every_key(capsys):
                 "timestep_fs", "steps", "seed", "skin", "mode", "thermo_every", "trajectory_every", "tdamp_fs",
                 "pressure_GPa", "pdamp_fs", "isotropic", "balance_every", "trajectory_format", "overwrite"):
         assert key in out, key
-

@@ -782,7 +782,7 @@ class PipelineTrainer:
                 return self.costs if self.costs is not None and self.costs.times(needed) else None
             if self.schedule != "auto":
                 name, lists = self.schedule, SCHEDULES[self.schedule](self.stages, microbatches, kind)
-            elif timing(split_kind) is None and sweeps != "evaluate":  # the timed warm-up
+            elif warming_up:  # the timed warm-up (measured or loaded costs under auto time split_kind: _usable)
                 split_step = len(self._warm_up) % 2 == 1
                 tag = "+".join(self._split_parts())
                 name, lists = f"1f1b{' split ' + tag if split_step else ''} (timed warm-up)", \
