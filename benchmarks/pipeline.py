@@ -66,7 +66,8 @@ def worker(args):
         def step():
             model.zero_grad()
             batch = Batch(structures, model, model.device)
-            total_loss(loss_terms(*predict_batch(model, batch), batch, Counts.of(structures)), weights).backward()
+            loss = total_loss(loss_terms(*predict_batch(model, batch), batch, Counts.of(structures)), weights)
+            loss.backward(inputs=list(model.parameters()))  # as mlip-train: no second derivatives in x
         step()
         base = trimmed_rss()
         reset_hwm()

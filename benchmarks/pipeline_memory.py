@@ -55,7 +55,7 @@ def worker(args):
         def step():
             batch = Batch(structures, model, model.device)
             loss = total_loss(loss_terms(*predict_batch(model, batch), batch, Counts.of(structures)), weights)
-            loss.backward()
+            loss.backward(inputs=list(model.parameters()))  # as mlip-train: no second derivatives in x
             torch.nn.utils.clip_grad_norm_(list(model.parameters()), 10.0)
             optimizer.step()
             optimizer.zero_grad()

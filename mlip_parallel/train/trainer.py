@@ -202,7 +202,7 @@ class DataParallel:
             batch = Batch(mine, self.model, self.device)
             predictions = predict_batch(self.model, batch)
             loss = total_loss(loss_terms(*predictions, batch, Counts.of(global_batch)), self.weights)
-            loss.backward()
+            loss.backward(inputs=self.parameters)  # not into pos / strain: no second derivatives in x
             value = loss.item()
             bad = [] if np.isfinite(value) else nonfinite_structures(batch, *predictions)
         value = float(procs.sum(np.array([value]))[0])
@@ -255,7 +255,7 @@ class GraphParallel(DataParallel):
         value, counts = 0.0, Counts.of(global_batch)
         for s in global_batch:
             surrogate, terms = graph_parallel_loss(self.model, s, self.weights, counts, self.procs.backend)
-            surrogate.backward()
+            surrogate.backward(inputs=self.parameters)
             loss = total_loss(terms, self.weights)
             if not np.isfinite(loss):  # terms are global: every rank agrees
                 raise TrainingError(f"epoch {epoch}: the loss of {s.source} is not finite")
