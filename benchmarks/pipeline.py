@@ -50,7 +50,7 @@ def worker(args):
 
     import potentials
     from mlip_parallel.train.cli import keep_freed_memory
-    from mlip_parallel.train.training import Batch, Counts, loss_terms, predict_batch, total_loss
+    from mlip_parallel.train.training import Batch, Counts, batch_gradients
 
     torch.set_num_threads(1)
     keep_freed_memory()  # as mlip-train does (its default), on both sides
@@ -66,8 +66,7 @@ def worker(args):
         def step():
             model.zero_grad()
             batch = Batch(structures, model, model.device)
-            loss = total_loss(loss_terms(*predict_batch(model, batch), batch, Counts.of(structures)), weights)
-            loss.backward(inputs=list(model.parameters()))  # as mlip-train: no second derivatives in x
+            batch_gradients(model, batch, Counts.of(structures), weights, model.parameters())  # mlip-train's step
         step()
         base = trimmed_rss()
         reset_hwm()

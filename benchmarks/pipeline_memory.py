@@ -31,7 +31,7 @@ def worker(args):
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
     import potentials
-    from mlip_parallel.train.training import Batch, Counts, loss_terms, predict_batch, total_loss
+    from mlip_parallel.train.training import Batch, Counts, batch_gradients
 
     torch.set_num_threads(1)
     structures = cu_structures(args.structures, 32)
@@ -54,8 +54,7 @@ def worker(args):
 
         def step():
             batch = Batch(structures, model, model.device)
-            loss = total_loss(loss_terms(*predict_batch(model, batch), batch, Counts.of(structures)), weights)
-            loss.backward(inputs=list(model.parameters()))  # as mlip-train: no second derivatives in x
+            batch_gradients(model, batch, Counts.of(structures), weights, model.parameters())  # mlip-train's step
             torch.nn.utils.clip_grad_norm_(list(model.parameters()), 10.0)
             optimizer.step()
             optimizer.zero_grad()

@@ -193,16 +193,15 @@ class DataParallel:
         self.parameters = [p for p in model.parameters() if p.requires_grad]
 
     def gradients(self, global_batch, epoch) -> float:
-        from .training import Batch, Counts, TrainingError, loss_terms, nonfinite_structures, predict_batch, total_loss
+        from .training import Batch, Counts, TrainingError, batch_gradients, nonfinite_structures
 
         procs = self.procs
         mine = global_batch[procs.rank::procs.size]
         value, bad = 0.0, []
         if mine:
             batch = Batch(mine, self.model, self.device)
-            predictions = predict_batch(self.model, batch)
-            loss = total_loss(loss_terms(*predictions, batch, Counts.of(global_batch)), self.weights)
-            loss.backward(inputs=self.parameters)  # not into pos / strain: no second derivatives in x
+            loss, predictions = batch_gradients(self.model, batch, Counts.of(global_batch), self.weights,
+                                                self.parameters)
             value = loss.item()
             bad = [] if np.isfinite(value) else nonfinite_structures(batch, *predictions)
         value = float(procs.sum(np.array([value]))[0])
