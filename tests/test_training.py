@@ -185,6 +185,27 @@ def test_split_backward_equals_whole_backward(name):
                 assert torch.allclose(a, b, rtol=1e-12, atol=1e-14), name
 
 
+@pytest.mark.parametrize("beta, threshold", [(1.0, 20.0), (2.0, 0.5)])
+def test_branch_formulas_equal_the_nodes(beta, threshold):
+    """The outputs that backward_split's parameter part computes by formula (pipeline._branch_outputs) equal
+    those of the autograd node itself, float64: the double backward of softplus (both sides of its
+    threshold, beta 1 and 2), and a matrix product."""
+    from mlip_parallel.train.pipeline import _branch_outputs
+
+    generator = torch.Generator().manual_seed(0)
+
+    def leaf(*shape):
+        return (3 * torch.randn(*shape, generator=generator, dtype=torch.float64)).requires_grad_(True)
+    x, g, a, b = leaf(50, 7), leaf(50, 7), leaf(50, 6), leaf(6, 7)
+    for out in (torch.ops.aten.softplus_backward(g, x, beta, threshold), a.mm(b)):
+        grad = torch.randn(out.shape, generator=generator, dtype=torch.float64)
+        expected = out.grad_fn(grad)
+        for k in range(2):
+            got = _branch_outputs(out.grad_fn, (grad,), {k})
+            assert got is not None and got[1 - k] is None
+            assert torch.allclose(got[k], expected[k], rtol=1e-14, atol=1e-14)
+
+
 def labelled(atoms, forces=True, energy=-1.0):
     atoms.calc = SinglePointCalculator(atoms, energy=energy, forces=np.zeros((len(atoms), 3)) if forces else None)
     return atoms

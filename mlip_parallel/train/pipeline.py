@@ -170,10 +170,12 @@ def _branch_outputs(join, grads, wanted):
     return tuple(formulas[k](grad, **saved) if k in wanted else None for k in range(len(formulas)))
 
 
-def _softplus_double_backward(grad, self, beta, threshold):  # torch's softplus_double_backward
-    x = self * beta
-    y = torch.sigmoid(x)
-    return grad * y * (1 - y) * (x < threshold).to(grad.dtype) * beta
+def _softplus_double_backward(grad, self, beta, threshold):
+    """torch's softplus_double_backward, grad · σ'(β x) · β where β x < threshold (else 0), with its fused
+    σ' kernel (sigmoid_backward: one pass, where the plain product took five)."""
+    x = self * beta if beta != 1 else self
+    out = torch.ops.aten.sigmoid_backward(grad, torch.sigmoid(x)).masked_fill_(x >= threshold, 0)
+    return out.mul_(beta) if beta != 1 else out
 
 
 _BRANCH_FORMULAS = {  # node name -> (its saved values, the formula of each output, in next_functions order)
@@ -487,23 +489,25 @@ class PipelineStage:
     # ------------------------------------------------------------------ sweeps
     def forward(self, m: int) -> None:
         batch = self.batches[m]
-        h_in = None if self.first else self._recv(m, "F")
-        if self.recompute and not self.evaluating:  # keep only the input; rebuild before the first backward
-            with torch.no_grad():
-                out = self._stage_forward(batch, h_in)[2]
-            self.state[m] = {"h_in_value": h_in}
-        else:
-            with self._saved_bytes(m, "F"):
-                geometry, h_in, out = self._stage_forward(batch, h_in)
-            self.state[m] = {"geometry": geometry, "h_in": h_in, "out": out}
+        keep = not self.recompute or self.evaluating  # else keep only the input; rebuild before the first backward
+        with self._saved_bytes(m, "F") if keep else torch.no_grad():
+            built = self._geometry(batch)  # before the receive: it needs the positions only (shortens a wait)
+            h_in = None if self.first else self._recv(m, "F")
+            geometry, h_in, out = self._stage_forward(batch, h_in, built)
+        self.state[m] = {"geometry": geometry, "h_in": h_in, "out": out} if keep else {"h_in_value": h_in}
         if not self.last:
             self._send(out, self.next, m, "F")
         self.in_flight_peak = max(self.in_flight_peak, len(self.state))
 
-    def _stage_forward(self, batch, h_in):
-        """(geometry, h_in leaf, output) of this stage's blocks: h [N, width], or E [B] on the last."""
+    def _geometry(self, batch) -> tuple:
+        """(geometry, model context) of ``batch``: fresh position and strain leaves, edges, radial basis."""
         geometry = batch_geometry(batch)
-        ctx = self.net.context(geometry.graph)
+        return geometry, self.net.context(geometry.graph)
+
+    def _stage_forward(self, batch, h_in, built=None):
+        """(geometry, h_in leaf, output) of this stage's blocks: h [N, width], or E [B] on the last.
+        ``built``: ``_geometry(batch)`` if already built."""
+        geometry, ctx = built if built is not None else self._geometry(batch)
         if self.first:
             h = self.net.embed(geometry.graph, ctx)
         else:
