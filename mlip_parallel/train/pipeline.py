@@ -504,10 +504,10 @@ class PipelineStage:
         geometry = batch_geometry(batch)
         return geometry, self.net.context(geometry.graph)
 
-    def _stage_forward(self, batch, h_in, built=None):
-        """(geometry, h_in leaf, output) of this stage's blocks: h [N, width], or E [B] on the last.
-        ``built``: ``_geometry(batch)`` if already built."""
-        geometry, ctx = built if built is not None else self._geometry(batch)
+    def _stage_forward(self, batch, h_in, built):
+        """(geometry, h_in leaf, output) of this stage's blocks on ``built`` (``_geometry(batch)``): h [N, width],
+        or E [B] on the last."""
+        geometry, ctx = built
         if self.first:
             h = self.net.embed(geometry.graph, ctx)
         else:
@@ -523,7 +523,8 @@ class PipelineStage:
         """Micro-batch m's state with its forward graph (recomputed here under ``recompute``)."""
         s = self.state[m]
         if "h_in_value" in s:
-            geometry, h_in, out = self._stage_forward(self.batches[m], s.pop("h_in_value"))
+            batch = self.batches[m]
+            geometry, h_in, out = self._stage_forward(batch, s.pop("h_in_value"), self._geometry(batch))
             s.update(geometry=geometry, h_in=h_in, out=out)
         return s
 
