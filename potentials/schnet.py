@@ -4,10 +4,11 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-from torch_geometric.nn.models.schnet import GaussianSmearing, InteractionBlock, ShiftedSoftplus
+from torch_geometric.nn.models.schnet import InteractionBlock, ShiftedSoftplus
 
 from .base import BlockPotential, SpeciesScaleShift
 from .graph import AtomGraph
+from .radial import GaussianBasis
 
 
 class SchNet(BlockPotential):
@@ -31,7 +32,7 @@ class SchNet(BlockPotential):
         self.hyperparameters = dict(species=self.species, cutoff=self.cutoff, features=self.features,
                                     layers=self.layers, rbf=int(rbf), filters=filters)
         self._init_parts(parts, seed)  # ``parts``: the parts to build (a pipeline stage's); see BlockPotential
-        self.distance_expansion = GaussianSmearing(0.0, self.cutoff, rbf)
+        self.distance_expansion = GaussianBasis(0.0, self.cutoff, rbf)
         self.embedding = self._build("embed", lambda: torch.nn.Embedding(len(self.species), features))
         self.interactions = self._build_blocks(lambda k: InteractionBlock(features, rbf, filters or features, self.cutoff))
         self.readout, self.scale_shift = self._build("readout", lambda: (torch.nn.Sequential(
