@@ -31,6 +31,9 @@ class SincBasis(torch.nn.Module):
         return torch.sin(r[:, None] * self.frequencies) / r[:, None]
 
 
+_LOG2_E = 1.0 / math.log(2.0)
+
+
 class GaussianBasis(GaussianSmearing):
     """SchNet's Gaussians exp(−(r − μ_k)² / 2Δ²), μ_k evenly spaced on [start, stop] (Δ their spacing):
     torch-geometric's ``GaussianSmearing`` (the same buffers and values to float rounding), evaluated
@@ -42,5 +45,3 @@ class GaussianBasis(GaussianSmearing):
     def forward(self, r: torch.Tensor) -> torch.Tensor:
         return torch.exp2((self.coeff * _LOG2_E) * (r[:, None] - self.offset).pow(2))
 
-
-_LOG2_E = 1.0 / math.log(2.0)
