@@ -6,8 +6,8 @@ from fractions import Fraction
 import pytest
 
 from mlip_parallel.train.schedule import (PRIORITIES, SCHEDULES, SWEEPS, Action, Costs, ScheduleError, auto, check,
-                                          dependencies, gpipe, in_flight_bound, list_schedule, one_f_one_b, render,
-                                          split, sweeps_of, theoretical_bubble)
+                                          defer_tail, dependencies, gpipe, in_flight_bound, list_schedule,
+                                          one_f_one_b, render, split, sweeps_of, theoretical_bubble)
 
 GRID = [(S, M) for S in range(1, 6) for M in range(1, 9)]
 
@@ -280,6 +280,60 @@ def test_merged_a_costs_and_memory():
     assert check(two, 1, 2, sweeps, costs=plain)["peak_memory"] == [22.0]
     b_split = [[Action(0, sw, 0) for sw in ("F", "B1", "A", "B", "WB")]]
     assert check(b_split, 1, 1, split(sweeps, ("B",)), costs=merged)["peak_memory"] == [1111.0]
+
+
+def test_b_split_for_the_last_micro_batches_only():
+    """``defer_tail``: an A or B is split exactly where the schedule holds its W. B split for the last ``count``
+    micro-batches on every stage but the first, their WB last: complete and deadlock free, those B cost B.in and
+    the others the whole B, only they hold WB's bytes; where the split costs extra work, the drain gains, and
+    auto chooses it with costs as measured for SchNet on 2 stages."""
+    for kind in ("forces", "energy"):
+        sweeps, only_b = SWEEPS[kind], split(SWEEPS[kind], ("B",))
+        for S, M in GRID[::3]:
+            plain = one_f_one_b(S, M, sweeps)
+            costs = _random_costs(S, 3 * S + M)
+            for count in range(min(S, M) + 1):
+                tail = defer_tail(plain, count)
+                assert tail[0] == plain[0]
+                for s in range(1, S):
+                    deferred = [Action(s, "WB", a.microbatch) for a in plain[s] if a.sweep == "B"][M - count:]
+                    assert tail[s] == plain[s] + deferred
+                r = check(tail, S, M, only_b, costs=costs)
+                split_b = {(a.stage, a.microbatch) for acts in tail for a in acts if a.sweep == "WB"}
+                row = costs.seconds
+
+                def cost(a):
+                    if a.sweep == "B":
+                        return row[a.stage]["B.in"] if (a.stage, a.microbatch) in split_b else row[a.stage]["B"]
+                    return row[a.stage][a.sweep]
+                assert r["busy"] == pytest.approx(sum(cost(a) for acts in tail for a in acts)), (kind, S, M, count)
+                for a, t in r["start"].items():
+                    for d in dependencies(a, S, only_b):
+                        assert r["end"][d] + (costs.latency if d.stage != a.stage else 0) <= t + 1e-12
+    # one micro-batch, 2 stages: F F B1 B1 A A (1 each), then stage 1's B: whole 4, or B.in 2 and WB 2.5 after it;
+    # stage 0's B (1) waits for stage 1's B: 6 + 4 + 1 = 11 plain, 6 + 2 + max(1, 2.5) = 10.5 split
+    row = {"F": 1.0, "B1": 1.0, "A": 1.0, "B": 4.0, "B.in": 2.0, "WB": 2.5}
+    costs = Costs((dict(row, B=1.0, **{"B.in": 0.0, "WB": 1.0}), row))
+    assert check(gpipe(2, 1), 2, 1, costs=costs)["time"] == pytest.approx(11.0)
+    assert check(defer_tail(gpipe(2, 1), 1), 2, 1, split(SWEEPS["forces"], ("B",)), costs=costs)["time"] == 10.5
+    # memory: only the split micro-batch holds WB's bytes (stage 1 merged: B1's graph held until B, or WB)
+    held = Costs(costs.seconds, memory=({"F": 1.0, "B1": 10.0, "A": 100.0, "WB": 1000.0, "merged": 1.0},) * 2)
+    only_b = split(SWEEPS["forces"], ("B",))
+    assert check(gpipe(2, 2), 2, 2, costs=held)["peak_memory"][1] == 222.0
+    assert check(defer_tail(gpipe(2, 2), 1), 2, 2, only_b, costs=held)["peak_memory"][1] == 1111.0
+    assert check(gpipe(2, 2, only_b), 2, 2, only_b, costs=held)["peak_memory"][1] == 2122.0
+    # costs measured for SchNet (8 blocks, 2 stages, ms): stage 1 runs A in B; its split B costs 4 ms more
+    ms = 1e-3
+    measured = Costs(({"F": 19 * ms, "F.sent": 19 * ms, "B1": 20 * ms, "A": 45 * ms, "A.sent": 19 * ms, "B": 23 * ms,
+                       "B.in": 1 * ms, "WB": 23 * ms},
+                      {"F": 20 * ms, "B1": 22 * ms, "A": 0.0, "B": 64 * ms, "B.in": 25 * ms, "WB": 43 * ms}),
+                     latency=0.1 * ms, memory=({"F": 48.0, "B1": 56.0, "A": 24.0, "WB": 24.0},
+                                               {"F": 48.0, "B1": 58.0, "WB": 38.0, "merged": 1.0}))
+    plain = check(one_f_one_b(2, 8), 2, 8, costs=measured)
+    whole = check(one_f_one_b(2, 8, only_b), 2, 8, only_b, costs=measured)
+    name, schedule, result = auto(2, 8, SWEEPS["forces"], measured)
+    assert "split last" in name and result["time"] < 0.985 * min(plain["time"], whole["time"]), name
+    assert result["peak_memory"] == plain["peak_memory"]
 
 
 def test_auto_beats_1f1b_within_the_memory_bound():

@@ -34,9 +34,10 @@ which never touches tensors; ``PipelineStage`` executes actions and never decide
 gradients equal single-process double-backward gradients (the test). A global batch with fewer
 structures than micro-batches runs with fewer micro-batches (a replica with none sits the step out).
 
-Split sweeps (zero-bubble pipelines): when a schedule holds WA / WB actions, A / B back-propagate only
-into what a neighbour waits for, and WA(m) / WB(m) later add the parameter gradients from the
-gradients captured at the nodes where the parameters' branches join that graph (``backward_split``).
+Split sweeps (zero-bubble pipelines): where a stage's schedule holds WA(m) / WB(m), its A / B of
+micro-batch m back-propagate only into what a neighbour waits for, and WA(m) / WB(m) later add the
+parameter gradients from the gradients captured at the nodes where the parameters' branches join that
+graph (``backward_split``).
 Messages are posted ahead: a stage posts every receive of a step (``irecv``) before its first action
 and never waits for a send (``isend``, completed at the end of the step). The trainer measures each
 stage's seconds per sweep, the memory a micro-batch holds and the message latency in its first steps
@@ -382,8 +383,8 @@ class PipelineStage:
 
     ``run(actions, batches, counts, weights)`` executes this stage's schedule actions, accumulating the
     parameters' gradients; ``evaluate(actions, batches, model)`` runs F and B1 without a double-backward
-    graph and returns this stage's error sums. When ``actions`` hold WA / WB, sweeps A / B compute only
-    what the neighbours wait for and WA / WB the deferred parameter gradients (``backward_split``).
+    graph and returns this stage's error sums. Where ``actions`` hold WA(m) / WB(m), A / B of micro-batch m
+    compute only what the neighbours wait for and WA / WB the deferred parameter gradients (``backward_split``).
     ``merge_a_into_b`` (default True): without WA, A computes only what the next stage waits for and B
     the rest of A with its own (``merge`` during a run; see the module docstring).
     Every receive of a run is posted (``irecv``) before its first action; sends are ``isend``s, waited
@@ -532,7 +533,7 @@ class PipelineStage:
         """Seeds from tensors into the ``inputs``' ``.grad`` and the parameters' (keeping the graph); the
         parameters' part deferred to the action of ``DEFERRED[sweep]`` when the schedule holds one."""
         tensors, seeds = _startable(tensors, seeds)
-        if DEFERRED.get(sweep) in self.deferred:
+        if (DEFERRED.get(sweep), m) in self.deferred:
             deferred = self.state[m][DEFERRED[sweep]] = backward_split(tensors, seeds, inputs, self.parameters)
             if self.measuring:
                 self.memory.setdefault(m, {})[str(DEFERRED[sweep])] = deferred.nbytes
@@ -642,9 +643,10 @@ class PipelineStage:
 
     def _execute(self, actions, batches) -> None:
         self.batches, self.wait_seconds, self.timings, self.memory = batches, 0.0, [], {}
-        self.deferred = {a.sweep for a in actions} & set(DEFERRED.values())
+        # (W sweep, micro-batch) of each A or B whose parameter part the schedule defers to its own action
+        self.deferred = {(a.sweep, a.microbatch) for a in actions if a.sweep in DEFERRED.values()}
         # A computes only what the next stage waits for, B the rest with its own (not with A split: WA)
-        self.merge = self.merge_a_into_b and not self.evaluating and Sweep.WA not in self.deferred \
+        self.merge = self.merge_a_into_b and not self.evaluating and all(w != Sweep.WA for w, _ in self.deferred) \
             and any(a.sweep == Sweep.A for a in actions)
         left = {}  # actions left per micro-batch: its state goes with the last
         for action in actions:
@@ -855,16 +857,16 @@ class PipelineTrainer:
         (``schedule.Costs``)."""
         from .schedule import DEFERRED
 
-        split = {a.sweep for a, _, _ in stage.timings} & set(DEFERRED.values())
+        split = {(a.sweep, a.microbatch) for a, _, _ in stage.timings if a.sweep in DEFERRED.values()}
         times, held = {}, {}
         for action, seconds, sent in stage.timings:
-            key = f"{action.sweep}.in" if DEFERRED.get(action.sweep) in split else str(action.sweep)
+            key = f"{action.sweep}.in" if (DEFERRED.get(action.sweep), action.microbatch) in split else str(action.sweep)
             times.setdefault(key, []).append(seconds)
             if sent is not None:
                 times.setdefault(f"{key}.sent", []).append(sent)
         for counted in stage.memory.values():
             for key, value in counted.items():
-                if key != "seen" and (key in ("F", "B1", "A", "merged") or key in split):
+                if key != "seen" and (key in ("F", "B1", "A", "merged") or key in {w for w, _ in split}):
                     held.setdefault(key, []).append(value)
         return ({k: float(np.median(v)) for k, v in times.items()}, {k: float(np.median(v)) for k, v in held.items()})
 

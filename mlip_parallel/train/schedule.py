@@ -19,7 +19,9 @@ and the parameter gradients, which nobody needs before the optimizer step. With 
 sweep set, A / B compute only the first part and WA(s,m) / WB(s,m), which need A(s,m) / B(s,m), the
 deferred parameter gradients: a schedule places them where a stage would otherwise idle. (On stage 0,
 B is all WB.) Splitting A costs extra work (its parameter part recomputes the input-side outputs of the
-nodes where the parameters' branches join), so ``auto`` weighs plain, B-only and A-and-B splits.
+nodes where the parameters' branches join), so ``auto`` weighs plain, B-only and A-and-B splits. An
+action defers its parameter part exactly when the schedule holds its W: a schedule may split only some,
+e.g. B of the last micro-batches (``defer_tail``), whose W then fill the drain at no cost elsewhere.
 
 A micro-batch is *in flight* on stage s from the start of its first action there to the end of its last
 (its activations, and the graphs a deferred W still needs, are held meanwhile).
@@ -74,6 +76,7 @@ def split(sweeps, parts=(Sweep.A, Sweep.B)) -> tuple:
     return sweeps + tuple(DEFERRED[sw] for sw in sweeps if sw in DEFERRED and sw in parts)
 
 
+_W = frozenset(DEFERRED.values())
 SWEEP_SETS = tuple(dict.fromkeys([*SWEEPS.values(), *(split(s, (Sweep.B,)) for s in SWEEPS.values()),
                                   *(split(s) for s in SWEEPS.values())]))
 
@@ -224,13 +227,15 @@ def _validate(schedule, stages, microbatches, sweeps):
             if a in seen:
                 raise ScheduleError(f"stage {s}: action {a} is repeated")
             seen.add(a)
-        missing = [str(Action(s, sw, m)) for sw in sweeps for m in range(microbatches) if Action(s, sw, m) not in seen]
+        missing = [str(Action(s, sw, m)) for sw in sweeps for m in range(microbatches)
+                   if sw not in _W and Action(s, sw, m) not in seen]  # a W only where its A / B is split
         if missing:
             raise ScheduleError(f"stage {s}: missing actions {', '.join(missing)}")
 
 
 def sweeps_of(schedule) -> tuple:
-    """The sweep set (one of ``SWEEP_SETS``) whose sweeps ``schedule`` holds."""
+    """The sweep set (one of ``SWEEP_SETS``) whose sweeps ``schedule`` holds (a W part on any stage and
+    micro-batch counts)."""
     present = {a.sweep for stage in schedule for a in stage}
     for sweeps in SWEEP_SETS:
         if present == set(sweeps):
@@ -247,8 +252,9 @@ def check(schedule, stages, microbatches, sweeps=SWEEPS["forces"], max_in_flight
     "grid" (rows = steps, columns = stages, the Action started there or None)."""
     sweeps = tuple(sweeps)
     _validate(schedule, stages, microbatches, sweeps)
-    duration = (lambda a: 1) if costs is None else (lambda a: costs.duration(a, sweeps))
-    sent = duration if costs is None else (lambda a: costs.sent(a, sweeps))
+    own = _own_sweeps(schedule, sweeps)
+    duration = (lambda a: 1) if costs is None else (lambda a: costs.duration(a, own(a)))
+    sent = duration if costs is None else (lambda a: costs.sent(a, own(a)))
     latency = 0 if costs is None else costs.latency  # integer steps without costs
     start, end, pos, free = {}, {}, [0] * stages, [0] * stages
     progress = True
@@ -298,23 +304,37 @@ def check(schedule, stages, microbatches, sweeps=SWEEPS["forces"], max_in_flight
     return result
 
 
+def _own_sweeps(schedule, sweeps):
+    """action -> the sweeps that cost it: ``sweeps`` without the W parts (WA, WB) that ``schedule`` does
+    not hold for the action's stage and micro-batch (an A or B is split exactly where its W is there)."""
+    held = {(a.stage, a.microbatch, a.sweep) for acts in schedule for a in acts if a.sweep in _W}
+    return lambda a: tuple(sw for sw in sweeps if sw not in _W or (a.stage, a.microbatch, sw) in held)
+
+
 def _peak_memory(actions, sweeps, held) -> float:
-    """Most bytes one stage holds while running ``actions`` in order (``Costs.memory``'s model)."""
+    """Most bytes one stage holds while running ``actions`` in order (``Costs.memory``'s model; an A or B
+    is split where its W is among the actions)."""
     def bytes_of(key, present=True):
         return held.get(key, 0.0) if present else 0.0
-    split_a, split_b = Sweep.WA in sweeps, Sweep.WB in sweeps
-    merged = bool(held.get("merged")) and not split_a  # B1's graph held until B (or WB), not freed by A
-    gains = {Sweep.F: bytes_of("F"), Sweep.B1: bytes_of("B1", Sweep.A in sweeps),
-             Sweep.A: bytes_of("WA", split_a) + bytes_of("A"), Sweep.B: bytes_of("WB", split_b)}
-    frees = {Sweep.A: bytes_of("B1", not split_a and not merged), Sweep.WA: bytes_of("B1") + bytes_of("WA"),
-             Sweep.B: bytes_of("A") + bytes_of("B1", merged and not split_b),
-             Sweep.WB: bytes_of("WB") + bytes_of("B1", merged and split_b)}
+    deferred = {(a.microbatch, a.sweep) for a in actions if a.sweep in _W}
+    # B1's graph held until B (or WB), not freed by A; the stage merges only in runs that split no A
+    merged = bool(held.get("merged")) and not any(sw == Sweep.WA for _, sw in deferred)
+
+    def change(a) -> tuple:  # (bytes a holds from its start, bytes freed at its end)
+        split_a, split_b = (a.microbatch, Sweep.WA) in deferred, (a.microbatch, Sweep.WB) in deferred
+        gains = {Sweep.F: bytes_of("F"), Sweep.B1: bytes_of("B1", Sweep.A in sweeps),
+                 Sweep.A: bytes_of("WA", split_a) + bytes_of("A"), Sweep.B: bytes_of("WB", split_b)}
+        frees = {Sweep.A: bytes_of("B1", not split_a and not merged), Sweep.WA: bytes_of("B1") + bytes_of("WA"),
+                 Sweep.B: bytes_of("A") + bytes_of("B1", merged and not split_b),
+                 Sweep.WB: bytes_of("WB") + bytes_of("B1", merged and split_b)}
+        return gains.get(a.sweep, 0.0), frees.get(a.sweep, 0.0)
     last = {a.microbatch: k for k, a in enumerate(actions)}
     now = peak = 0.0
     for k, a in enumerate(actions):
-        now += gains.get(a.sweep, 0.0)
+        gain, free = change(a)
+        now += gain
         peak = max(peak, now)
-        now -= frees.get(a.sweep, 0.0) + (bytes_of("F") if last[a.microbatch] == k else 0.0)
+        now -= free + (bytes_of("F") if last[a.microbatch] == k else 0.0)
     return peak
 
 
@@ -425,9 +445,22 @@ def list_schedule(stages, microbatches, sweeps=SWEEPS["forces"], costs=None, max
     return lists
 
 
+def defer_tail(schedule, count):
+    """``schedule`` (plain B) with B of the last ``count`` micro-batches split on every stage but the first,
+    their WB last on the stage. In the drain a stage then sends its cotangent down at once and computes
+    the parameter gradients while the stages below finish, and only these B pay the split's extra work.
+    (Stage 0's B sends nothing: it is all parameter part.)"""
+    out = [list(schedule[0])]
+    for acts in schedule[1:]:
+        tail = [a for a in acts if a.sweep == Sweep.B][-count:] if count > 0 else []
+        out.append(list(acts) + [Action(a.stage, Sweep.WB, a.microbatch) for a in tail])
+    return out
+
+
 def candidates(stages, microbatches, sweeps=SWEEPS["forces"], costs=None, max_in_flight=None):
     """{name: schedule} of every schedule ``auto`` considers: GPipe and 1F1B on ``sweeps`` and on their
-    split, and list schedules for each priority, in-flight bound (S .. ``max_in_flight``) and sweep set."""
+    split, list schedules for each priority, in-flight bound (S .. ``max_in_flight``) and sweep set, and
+    each plain one with B split for its last 1 .. min(S, M) micro-batches (``defer_tail``)."""
     bound = in_flight_bound(stages, microbatches) if max_in_flight is None else max_in_flight
     out = {}
     for kind in dict.fromkeys([tuple(sweeps), split(sweeps, (Sweep.B,)), split(sweeps)]):
@@ -440,6 +473,11 @@ def candidates(stages, microbatches, sweeps=SWEEPS["forces"], costs=None, max_in
             for priority in PRIORITIES:
                 out[f"list {priority} in-flight {limit}{tag}"] = list_schedule(stages, microbatches, kind, costs,
                                                                               limit, priority)
+    tail = split(sweeps, (Sweep.B,))
+    if stages > 1 and Sweep.B in sweeps and (costs is None or costs.times(tail)):
+        for name, schedule in [(n, s) for n, s in out.items() if sweeps_of(s) == tuple(sweeps)]:
+            for count in range(1, min(stages, microbatches) + 1):
+                out[f"{name} split last {count}"] = defer_tail(schedule, count)
     return out
 
 

@@ -14,8 +14,9 @@ the one-process model built from the same seed:
   (1F1B on plain and split sweeps in turn, five steps) and the schedule auto then chooses, for SchNet (four sweeps, energy only, recomputation),
   PaiNN and NequIP (P = 4: SchNet and PaiNN), whose measured costs time stage 0's sends in F and A
   (each within its sweep); auto under given costs with a dear W (a split list
-  schedule); GPipe and 1F1B on B-split and A+B-split sweeps as given orders (P = 3); AdamW steps and evaluation with auto
-  (SchNet). These lines print "largest relative difference";
+  schedule); GPipe and 1F1B on B-split and A+B-split sweeps as given orders (P = 3); 1F1B with B split for
+  the last two micro-batches only (``defer_tail``; four sweeps and energy only, P = 4: four sweeps);
+  AdamW steps and evaluation with auto (SchNet). These lines print "largest relative difference";
 * AdamW steps over two epochs of 7 structures in global batches of 3 (a ragged last batch of 1; auto:
   three epochs, its warm-up timing only the full global batches): parameters equal the single-process run
   (1e-9), for every model;
@@ -37,7 +38,8 @@ from mpi4py import MPI  # noqa: E402
 
 import potentials  # noqa: E402
 from mlip_parallel.train.pipeline import WARM_UP_STEPS, PipelineTrainer  # noqa: E402
-from mlip_parallel.train.schedule import SWEEPS, Costs, check, gpipe, one_f_one_b, split, sweeps_of  # noqa: E402
+from mlip_parallel.train.schedule import (SWEEPS, Costs, check, defer_tail, gpipe, one_f_one_b,  # noqa: E402
+                                          split, sweeps_of)
 from mlip_parallel.train.trainer import Processes  # noqa: E402
 from mlip_parallel.train.training import Batch, Counts, Structure, error_sums, loss_terms, predict_batch, \
     total_loss  # noqa: E402
@@ -112,10 +114,10 @@ def owned_pairs(trainer, values, reference_values):
 
 
 def gradient_case(name, schedule, sweeps, recompute, microbatches, data, boundaries=None, steps=1, costs=None,
-                  lists=None, merge=True):
+                  lists=None, merge=True, given=None):
     """``steps`` gradient computations of one trainer (auto: the first five are the timed warm-up, 1F1B on
     plain and split sweeps in turn; the later ones auto's choice), each compared with one process.
-    ``lists``: run this schedule. ``merge``: A's parameter part runs in B (the default; False: A runs
+    ``lists``: run this schedule (named ``given``). ``merge``: A's parameter part runs in B (the default; False: A runs
     through the forward graph itself, as with A split)."""
     weights = WEIGHTS if sweeps == "forces" else ENERGY_ONLY
     trainer = PipelineTrainer(MODELS[name], STAGES, microbatches=microbatches, schedule=schedule, sweeps=sweeps,
@@ -123,7 +125,7 @@ def gradient_case(name, schedule, sweeps, recompute, microbatches, data, boundar
     check_parts(name, trainer)
     if lists is not None:  # a given order (e.g. split GPipe: every W after every B, the longest deferral)
         kind = sweeps_of(lists)
-        trainer._actions[microbatches, sweeps, 0] = (f"{schedule} on {'/'.join(kind)} (given)", lists,
+        trainer._actions[microbatches, sweeps, 0] = (given or f"{schedule} on {'/'.join(kind)} (given)", lists,
                                                      check(lists, STAGES, microbatches, kind))
     reference = REFERENCES[name]
     ref_loss, ref_grads = reference_gradients(reference, weights, data)
@@ -186,6 +188,10 @@ if P != 4:
             gradient_case("SchNet", schedule, "forces", False, microbatches=4, data=DATA[:7], lists=lists)
     gradient_case("NequIP", "gpipe", "energy", False, microbatches=4, data=DATA[:7],
                   lists=gpipe(STAGES, 4, split(SWEEPS["energy"])))
+# B split for the last two micro-batches only (every stage but the first; P = 4: in both replicas)
+for sweeps in ("forces", "energy") if P != 4 else ("forces",):
+    gradient_case("SchNet", "1f1b", sweeps, False, microbatches=4, data=DATA[:7] if P != 4 else DATA[:8],
+                  lists=defer_tail(one_f_one_b(STAGES, 4, SWEEPS[sweeps]), 2), given="1f1b, B split for the last 2")
 
 # --------------------------------------------- optimizer steps with a ragged last batch; evaluation
 for name, schedule in [(name, "1f1b") for name in MODELS] + [("SchNet", "auto")]:
