@@ -858,6 +858,7 @@ class PipelineTrainer:
         from .schedule import DEFERRED
 
         split = {(a.sweep, a.microbatch) for a, _, _ in stage.timings if a.sweep in DEFERRED.values()}
+        deferred = {w for w, _ in split}
         times, held = {}, {}
         for action, seconds, sent in stage.timings:
             key = f"{action.sweep}.in" if (DEFERRED.get(action.sweep), action.microbatch) in split else str(action.sweep)
@@ -866,7 +867,7 @@ class PipelineTrainer:
                 times.setdefault(f"{key}.sent", []).append(sent)
         for counted in stage.memory.values():
             for key, value in counted.items():
-                if key != "seen" and (key in ("F", "B1", "A", "merged") or key in {w for w, _ in split}):
+                if key != "seen" and (key in ("F", "B1", "A", "merged") or key in deferred):
                     held.setdefault(key, []).append(value)
         return ({k: float(np.median(v)) for k, v in times.items()}, {k: float(np.median(v)) for k, v in held.items()})
 

@@ -462,7 +462,7 @@ def candidates(stages, microbatches, sweeps=SWEEPS["forces"], costs=None, max_in
     split, list schedules for each priority, in-flight bound (S .. ``max_in_flight``) and sweep set, and
     each plain one with B split for its last 1 .. min(S, M) micro-batches (``defer_tail``)."""
     bound = in_flight_bound(stages, microbatches) if max_in_flight is None else max_in_flight
-    out = {}
+    out, plain = {}, []
     for kind in dict.fromkeys([tuple(sweeps), split(sweeps, (Sweep.B,)), split(sweeps)]):
         if costs is not None and not costs.times(kind):
             continue  # e.g. A split, where the stages merge A's parameter part into B and never time WA
@@ -473,11 +473,12 @@ def candidates(stages, microbatches, sweeps=SWEEPS["forces"], costs=None, max_in
             for priority in PRIORITIES:
                 out[f"list {priority} in-flight {limit}{tag}"] = list_schedule(stages, microbatches, kind, costs,
                                                                               limit, priority)
-    tail = split(sweeps, (Sweep.B,))
-    if stages > 1 and Sweep.B in sweeps and (costs is None or costs.times(tail)):
-        for name, schedule in [(n, s) for n, s in out.items() if sweeps_of(s) == tuple(sweeps)]:
+        if not tag:
+            plain = list(out)
+    if stages > 1 and Sweep.B in sweeps and (costs is None or costs.times(split(sweeps, (Sweep.B,)))):
+        for name in plain:
             for count in range(1, min(stages, microbatches) + 1):
-                out[f"{name} split last {count}"] = defer_tail(schedule, count)
+                out[f"{name} split last {count}"] = defer_tail(out[name], count)
     return out
 
 
