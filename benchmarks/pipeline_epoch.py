@@ -14,12 +14,14 @@
   ceiling for two ranks, 2 × alone / side by side: what a pipeline without bubble or extra work would
   reach while both cores compute (shared caches, memory bandwidth and the host's placement of the two
   virtual CPUs slow both when both run);
+* ``--also 1f1b`` (or ``gpipe``): per pair also the pipeline under that fixed schedule, right after auto's
+  run, and auto's gain over it (seconds per epoch, fixed / auto);
 * ``--allocator kept`` (mlip-train's default, ``keep_freed_memory: true``): glibc's malloc keeps freed
   tensors' memory for reuse; ``glibc``: its defaults, under which a step's large tensors go back to the
   system and page-fault in again (``keep_freed_memory: false``); ``both``: the two, one after the other.
 
     python benchmarks/pipeline_epoch.py [--pairs 3] [--epochs 3] [--structures 80] [--no-side-by-side]
-                                        [--allocator kept|glibc|both]
+                                        [--allocator kept|glibc|both] [--also 1f1b|gpipe]
 """
 import argparse
 import csv
@@ -35,13 +37,13 @@ import yaml
 from common import ROOT, cu_emt_frames, launcher_command
 
 
-def config(data, directory, epochs, parallel, keep_freed_memory):
+def config(data, directory, epochs, parallel, keep_freed_memory, schedule="auto"):
     return {"keep_freed_memory": keep_freed_memory, "data": {"train": str(data), "validation_fraction": 0.1},
             "model": {"name": "SchNet", "cutoff": 4.5, "hyperparameters": {"features": 64, "layers": 8},
                       "dtype": "float32"},
             "loss": {"energy_weight": 1.0, "forces_weight": 10.0, "stress_weight": 1.0},
             "schedule": {"name": "none"}, "epochs": epochs, "batch_size": 8, "seed": 0, "parallel": parallel,
-            "pipeline": {"stages": 2, "microbatches": 8, "schedule": "auto"},
+            "pipeline": {"stages": 2, "microbatches": 8, "schedule": schedule},
             "output": {"directory": str(directory), "overwrite": True}}
 
 
@@ -77,6 +79,7 @@ def main():
     parser.add_argument("--side-by-side", action=argparse.BooleanOptionalAction, default=True,
                         help="also run two one-process runs at once per pair (this machine's ceiling for two ranks)")
     parser.add_argument("--allocator", choices=("kept", "glibc", "both"), default="kept")
+    parser.add_argument("--also", choices=("1f1b", "gpipe"), help="per pair also the pipeline under this fixed schedule")
     args = parser.parse_args()
     if args.epochs < 2:
         parser.error("--epochs must be at least 2 (the first epoch holds the start-up and is left out)")
@@ -95,15 +98,17 @@ def compare(tmp, args, allocator, env):
     """Alternate one-process and S=2 runs (and two one-process runs at once), ``args.pairs`` times; print each
     pair's seconds per epoch and speed-up, and with ``args.side_by_side`` the machine's ceiling."""
     jobs = {}
-    for name, parallel in (("one", "data"), ("other", "data"), ("pipeline", "pipeline")):
+    for name, parallel, schedule in (("one", "data", "auto"), ("other", "data", "auto"),
+                                     ("pipeline", "pipeline", "auto"), ("fixed", "pipeline", args.also or "auto")):
         jobs[name] = tmp / f"{name}.yaml"
         jobs[name].write_text(yaml.safe_dump(config(tmp / "cu256.extxyz", tmp / name, args.epochs, parallel,
-                                                    allocator == "kept")))
+                                                    allocator == "kept", schedule)))
     train = args.structures - round(0.1 * args.structures)
     print(f"mlip-train, SchNet 8 blocks F=64, {train} training / {args.structures - train} validation structures "
           f"of 256 Cu atoms, batch 8, M=8, {args.epochs} epochs; allocator: {allocator}")
     print(f"{'pair':>4s} {'one process s/epoch':>20s} {'S=2 s/epoch':>12s} {'speed-up':>8s}"
-          + (f" {'side by side s/epoch':>21s} {'ceiling':>7s}" if args.side_by_side else "") + "  schedule")
+          + (f" {'side by side s/epoch':>21s} {'ceiling':>7s}" if args.side_by_side else "")
+          + (f" {'S=2 ' + args.also + ' s/epoch':>17s} {'auto gain':>9s}" if args.also else "") + "  schedule")
     rows = []
     for pair in range(args.pairs):
         one = per_epoch(finish(start(1, jobs["one"], env)))
@@ -112,14 +117,17 @@ def compare(tmp, args, allocator, env):
         if args.side_by_side:
             both = [start(1, jobs[name], env) for name in ("one", "other")]
             row.append(per_epoch(*[finish(run) for run in both]))
+        if args.also:
+            row.append(per_epoch(finish(start(2, jobs["fixed"], env))))
         rows.append(row)
         print(f"{pair + 1:4d} {row[0]:20.2f} {row[1]:12.2f} {row[0] / row[1]:8.2f}"
-              + (f" {row[2]:21.2f} {2 * row[0] / row[2]:7.2f}" if args.side_by_side else "") + f"  {two[1]}",
-              flush=True)
+              + (f" {row[2]:21.2f} {2 * row[0] / row[2]:7.2f}" if args.side_by_side else "")
+              + (f" {row[-1]:17.2f} {row[-1] / row[1]:9.2f}" if args.also else "") + f"  {two[1]}", flush=True)
     rows = np.array(rows)
     mean, ratios = rows.mean(axis=0), rows[:, 0] / rows[:, 1]
     print(f"mean {mean[0]:20.2f} {mean[1]:12.2f} {mean[0] / mean[1]:8.2f}"
           + (f" {mean[2]:21.2f} {2 * mean[0] / mean[2]:7.2f}" if args.side_by_side else "")
+          + (f" {mean[-1]:17.2f} {mean[-1] / mean[1]:9.2f}" if args.also else "")
           + f"  (speed-up per pair: median {np.median(ratios):.2f}, range {ratios.min():.2f}-{ratios.max():.2f})")
 
 
