@@ -52,7 +52,8 @@ def bad_configs(tmp_path) -> dict:
 SCRIPT = """import sys
 from md.cli import main
 codes = [main([path]) for path in sys.argv[2:]]
-print("error exit codes", codes, flush=True)
+sys.stdout.write(f"error exit codes {codes}\\n")  # one write: the two ranks' lines must not interleave
+sys.stdout.flush()
 sys.exit(main([sys.argv[1]]))
 """
 
