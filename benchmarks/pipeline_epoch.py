@@ -98,8 +98,8 @@ def compare(tmp, args, allocator, env):
     """Alternate one-process and S=2 runs (and two one-process runs at once), ``args.pairs`` times; print each
     pair's seconds per epoch and speed-up, and with ``args.side_by_side`` the machine's ceiling."""
     jobs = {}
-    for name, parallel, schedule in (("one", "data", "auto"), ("other", "data", "auto"),
-                                     ("pipeline", "pipeline", "auto"), ("fixed", "pipeline", args.also or "auto")):
+    runs = [("one", "data", "auto"), ("other", "data", "auto"), ("pipeline", "pipeline", "auto")]
+    for name, parallel, schedule in runs + ([("fixed", "pipeline", args.also)] if args.also else []):
         jobs[name] = tmp / f"{name}.yaml"
         jobs[name].write_text(yaml.safe_dump(config(tmp / "cu256.extxyz", tmp / name, args.epochs, parallel,
                                                     allocator == "kept", schedule)))

@@ -44,4 +44,3 @@ class GaussianBasis(GaussianSmearing):
 
     def forward(self, r: torch.Tensor) -> torch.Tensor:
         return torch.exp2((self.coeff * _LOG2_E) * (r[:, None] - self.offset).pow(2))
-

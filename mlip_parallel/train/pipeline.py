@@ -56,7 +56,7 @@ from potentials.base import block_part, stage_parts
 from potentials.checkpoint import save_parts
 
 from ..errors import MLIPError
-from .schedule import DEFERRED, Sweep
+from .schedule import DEFERRED, Action, Sweep, deferred_parts
 from .training import Batch, Counts, TrainingError, batch_geometry, loss_terms, prediction_errors, \
     structure_energies, sum_gradients, symmetric_stress
 
@@ -533,7 +533,7 @@ class PipelineStage:
         """Seeds from tensors into the ``inputs``' ``.grad`` and the parameters' (keeping the graph); the
         parameters' part deferred to the action of ``DEFERRED[sweep]`` when the schedule holds one."""
         tensors, seeds = _startable(tensors, seeds)
-        if (DEFERRED.get(sweep), m) in self.deferred:
+        if DEFERRED.get(sweep) and Action(self.stage, DEFERRED[sweep], m) in self.deferred:
             deferred = self.state[m][DEFERRED[sweep]] = backward_split(tensors, seeds, inputs, self.parameters)
             if self.measuring:
                 self.memory.setdefault(m, {})[str(DEFERRED[sweep])] = deferred.nbytes
@@ -643,10 +643,9 @@ class PipelineStage:
 
     def _execute(self, actions, batches) -> None:
         self.batches, self.wait_seconds, self.timings, self.memory = batches, 0.0, [], {}
-        # (W sweep, micro-batch) of each A or B whose parameter part the schedule defers to its own action
-        self.deferred = {(a.sweep, a.microbatch) for a in actions if a.sweep in DEFERRED.values()}
+        self.deferred = deferred_parts(actions)  # the W actions: their A / B defer the parameter part
         # A computes only what the next stage waits for, B the rest with its own (not with A split: WA)
-        self.merge = self.merge_a_into_b and not self.evaluating and all(w != Sweep.WA for w, _ in self.deferred) \
+        self.merge = self.merge_a_into_b and not self.evaluating and all(w.sweep != Sweep.WA for w in self.deferred) \
             and any(a.sweep == Sweep.A for a in actions)
         left = {}  # actions left per micro-batch: its state goes with the last
         for action in actions:
@@ -855,13 +854,12 @@ class PipelineTrainer:
         """({key: seconds}, {key: bytes}) of a stage's last run: medians over its micro-batches, by sweep
         (a split A or B as "A.in", "B.in"), and "<key>.sent" the seconds until the sweep's last message
         (``schedule.Costs``)."""
-        from .schedule import DEFERRED
-
-        split = {(a.sweep, a.microbatch) for a, _, _ in stage.timings if a.sweep in DEFERRED.values()}
-        deferred = {w for w, _ in split}
+        split = deferred_parts(a for a, _, _ in stage.timings)
+        deferred = {w.sweep for w in split}
         times, held = {}, {}
         for action, seconds, sent in stage.timings:
-            key = f"{action.sweep}.in" if (DEFERRED.get(action.sweep), action.microbatch) in split else str(action.sweep)
+            w = DEFERRED.get(action.sweep)
+            key = f"{action.sweep}.in" if w and Action(action.stage, w, action.microbatch) in split else str(action.sweep)
             times.setdefault(key, []).append(seconds)
             if sent is not None:
                 times.setdefault(f"{key}.sent", []).append(sent)

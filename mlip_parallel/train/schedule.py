@@ -76,7 +76,6 @@ def split(sweeps, parts=(Sweep.A, Sweep.B)) -> tuple:
     return sweeps + tuple(DEFERRED[sw] for sw in sweeps if sw in DEFERRED and sw in parts)
 
 
-_W = frozenset(DEFERRED.values())
 SWEEP_SETS = tuple(dict.fromkeys([*SWEEPS.values(), *(split(s, (Sweep.B,)) for s in SWEEPS.values()),
                                   *(split(s) for s in SWEEPS.values())]))
 
@@ -228,7 +227,7 @@ def _validate(schedule, stages, microbatches, sweeps):
                 raise ScheduleError(f"stage {s}: action {a} is repeated")
             seen.add(a)
         missing = [str(Action(s, sw, m)) for sw in sweeps for m in range(microbatches)
-                   if sw not in _W and Action(s, sw, m) not in seen]  # a W only where its A / B is split
+                   if sw not in DEFERRED.values() and Action(s, sw, m) not in seen]  # a W only where split
         if missing:
             raise ScheduleError(f"stage {s}: missing actions {', '.join(missing)}")
 
@@ -304,11 +303,18 @@ def check(schedule, stages, microbatches, sweeps=SWEEPS["forces"], max_in_flight
     return result
 
 
+def deferred_parts(actions) -> set:
+    """The W actions (WA, WB) among ``actions``: A(s,m) / B(s,m) is split exactly where WA(s,m) / WB(s,m)
+    is among them."""
+    return {a for a in actions if a.sweep in DEFERRED.values()}
+
+
 def _own_sweeps(schedule, sweeps):
-    """action -> the sweeps that cost it: ``sweeps`` without the W parts (WA, WB) that ``schedule`` does
-    not hold for the action's stage and micro-batch (an A or B is split exactly where its W is there)."""
-    held = {(a.stage, a.microbatch, a.sweep) for acts in schedule for a in acts if a.sweep in _W}
-    return lambda a: tuple(sw for sw in sweeps if sw not in _W or (a.stage, a.microbatch, sw) in held)
+    """action -> the sweeps that cost it: ``sweeps`` without the W parts that ``schedule`` does not hold
+    for the action's stage and micro-batch (``deferred_parts``)."""
+    held = deferred_parts(a for acts in schedule for a in acts)
+    return lambda a: tuple(sw for sw in sweeps
+                           if sw not in DEFERRED.values() or Action(a.stage, sw, a.microbatch) in held)
 
 
 def _peak_memory(actions, sweeps, held) -> float:
@@ -316,12 +322,12 @@ def _peak_memory(actions, sweeps, held) -> float:
     is split where its W is among the actions)."""
     def bytes_of(key, present=True):
         return held.get(key, 0.0) if present else 0.0
-    deferred = {(a.microbatch, a.sweep) for a in actions if a.sweep in _W}
+    deferred = deferred_parts(actions)
     # B1's graph held until B (or WB), not freed by A; the stage merges only in runs that split no A
-    merged = bool(held.get("merged")) and not any(sw == Sweep.WA for _, sw in deferred)
+    merged = bool(held.get("merged")) and not any(w.sweep == Sweep.WA for w in deferred)
 
     def change(a) -> tuple:  # (bytes a holds from its start, bytes freed at its end)
-        split_a, split_b = (a.microbatch, Sweep.WA) in deferred, (a.microbatch, Sweep.WB) in deferred
+        split_a, split_b = (Action(a.stage, w, a.microbatch) in deferred for w in (Sweep.WA, Sweep.WB))
         gains = {Sweep.F: bytes_of("F"), Sweep.B1: bytes_of("B1", Sweep.A in sweeps),
                  Sweep.A: bytes_of("WA", split_a) + bytes_of("A"), Sweep.B: bytes_of("WB", split_b)}
         frees = {Sweep.A: bytes_of("B1", not split_a and not merged), Sweep.WA: bytes_of("B1") + bytes_of("WA"),
