@@ -2,7 +2,8 @@
 
 * ``MPIBackend``: mpi4py; CUDA tensors are staged through the host unless the MPI library is CUDA-aware
   (``MLIP_CUDA_AWARE_MPI=1``).
-* ``TorchBackend``: torch.distributed; NCCL moves CUDA tensors device to device, gloo moves CPU data.
+* ``TorchBackend``: torch.distributed; NCCL moves CUDA tensors device to device (when each rank of a node
+  has a GPU of its own), gloo moves CPU data and host-staged CUDA tensors.
 * ``SerialBackend``: one process.
 
 Each moves numpy arrays or torch tensors and counts the seconds spent communicating in
@@ -153,7 +154,7 @@ class TorchBackend:
         self.dist, self.comm_seconds = dist, 0.0
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
         self.local_rank, self.local_size = _local_rank_and_size(self)
-        self.cuda_aware = dist.is_nccl_available() and torch.cuda.is_available()  # NCCL: device-direct
+        self.cuda_aware = nccl_in_use()  # NCCL: device-direct
 
     def sendrecv(self, send, dest, source, recv_rows=None):
         """As ``MPIBackend.sendrecv``: rows of ``send`` to ``dest``, the rows from ``source`` returned
@@ -234,22 +235,42 @@ def _local_rank_and_size(backend) -> tuple:
     return mine.index(backend.rank), len(mine)
 
 
+def nccl_usable(ranks_on_node: int) -> bool:
+    """Whether NCCL can carry this node's CUDA tensors: CUDA and NCCL exist and each of the node's
+    ``ranks_on_node`` ranks has a GPU of its own (NCCL refuses two ranks on one GPU)."""
+    import torch.distributed as dist
+
+    return torch.cuda.is_available() and dist.is_nccl_available() and ranks_on_node <= torch.cuda.device_count()
+
+
+_group_kind_in_use = None  # the backend string init_process_group chose
+
+
+def nccl_in_use() -> bool:
+    """Whether the process group moves CUDA tensors device to device (NCCL); else they go through the
+    host (gloo)."""
+    import torch.distributed as dist
+
+    return dist.is_initialized() and "nccl" in (_group_kind_in_use or str(dist.get_backend()))
+
+
 def init_process_group() -> None:
     """Set up torch.distributed once per process — the one set-up that the torch halo backend and
     data/pipeline-parallel training share. Under torchrun from its environment (``env://``); under
     mpiexec rank 0 picks an address and a free port that MPI tells every rank. Backend
-    ``cpu:gloo,cuda:nccl`` where CUDA exists (each tensor goes the way its device needs), gloo
-    otherwise; each rank's CUDA device is ``rank_device``."""
+    ``cpu:gloo,cuda:nccl`` where NCCL can carry the CUDA tensors (``nccl_usable``), gloo otherwise
+    (ranks sharing a GPU, or no CUDA: CUDA tensors are then staged through the host); each rank's CUDA
+    device is ``rank_device``."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
-    kind = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     atexit.register(_destroy_process_group)  # else gloo's threads may outlive the interpreter (SIGABRT)
     if launched_by_torchrun():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-        dist.init_process_group(kind, init_method="env://")
+        ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        dist.init_process_group(_group_kind(ranks_on_node), init_method="env://")
         install_abort_on_error()
         return
     mpi = get_backend("mpi")  # the serial backend in a job of one process
@@ -266,7 +287,16 @@ def init_process_group() -> None:
     host, port = address
     if torch.cuda.is_available():
         torch.cuda.set_device(rank_device(mpi))
+    kind = _group_kind(max(hosts.count(h) for h in hosts))
     dist.init_process_group(kind, init_method=f"tcp://{host}:{port}", rank=mpi.rank, world_size=mpi.size)
+
+
+def _group_kind(ranks_on_node: int) -> str:
+    """torch.distributed's backend string for nodes of ``ranks_on_node`` ranks (the largest node's count,
+    the same on every rank), remembered for ``nccl_in_use``."""
+    global _group_kind_in_use
+    _group_kind_in_use = "cpu:gloo,cuda:nccl" if nccl_usable(ranks_on_node) else "gloo"
+    return _group_kind_in_use
 
 
 def _destroy_process_group(wait_seconds: float = 10.0) -> None:

@@ -60,6 +60,23 @@ def test_rendezvous_address_reachable_from_other_nodes(monkeypatch):
         backends.rendezvous(["node1", "node2"])
 
 
+def test_nccl_only_where_each_rank_has_its_own_gpu(monkeypatch):
+    """NCCL refuses two ranks on one GPU ("Duplicate GPU detected", seen on an H200 with NCCL 2.28):
+    the process group then uses gloo, and CUDA tensors travel through the host."""
+    import torch
+    import torch.distributed as dist
+
+    monkeypatch.setattr(backends, "_group_kind_in_use", None)  # restored afterwards
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert backends.nccl_usable(1) and backends.nccl_usable(2) and not backends.nccl_usable(4)
+    assert backends._group_kind(2) == "cpu:gloo,cuda:nccl"
+    assert backends._group_kind(3) == "gloo"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not backends.nccl_usable(1) and backends._group_kind(1) == "gloo"
+
+
 def test_gpu_check_cpu_parts_pass():
     """benchmarks/gpu_check.py --cpu (the GPU machine's one command, with the CPU as the device): every
     section runs and every correctness row passes; the throughput rows cover both backends."""

@@ -436,17 +436,25 @@ class PipelineStage:
             return [h_out] + ([(part, shape, dt, self.next) for part, shape, dt in forces] if sweep == Sweep.B1 else [])
         return []
 
+    def _message_device(self):
+        """Where messages live: the stage's device, or the host where the process group cannot move
+        CUDA tensors (gloo: ranks sharing a GPU)."""
+        from ..backend import nccl_in_use
+        return self.net.device if self.net.device.type != "cuda" or nccl_in_use() else torch.device("cpu")
+
     def _post_receives(self, actions) -> None:
         import torch.distributed as dist
+        where = self._message_device()
         for action in actions:
             for part, shape, dtype, source in self._incoming(action):
-                out = torch.empty(shape, dtype=dtype, device=self.net.device)
+                out = torch.empty(shape, dtype=dtype, device=where)
                 key = action.microbatch, action.sweep, part
                 self.inbox[key] = dist.irecv(out, source, tag=_tag(*key)), out
 
     def _send(self, tensor, to, m, sweep, part=0):
         import torch.distributed as dist
-        self.pending.append(dist.isend(tensor.detach().contiguous(), to, tag=_tag(m, sweep, part)))
+        message = tensor.detach().to(self._message_device()).contiguous()
+        self.pending.append(dist.isend(message, to, tag=_tag(m, sweep, part)))
         self._synchronize()
         self.sent = time.perf_counter(), self.wait_seconds  # when, and the waits until then (``timings``)
 
@@ -457,7 +465,7 @@ class PipelineStage:
         request.wait()
         self._synchronize()
         self.wait_seconds += time.perf_counter() - start
-        return out
+        return out.to(self.net.device)
 
     def _synchronize(self) -> None:
         """While ``measuring``: wait for the device's queued work (timings are device time)."""
@@ -830,7 +838,7 @@ class PipelineTrainer:
         features (None on the last stage). Collective over the stages of this replica."""
         import torch.distributed as dist
 
-        stage, best, device = self.stage, None, self.model.device
+        stage, best, device = self.stage, None, self.stage._message_device()
         rows = max(1, int(np.mean([len(b.species) for b in batches])))  # the same on every stage of the replica
 
         def message(block):  # features entering ``block``
