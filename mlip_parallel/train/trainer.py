@@ -434,9 +434,9 @@ class Trainer:
         from .cli import format_errors, plot_learning_curve, write_metrics
 
         config, procs, root = self.config, self.procs, self.root
-        count = procs.sum(np.array([float(sum(p.numel() for p in self.strategy.parameters))]))[0]
-        if self.pipeline is not None:
-            count /= self.pipeline.replicas
+        count = sum(p.numel() for p in self.strategy.parameters)  # the whole model on each rank ...
+        if self.pipeline is not None:  # ... or a stage's parts: add the stages of one replica
+            count = procs.sum(np.array([float(count)]))[0] / self.pipeline.replicas
         if root:
             self.directory.mkdir(parents=True, exist_ok=True)
             if self.pipeline is not None:
