@@ -10,7 +10,10 @@ and how fast? Prints one table.
 2. SchNet, PaiNN, NequIP (random weights) and SevenNet-0 on the device, float64 and float32, against a CPU
    float64 reference: energy and forces;
 3. 100 velocity-Verlet steps on the device against the same run on the CPU (float64);
-4. MD throughput (atom-steps/s) of a float32 SchNet at two sizes (10 k and 100 k atoms; 4 k and 13.5 k
+4. ``mlip-train`` on the device (float64 SchNet, energy + force + stress, AdamW + EMA, 3 epochs): one process,
+   data-parallel on 2 ranks, pipeline S=2 (``auto``) on 2 ranks and 2 replicas × 2 stages on 4 ranks, each
+   epoch's metrics against one process on the CPU;
+5. MD throughput (atom-steps/s) of a float32 SchNet at two sizes (10 k and 100 k atoms; 4 k and 13.5 k
    with --cpu), 1 vs 2 ranks, torch backend vs MPI backend, with the halo's time per step (messages and
    waiting, inside the force call), one layer's feature exchange timed alone (every rank ready), and the
    peak memory per rank (GPU: ``max_memory_allocated``; CPU: resident high-water mark).
@@ -23,10 +26,11 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, cu_crystal, launch, launcher_command, reset_hwm, schnet_worker_setup, status_mb  # noqa: E402
+from common import ROOT, cu_crystal, cu_emt_frames, launch, launcher_command, reset_hwm, schnet_worker_setup, status_mb  # noqa: E402
 
 BACKENDS = {"mpi": "mpiexec", "torch": "torchrun"}  # backend → the launcher that starts its ranks
 
@@ -48,6 +52,8 @@ def self_checks(ranks_list, env):
             proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(env, MLIP_PARALLEL_BACKEND=backend))
             lines = [line for line in proc.stdout.splitlines() if "largest force difference" in line]
             ok = proc.returncode == 0 and bool(lines)
+            if not ok:  # the whole story, for the log
+                print(f"--- {' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
             detail = lines[-1].split(":")[0] if lines else (proc.stdout + proc.stderr).strip().splitlines()[-1:]
             rows.append(("self-check", f"{backend} backend ({launcher}), {ranks} rank(s)",
                          f"{detail} ({time.perf_counter() - start:.0f} s)", ok))
@@ -134,7 +140,66 @@ def md_check(device, steps=100):
     return rows
 
 
-# ----------------------------------------------------------------------------- 4. throughput
+# ----------------------------------------------------------------------------- 4. training on the device
+TRAINING_RUNS = {"one process": (1, "data"), "data-parallel, 2 ranks": (2, "data"),
+                 "pipeline S=2 (auto), 2 ranks": (2, "pipeline"),
+                 "pipeline 2 replicas x 2 stages, 4 ranks": (4, "pipeline")}
+TRAINING_METRICS = ("train_loss", "val_loss", "energy_mae", "forces_mae", "stress_mae")
+
+
+def training_config(data, out, parallel):
+    return {"data": {"train": str(data), "validation_fraction": 0.125},
+            "model": {"name": "SchNet", "cutoff": 4.5, "hyperparameters": {"features": 32, "layers": 6},
+                      "dtype": "float64"},
+            "loss": {"energy_weight": 1.0, "forces_weight": 10.0, "stress_weight": 1.0}, "ema_decay": 0.9,
+            "schedule": {"name": "none"}, "epochs": 3, "batch_size": 4, "seed": 0, "parallel": parallel,
+            "pipeline": {"stages": 2, "microbatches": 4, "schedule": "auto"},
+            "output": {"directory": str(out), "overwrite": True}}
+
+
+def training_checks(device, env):
+    """Each ``TRAINING_RUNS`` run of ``mlip-train`` on ``device`` (ranks share the GPU) against one process
+    on the CPU: every epoch's metrics (relative, 1e-9)."""
+    import csv
+    import tempfile
+
+    import yaml
+    from ase.io import write
+
+    def train(ranks, parallel, where, tmp, name):
+        job = tmp / f"{name}.yaml"
+        job.write_text(yaml.safe_dump(training_config(tmp / "cu.extxyz", tmp / name, parallel)))
+        cmd = ([sys.executable] if ranks == 1 else launcher_command(ranks)) + ["-m", "mlip_parallel.train.cli", str(job)]
+        cuda = {} if where == "cuda" else {"CUDA_VISIBLE_DEVICES": ""}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(env, **cuda))
+        if proc.returncode != 0:
+            print(f"--- {' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+            return None, (proc.stdout + proc.stderr).strip().splitlines()[-1:]
+        with open(tmp / name / "metrics.csv") as f:
+            return [{c: float(row[c]) for c in TRAINING_METRICS} for row in csv.DictReader(f)], None
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        write(tmp / "cu.extxyz", cu_emt_frames(16, 32), format="extxyz")
+        reference, error = train(1, "data", "cpu", tmp, "reference")
+        if reference is None:
+            return [("training", "one process on the CPU (the reference)", str(error), False)]
+        for k, (label, (ranks, parallel)) in enumerate(TRAINING_RUNS.items()):
+            metrics, error = train(ranks, parallel, device, tmp, f"run{k}")
+            setting = f"{label}, SchNet float64, 3 epochs"
+            if metrics is None:
+                rows.append((f"mlip-train on {device}", setting, str(error)[:120], False))
+                continue
+            worst = max(abs(m[c] - r[c]) / max(abs(r[c]), 1e-300)
+                        for m, r in zip(metrics, reference) for c in TRAINING_METRICS)
+            rows.append((f"mlip-train on {device}", setting,
+                         f"largest relative difference of the epoch metrics from one CPU process {worst:.1e}",
+                         worst <= 1e-9 and len(metrics) == len(reference)))
+    return rows
+
+
+# ----------------------------------------------------------------------------- 5. throughput
 def throughput_worker(args):
     """Under a launcher: MD steps/s of a float32 SchNet; rank 0 prints one JSON line."""
     import numpy as np
@@ -190,7 +255,13 @@ def throughput(sizes, steps, cpu):
                 if ranks == 1 and backend == "torch":
                     continue  # one rank: no messages, the backends do not differ
                 options = ["--cells", cells, "--steps", steps] + (["--cpu"] if cpu else [])
-                r = launch(ranks, __file__, options, launcher=launcher, backend=backend)
+                try:
+                    r = launch(ranks, __file__, options, launcher=launcher, backend=backend)
+                except RuntimeError as exc:
+                    print(exc, flush=True)
+                    rows.append((f"MD throughput, {cells} cells", f"{ranks} rank(s), {backend} backend",
+                                 str(exc).splitlines()[-1][:120], False))
+                    continue
                 label = "one process" if ranks == 1 else f"{ranks} ranks, {r['library'].split(' (')[0]}"
                 rows.append((f"MD throughput, {r['atoms']} atoms", label,
                              f"{r['atoms'] / r['seconds_per_step']:,.0f} atom-steps/s, halo "
@@ -209,7 +280,8 @@ def main():
                              "14 and 29 (11 k, 98 k atoms) on a GPU, 10 and 15 (4 k, 13.5 k) on the CPU")
     parser.add_argument("--steps", type=int, default=None, help="timed MD steps per throughput run")
     parser.add_argument("--md-steps", type=int, default=100, help="steps of the device-vs-CPU MD check")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["self-check", "models", "md", "throughput"])
+    parser.add_argument("--skip", nargs="*", default=[],
+                        choices=["self-check", "models", "md", "training", "throughput"])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cells", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -228,10 +300,15 @@ def main():
           f"torch {torch.__version__}", flush=True)
     start, rows = time.perf_counter(), []
     sections = {"self-check": lambda: self_checks(args.ranks, env), "models": lambda: model_checks(device),
-                "md": lambda: md_check(device, args.md_steps), "throughput": lambda: throughput(sizes, steps, args.cpu)}
+                "md": lambda: md_check(device, args.md_steps), "training": lambda: training_checks(device, env),
+                "throughput": lambda: throughput(sizes, steps, args.cpu)}
     for name, section in sections.items():
         if name not in args.skip:
-            rows += section()
+            try:
+                rows += section()
+            except Exception as exc:  # noqa: BLE001 (one table: a broken section is a FAILED row)
+                traceback.print_exc()
+                rows.append((name, "section", f"{type(exc).__name__}: {exc}"[:160], False))
             print(f"  {name} done ({time.perf_counter() - start:.0f} s)", flush=True)
     widths = [max(len(str(r[k])) for r in rows) for k in range(3)]
     print(f"\n{'check':{widths[0]}s}  {'setting':{widths[1]}s}  {'result':{widths[2]}s}  verdict")

@@ -79,7 +79,8 @@ def test_nccl_only_where_each_rank_has_its_own_gpu(monkeypatch):
 
 def test_gpu_check_cpu_parts_pass():
     """benchmarks/gpu_check.py --cpu (the GPU machine's one command, with the CPU as the device): every
-    section runs and every correctness row passes; the throughput rows cover both backends."""
+    section runs and every correctness row passes (training: data-parallel and pipeline runs equal one
+    process); the throughput rows cover both backends."""
     import subprocess
     import sys
 
@@ -92,5 +93,6 @@ def test_gpu_check_cpu_parts_pass():
     out = proc.stdout
     assert " 0 failed" in out, out
     for text in ("mpi backend (mpiexec), 2 rank(s)", "torch backend (torchrun), 2 rank(s)", "SchNet on cpu",
-                 "PaiNN on cpu", "NequIP on cpu", "MD on cpu", "2 ranks, torch.distributed gloo", "one process"):
+                 "PaiNN on cpu", "NequIP on cpu", "MD on cpu", "2 ranks, torch.distributed gloo", "one process",
+                 "mlip-train on cpu", "pipeline 2 replicas x 2 stages, 4 ranks"):
         assert text in out, (text, out)
