@@ -436,7 +436,7 @@ class PipelineStage:
             return [h_out] + ([(part, shape, dt, self.next) for part, shape, dt in forces] if sweep == Sweep.B1 else [])
         return []
 
-    def _message_device(self):
+    def message_device(self):
         """Where messages live: the stage's device, or the host where the process group cannot move
         CUDA tensors (gloo: ranks sharing a GPU)."""
         from ..backend import nccl_in_use
@@ -444,7 +444,7 @@ class PipelineStage:
 
     def _post_receives(self, actions) -> None:
         import torch.distributed as dist
-        where = self._message_device()
+        where = self.message_device()
         for action in actions:
             for part, shape, dtype, source in self._incoming(action):
                 out = torch.empty(shape, dtype=dtype, device=where)
@@ -453,7 +453,7 @@ class PipelineStage:
 
     def _send(self, tensor, to, m, sweep, part=0):
         import torch.distributed as dist
-        message = tensor.detach().to(self._message_device()).contiguous()
+        message = tensor.detach().to(self.message_device()).contiguous()
         self.pending.append(dist.isend(message, to, tag=_tag(m, sweep, part)))
         self._synchronize()
         self.sent = time.perf_counter(), self.wait_seconds  # when, and the waits until then (``timings``)
@@ -838,7 +838,7 @@ class PipelineTrainer:
         features (None on the last stage). Collective over the stages of this replica."""
         import torch.distributed as dist
 
-        stage, best, device = self.stage, None, self.stage._message_device()
+        stage, best, device = self.stage, None, self.stage.message_device()
         rows = max(1, int(np.mean([len(b.species) for b in batches])))  # the same on every stage of the replica
 
         def message(block):  # features entering ``block``
