@@ -56,7 +56,7 @@ from potentials.base import block_part, stage_parts
 from potentials.checkpoint import save_parts
 
 from ..errors import MLIPError
-from .schedule import DEFERRED, Action, Sweep, deferred_parts
+from .schedule import DEFERRED, Action, Sweep, deferred_parts, is_split
 from .training import Batch, Counts, TrainingError, batch_geometry, loss_terms, prediction_errors, \
     structure_energies, sum_gradients, symmetric_stress
 
@@ -541,7 +541,7 @@ class PipelineStage:
         """Seeds from tensors into the ``inputs``' ``.grad`` and the parameters' (keeping the graph); the
         parameters' part deferred to the action of ``DEFERRED[sweep]`` when the schedule holds one."""
         tensors, seeds = _startable(tensors, seeds)
-        if DEFERRED.get(sweep) and Action(self.stage, DEFERRED[sweep], m) in self.deferred:
+        if is_split(Action(self.stage, sweep, m), self.deferred):
             deferred = self.state[m][DEFERRED[sweep]] = backward_split(tensors, seeds, inputs, self.parameters)
             if self.measuring:
                 self.memory.setdefault(m, {})[str(DEFERRED[sweep])] = deferred.nbytes
@@ -866,8 +866,7 @@ class PipelineTrainer:
         deferred = {w.sweep for w in split}
         times, held = {}, {}
         for action, seconds, sent in stage.timings:
-            w = DEFERRED.get(action.sweep)
-            key = f"{action.sweep}.in" if w and Action(action.stage, w, action.microbatch) in split else str(action.sweep)
+            key = f"{action.sweep}.in" if is_split(action, split) else str(action.sweep)
             times.setdefault(key, []).append(seconds)
             if sent is not None:
                 times.setdefault(f"{key}.sent", []).append(sent)

@@ -309,6 +309,13 @@ def deferred_parts(actions) -> set:
     return {a for a in actions if a.sweep in DEFERRED.values()}
 
 
+def is_split(action, deferred) -> bool:
+    """Whether ``action`` (an A or B) defers its parameter part: its W is among ``deferred``
+    (``deferred_parts``)."""
+    w = DEFERRED.get(action.sweep)
+    return w is not None and Action(action.stage, w, action.microbatch) in deferred
+
+
 def _own_sweeps(schedule, sweeps):
     """action -> the sweeps that cost it: ``sweeps`` without the W parts that ``schedule`` does not hold
     for the action's stage and micro-batch (``deferred_parts``)."""
@@ -327,12 +334,12 @@ def _peak_memory(actions, sweeps, held) -> float:
     merged = bool(held.get("merged")) and not any(w.sweep == Sweep.WA for w in deferred)
 
     def change(a) -> tuple:  # (bytes a holds from its start, bytes freed at its end)
-        split_a, split_b = (Action(a.stage, w, a.microbatch) in deferred for w in (Sweep.WA, Sweep.WB))
+        split = is_split(a, deferred)  # an A or B: the split's flag; WB frees B1's merged graph
         gains = {Sweep.F: bytes_of("F"), Sweep.B1: bytes_of("B1", Sweep.A in sweeps),
-                 Sweep.A: bytes_of("WA", split_a) + bytes_of("A"), Sweep.B: bytes_of("WB", split_b)}
-        frees = {Sweep.A: bytes_of("B1", not split_a and not merged), Sweep.WA: bytes_of("B1") + bytes_of("WA"),
-                 Sweep.B: bytes_of("A") + bytes_of("B1", merged and not split_b),
-                 Sweep.WB: bytes_of("WB") + bytes_of("B1", merged and split_b)}
+                 Sweep.A: bytes_of("WA", split) + bytes_of("A"), Sweep.B: bytes_of("WB", split)}
+        frees = {Sweep.A: bytes_of("B1", not split and not merged), Sweep.WA: bytes_of("B1") + bytes_of("WA"),
+                 Sweep.B: bytes_of("A") + bytes_of("B1", merged and not split),
+                 Sweep.WB: bytes_of("WB") + bytes_of("B1", merged)}
         return gains.get(a.sweep, 0.0), frees.get(a.sweep, 0.0)
     last = {a.microbatch: k for k, a in enumerate(actions)}
     now = peak = 0.0
