@@ -68,6 +68,11 @@ def launcher_command(ranks, launcher="mpiexec"):
     return [str(mpiexec if mpiexec.exists() else "mpiexec"), "-n", str(ranks), sys.executable]
 
 
+def train_command(ranks, job):
+    """``mlip-train job`` on ``ranks`` processes: plain Python for one, ``launcher_command`` for more."""
+    return ([sys.executable] if ranks == 1 else launcher_command(ranks)) + ["-m", "mlip_parallel.train.cli", str(job)]
+
+
 def launch(ranks, script, worker_args, launcher="mpiexec", backend=None):
     """Run ``script --worker ARGS`` on ``ranks`` processes (one thread each) started by ``launcher``
     ("mpiexec" or "torchrun"), with ``MLIP_PARALLEL_BACKEND=backend`` if given; return the JSON object

@@ -30,7 +30,8 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, cu_crystal, cu_emt_frames, launch, launcher_command, reset_hwm, schnet_worker_setup, status_mb  # noqa: E402
+from common import ROOT, cu_crystal, cu_emt_frames, launch, launcher_command, reset_hwm, schnet_worker_setup, status_mb, \
+    train_command  # noqa: E402
 
 BACKENDS = {"mpi": "mpiexec", "torch": "torchrun"}  # backend → the launcher that starts its ranks
 
@@ -169,7 +170,7 @@ def training_checks(device, env):
     def train(ranks, parallel, where, tmp, name):
         job = tmp / f"{name}.yaml"
         job.write_text(yaml.safe_dump(training_config(tmp / "cu.extxyz", tmp / name, parallel)))
-        cmd = ([sys.executable] if ranks == 1 else launcher_command(ranks)) + ["-m", "mlip_parallel.train.cli", str(job)]
+        cmd = train_command(ranks, job)
         cuda = {} if where == "cuda" else {"CUDA_VISIBLE_DEVICES": ""}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(env, **cuda))
         if proc.returncode != 0:

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from common import ROOT, cu_emt_frames, launcher_command
+from common import ROOT, cu_emt_frames, train_command
 
 
 def config(data, directory, epochs, parallel, keep_freed_memory, schedule="auto"):
@@ -49,7 +49,7 @@ def config(data, directory, epochs, parallel, keep_freed_memory, schedule="auto"
 
 def start(ranks, job, env) -> tuple:
     """A started run of ``job`` on ``ranks`` processes: (Popen, command, job)."""
-    cmd = ([sys.executable] if ranks == 1 else launcher_command(ranks)) + ["-m", "mlip_parallel.train.cli", str(job)]
+    cmd = train_command(ranks, job)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env), cmd, job
 
 
