@@ -328,12 +328,7 @@ def backward_split(tensors, seeds, inputs, parameters) -> DeferredGradients:
         return found, hit
 
     leads_to_inputs, _ = closure([_node(t) for t in inputs if _node(t) in seen])
-    joins, branch = set(), set()
-    for p in parameters:
-        if _node(p) in seen:
-            reached, hit = closure([_node(p)], leads_to_inputs)
-            joins |= hit
-            branch |= reached
+    branch, joins = closure([_node(p) for p in parameters if _node(p) in seen], leads_to_inputs)
     captured = {}
     handles = [node.register_prehook(lambda grads, node=node: captured.__setitem__(node, grads)) for node in joins]
     try:
