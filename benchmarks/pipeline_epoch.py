@@ -9,19 +9,21 @@
   8, M=8 micro-batches, AdamW, EMA;
 * each run: ``--epochs`` epochs, one torch thread per rank; the table gives each run's seconds per
   epoch after the first (the first holds the start-up), and per pair of runs the ratio;
+* the pipeline's two ranks each on a CPU of its own (``mlip-train`` pins them: ``backend.bind_to_cores``);
 * ``--side-by-side`` (the default; ``--no-side-by-side`` leaves it out): per pair also two one-process
-  runs at once, one per core. Their seconds per epoch against one process alone give this machine's own
-  ceiling for two ranks, 2 × alone / side by side: what a pipeline without bubble or extra work would
-  reach while both cores compute (shared caches, memory bandwidth and the host's placement of the two
-  virtual CPUs slow both when both run);
+  runs at once, each pinned to a CPU of its own as the pipeline's ranks are. Their seconds per epoch
+  against one process alone give this machine's own ceiling for two ranks, 2 × alone / side by side:
+  what a pipeline without bubble or extra work would reach while both cores compute (shared caches,
+  memory bandwidth and the host's placement of the two virtual CPUs slow both when both run);
 * ``--also 1f1b`` (or ``gpipe``): per pair also the pipeline under that fixed schedule, right after auto's
-  run, and auto's gain over it (seconds per epoch, fixed / auto);
+  run, and auto's gain over it (seconds per epoch, fixed / auto); ``--also unbound``: auto with its ranks
+  left where the kernel puts them (``MLIP_PARALLEL_BIND_CORES=0``), and the binding's gain;
 * ``--allocator kept`` (mlip-train's default, ``keep_freed_memory: true``): glibc's malloc keeps freed
   tensors' memory for reuse; ``glibc``: its defaults, under which a step's large tensors go back to the
   system and page-fault in again (``keep_freed_memory: false``); ``both``: the two, one after the other.
 
     python benchmarks/pipeline_epoch.py [--pairs 3] [--epochs 3] [--structures 80] [--no-side-by-side]
-                                        [--allocator kept|glibc|both] [--also 1f1b|gpipe]
+                                        [--allocator kept|glibc|both] [--also 1f1b|gpipe|unbound]
 """
 import argparse
 import csv
@@ -47,10 +49,12 @@ def config(data, directory, epochs, parallel, keep_freed_memory, schedule="auto"
             "output": {"directory": str(directory), "overwrite": True}}
 
 
-def start(ranks, job, env) -> tuple:
-    """A started run of ``job`` on ``ranks`` processes: (Popen, command, job)."""
+def start(ranks, job, env, cpu=None) -> tuple:
+    """A started run of ``job`` on ``ranks`` processes (pinned to CPU ``cpu`` if given): (Popen, command, job)."""
     cmd = train_command(ranks, job)
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env), cmd, job
+    pin = None if cpu is None else (lambda: os.sched_setaffinity(0, [cpu]))
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=pin), cmd, job
 
 
 def finish(started) -> tuple:
@@ -79,7 +83,8 @@ def main():
     parser.add_argument("--side-by-side", action=argparse.BooleanOptionalAction, default=True,
                         help="also run two one-process runs at once per pair (this machine's ceiling for two ranks)")
     parser.add_argument("--allocator", choices=("kept", "glibc", "both"), default="kept")
-    parser.add_argument("--also", choices=("1f1b", "gpipe"), help="per pair also the pipeline under this fixed schedule")
+    parser.add_argument("--also", choices=("1f1b", "gpipe", "unbound"),
+                        help="per pair also the pipeline under this fixed schedule, or auto with unpinned ranks")
     args = parser.parse_args()
     if args.epochs < 2:
         parser.error("--epochs must be at least 2 (the first epoch holds the start-up and is left out)")
@@ -99,7 +104,8 @@ def compare(tmp, args, allocator, env):
     pair's seconds per epoch and speed-up, and with ``args.side_by_side`` the machine's ceiling."""
     jobs = {}
     runs = [("one", "data", "auto"), ("other", "data", "auto"), ("pipeline", "pipeline", "auto")]
-    for name, parallel, schedule in runs + ([("fixed", "pipeline", args.also)] if args.also else []):
+    also = {"unbound": "auto"}.get(args.also, args.also)
+    for name, parallel, schedule in runs + ([("fixed", "pipeline", also)] if args.also else []):
         jobs[name] = tmp / f"{name}.yaml"
         jobs[name].write_text(yaml.safe_dump(config(tmp / "cu256.extxyz", tmp / name, args.epochs, parallel,
                                                     allocator == "kept", schedule)))
@@ -108,17 +114,19 @@ def compare(tmp, args, allocator, env):
           f"of 256 Cu atoms, batch 8, M=8, {args.epochs} epochs; allocator: {allocator}")
     print(f"{'pair':>4s} {'one process s/epoch':>20s} {'S=2 s/epoch':>12s} {'speed-up':>8s}"
           + (f" {'side by side s/epoch':>21s} {'ceiling':>7s}" if args.side_by_side else "")
-          + (f" {'S=2 ' + args.also + ' s/epoch':>17s} {'auto gain':>9s}" if args.also else "") + "  schedule")
+          + (f" {'S=2 ' + args.also + ' s/epoch':>17s} {'auto gain' if also != 'auto' else 'pin gain':>9s}" if args.also else "") + "  schedule")
     rows = []
     for pair in range(args.pairs):
         one = per_epoch(finish(start(1, jobs["one"], env)))
         two = finish(start(2, jobs["pipeline"], env))
         row = [one, per_epoch(two)]
         if args.side_by_side:
-            both = [start(1, jobs[name], env) for name in ("one", "other")]
+            cpus = sorted(os.sched_getaffinity(0))
+            both = [start(1, jobs[name], env, cpus[k % len(cpus)]) for k, name in enumerate(("one", "other"))]
             row.append(per_epoch(*[finish(run) for run in both]))
         if args.also:
-            row.append(per_epoch(finish(start(2, jobs["fixed"], env))))
+            fixed_env = dict(env, MLIP_PARALLEL_BIND_CORES="0") if args.also == "unbound" else env
+            row.append(per_epoch(finish(start(2, jobs["fixed"], fixed_env))))
         rows.append(row)
         print(f"{pair + 1:4d} {row[0]:20.2f} {row[1]:12.2f} {row[0] / row[1]:8.2f}"
               + (f" {row[2]:21.2f} {2 * row[0] / row[2]:7.2f}" if args.side_by_side else "")

@@ -105,7 +105,7 @@ def test_two_ranks_equal_one_process(mpirun, torchrun, quick_data, tmp_path, par
     run = torchrun if launcher == "torchrun" else mpirun
     rc, out, _ = run(2, "-m", "mlip_parallel.train.cli", tmp_path / "job.yaml", timeout=300)
     assert rc == 0, out
-    assert f"2 rank(s), {parallel} parallel" in out, out
+    assert f"2 rank(s) x 1 thread(s), {parallel} parallel" in out, out
     whole = sum(p.numel() for p in potentials.load(serial / "last.pt").parameters())
     assert f"SchNet ['Cu'], {whole} parameters," in out, (whole, out)  # the model's count, not the ranks' sum
     if parallel == "pipeline":  # the warm-up ended and auto chose its schedule

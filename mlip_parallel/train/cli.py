@@ -204,6 +204,8 @@ def main(argv=None) -> int:
         config = validate(read_config(args.config), SCHEMA, CHOICES)
         if config["keep_freed_memory"]:
             keep_freed_memory()
+        from ..backend import get_backend, set_threads
+        set_threads(get_backend())  # cores ÷ ranks each, on cores of their own where the job fills the node
         train(config)
     except MLIPError as exc:  # bad config or data: raised alike on every rank, before any collective
         report_error("mlip-train", exc)

@@ -449,7 +449,8 @@ class Trainer:
             layout = f", stages at blocks {self.pipeline.boundaries}" if self.pipeline is not None else ""
             print(f"mlip-train: {type(self.model).__name__} {self.model.species}, {int(count)} parameters, "
                   f"{len(self.train_set)} training / {len(self.validation)} validation / {len(self.test)} test "
-                  f"structures, {procs.size} rank(s), {procs.parallel} parallel{layout}", flush=True)
+                  f"structures, {procs.size} rank(s) x {torch.get_num_threads()} thread(s), {procs.parallel} parallel{layout}",
+                  flush=True)
         procs.barrier()  # the output directory exists before any rank writes into it
         batch_size, rows = config["batch_size"], self.rows
         for epoch in range(self.first_epoch, config["epochs"]):

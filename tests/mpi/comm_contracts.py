@@ -5,7 +5,10 @@
 * exchange: atoms scattered at random over ranks, some far outside the cell, end on the rank whose
   subdomain holds them, each exactly once, with their per-atom data;
 * borders: the ghosts are exactly the atom images within r_ghost of the subdomain (brute force);
-* reverse_comm is the adjoint of forward_comm: sum over ranks of <F x, y> == <x, R y>.
+* reverse_comm is the adjoint of forward_comm: sum over ranks of <F x, y> == <x, R y>;
+* bind_to_cores: ranks × threads filling the CPUs pins each rank (every thread of it) to CPUs of its own;
+  a job leaving CPUs free or oversubscribing them, one its launcher bound, and one that opted out stay as
+  they are.
 """
 import itertools
 import os
@@ -99,6 +102,37 @@ for name, r_ghost in itertools.product(("fcc_bulk", "hcp_triclinic", "slab", "cl
     lhs = backend.allreduce(float((comm.forward_comm(x) * y).sum()))
     rhs = backend.allreduce(float((x * comm.reverse_comm(y)).sum()))
     check(abs(lhs - rhs) <= 1e-12 * max(1.0, abs(lhs)), f"adjoint {name}: {lhs} != {rhs}")
+
+# ---- core binding (all ranks on this host; affinity restored between cases)
+from mlip_parallel.backend import bind_to_cores  # noqa: E402
+
+cpus = sorted(os.sched_getaffinity(0))
+
+
+def masks():
+    """The CPU set of each thread of this process."""
+    return {int(t): sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
+
+
+fits = len(cpus) // P if len(cpus) % P == 0 else None  # threads per rank that fill the CPUs exactly
+for threads in sorted({1, 2, len(cpus)} - {fits}):
+    check(bind_to_cores(backend, threads) is None and sorted(os.sched_getaffinity(0)) == cpus,
+          f"bind: {P} ranks x {threads} threads on {len(cpus)} CPUs were pinned")
+if len(cpus) > 1:
+    os.sched_setaffinity(0, [cpus[rank % len(cpus)]])  # as a launcher binding each rank would
+    check(bind_to_cores(backend, fits or 1) is None and sorted(os.sched_getaffinity(0)) == [cpus[rank % len(cpus)]],
+          "bind: a rank the launcher had bound was re-pinned")
+    os.sched_setaffinity(0, cpus)
+if fits:
+    os.environ["MLIP_PARALLEL_BIND_CORES"] = "0"
+    check(bind_to_cores(backend, fits) is None and sorted(os.sched_getaffinity(0)) == cpus,
+          "bind: pinned under MLIP_PARALLEL_BIND_CORES=0")
+    del os.environ["MLIP_PARALLEL_BIND_CORES"]
+    mine = bind_to_cores(backend, fits)
+    check(mine is not None and len(mine) == fits and all(m == mine for m in masks().values()),
+          f"bind: {P} ranks x {fits} threads on {len(cpus)} CPUs: this rank's threads on {masks()}, returned {mine}")
+    every = world.allgather(mine or [])
+    check(sorted(c for m in every for c in m) == cpus, f"bind: the ranks' CPUs {every} are not a partition of {cpus}")
 
 failures = world.allgather(failures)
 if rank == 0:
