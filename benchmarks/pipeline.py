@@ -1,9 +1,12 @@
 """Pipeline-parallel training of a many-block SchNet (energy + force + stress loss, four sweeps),
 side by side in one run:
 
-* time per step (gradients of the global batch) and per-stage peak memory vs one process, S = 2 and 4
+* time per step (gradients of the global batch) and per-stage peak memory vs one process (the whole
+  batch at once, as ``mlip-train`` steps; and one structure at a time), S = 2 and 4
   (4 ranks oversubscribe this 2-core machine: read its throughput as a functional check, its memory as
   real), for GPipe, 1F1B and auto (the cost-aware schedule chosen after its timed warm-up steps);
+* the pipeline's work: both S = 2 stages run in one process, taking turns (``in_sequence``), against one
+  process: what splitting the model into stages adds, without bubble or a second core;
 * the simulator's predicted step time (``schedule.check`` with the sweep costs each run measured in
   its warm-up steps) beside the measured one;
 * measured bubble fraction (time blocked in receives / step time, mean over stages) vs the predicted;
@@ -65,8 +68,15 @@ def worker(args):
     if args.stages == 1:
         def step():
             model.zero_grad()
+            if args.layout == "micro":  # one structure at a time, gradients accumulated
+                for s in structures:
+                    batch_gradients(model, Batch([s], model, model.device), Counts.of(structures), weights,
+                                    model.parameters())
+                return
             batch = Batch(structures, model, model.device)
             batch_gradients(model, batch, Counts.of(structures), weights, model.parameters())  # mlip-train's step
+        if args.layout == "sequential":
+            step = in_sequence(build, structures, args, weights)
         step()
         base = trimmed_rss()
         reset_hwm()
@@ -76,7 +86,9 @@ def worker(args):
         for _ in range(steps):
             step()
         seconds = (time.perf_counter() - start) / steps
-        print(json.dumps({"seconds": seconds, "peak_mb": [peak], "bubble": [0.0]}))
+        stage_seconds = getattr(step, "stage_seconds", [])
+        print(json.dumps({"seconds": seconds, "peak_mb": [peak], "bubble": [0.0],
+                          "stage_seconds": [sum(t[-steps:]) / steps for t in stage_seconds]}))
         return
     from mlip_parallel.train.pipeline import PipelineTrainer
     from mlip_parallel.train.schedule import render
@@ -115,6 +127,75 @@ def worker(args):
     dist.destroy_process_group()
 
 
+def in_sequence(build, structures, args, weights):
+    """A step of the 2-stage pipeline run in this one process: both stages' 1F1B actions, the real
+    ``PipelineStage`` code, each stage in a thread of its own that holds one lock while it computes and
+    lets go of it only to wait for a message (messages are handed over in memory): the stages take turns,
+    never compute at once, so the step's time is the two stages' work added, with no bubble and no
+    second core. ``step.stage_seconds[s]``: stage s's compute seconds per step."""
+    import threading
+
+    import numpy as np
+
+    from mlip_parallel.train.pipeline import PipelineStage
+    from mlip_parallel.train.schedule import one_f_one_b
+    from mlip_parallel.train.training import Counts
+    from potentials.base import stage_parts
+
+    turn, box = threading.Condition(), {}
+
+    class InMemory(PipelineStage):
+        def _post_receives(self, actions):
+            pass
+
+        def _send(self, tensor, to, m, sweep, part=0):
+            box[m, str(sweep), part] = tensor.detach().clone()
+            turn.notify_all()
+
+        def _recv(self, m, sweep, part=0):
+            start = time.perf_counter()
+            turn.wait_for(lambda: (m, str(sweep), part) in box or "failed" in box)  # the other stage computes
+            if "failed" in box:
+                raise RuntimeError("the other stage failed")
+            self.wait_seconds += time.perf_counter() - start
+            return box.pop((m, str(sweep), part))
+
+    boundaries = [0, args.blocks // 2, args.blocks]
+    stages = [InMemory(build(stage_parts(args.blocks, boundaries, s)), s, 2, boundaries,
+                       (None if s == 0 else 0, 1 if s == 0 else None)) for s in range(2)]
+    lists = one_f_one_b(2, args.microbatches)
+    counts = Counts.of(structures)
+
+    def step():
+        failed = []
+
+        def run(stage):
+            from mlip_parallel.train.training import Batch
+            for p in stage.parameters:
+                p.grad = None
+            chunks = np.array_split(np.arange(len(structures)), args.microbatches)
+            try:
+                with turn:
+                    stage.run(lists[stage.stage], [Batch([structures[k] for k in c], stage.model, stage.model.device)
+                                                   for c in chunks], counts, weights)
+            except BaseException as exc:  # noqa: BLE001 (re-raised in the main thread)
+                failed.append(exc)
+                with turn:
+                    box["failed"] = True
+                    turn.notify_all()
+                return
+            step.stage_seconds[stage.stage].append(stage.run_seconds - stage.wait_seconds)
+        threads = [threading.Thread(target=run, args=(stage,)) for stage in stages]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if failed:
+            raise failed[0]
+    step.stage_seconds = [[], []]
+    return step
+
+
 def scaled_costs(costs, blocks, stages):
     """Costs of ``stages`` even stages from those measured on 2 even stages of ``blocks`` blocks: per block, a
     measured stage's seconds and memory divided by its blocks (the first half of the new stages from stage
@@ -143,6 +224,7 @@ def main():
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--render", action="store_true", help="print auto's chosen schedule with measured durations")
     parser.add_argument("--no-merge", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--layout", default="whole", choices=("whole", "micro", "sequential"), help=argparse.SUPPRESS)
     parser.add_argument("--no-s4", action="store_true", help="skip the 4-stage runs (oversubscribed on 2 cores)")
     args = parser.parse_args()
     if args.worker:
@@ -157,6 +239,17 @@ def main():
     print(f"{'run':19s} {'s/step':>7s} {'speed-up':>8s} {'predicted':>9s} {'pred/meas':>9s} {'peak MB per stage':>18s} "
           f"{'bubble':>6s} {'pred.':>5s}  schedule")
     print(f"{'1 process':19s} {one['seconds']:7.2f} {1.0:8.2f} {'':>9s} {'':>9s} {one['peak_mb'][0]:18.0f}")
+    micro = launch(1, __file__, common + ["--stages", 1, "--layout", "micro"])
+    print(f"{'1 process, M=' + str(args.microbatches):19s} {micro['seconds']:7.2f} {one['seconds'] / micro['seconds']:8.2f}"
+          f" {'':>9s} {'':>9s} {micro['peak_mb'][0]:18.0f}  (one structure at a time, gradients accumulated)")
+    if args.structures == args.microbatches:  # the pipeline's work, both stages in one process, one after the other
+        both = launch(1, __file__, common + ["--stages", 1, "--layout", "sequential"])
+        work = both["stage_seconds"]
+        print(f"{'S=2 in sequence':19s} {both['seconds']:7.2f} {one['seconds'] / both['seconds']:8.2f} {'':>9s} {'':>9s} "
+              f"{both['peak_mb'][0]:18.0f}  (both stages' 1F1B sweeps in one process, taking turns: their work added)")
+        print(f"S=2 work: stages {work[0]:.3f} + {work[1]:.3f} s = {sum(work) / one['seconds']:.2f} x one process, "
+              f"{sum(work) / micro['seconds']:.2f} x one process at M={args.microbatches}; the slower stage "
+              f"{max(work):.3f} s (what a step on two cores cannot beat): {one['seconds'] / max(work):.2f}x at most")
     results = {}
     runs = [(2, s) for s in ("gpipe", "1f1b", "auto", "1f1b unmerged", "auto unmerged")]
     runs += [] if args.no_s4 else [(4, s) for s in ("gpipe", "1f1b", "auto")]
