@@ -65,7 +65,9 @@ def worker(args):
     model = build() if args.stages == 1 else None
     weights = {"energy": 1.0, "forces": 10.0, "stress": 1.0}
     steps = 3
-    if args.stages == 1:
+    if args.stages == 1 and args.layout == "sequential":
+        step = in_sequence(build, structures, args, weights)
+    elif args.stages == 1:
         def step():
             model.zero_grad()
             if args.layout == "micro":  # one structure at a time, gradients accumulated
@@ -75,8 +77,7 @@ def worker(args):
                 return
             batch = Batch(structures, model, model.device)
             batch_gradients(model, batch, Counts.of(structures), weights, model.parameters())  # mlip-train's step
-        if args.layout == "sequential":
-            step = in_sequence(build, structures, args, weights)
+    if args.stages == 1:
         step()
         base = trimmed_rss()
         reset_hwm()
