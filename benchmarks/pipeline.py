@@ -62,7 +62,7 @@ def worker(args):
     def build(parts=None):
         return potentials.SchNet(["Cu"], cutoff=4.5, features=args.features, layers=args.blocks, parts=parts, seed=0)
 
-    model = build() if args.stages == 1 else None
+    model = build() if args.stages == 1 and args.layout != "sequential" else None
     weights = {"energy": 1.0, "forces": 10.0, "stress": 1.0}
     steps = 3
     if args.stages == 1 and args.layout == "sequential":
@@ -140,7 +140,7 @@ def in_sequence(build, structures, args, weights):
 
     from mlip_parallel.train.pipeline import PipelineStage
     from mlip_parallel.train.schedule import one_f_one_b
-    from mlip_parallel.train.training import Counts
+    from mlip_parallel.train.training import Batch, Counts
     from potentials.base import stage_parts
 
     turn, box = threading.Condition(), {}
@@ -166,15 +166,14 @@ def in_sequence(build, structures, args, weights):
                        (None if s == 0 else 0, 1 if s == 0 else None)) for s in range(2)]
     lists = one_f_one_b(2, args.microbatches)
     counts = Counts.of(structures)
+    chunks = np.array_split(np.arange(len(structures)), args.microbatches)
 
     def step():
         failed = []
 
         def run(stage):
-            from mlip_parallel.train.training import Batch
             for p in stage.parameters:
                 p.grad = None
-            chunks = np.array_split(np.arange(len(structures)), args.microbatches)
             try:
                 with turn:
                     stage.run(lists[stage.stage], [Batch([structures[k] for k in c], stage.model, stage.model.device)

@@ -105,7 +105,7 @@ def compare(tmp, args, allocator, env):
     jobs = {}
     runs = [("one", "data", "auto"), ("other", "data", "auto"), ("pipeline", "pipeline", "auto")]
     also = {"unbound": "auto"}.get(args.also, args.also)
-    for name, parallel, schedule in runs + ([("fixed", "pipeline", also)] if args.also else []):
+    for name, parallel, schedule in runs + ([("also", "pipeline", also)] if args.also else []):
         jobs[name] = tmp / f"{name}.yaml"
         jobs[name].write_text(yaml.safe_dump(config(tmp / "cu256.extxyz", tmp / name, args.epochs, parallel,
                                                     allocator == "kept", schedule)))
@@ -114,19 +114,18 @@ def compare(tmp, args, allocator, env):
           f"of 256 Cu atoms, batch 8, M=8, {args.epochs} epochs; allocator: {allocator}")
     print(f"{'pair':>4s} {'one process s/epoch':>20s} {'S=2 s/epoch':>12s} {'speed-up':>8s}"
           + (f" {'side by side s/epoch':>21s} {'ceiling':>7s}" if args.side_by_side else "")
-          + (f" {'S=2 ' + args.also + ' s/epoch':>17s} {'auto gain' if also != 'auto' else 'pin gain':>9s}" if args.also else "") + "  schedule")
-    rows = []
+          + (f" {'S=2 ' + args.also + ' s/epoch':>17s} {'pin gain' if args.also == 'unbound' else 'auto gain':>9s}" if args.also else "") + "  schedule")
+    rows, cpus = [], sorted(os.sched_getaffinity(0))
     for pair in range(args.pairs):
         one = per_epoch(finish(start(1, jobs["one"], env)))
         two = finish(start(2, jobs["pipeline"], env))
         row = [one, per_epoch(two)]
         if args.side_by_side:
-            cpus = sorted(os.sched_getaffinity(0))
             both = [start(1, jobs[name], env, cpus[k % len(cpus)]) for k, name in enumerate(("one", "other"))]
             row.append(per_epoch(*[finish(run) for run in both]))
         if args.also:
-            fixed_env = dict(env, MLIP_PARALLEL_BIND_CORES="0") if args.also == "unbound" else env
-            row.append(per_epoch(finish(start(2, jobs["fixed"], fixed_env))))
+            also_env = dict(env, MLIP_PARALLEL_BIND_CORES="0") if args.also == "unbound" else env
+            row.append(per_epoch(finish(start(2, jobs["also"], also_env))))
         rows.append(row)
         print(f"{pair + 1:4d} {row[0]:20.2f} {row[1]:12.2f} {row[0] / row[1]:8.2f}"
               + (f" {row[2]:21.2f} {2 * row[0] / row[2]:7.2f}" if args.side_by_side else "")

@@ -411,9 +411,8 @@ def bind_to_cores(backend, threads: int) -> list | None:
     was pinned to, or None."""
     if getattr(backend, "size", 1) == 1 or not hasattr(os, "sched_setaffinity"):
         return None
-    cpus = sorted(os.sched_getaffinity(0))
-    everyone = backend.allgather((socket.gethostname(), cpus))
-    node = [c for host, c in everyone if host == socket.gethostname()]
+    cpus, host = sorted(os.sched_getaffinity(0)), socket.gethostname()
+    node = [c for h, c in backend.allgather((host, cpus)) if h == host]  # every rank takes part, opted out or not
     if os.environ.get("MLIP_PARALLEL_BIND_CORES", "1").strip() == "0" or len(node) * threads != len(cpus) \
             or any(c != cpus for c in node):
         return None
