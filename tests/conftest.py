@@ -10,6 +10,9 @@ import pytest
 
 MPI_DIR = Path(__file__).parent / "mpi"
 ROOT = Path(__file__).parent.parent
+HANG_GUARD = 900  # seconds after which a launch counts as hung. Launches of more ranks than cores share the
+# cores, and their pace follows the host's scheduling: the 4-rank pipeline launches, 66 and 140 s alone on a
+# 2-core host, were once still running at 300 s on it, with most of their cases done.
 
 
 def mpiexec_path() -> str:
@@ -18,12 +21,12 @@ def mpiexec_path() -> str:
 
 
 def _launcher(prefix):
-    """run(n, script_or_module_args..., timeout=..., backend=None) → (returncode, output, seconds).
+    """run(n, script_or_module_args..., timeout=HANG_GUARD, backend=None) → (returncode, output, seconds).
 
     Runs ``prefix(n) + ARGS`` with one thread per rank (``backend``: MLIP_PARALLEL_BACKEND, e.g.
     "torch"); a run past ``timeout`` fails the test (it would be a hang)."""
 
-    def run(n, *args, timeout=300, backend=None):
+    def run(n, *args, timeout=HANG_GUARD, backend=None):
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
         env.pop("MLIP_PARALLEL_BACKEND", None)
         if backend is not None:

@@ -84,11 +84,11 @@ def test_gpu_check_cpu_parts_pass():
     import subprocess
     import sys
 
-    from conftest import ROOT
+    from conftest import HANG_GUARD, ROOT
 
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu", "--ranks", "2", "--sizes", "4",
            "--steps", "2", "--md-steps", "10"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_GUARD, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert " 0 failed" in out, out

@@ -11,7 +11,7 @@ import torch
 import yaml
 from ase.io import read
 
-from conftest import ROOT
+from conftest import HANG_GUARD, ROOT
 from md.cli import ConfigError, build_model, prepare, schema_help, validate
 
 JOB = {
@@ -128,7 +128,7 @@ def test_torch_backend_under_torchrun_equals_one_process(torchrun, tmp_path):
     (tmp_path / "serial.yaml").write_text(yaml.safe_dump(config))
     assert main([str(tmp_path / "serial.yaml")]) == 0
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(dict(config, output={"directory": str(tmp_path / "torch")})))
-    rc, out, _ = torchrun(3, "-m", "md.cli", tmp_path / "job.yaml", timeout=120)
+    rc, out, _ = torchrun(3, "-m", "md.cli", tmp_path / "job.yaml")
     assert rc == 0 and "108 atoms on 3 rank(s) (torch.distributed gloo)" in out, out
     tables = []
     for run in ("serial", "torch"):
@@ -174,7 +174,7 @@ def test_bad_config_names_the_key(tmp_path):
     # the command itself: message on stderr, exit status 2
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(dict(JOB, temprature_K=300)))
     proc = subprocess.run([sys.executable, "-m", "md.cli", str(tmp_path / "bad.yaml")], capture_output=True,
-                          text=True, cwd=ROOT, timeout=120)
+                          text=True, cwd=ROOT, timeout=HANG_GUARD)
     assert proc.returncode == 2 and proc.stderr.startswith("mlip-md: error: unknown key temprature_K"), proc.stderr
     assert len(proc.stderr.splitlines()) == 1 and not proc.stdout, proc.stderr
 

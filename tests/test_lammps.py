@@ -22,7 +22,7 @@ def test_lennard_jones_equals_lammps_lj_cut(mpirun, ranks, cases):
     """200 steps (and a minimization): positions ≤ 1e-10 Å, pe and press every 50 steps ≤ 1e-9 relative;
     on 4 ranks: a 1 × 2 × 2 grid, and slabs split 1 × 1 × 4 with fix balance moving the cut planes, or
     with empty ranks."""
-    rc, out, _ = mpirun(ranks, MPI_DIR / "lammps_lj.py", "--cases", cases, timeout=300)
+    rc, out, _ = mpirun(ranks, MPI_DIR / "lammps_lj.py", "--cases", cases)
     assert rc == 0, out
     assert f"lammps lj P={ranks}: 0 failures" in out, out
     assert out.count("OK ") == len(cases.split(",")), out
@@ -32,14 +32,14 @@ def test_lennard_jones_equals_lammps_lj_cut(mpirun, ranks, cases):
 def test_cu_emt_through_lammps(mpirun):
     """Step-0 forces == predict (cubic, triclinic); pressure == mlip-md; NVE drift bounded and the
     trajectory == mlip-md's; minimize converges."""
-    rc, out, _ = mpirun(2, MPI_DIR / "lammps_cu.py", timeout=300)
+    rc, out, _ = mpirun(2, MPI_DIR / "lammps_cu.py")
     assert rc == 0, out
     assert "lammps cu-emt P=2: 0 failures" in out, out
 
 
 @needs_lammps
 def test_command_line_runs_decks_and_names_bad_input(mpirun, tmp_path):
-    rc, out, _ = mpirun(2, MPI_DIR / "lammps_cli.py", tmp_path, timeout=200)
+    rc, out, _ = mpirun(2, MPI_DIR / "lammps_cli.py", tmp_path)
     expected = {"wheel": 2, "no-fix": 2, "group": 2, "add-fix-twice": 2, "elements-short": 2, "unknown-element": 2,
                 "units": 2,
                 "typo": 2, "example": 0, "restart": 0, "add-fix": 0}

@@ -11,7 +11,7 @@ from conftest import MPI_DIR, assert_job_aborted
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_distributed_equals_reference(mpirun, ranks):
     """Every geometry × grid × {LJ vs ASE, SchNet float64/float32 × layerwise/wide vs predict}."""
-    rc, out, _ = mpirun(ranks, MPI_DIR / "equivalence.py", timeout=400)
+    rc, out, _ = mpirun(ranks, MPI_DIR / "equivalence.py")
     assert rc == 0, out
     assert f"P={ranks}:" in out and " 0 failures" in out, out
     if ranks >= 3:  # the cluster geometry leaves middle subdomains empty
@@ -21,7 +21,7 @@ def test_distributed_equals_reference(mpirun, ranks):
 @pytest.mark.parametrize("launcher, ranks", [("torchrun", 4), ("mpiexec", 2)])
 def test_distributed_equals_reference_torch_backend(mpirun, torchrun, launcher, ranks):
     run = torchrun if launcher == "torchrun" else mpirun
-    rc, out, _ = run(ranks, MPI_DIR / "equivalence.py", timeout=400, backend="torch")
+    rc, out, _ = run(ranks, MPI_DIR / "equivalence.py", backend="torch")
     assert rc == 0, out
     assert f"P={ranks}:" in out and " 0 failures" in out and "communication: torch.distributed gloo" in out, out
 
@@ -83,7 +83,7 @@ def test_self_check_under_torchrun_without_mpi(torchrun):
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_sevennet_distributed_equals_sevenn_calculator(mpirun, ranks):
     pytest.importorskip("sevenn", reason="SevenNet adapter needs the sevenn extra: pip install -e .[sevenn]")
-    rc, out, _ = mpirun(ranks, MPI_DIR / "sevennet.py", timeout=400)
+    rc, out, _ = mpirun(ranks, MPI_DIR / "sevennet.py")
     assert rc == 0, out
     assert "SevenNet-0 0 failures" in out, out
 
@@ -101,7 +101,7 @@ def test_md_engine_rank_independent_and_conserves_atoms(mpirun, ranks):
     on 4; restarts on 2; the hot gas on 4."""
     options = ["--restarts", "1", "--gas-steps", "0"] if ranks == 2 else \
         ["--restarts", "0", "--gas-steps", "1500", "--ensembles", "short"]
-    rc, out, _ = mpirun(ranks, MPI_DIR / "md_engine.py", *options, timeout=400)
+    rc, out, _ = mpirun(ranks, MPI_DIR / "md_engine.py", *options)
     assert rc == 0, out
     assert "MD engine 0 failures" in out, out
     assert ("NPT restart" in out) if ranks == 2 else ("gas: 1500 steps" in out and "ids conserved: True" in out), out
@@ -113,7 +113,7 @@ def test_pipeline_parallel_equals_single_process(mpirun, ranks):
     1F1B, recomputation, energy-only; SchNet, PaiNN, NequIP), 2 replicas × 2 stages on 4 ranks (DP × PP);
     ragged batches, AdamW steps, pipelined evaluation, 2BW, the merged checkpoint (tests/mpi/pipeline.py;
     S = 2 runs through mlip-train in tests/test_training.py)."""
-    rc, out, _ = mpirun(ranks, MPI_DIR / "pipeline.py", timeout=300)
+    rc, out, _ = mpirun(ranks, MPI_DIR / "pipeline.py")
     assert rc == 0, out
     assert "pipeline 0 failures" in out and out.count("max rel err") == (15 if ranks == 3 else 12), out
     assert "merged checkpoint vs whole model" in out, out

@@ -103,7 +103,7 @@ def test_two_ranks_equal_one_process(mpirun, torchrun, quick_data, tmp_path, par
                   pipeline={"stages": 2, "microbatches": 4, "schedule": "auto"})  # 10 structures: 4 + 4 + 2
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
     run = torchrun if launcher == "torchrun" else mpirun
-    rc, out, _ = run(2, "-m", "mlip_parallel.train.cli", tmp_path / "job.yaml", timeout=300)
+    rc, out, _ = run(2, "-m", "mlip_parallel.train.cli", tmp_path / "job.yaml")
     assert rc == 0, out
     assert f"2 rank(s) x 1 thread(s), {parallel} parallel" in out, out
     whole = sum(p.numel() for p in potentials.load(serial / "last.pt").parameters())
@@ -122,7 +122,7 @@ def test_pipeline_resume_merged_checkpoint_and_restaging(mpirun, quick_data, tmp
     epochs == 4 (every stage's shard and metrics; 1F1B); resume under auto keeps the measured costs; the
     merged last.pt in one process gives the pipelined validation errors; from that last.pt (auto),
     4 stages × 1 replica == 2 stages × 2 replicas."""
-    rc, out, _ = mpirun(4, MPI_DIR / "pipeline_training.py", quick_data, tmp_path, timeout=300)
+    rc, out, _ = mpirun(4, MPI_DIR / "pipeline_training.py", quick_data, tmp_path)
     assert rc == 0, out
     assert "pipeline training 0 failures" in out and out.count(" ok ") == 7, out
 
