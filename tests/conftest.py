@@ -10,9 +10,10 @@ import pytest
 
 MPI_DIR = Path(__file__).parent / "mpi"
 ROOT = Path(__file__).parent.parent
-HANG_GUARD = 900  # seconds after which a launch counts as hung. Launches of more ranks than cores share the
-# cores, and their pace follows the host's scheduling: the 4-rank pipeline launches, 66 and 140 s alone on a
-# 2-core host, were once still running at 300 s on it, with most of their cases done.
+HANG_GUARD = 900  # seconds after which a launch counts as hung. With more ranks than cores, ranks waiting in
+# an MPI collective poll and take the cores from the rank still computing: on a 2-core host, the 4-rank pipeline
+# launches (66 and 140 s in most runs) took over 300 s twice and 7 minutes once, two ranks polling in an
+# allreduce at 50-88 % of a core each while the rank building its model got 12 %.
 
 
 def mpiexec_path() -> str:
