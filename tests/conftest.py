@@ -12,8 +12,8 @@ MPI_DIR = Path(__file__).parent / "mpi"
 ROOT = Path(__file__).parent.parent
 HANG_GUARD = 900  # seconds after which a launch counts as hung. With more ranks than cores, ranks waiting in
 # an MPI collective poll and take the cores from the rank still computing: on a 2-core host, the 4-rank pipeline
-# launches (66 and 140 s in most runs) took over 300 s twice and 7 minutes once, two ranks polling in an
-# allreduce at 50-88 % of a core each while the rank building its model got 12 %.
+# launches (66 and 140 s in most runs) took over 300 s twice and 7 minutes once: caught waiting in an allreduce,
+# two ranks had used 50-88 % of a core on average over the launch, the rank they waited for 12 %.
 
 
 def mpiexec_path() -> str:
