@@ -3,9 +3,13 @@
 The MPI backend runs every contract; the torch.distributed backend (gloo here) runs the equivalence and
 double-backward suites on 2–4 ranks, launched by torchrun without MPI and by mpiexec with
 MLIP_PARALLEL_BACKEND=torch, plus the self-check and the abort path."""
+import os
+import subprocess
+import sys
+
 import pytest
 
-from conftest import MPI_DIR, assert_job_aborted
+from conftest import MPI_DIR, ROOT, assert_job_aborted, mpiexec_path
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 4])
@@ -46,6 +50,26 @@ def test_comm_verbs(mpirun, ranks):
     rc, out, _ = mpirun(ranks, MPI_DIR / "comm_contracts.py")
     assert rc == 0, out
     assert "comm contracts, 0 failures" in out, out
+
+
+def test_oversubscribed_ranks_sleep_while_waiting():
+    """Under mpiexec with more ranks than CPUs, importing mlip_parallel sets ``MPICH_YIELD`` before MPI
+    starts, keeping what the user set; with no more ranks than CPUs it sets nothing. (Launched here, not
+    through ``mpirun``, which sets it itself.)"""
+    from mlip_parallel.launch import MPICH_YIELD
+
+    (name, value), = MPICH_YIELD.items()
+    code = ("import os, mlip_parallel; from mpi4py import MPI; "  # one write per line: ranks' lines never mix
+            "os.write(1, ('rank %d %s\\n' % (MPI.COMM_WORLD.Get_rank(), os.environ.get(" + repr(name) + "))).encode())")
+    env = {k: v for k, v in os.environ.items() if k not in MPICH_YIELD}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cpus = len(os.sched_getaffinity(0))
+    for ranks, user, expected in [(cpus + 1, {}, value), (cpus + 1, {name: "0"}, "0"), (1, {}, "None")]:
+        proc = subprocess.run([mpiexec_path(), "-n", str(ranks), sys.executable, "-c", code], capture_output=True,
+                              text=True, timeout=120, env={**env, **user}, cwd=ROOT)
+        lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+        assert proc.returncode == 0 and lines == sorted(f"rank {r} {expected}" for r in range(ranks)), \
+            proc.stdout + proc.stderr
 
 
 def test_bad_input_raises_on_every_rank(mpirun):
