@@ -22,6 +22,7 @@ import torch
 
 from .errors import BackendError
 from .launch import install_abort_on_error, launched_by_mpiexec, launched_by_torchrun  # noqa: F401 (re-exported)
+from .launch import usable_cpus
 
 
 class SerialBackend:
@@ -394,8 +395,7 @@ def set_threads(backend) -> int:
     (OMP_NUM_THREADS set), and each rank's threads on cores of their own (``bind_to_cores``). Collective
     over ``backend``'s ranks; returns the number of threads in force."""
     if "OMP_NUM_THREADS" not in os.environ:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores // max(1, getattr(backend, "local_size", 1))))
+        torch.set_num_threads(max(1, usable_cpus() // max(1, getattr(backend, "local_size", 1))))
     bind_to_cores(backend, torch.get_num_threads())
     return torch.get_num_threads()
 

@@ -30,20 +30,23 @@ def launched_by_torchrun() -> bool:
 MPICH_YIELD = {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"}
 
 
-def yield_when_oversubscribed(environ=os.environ) -> bool:
-    """Before MPI starts (the first ``from mpi4py import MPI``): where the launcher put more ranks on this
-    node (``MPI_LOCALNRANKS``, MPICH's hydra) than this process has CPUs, add ``MPICH_YIELD`` to
-    ``environ`` (settings already there win). Returns whether the node is oversubscribed."""
-    try:
-        ranks = int(environ.get("MPI_LOCALNRANKS", "1"))
-    except ValueError:
-        return False
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if ranks <= cpus:
-        return False
-    for key, value in MPICH_YIELD.items():
-        environ.setdefault(key, value)
-    return True
+def usable_cpus() -> int:
+    """How many CPUs this process may run on (its affinity set; all of the machine's where that is unknown)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def yield_when_oversubscribed(environ=os.environ, ranks: int | None = None) -> None:
+    """Before MPI starts (the first ``from mpi4py import MPI``): where more ranks share this node than this
+    process has CPUs (``ranks``, default the launcher's ``MPI_LOCALNRANKS``: MPICH's hydra), add
+    ``MPICH_YIELD`` to ``environ`` (settings already there win)."""
+    if ranks is None:
+        try:
+            ranks = int(environ.get("MPI_LOCALNRANKS", "1"))
+        except ValueError:
+            return
+    if ranks > usable_cpus():
+        for key, value in MPICH_YIELD.items():
+            environ.setdefault(key, value)
 
 
 _HOOK_INSTALLED = False

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mlip_parallel.launch import MPICH_YIELD
+from mlip_parallel.launch import yield_when_oversubscribed
 
 MPI_DIR = Path(__file__).parent / "mpi"
 ROOT = Path(__file__).parent.parent
@@ -16,7 +16,7 @@ HANG_GUARD = 900  # seconds after which a launch counts as hung. With more ranks
 # an MPI collective poll and take the cores from the rank still computing: on a 2-core host, the 4-rank pipeline
 # launches (66 and 140 s in most runs) took over 300 s twice and 7 minutes once: caught waiting in an allreduce,
 # two ranks had used 50-88 % of a core on average over the launch, the rank they waited for 12 %. Such launches
-# now run with MPICH_YIELD (waiting ranks sleep), as mlip_parallel sets it for oversubscribed jobs.
+# now run with launch.MPICH_YIELD (waiting ranks sleep), as mlip_parallel sets it for oversubscribed jobs.
 
 
 def mpiexec_path() -> str:
@@ -28,13 +28,12 @@ def _launcher(prefix):
     """run(n, script_or_module_args..., timeout=HANG_GUARD, backend=None) → (returncode, output, seconds).
 
     Runs ``prefix(n) + ARGS`` with one thread per rank (``backend``: MLIP_PARALLEL_BACKEND, e.g.
-    "torch"), and with ``MPICH_YIELD`` where the ranks outnumber the CPUs (the scripts start MPI before
+    "torch"), and with ``launch.MPICH_YIELD`` where the ranks outnumber the CPUs (the scripts start MPI before
     they import mlip_parallel, which would set it); a run past ``timeout`` fails the test (it would be a hang)."""
 
     def run(n, *args, timeout=HANG_GUARD, backend=None):
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        if n > len(os.sched_getaffinity(0)):
-            env = {**MPICH_YIELD, **env}
+        yield_when_oversubscribed(env, ranks=n)
         env.pop("MLIP_PARALLEL_BACKEND", None)
         if backend is not None:
             env["MLIP_PARALLEL_BACKEND"] = backend

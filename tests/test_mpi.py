@@ -56,14 +56,14 @@ def test_oversubscribed_ranks_sleep_while_waiting():
     """Under mpiexec with more ranks than CPUs, importing mlip_parallel sets ``MPICH_YIELD`` before MPI
     starts, keeping what the user set; with no more ranks than CPUs it sets nothing. (Launched here, not
     through ``mpirun``, which sets it itself.)"""
-    from mlip_parallel.launch import MPICH_YIELD
+    from mlip_parallel.launch import MPICH_YIELD, usable_cpus
 
     (name, value), = MPICH_YIELD.items()
     code = ("import os, mlip_parallel; from mpi4py import MPI; "  # one write per line: ranks' lines never mix
             "os.write(1, ('rank %d %s\\n' % (MPI.COMM_WORLD.Get_rank(), os.environ.get(" + repr(name) + "))).encode())")
     env = {k: v for k, v in os.environ.items() if k not in MPICH_YIELD}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cpus = len(os.sched_getaffinity(0))
+    cpus = usable_cpus()
     for ranks, user, expected in [(cpus + 1, {}, value), (cpus + 1, {name: "0"}, "0"), (1, {}, "None")]:
         proc = subprocess.run([mpiexec_path(), "-n", str(ranks), sys.executable, "-c", code], capture_output=True,
                               text=True, timeout=120, env={**env, **user}, cwd=ROOT)
