@@ -79,7 +79,7 @@ def models():
            "PaiNN": seeded(potentials.PaiNN, features=32, layers=3),
            "NequIP": seeded(potentials.NequIP, features=16, layers=3)}
     try:
-        from potentials.sevennet import SevenNet
+        from potentials.adapters.sevennet import SevenNet
         out["SevenNet-0"] = lambda: SevenNet("7net-0")
     except ImportError:
         pass

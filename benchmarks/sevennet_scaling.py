@@ -42,7 +42,7 @@ def worker(args):
         rank, barrier = 0, lambda: None
     else:
         import mlip_parallel
-        from potentials.sevennet import SevenNet
+        from potentials.adapters.sevennet import SevenNet
 
         model, backend = SevenNet("7net-0"), mlip_parallel.get_backend()
         rank, barrier = backend.rank, backend.barrier

@@ -23,7 +23,11 @@ SCHEMA = {
         "checkpoint": (str, None, "path of a potentials checkpoint (potentials.save) or a bundled model name; "
                                   "with no model given, the bundled cu-emt (Cu, trained on EMT data)"),
         "sevennet": (str, None, "a SevenNet checkpoint name or path, e.g. 7net-0 (needs the sevenn extra)"),
-        "dtype": (str, "float64", "float32 or float64 for the ML models"),
+        "mace": (str, None, "a MACE model file (.model, as MACE's training writes it; read without running the "
+                            "pickle's code; needs the mace extra)"),
+        "head": (str, None, "mace: the head of a multi-head model (default: the only head, else 'default')"),
+        "dtype": (str, None, "float32 or float64 (default: float64 for checkpoints, the file's own for MACE, "
+                             "float32 for SevenNet)"),
     },
     "structure": {
         "file": (str, None, "any ASE-readable structure file"),
@@ -80,30 +84,30 @@ def schema_help() -> str:
     return config_help(SCHEMA)
 
 
-def build_model(section):
-    import torch
+MODEL_KEYS = ("lennard_jones", "checkpoint", "sevennet", "mace")
 
+
+def build_model(section):
     import potentials
 
-    given = [k for k in ("lennard_jones", "checkpoint", "sevennet") if section[k] is not None]
+    given = [k for k in MODEL_KEYS if section[k] is not None]
     if len(given) > 1:
-        raise ConfigError(f"model takes one of lennard_jones, checkpoint, sevennet (got {given})")
-    if not given:
-        section = dict(section, checkpoint="cu-emt")
+        raise ConfigError(f"model takes one of {', '.join(MODEL_KEYS)} (got {given})")
+    if section["head"] is not None and given != ["mace"]:
+        raise ConfigError("model.head chooses the head of a MACE model (model.mace)")
     if section["lennard_jones"] is not None:
         try:
             return potentials.LennardJones(**section["lennard_jones"])
         except TypeError as exc:
             raise ConfigError(f"model.lennard_jones: {exc}") from None
-    if section["checkpoint"] is not None:
-        try:
-            model = potentials.load(section["checkpoint"])
-        except potentials.CheckpointError as exc:
-            raise ConfigError(f"model.checkpoint: {exc}") from None
-        return model.to(torch.float32 if section["dtype"] == "float32" else torch.float64)
-    from potentials.sevennet import SevenNet
-
-    return SevenNet(section["sevennet"])
+    key = given[0] if given else "checkpoint"
+    spec = {"checkpoint": section["checkpoint"] or "cu-emt", "sevennet": f"sevennet:{section['sevennet']}",
+            "mace": f"mace:{section['mace']}"}[key]
+    try:
+        dtype = section["dtype"] or ("float64" if key == "checkpoint" else None)  # MD runs checkpoints in float64
+        return potentials.load_model(spec, dtype, section["head"])
+    except (potentials.MLIPError, ImportError) as exc:
+        raise ConfigError(f"model.{key}: {exc}") from None
 
 
 def build_integrator(config):
@@ -164,9 +168,9 @@ def check_species(model, numbers, section) -> None:
     try:
         model.species_index(numbers)
     except UnknownSpeciesError as exc:
-        name = section["checkpoint"] or section["sevennet"] or "cu-emt, the default"
-        raise ConfigError(f"structure: {exc} (model: {name}); set model.checkpoint, model.sevennet or "
-                          f"model.lennard_jones for these elements") from None
+        name = section["checkpoint"] or section["sevennet"] or section["mace"] or "cu-emt, the default"
+        raise ConfigError(f"structure: {exc} (model: {name}); set model.checkpoint, model.sevennet, model.mace "
+                          f"or model.lennard_jones for these elements") from None
 
 
 def restart_numbers(path):

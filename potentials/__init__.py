@@ -1,10 +1,14 @@
 """Interatomic potentials as torch modules (no MPI here): models, the graph they read, the reference
-single-process ``predict``, and safe checkpoints. Names are imported on first use (torch and e3nn load
+single-process ``predict``, safe checkpoints, and adapters running other packages' models (SevenNet,
+MACE: ``potentials.adapters``). Names are imported on first use (torch and e3nn load
 only when a model is needed)."""
 from .errors import InvalidStructureError, MLIPError, UnknownSpeciesError
 from .lazy import lazy_exports
 
 __all__ = lazy_exports(__name__, {
+    "adapters": ("load_model",),
+    "adapters.mace": ("MACE",),
+    "adapters.sevennet": ("SevenNet",),
     "base": ("BlockPotential", "Potential", "SpeciesScaleShift", "all_parts", "stage_parts"),
     "checkpoint": ("CheckpointError", "load", "save", "save_parts"),
     "graph": ("AtomGraph", "NoHalo"),

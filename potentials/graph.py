@@ -24,6 +24,9 @@ class NoHalo:
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         return h
 
+    def adjoint(self, g: torch.Tensor) -> torch.Tensor:
+        return g
+
 
 @dataclass
 class AtomGraph:
@@ -39,7 +42,9 @@ class AtomGraph:
     halo:       ``halo(h)``, h [m, ...] with m ≥ n_receivers rows, returns [n, ...]: the owned rows
                 of h, then the ghost rows freshly copied from their owners. A model calls it before
                 every message-passing layer after the first, on the node features that layer reads
-                from senders.
+                from senders. ``halo.adjoint(g)``, g [n, ...], is its transpose: the owned rows of g
+                plus the ghost rows added into their owners, then zero ghost rows (for a package
+                whose own exchange hook takes both directions, e.g. MACE's).
     """
 
     species: torch.Tensor

@@ -4,6 +4,8 @@ Imported by pytest tests and by the MPI scripts in tests/mpi/ (which put this fo
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 from ase import Atoms
@@ -182,3 +184,37 @@ def sevennet_reference(atoms):
     if atoms.cell.rank == 3:
         result["stress"] = atoms.get_stress()
     return result
+
+
+# ------------------------------------------------------------------ MACE fixtures (tests/data/mace)
+MACE_DIR = Path(__file__).parent / "data" / "mace"
+MACE_FIXTURES = ("mace-zbl-f64", "mace-heads-f64", "mace-small-f32")  # see tests/data/mace/make_fixtures.py
+
+
+def mace_fixture(name: str):
+    """(path of NAME.model, its heads, {geometry: (atoms, {head: reference})}): MACE models saved under
+    e3nn 0.4.4 and MACECalculator's results for them (energy, forces, stress where periodic in 3D) plus
+    the model's own virial (cells of rank 3) on this module's geometries."""
+    data = np.load(MACE_DIR / f"{name}.npz")
+    heads = [str(h) for h in data["heads"]]
+    cases = {}
+    for geometry in GEOMETRIES:
+        atoms = Atoms(numbers=data[f"{geometry}/numbers"], positions=data[f"{geometry}/positions"],
+                      cell=data[f"{geometry}/cell"], pbc=data[f"{geometry}/pbc"])
+        cases[geometry] = (atoms, {head: {key: data[f"{geometry}/{head}/{key}"] for key in
+                                          ("energy", "forces", "stress", "virial")
+                                          if f"{geometry}/{head}/{key}" in data.files} for head in heads})
+    return MACE_DIR / f"{name}.model", heads, cases
+
+
+def mace_errors(result: dict, reference: dict, atoms) -> dict:
+    """Relative errors (max |Δ| / max |reference|) of energy, forces, stress and virial; the virial is
+    -stress × volume in our (ASE's) convention, compared with MACE's own, also for slabs."""
+    from ase.stress import voigt_6_to_full_3x3_stress
+
+    ours = {"energy": result["energy"], "forces": result["forces"]}
+    if "stress" in reference:
+        ours["stress"] = result["stress"]
+    if "virial" in reference:
+        ours["virial"] = -voigt_6_to_full_3x3_stress(result["stress"]) * atoms.cell.volume
+    return max_relative_error(ours, reference)

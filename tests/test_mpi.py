@@ -141,3 +141,19 @@ def test_pipeline_parallel_equals_single_process(mpirun, ranks):
     assert rc == 0, out
     assert "pipeline 0 failures" in out and out.count("max rel err") == (15 if ranks == 3 else 12), out
     assert "merged checkpoint vs whole model" in out, out
+
+
+@pytest.mark.parametrize("launcher, ranks, backend", [("mpiexec", 2, None), ("mpiexec", 3, None), ("mpiexec", 4, None),
+                                                      ("torchrun", 3, "torch"), ("mpiexec", 2, "torch")])
+def test_mace_distributed_equals_mace_calculator(mpirun, torchrun, launcher, ranks, backend):
+    """The e3nn 0.4.4 MACE fixtures through evaluate on 2-4 ranks, both backends, every geometry and grid
+    (empty ranks included) == MACECalculator (tests/mpi/mace_models.py)."""
+    pytest.importorskip("mace", reason="the MACE adapter needs mace-torch (see README: Install)")
+    run = torchrun if launcher == "torchrun" else mpirun
+    rc, out, _ = run(ranks, MPI_DIR / "mace_models.py", backend=backend)
+    assert rc == 0, out
+    assert f"P={ranks}: MACE" in out and " 0 failures" in out, out
+    if ranks >= 3:
+        assert " 0 (case, rank) with no atoms" not in out, out
+    if backend == "torch":
+        assert "communication: torch.distributed gloo" in out, out

@@ -12,7 +12,7 @@ warnings.filterwarnings("ignore", module="sevenn")
 import mlip_parallel  # noqa: E402
 import potentials  # noqa: E402
 from md import MLIPCalculator  # noqa: E402
-from potentials.sevennet import SevenNet  # noqa: E402
+from potentials.adapters.sevennet import SevenNet  # noqa: E402
 from systems import max_relative_error, oxide_triclinic, sevennet_reference  # noqa: E402
 
 

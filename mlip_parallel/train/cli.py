@@ -161,13 +161,18 @@ def format_errors(errors: dict) -> str:
     return "\n".join(lines)
 
 
-def evaluate_model(model_path: str, data_path: str, batch_size: int = 8, progress: bool = False) -> dict:
-    """MAE/RMSE of a checkpoint (or bundled model name) on every structure of a labelled file (one
-    process); ``progress`` prints a header and a progress bar."""
+def evaluate_model(model_path: str, data_path: str, batch_size: int = 8, progress: bool = False,
+                   head: str | None = None) -> dict:
+    """MAE/RMSE of a model (a checkpoint, a bundled model name, or any ``potentials.load_model`` spec:
+    ``mace:FILE.model``, ``sevennet:NAME``) on every structure of a labelled file (one process);
+    ``progress`` prints a header and a progress bar."""
     import potentials
     from .training import check_species, error_sums, error_table, read_structures
 
-    model = potentials.load(model_path)
+    try:
+        model = potentials.load_model(model_path, head=head)
+    except (potentials.MLIPError, ImportError) as exc:
+        raise ConfigError(str(exc)) from None
     structures = read_structures(data_path)
     check_species(model, structures, "evaluation", error=ConfigError)
     if progress:
@@ -190,11 +195,13 @@ def main(argv=None) -> int:
     if argv[:1] == ["eval"]:
         parser = argparse.ArgumentParser(prog="mlip-train eval", description="errors of a model on every structure "
                                          "of a labelled file")
-        parser.add_argument("model", help="checkpoint path (best.pt) or bundled model name (cu-emt)")
+        parser.add_argument("model", help="checkpoint path (best.pt), bundled model name (cu-emt), "
+                                          "mace:FILE.model or sevennet:NAME")
         parser.add_argument("data", help="ASE-readable file with energy/forces/stress")
+        parser.add_argument("--head", help="the head of a multi-head MACE model")
         args = parser.parse_args(argv[1:])
         try:
-            print(format_errors(evaluate_model(args.model, args.data, progress=True)))
+            print(format_errors(evaluate_model(args.model, args.data, progress=True, head=args.head)))
         except MLIPError as exc:
             report_error("mlip-train", exc)
             return 2

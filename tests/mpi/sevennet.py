@@ -11,7 +11,7 @@ from mpi4py import MPI  # noqa: E402
 
 import mlip_parallel  # noqa: E402
 from md import MLIPCalculator  # noqa: E402
-from potentials.sevennet import SevenNet  # noqa: E402
+from potentials.adapters.sevennet import SevenNet  # noqa: E402
 from systems import SEVENNET_STRUCTURES, max_relative_error, sevennet_reference  # noqa: E402
 
 torch.set_num_threads(1)

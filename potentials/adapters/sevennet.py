@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from ase.data import chemical_symbols
 
-from .base import Potential
-from .graph import AtomGraph
+from ..base import Potential
+from ..graph import AtomGraph
 
 _SKIPPED_MODULES = ("reduce_total_enegy", "force_output")  # sevenn's own spelling
 

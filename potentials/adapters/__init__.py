@@ -1,0 +1,48 @@
+"""Other packages' trained models, run through their own code with our halo between their layers.
+
+* ``sevennet.SevenNet``: a SevenNet checkpoint (sevenn's modules, halo after each
+  ``{t}_self_interaction_1``).
+* ``mace.MACE``: a MACE ``.model`` file (mace-torch's modules, halo through MACE's own
+  ``lammps_mliap`` ghost-exchange hook); read by ``pickled`` without running the pickle's code.
+
+``load_model(spec)`` is the one place a model is named by a string (the CLIs' model options).
+"""
+from __future__ import annotations
+
+from ..errors import MLIPError
+
+PREFIXES = ("sevennet:", "mace:")
+
+
+def load_model(spec: str, dtype: str | None = None, head: str | None = None):
+    """The model named by ``spec``: "sevennet:NAME" (a name sevenn knows, e.g. 7net-0, or a checkpoint
+    path), "mace:PATH" (a MACE .model file; read without running the pickle — naming it here is the
+    user's choice to read a pickle), else a potentials checkpoint path or bundled name ("cu-emt").
+    ``dtype`` "float32"/"float64", or None: the file's own.
+    ``head``: a multi-head MACE model's head. Raises an ``MLIPError`` (the message names the spec's
+    problem) or ImportError (the package the adapter needs is not installed)."""
+    import torch
+
+    dtypes = {None: None, "float32": torch.float32, "float64": torch.float64}
+    if dtype not in dtypes:
+        raise ValueError(f"dtype must be float32 or float64, got {dtype!r}")
+    if head is not None and not spec.startswith("mace:"):
+        raise ModelSpecError(f"{spec}: a head is chosen only for MACE models (mace:PATH)")
+    if spec.startswith("sevennet:"):
+        from .sevennet import SevenNet
+
+        if dtype not in (None, "float32"):
+            raise ModelSpecError(f"{spec}: SevenNet runs in float32 only")
+        return SevenNet(spec[len("sevennet:"):])
+    if spec.startswith("mace:"):
+        from .mace import MACE
+
+        return MACE(spec[len("mace:"):], head=head, dtype=dtypes[dtype])
+    from ..checkpoint import load
+
+    model = load(spec)
+    return model if dtype is None else model.to(dtypes[dtype])
+
+
+class ModelSpecError(MLIPError, ValueError):
+    """A model named by a string that does not fit (an option the model does not take)."""

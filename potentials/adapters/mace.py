@@ -1,0 +1,278 @@
+"""Adapter: a MACE model file (``.model``, as ``torch.save(model)`` writes it) as a potentials model.
+
+Loading (``load_mace``): the pickle is read without running its code (``pickled.read_module_tree``:
+every class a stand-in, tensors real), the hyper-parameters are read off that tree (as MACE's own
+``extract_config_mace_model`` does, per interaction where MACE allows it to vary), the model is built
+with mace-torch's own constructors in the file's dtype, and every saved tensor is loaded with a strict
+``load_state_dict`` — so constants stored as buffers (the symmetric contractions' U matrices, E0s,
+scale and shift) are the file's, whichever e3nn computed them. A file written under e3nn 0.4.4 (every
+MACE foundation model) thus loads beside e3nn >= 0.6. A class the rebuild does not know is named.
+
+Running (``MACE.forward``): MACE's own forward with ``lammps_mliap=True``. That path pads each
+interaction's node features (after ``linear_up``, interactions after the first) with ghost rows and
+calls ``lammps_class.forward_exchange`` / ``reverse_exchange`` around them (MACE's ``LAMMPS_MP``
+autograd function); here ``lammps_class`` is ``GhostExchange``, which hands both to our halo
+(``graph.halo`` and its adjoint). Edge vectors come from our graph, so forces and stress come from our
+own derivative of the per-atom energies (MACE computes no forces here).
+"""
+from __future__ import annotations
+
+import os
+import torch
+from ase.data import chemical_symbols
+
+from ..base import Potential
+from ..errors import MLIPError
+from ..graph import AtomGraph
+from .pickled import Pickled, PickleFileError, codegen_tensors, read_module_tree, state_dict
+
+MODEL_CLASSES = ("mace.modules.models.ScaleShiftMACE", "mace.modules.models.MACE")
+INSTALL = "pip install -e .[mace] && pip install --no-deps mace-torch==0.3.16"
+
+
+class MACEModelError(MLIPError, ValueError):
+    """A MACE model file cannot be rebuilt: unreadable, another kind of model, a block class this
+    loader does not know, or weights that do not fit the rebuilt architecture."""
+
+
+def import_mace():
+    """Import mace-torch without letting it change the process: ``import mace`` sets
+    TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 (every later ``torch.load`` without an explicit ``weights_only``
+    would run pickles); the variable is put back as it was."""
+    before = os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
+    try:
+        import mace.modules
+    except ImportError as exc:
+        raise ImportError(f"potentials.MACE needs mace-torch: {INSTALL} ({exc})") from None
+    finally:
+        if before is None:
+            os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
+        else:
+            os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = before
+    return mace
+
+
+def _path(obj) -> str:
+    return type(obj).path if isinstance(obj, Pickled) else f"{type(obj).__module__}.{type(obj).__name__}"
+
+
+def _class_named(obj, table: dict, what: str, where: str):
+    """The real mace class a stand-in stands for, looked up by name in one of mace's class tables."""
+    name = _path(obj).rsplit(".", 1)[-1]
+    if name not in table:
+        raise MACEModelError(f"{where}: {what} {_path(obj)} is not one this loader can rebuild (known: "
+                             f"{', '.join(sorted(table))})")
+    return table[name]
+
+
+def _gate(readout, where: str):
+    """The activation of a non-linear readout (None for a linear one): the pickled function's name,
+    matched against MACE's own ``gate_dict``."""
+    from mace.modules import gate_dict
+
+    acts = getattr(readout.non_linearity, "acts", None) if hasattr(readout, "non_linearity") else None
+    if not acts:
+        return None
+    f = acts[0].f
+    if f is None:
+        return None
+    path = f.path if isinstance(f, type) and issubclass(f, Pickled) else f"{f.__module__}.{f.__name__}"
+    known = {f"{g.__module__}.{g.__name__}": g for g in gate_dict.values() if g is not None}
+    if path not in known:
+        raise MACEModelError(f"{where}: readout activation {path} is not one of MACE's gates {sorted(known)}")
+    return known[path]
+
+
+def _correlation(product) -> int:
+    contraction = product.symmetric_contractions.contractions[0]
+    try:
+        return len(contraction.weights) + 1
+    except AttributeError:
+        return int(product.symmetric_contractions.contraction_degree)
+
+
+def _radial_mlp(interaction) -> list:
+    net = interaction.conv_tp_weights
+    try:
+        return list(net.hs[1:-1])
+    except AttributeError:
+        return [int(net.net[k].normalized_shape[0]) for k in range(1, len(net.net), 3)]
+
+
+def _field(tree, name, default):
+    return getattr(tree, name) if hasattr(tree, name) else default
+
+
+def mace_config(tree, where: str) -> tuple:
+    """(model class, constructor keyword arguments) of a pickled MACE module tree."""
+    import numpy as np
+    from mace import modules
+    from e3nn import o3
+
+    if _path(tree) not in MODEL_CLASSES:
+        raise MACEModelError(f"{where}: a {_path(tree)}, not a MACE energy model ({', '.join(MODEL_CLASSES)})")
+    if hasattr(tree, "joint_embedding") or hasattr(tree, "embedding_specs"):
+        raise MACEModelError(f"{where}: models with a joint embedding of extra inputs (charges, spin, ...) are not "
+                             f"supported")
+    radial = tree.radial_embedding
+    basis = radial.bessel_fn
+    basis_kinds = {"BesselBasis": ("bessel", "bessel_weights"), "GaussianBasis": ("gaussian", "gaussian_weights"),
+                   "ChebychevBasis": ("chebyshev", None)}
+    basis_name = _path(basis).rsplit(".", 1)[-1]
+    if basis_name not in basis_kinds:
+        raise MACEModelError(f"{where}: radial basis {_path(basis)} is not one this loader can rebuild")
+    radial_type, weights = basis_kinds[basis_name]
+    num_bessel = len(getattr(basis, weights)) if weights else int(basis.num_basis)
+    transform = None
+    if hasattr(radial, "distance_transform"):
+        transform = {"AgnesiTransform": "Agnesi", "SoftTransform": "Soft"}.get(
+            _path(radial.distance_transform).rsplit(".", 1)[-1])
+        if transform is None:
+            raise MACEModelError(f"{where}: distance transform {_path(radial.distance_transform)} is not one this "
+                                 f"loader can rebuild")
+    interactions, products, readouts = list(tree.interactions), list(tree.products), list(tree.readouts)
+    heads = list(_field(tree, "heads", ["Default"]))
+    hidden = o3.Irreps(str(products[0].linear.irreps_out))
+    mlp = o3.Irreps(str(readouts[-1].hidden_irreps)) if hasattr(readouts[-1], "hidden_irreps") else o3.Irreps("1x0e")
+    n = int(tree.num_interactions)
+    last_out = o3.Irreps(str(products[-1].linear.irreps_out))
+    cutoff_p = radial.cutoff_fn.p
+    config = dict(
+        r_max=float(tree.r_max), num_bessel=num_bessel,
+        num_polynomial_cutoff=int(cutoff_p.item() if isinstance(cutoff_p, torch.Tensor) else cutoff_p),
+        max_ell=int(tree.spherical_harmonics._lmax),
+        interaction_cls=_class_named(interactions[-1], modules.interaction_classes, "interaction block", where),
+        interaction_cls_first=_class_named(interactions[0], modules.interaction_classes, "interaction block", where),
+        num_interactions=n, num_elements=len(tree.atomic_numbers), hidden_irreps=hidden,
+        edge_irreps=_field(tree, "edge_irreps", None),
+        MLP_irreps=o3.Irreps(f"{max(1, mlp.count((0, 1)) // len(heads))}x0e"),
+        gate=_gate(readouts[-1], where),
+        atomic_energies=tree.atomic_energies_fn.atomic_energies.cpu().numpy(),
+        avg_num_neighbors=float(interactions[0].avg_num_neighbors),
+        atomic_numbers=[int(z) for z in tree.atomic_numbers],
+        correlation=[_correlation(p) for p in products],
+        pair_repulsion=hasattr(tree, "pair_repulsion_fn"),
+        distance_transform=transform or "None", radial_type=radial_type, radial_MLP=_radial_mlp(interactions[0]),
+        heads=heads, apply_cutoff=bool(_field(tree, "apply_cutoff", True)),
+        use_reduced_cg=bool(_field(tree, "use_reduced_cg", False)), use_so3=bool(_field(tree, "use_so3", False)),
+        use_agnostic_product=bool(_field(tree, "use_agnostic_product", False)),
+        use_last_readout_only=bool(_field(tree, "use_last_readout_only", False)),
+        use_edge_irreps_first=bool(_field(tree, "use_edge_irreps_first", False)),
+        readout_cls=_class_named(readouts[-1], modules.readout_classes, "readout block", where),
+        keep_last_layer_irreps=n > 1 and last_out != o3.Irreps(str(hidden[0])),
+    )
+    for k, block in enumerate(interactions[1:-1], start=1):
+        if _path(block) != _path(interactions[-1]):
+            raise MACEModelError(f"{where}: interaction {k} is a {_path(block)} but the last is a "
+                                 f"{_path(interactions[-1])}: MACE builds every interaction after the first alike")
+    if _path(tree).endswith("ScaleShiftMACE"):
+        scale, shift = tree.scale_shift.scale, tree.scale_shift.shift
+        config.update(atomic_inter_scale=np.atleast_1d(scale.cpu().numpy()).tolist() if scale.ndim else float(scale),
+                      atomic_inter_shift=np.atleast_1d(shift.cpu().numpy()).tolist() if shift.ndim else float(shift))
+        return modules.ScaleShiftMACE, config
+    return modules.MACE, config
+
+
+def load_mace(path) -> torch.nn.Module:
+    """A MACE model from its ``.model`` file, rebuilt with mace-torch's constructors and the file's
+    tensors (strict), in the file's dtype, in eval mode on the CPU. The pickle's code is never run.
+    The process's default dtype and global random state are left as they were."""
+    path = os.fspath(path)
+    if path.endswith((".pt2", ".pth")) or path.endswith("-lammps.pt"):
+        raise MACEModelError(f"{path}: a compiled (TorchScript / exported) MACE model; pass the .model file it was "
+                             f"made from")
+    try:
+        tree = read_module_tree(path)
+    except PickleFileError as exc:
+        raise MACEModelError(str(exc)) from None
+    import_mace()
+    cls, config = mace_config(tree, path)
+    weights = {**codegen_tensors(tree), **state_dict(tree)}
+    dtype = tree.r_max.dtype
+    default = torch.get_default_dtype()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.set_default_dtype(dtype)
+            model = cls(**config)
+    except Exception as exc:  # mace's constructors raise many types for hyper-parameters they reject
+        raise MACEModelError(f"{path}: mace-torch cannot build this {cls.__name__} ({type(exc).__name__}: "
+                             f"{exc})") from None
+    finally:
+        torch.set_default_dtype(default)
+    try:
+        model.load_state_dict(weights, strict=True)
+    except RuntimeError as exc:
+        raise MACEModelError(f"{path}: the saved weights do not fit the rebuilt {cls.__name__}: "
+                             f"{str(exc).splitlines()[0]} {' '.join(str(exc).split())[:300]}") from None
+    return model.to(dtype).eval()
+
+
+class GhostExchange:
+    """MACE's ``lammps_class`` (the object its ``LAMMPS_MP`` function calls), over our halo: node
+    features [pad + n_real + n_ghost, vec_len] → the first ``pad`` rows (local padding) and the owned
+    rows kept, ghost rows copied from their owners; and the adjoint, ghost rows' gradients added into
+    their owners (ghost rows zero)."""
+
+    def __init__(self, halo, pad: int = 0):
+        self.halo, self.pad = halo, pad
+
+    def forward_exchange(self, feats: torch.Tensor, out: torch.Tensor, vec_len: int) -> None:
+        out.copy_(torch.cat([feats[: self.pad], self.halo(feats[self.pad:])]))
+
+    def reverse_exchange(self, grad: torch.Tensor, gout: torch.Tensor, vec_len: int) -> None:
+        gout.copy_(torch.cat([grad[: self.pad], self.halo.adjoint(grad[self.pad:])]))
+
+
+class MACE(Potential):
+    """A trained MACE model (mace-torch's ``ScaleShiftMACE`` or ``MACE``) from its ``.model`` file.
+
+    ``path``: the file MACE's training writes (``torch.save(model)``), under any e3nn MACE has used;
+    read without running the pickle's code (``load_mace``). ``head``: the head of a multi-head model
+    (None: MACE's calculator's choice — the only head, else the one named "default"). ``dtype``: None
+    keeps the file's. Cutoff = the model's r_max, layers = its interactions. Needs mace-torch."""
+
+    def __init__(self, path, head: str | None = None, dtype: torch.dtype | None = None):
+        model = load_mace(path)
+        numbers = [int(z) for z in model.atomic_numbers]
+        super().__init__([chemical_symbols[z] for z in numbers])
+        heads = list(model.heads)
+        if head is None:
+            named = [h for h in heads if h.lower() == "default"]
+            if len(heads) > 1 and not named:
+                raise MACEModelError(f"{path}: a multi-head model with no head named 'default': choose one of "
+                                     f"{heads}")
+            head = heads[0] if len(heads) == 1 else named[0]
+        if head not in heads:
+            raise MACEModelError(f"{path}: no head {head!r}; the model's heads are {heads}")
+        self.mace = model.to(dtype or model.r_max.dtype)
+        self.to(self.mace.r_max.dtype)
+        self.mace.requires_grad_(False)
+        self.head = head
+        self.register_buffer("_head_index", torch.tensor([heads.index(head)]), persistent=False)
+        self.cutoff = float(model.r_max)
+        self.layers = int(model.num_interactions)
+        self.hyperparameters = {"path": os.fspath(path), "head": head}
+
+    def forward(self, graph: AtomGraph) -> torch.Tensor:
+        # Rows MACE updates: the owned atoms (layerwise), else every row. MACE's blocks cannot run on zero
+        # atoms, so a rank that owns none (its exchanges must still run) prepends one isolated dummy atom.
+        pad = 1 if graph.receivers == 0 else 0
+        species = torch.cat([graph.species.new_zeros(pad), graph.species])
+        n_real = pad + graph.receivers
+        data = {
+            "vectors": graph.edge_vec.to(self.dtype),
+            "node_attrs": torch.nn.functional.one_hot(species, len(self.species)).to(self.dtype),
+            "edge_index": graph.edge_index + pad,  # (sender, receiver), as MACE's
+            "batch": torch.zeros(n_real, dtype=torch.int64, device=species.device),
+            "head": self._head_index,
+            "lammps_class": GhostExchange(graph.halo, pad),
+            "natoms": (n_real, len(species) - n_real),
+        }
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)  # as MACE's calculator runs it: e.g. ZBL's prefactors are built in it
+        try:
+            out = self.mace(data, training=False, compute_force=False, compute_virials=False, compute_stress=False,
+                            compute_displacement=False, lammps_mliap=True)
+        finally:
+            torch.set_default_dtype(default)
+        return out["node_energy"][pad: pad + graph.n_local]

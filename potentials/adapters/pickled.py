@@ -1,0 +1,251 @@
+"""Read a pickled torch module tree (``torch.save(model)``) without running any of the pickle's code.
+
+A pickle names the classes and functions it needs ("GLOBAL module name") and the unpickler imports and
+calls them: that is how a model file can run any command. Here only tensors, plain containers and a
+few data types are rebuilt — torch's own ``weights_only`` allowlist, and e3nn's ``Irreps`` (tuples of
+integers); every other global becomes a ``Pickled`` stand-in class that records what the pickle said
+about its instances (constructor arguments and state) and imports nothing. ``torch.load`` still reads
+the archive and its tensor storages.
+
+e3nn modules that generate code (``CodeGenMixin``: tensor products, linears) pickle their generated
+TorchScript (or fx) modules as bytes, and their constants (Wigner 3j coefficients) only there:
+``codegen_tensors(tree)`` reads those constants out of the bytes the same way, nothing run.
+
+The stand-ins answer attribute reads the way ``torch.nn.Module`` does (an instance's plain attributes,
+then its ``_parameters``, ``_buffers`` and ``_modules``) and index like a ``ModuleList``, so that a
+package's own code (or code written after it) can read hyper-parameters off the tree, and
+``state_dict(tree)`` collects the tensors a strict ``load_state_dict`` needs.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import types
+from contextlib import contextmanager
+
+import torch
+
+from ..errors import MLIPError
+
+
+class PickleFileError(MLIPError, ValueError):
+    """A pickled model file cannot be read: missing, not a torch archive, or damaged."""
+
+
+class Pickled:
+    """Stand-in for an object whose class the pickle named but the reader did not import.
+
+    ``type(obj).path``: the class's "module.name"; ``obj.pickled_args``: the arguments the pickle
+    constructed it with; ``obj.pickled_state``: what it handed to ``__setstate__`` (a module's
+    ``__dict__``), or None.
+    """
+
+    path = ""
+
+    def __new__(cls, *args, **kwargs):
+        obj = object.__new__(cls)
+        object.__setattr__(obj, "pickled_args", args)
+        object.__setattr__(obj, "pickled_state", None)
+        return obj
+
+    def __init__(self, *args, **kwargs):  # REDUCE calls the class; nothing runs
+        pass
+
+    def __setstate__(self, state):
+        object.__setattr__(self, "pickled_state", state)
+
+    def _fields(self) -> dict:
+        state = self.pickled_state
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):  # (dict, slots)
+            state = {**(state[0] or {}), **state[1]}
+        return state if isinstance(state, dict) else {}
+
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        fields = self._fields()
+        if name in fields:
+            return fields[name]
+        for group in ("_parameters", "_buffers", "_modules"):
+            members = fields.get(group) or {}
+            if name in members:
+                return members[name]
+        raise AttributeError(f"the pickled {type(self).path} has no attribute {name!r}")
+
+    def _members(self) -> list:
+        fields = self._fields()
+        return list((fields.get("_modules") or fields.get("_parameters") or {}).values())
+
+    def __getitem__(self, k):  # ModuleList / ParameterList
+        return self._members()[k]
+
+    def __len__(self):
+        return len(self._members())
+
+    def __iter__(self):
+        return iter(self._members())
+
+    def __repr__(self):
+        return f"<pickled {type(self).path}>"
+
+
+def _reconstructor(cls, base, state):
+    """``copyreg._reconstructor`` for stand-ins only (protocol 0/1 objects)."""
+    if not (isinstance(cls, type) and issubclass(cls, Pickled)):
+        raise pickle.UnpicklingError(f"refused to reconstruct {cls!r}")
+    return cls.__new__(cls)
+
+
+def _data_types() -> dict:
+    """Globals rebuilt as themselves: torch's weights_only allowlist (tensors, storages, dtypes, plain
+    containers) and e3nn's irreps (tuples of integers, built without running other code)."""
+    from torch._weights_only_unpickler import _get_allowed_globals
+
+    allowed = dict(_get_allowed_globals())
+    allowed["copyreg._reconstructor"] = _reconstructor
+    allowed["builtins.object"] = object
+    try:
+        from e3nn.o3 import _irreps
+    except ImportError:
+        pass
+    else:
+        for name in ("Irrep", "Irreps", "_MulIr"):
+            allowed[f"e3nn.o3._irreps.{name}"] = getattr(_irreps, name)
+    return allowed
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    allowed: dict = {}
+    standins: dict = {}
+
+    def find_class(self, module, name):
+        path = f"{module}.{name}"
+        if module == "__builtin__":  # protocol 2 pickles written by Python 2 era code paths
+            path = f"builtins.{name}"
+        if path in self.allowed:
+            return self.allowed[path]
+        if path not in self.standins:
+            self.standins[path] = type(name, (Pickled,), {"path": path, "__module__": "pickled." + module})
+        return self.standins[path]
+
+
+@contextmanager
+def _no_forced_load_mode():
+    """torch.load with an explicit pickle module refuses TORCH_FORCE_WEIGHTS_ONLY_LOAD, and the other
+    variable (set by ``import mace``) must not change anything here: both are lifted while reading."""
+    names = ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
+    saved = {k: os.environ.pop(k) for k in names if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def read_module_tree(path, map_location="cpu"):
+    """The object tree of a ``torch.save(module)`` file, every class of it a ``Pickled`` stand-in
+    (tensors are real). Nothing the pickle names is imported or run. PickleFileError if the file is
+    missing, is not a torch zip archive, or is damaged."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise PickleFileError(f"{path}: no such file")
+    import zipfile
+
+    if not zipfile.is_zipfile(path):
+        raise PickleFileError(f"{path}: not a torch.save archive (truncated, corrupt, or another format)")
+
+    class Unpickler(_RestrictedUnpickler):
+        allowed = _data_types()
+        standins: dict = {}
+
+    restricted = types.ModuleType("restricted_pickle")
+    restricted.Unpickler = Unpickler
+    restricted.load = pickle.load
+    restricted.__name__ = "restricted_pickle"
+    try:
+        with _no_forced_load_mode():
+            return torch.load(path, map_location=map_location, weights_only=False, pickle_module=restricted)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, KeyError, AttributeError, TypeError) as exc:
+        raise PickleFileError(f"{path}: cannot read the pickled model ({type(exc).__name__}: "
+                              f"{(str(exc).splitlines() or [''])[0]})") from None
+
+
+def _archive_tensors(raw: bytes) -> dict:
+    """The tensor attributes of the module pickled in a TorchScript archive (``torch.jit.save`` bytes),
+    read with the restricted unpickler: {attribute: tensor}. The archive's code is never loaded."""
+    import io
+    import zipfile
+
+    archive = zipfile.ZipFile(io.BytesIO(raw))
+    pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
+    if len(pickles) != 1:
+        raise pickle.UnpicklingError("not a TorchScript archive")
+    root = pickles[0][: -len("data.pkl")]
+
+    class Unpickler(_RestrictedUnpickler):
+        allowed = _data_types()
+        standins: dict = {}
+
+        def persistent_load(self, saved_id):
+            kind, storage_type, key, _location, _numel = saved_id
+            if kind != "storage":
+                raise pickle.UnpicklingError(f"unknown persistent id {kind!r}")
+            data = torch.UntypedStorage.from_buffer(archive.read(f"{root}data/{key}"), dtype=torch.uint8)
+            return torch.storage.TypedStorage(wrap_storage=data, dtype=storage_type.dtype, _internal=True)
+
+    module = Unpickler(io.BytesIO(archive.read(pickles[0]))).load()
+    fields = module._fields() if isinstance(module, Pickled) else {}
+    return {k: v for k, v in fields.items() if isinstance(v, torch.Tensor)}
+
+
+def codegen_tensors(tree, prefix: str = "") -> dict:
+    """The constants of every e3nn code-generated submodule in a pickled tree, keyed as the rebuilt
+    model's ``state_dict`` keys them ("interactions.1.conv_tp._compiled_main_left_right._w3j_1_2_1").
+    e3nn 0.4 pickles each as TorchScript bytes, e3nn >= 0.5 as ("torchscript", bytes) or ("fx", bytes)."""
+    out = {}
+    fields = tree._fields()
+    for fname, saved in (fields.get("__codegen__") or {}).items():
+        kind, raw = saved if isinstance(saved, tuple) else ("torchscript", saved)
+        if kind == "torchscript":
+            tensors = _archive_tensors(raw)
+        else:  # an fx.GraphModule pickled with plain pickle: its body dict holds the constants
+            import io
+
+            class Unpickler(_RestrictedUnpickler):
+                allowed = dict(_data_types(), **{"torch.storage._load_from_bytes": _storage_from_bytes})
+                standins: dict = {}
+
+            module = Unpickler(io.BytesIO(raw)).load()  # reduce_graph_module(body, imports): a stand-in
+            body = module.pickled_args[0] if isinstance(module, Pickled) and module.pickled_args else {}
+            body = body if isinstance(body, dict) else {}
+            tensors = {k: v for group in ("_parameters", "_buffers") for k, v in (body.get(group) or {}).items()
+                       if isinstance(v, torch.Tensor)}
+        out.update({f"{prefix}{fname}.{k}": v for k, v in tensors.items()})
+    for name, child in (fields.get("_modules") or {}).items():
+        if isinstance(child, Pickled):
+            out.update(codegen_tensors(child, f"{prefix}{name}."))
+    return out
+
+
+def _storage_from_bytes(raw: bytes):
+    """``torch.storage._load_from_bytes`` (how plain pickle stores a tensor's storage), tensors only."""
+    import io
+
+    return torch.load(io.BytesIO(raw), weights_only=True)
+
+
+def state_dict(tree, prefix: str = "") -> dict:
+    """The persistent parameters and buffers of a pickled module tree, keyed as ``Module.state_dict``
+    keys them ("interactions.0.linear.weight")."""
+    out = {}
+    fields = tree._fields()
+    transient = set(fields.get("_non_persistent_buffers_set") or ())
+    for name, value in (fields.get("_parameters") or {}).items():
+        if value is not None:
+            out[prefix + name] = value.detach() if isinstance(value, torch.Tensor) else value
+    for name, value in (fields.get("_buffers") or {}).items():
+        if value is not None and name not in transient:
+            out[prefix + name] = value
+    for name, child in (fields.get("_modules") or {}).items():
+        if isinstance(child, Pickled):
+            out.update(state_dict(child, f"{prefix}{name}."))
+    return out

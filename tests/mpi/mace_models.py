@@ -1,0 +1,64 @@
+"""MACE models (the e3nn 0.4.4 fixtures of tests/data/mace) through mlip_parallel.evaluate == MACE's own
+MACECalculator: every geometry × grid × model × head, layerwise (ghost features through MACE's exchange
+hook) and, where its shell stays small, wide; the ASE calculator once per model. Float64 to 1e-9
+relative, float32 to 1e-5. Run under mpiexec -n P or torchrun (the job's backend)."""
+import os
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import torch  # noqa: E402
+
+import mlip_parallel  # noqa: E402
+import potentials  # noqa: E402
+from md import MLIPCalculator  # noqa: E402
+from systems import MACE_FIXTURES, mace_errors, mace_fixture, shared_out  # noqa: E402
+
+torch.set_num_threads(1)
+world = mlip_parallel.get_backend()
+P = world.size
+GRIDS = {1: [None], 2: [None, (2, 1, 1), (1, 1, 2)], 3: [None, (3, 1, 1), (1, 3, 1), (1, 1, 3)],
+         4: [None, (1, 1, 4), (2, 2, 1), (4, 1, 1), (1, 2, 2)]}[P]
+WIDE = ("clusters", "small_cell", "slab")  # wide mode's shell (layers × r_max) stays affordable here
+
+failures, cases, empty, worst = [], 0, 0, {}
+for name in MACE_FIXTURES:
+    path, heads, geometries = mace_fixture(name)
+    tolerance = 1e-5 if name.endswith("f32") else 1e-9
+    for head in heads:
+        model = potentials.MACE(path, head=head)
+        for geometry, (atoms, references) in geometries.items():
+            reference = references[head]
+            for grid in GRIDS if head == heads[0] else GRIDS[:1]:
+                for mode in ("layerwise", "wide") if geometry in WIDE and grid is None else ("layerwise",):
+                    result = mlip_parallel.evaluate(model, atoms, mode=mode, grid=grid)
+                    errors = mace_errors(result, reference, atoms)
+                    cases += 1
+                    worst[name] = max(worst.get(name, 0.0), max(errors.values()))
+                    if max(errors.values()) > tolerance:
+                        failures.append(f"{name} head={head} {geometry} grid={grid} {mode}: {errors}")
+                    if grid is not None:
+                        owned = world.allgather(len(mlip_parallel.Decomposition(atoms, model.cutoff, world,
+                                                                                grid).owned))
+                        empty += sum(n == 0 for n in owned)
+                        if not shared_out(owned, len(atoms)):
+                            failures.append(f"{geometry} grid={grid}: owned atoms per rank {owned}")
+    atoms, references = geometries["hcp_triclinic"]
+    atoms = atoms.copy()
+    atoms.calc = MLIPCalculator(model)  # the last head
+    via = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(), "stress": atoms.get_stress()}
+    errors = mace_errors(via, references[heads[-1]], atoms)
+    if max(errors.values()) > tolerance:
+        failures.append(f"{name} MLIPCalculator hcp_triclinic: {errors}")
+    if world.rank == 0:
+        print(f"{name}: max rel err vs MACECalculator {worst[name]:.2e} (evaluate), "
+              f"{max(errors.values()):.2e} (MLIPCalculator)", flush=True)
+
+failures = sorted({f for mine in world.allgather(failures) for f in mine})
+if world.rank == 0:
+    print(f"P={P}: MACE {cases} cases, {len(failures)} failures, {empty} (case, rank) with no atoms; "
+          f"communication: {world.library}")
+    for f in failures:
+        print("FAIL", f)
+sys.exit(1 if failures else 0)

@@ -1,0 +1,234 @@
+"""The MACE adapter on one process against MACE's own calculator, and its loader's contracts: the pickle's
+code never runs, saved constants are carried, the process's state is left as it was, bad files are named.
+
+The fixtures (tests/data/mace, made by make_fixtures.py under e3nn 0.4.4) hold MACECalculator's results;
+tests/mpi/mace_models.py runs the same comparison on 2-4 ranks."""
+import os
+import pickle
+import warnings
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("mace", reason="the MACE adapter needs mace-torch: pip install -e .[mace] && "
+                                   "pip install --no-deps mace-torch==0.3.16")
+warnings.filterwarnings("ignore", module="mace")
+warnings.filterwarnings("ignore", module="e3nn")
+
+import mlip_parallel  # noqa: E402
+import potentials  # noqa: E402
+from md import MLIPCalculator  # noqa: E402
+from potentials.adapters.mace import MACEModelError, load_mace  # noqa: E402
+from potentials.adapters.pickled import codegen_tensors, read_module_tree, state_dict  # noqa: E402
+from systems import MACE_DIR, MACE_FIXTURES, GEOMETRIES, mace_errors, mace_fixture  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def fixtures():
+    return {name: mace_fixture(name) for name in MACE_FIXTURES}
+
+
+@pytest.fixture
+def restore_environment():
+    """``import mace`` (MACE's calculator, in some tests) sets TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD for the
+    process: keep it from leaking into later tests."""
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)
+
+
+@pytest.mark.parametrize("name", MACE_FIXTURES)
+def test_fixture_equals_mace_calculator(fixtures, name):
+    """Every head × geometry: predict, serial layerwise evaluate and MLIPCalculator == MACECalculator
+    (under e3nn 0.4.4, where the file was written); float64 to 1e-9, float32 to 1e-5; dtype kept."""
+    path, heads, geometries = fixtures[name]
+    tolerance = 1e-5 if name.endswith("f32") else 1e-9
+    for head in heads:
+        model = potentials.MACE(path, head=head)
+        assert model.dtype == (torch.float32 if name.endswith("f32") else torch.float64)
+        assert model.species == ["Cu", "Ag"] and model.head == head
+        for geometry, (atoms, references) in geometries.items():
+            for result in (potentials.predict(model, atoms),
+                           mlip_parallel.evaluate(model, atoms, comm=mlip_parallel.SerialBackend())):
+                errors = mace_errors(result, references[head], atoms)
+                assert max(errors.values()) < tolerance, (head, geometry, errors)
+        atoms, references = geometries["sheared"]
+        atoms = atoms.copy()
+        atoms.calc = MLIPCalculator(model)
+        via = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(), "stress": atoms.get_stress()}
+        assert max(mace_errors(via, references[head], atoms).values()) < tolerance
+
+
+def test_wide_mode_equals_mace_calculator(fixtures):
+    path, heads, geometries = fixtures["mace-zbl-f64"]
+    model = potentials.MACE(path)
+    for geometry in ("clusters", "small_cell", "fcc_bulk"):
+        atoms, references = geometries[geometry]
+        result = mlip_parallel.evaluate(model, atoms, mode="wide", comm=mlip_parallel.SerialBackend())
+        assert max(mace_errors(result, references["Default"], atoms).values()) < 1e-9, geometry
+
+
+def test_default_head_is_mace_calculators(fixtures):
+    path, heads, _ = fixtures["mace-heads-f64"]
+    assert heads == ["pbe", "default"] and potentials.MACE(path).head == "default"
+    with pytest.raises(MACEModelError, match=r"no head 'omat'; the model's heads are \['pbe', 'default'\]"):
+        potentials.MACE(path, head="omat")
+
+
+def test_loader_carries_every_saved_tensor(fixtures):
+    """The rebuilt model's state is the file's, tensor for tensor: its parameters and buffers (U matrices,
+    E0s, scale/shift, ZBL constants) and the Wigner 3j constants e3nn 0.4.4 kept only in its generated
+    TorchScript. Nothing the rebuild computed itself survives."""
+    for name in MACE_FIXTURES:
+        path = fixtures[name][0]
+        tree = read_module_tree(path)
+        saved = {**codegen_tensors(tree), **state_dict(tree)}
+        loaded = load_mace(path).state_dict()
+        assert set(loaded) == set(saved), sorted(set(loaded) ^ set(saved))[:5]
+        assert any("U_matrix" in key for key in saved)
+        assert any("_w3j_" in key for key in saved) == (name != "mace-small-f32")  # scalars only: no 3j
+        for key, value in saved.items():
+            assert torch.equal(loaded[key], value.to(loaded[key].dtype)), (name, key)
+
+
+def test_model_saved_under_current_e3nn(tmp_path, restore_environment):
+    """A MACE model written in this environment (e3nn >= 0.6, whose generated code pickles differently)
+    loads too, and equals the model it was saved from (MACE's calculator on it)."""
+    from e3nn import o3
+    from mace import modules
+    from mace.calculators import MACECalculator
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(4)
+    model = modules.ScaleShiftMACE(
+        r_max=4.0, num_bessel=6, num_polynomial_cutoff=5, max_ell=2,
+        interaction_cls=modules.interaction_classes["RealAgnosticResidualInteractionBlock"],
+        interaction_cls_first=modules.interaction_classes["RealAgnosticResidualInteractionBlock"],
+        num_interactions=2, num_elements=2, hidden_irreps=o3.Irreps("4x0e+4x1o"), MLP_irreps=o3.Irreps("8x0e"),
+        gate=torch.nn.functional.silu, atomic_energies=np.array([-3.1, -2.2]), avg_num_neighbors=12.0,
+        atomic_numbers=[29, 47], correlation=2, radial_MLP=[8, 8], atomic_inter_scale=1.2, atomic_inter_shift=0.1)
+    torch.set_default_dtype(default)
+    path = tmp_path / "current.model"
+    torch.save(model, path)
+    atoms = GEOMETRIES["hcp_triclinic"]()
+    ours = potentials.predict(potentials.MACE(path), atoms)
+    atoms.calc = MACECalculator(models=[model], device="cpu", default_dtype="float64")
+    reference = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(), "stress": atoms.get_stress()}
+    torch.set_default_dtype(default)  # MACE's calculator sets it for the process
+    assert max(mace_errors(ours, reference, atoms).values()) < 1e-9
+
+
+class RunsACommand:
+    """Unpickling this runs ``touch MARKER`` (pickle calls os.system)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_pickle_that_runs_a_command_is_refused_without_running_it(tmp_path):
+    marker = tmp_path / "ran"
+    path = tmp_path / "evil.model"
+    torch.save(RunsACommand(marker), path)
+    with pytest.raises(MACEModelError, match=r"a posix\.system, not a MACE energy model"):
+        potentials.MACE(path)
+    assert not marker.exists()
+    # the same payload inside a real MACE model file: the model loads, the command still does not run
+    path = tmp_path / "evil-inside.model"
+    with zipfile.ZipFile(fixture_path("mace-heads-f64")) as source:
+        name = next(n for n in source.namelist() if n.endswith("/data.pkl"))
+        data = source.read(name)
+    data = data.replace(b"use_so3", b"xxx_so3")  # an unknown attribute, then the payload as its value
+    evil = pickle.dumps(RunsACommand(marker), protocol=2)[2:-1]  # the object's opcodes, without PROTO/STOP
+    at = data.index(b"xxx_so3") + len(b"xxx_so3") + 1  # after the BINPUT of the attribute name
+    at = data.index(b"\x89", at)  # its value: NEWFALSE
+    data = data[:at] + evil + data[at + 1:]
+    rewrite_archive(fixture_path("mace-heads-f64"), path, name, data)
+    model = potentials.MACE(path)
+    assert not marker.exists() and model.layers == 2
+
+
+def fixture_path(name):
+    return MACE_DIR / f"{name}.model"
+
+
+def rewrite_archive(source, target, member, data):
+    """A copy of the torch zip ``source`` with ``member`` replaced by ``data``."""
+    with zipfile.ZipFile(source) as zin, zipfile.ZipFile(target, "w", zipfile.ZIP_STORED) as zout:
+        for info in zin.infolist():
+            zout.writestr(info, data if info.filename == member else zin.read(info.filename))
+
+
+def test_block_class_it_cannot_rebuild_is_named(tmp_path):
+    with zipfile.ZipFile(fixture_path("mace-heads-f64")) as source:
+        name = next(n for n in source.namelist() if n.endswith("/data.pkl"))
+        data = source.read(name)
+    data = data.replace(b"RealAgnosticDensityResidualInteractionBlock", b"MyOwnDensityResidualInteractionBlocks")
+    path = tmp_path / "custom.model"
+    rewrite_archive(fixture_path("mace-heads-f64"), path, name, data)
+    with pytest.raises(MACEModelError, match="interaction block mace.modules.blocks.MyOwnDensityResidualInteraction"
+                                             "Blocks is not one this loader can rebuild"):
+        potentials.MACE(path)
+
+
+def test_bad_files_are_named(tmp_path):
+    (tmp_path / "text.model").write_text("not a model")
+    with pytest.raises(MACEModelError, match="text.model: not a torch.save archive"):
+        potentials.MACE(tmp_path / "text.model")
+    with pytest.raises(MACEModelError, match="none.model: no such file"):
+        potentials.MACE(tmp_path / "none.model")
+    data = fixture_path("mace-small-f32").read_bytes()
+    (tmp_path / "cut.model").write_bytes(data[: len(data) // 2])
+    with pytest.raises(MACEModelError, match="cut.model"):
+        potentials.MACE(tmp_path / "cut.model")
+    with pytest.raises(MACEModelError, match="a compiled .* pass the .model file it was made from"):
+        potentials.MACE(tmp_path / "x.model-lammps.pt")
+    atoms = GEOMETRIES["small_cell"]()
+    atoms.numbers[0] = 26
+    with pytest.raises(potentials.UnknownSpeciesError, match=r"\['Fe'\] not known to MACE; it knows \['Cu', 'Ag'\]"):
+        potentials.predict(potentials.MACE(fixture_path("mace-small-f32")), atoms)
+
+
+def test_loading_leaves_the_process_as_it_was(restore_environment):
+    """Default dtype, the global random state and TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD (which ``import mace``
+    sets) are what they were; after ``import mace``, potentials.load still refuses a pickled model."""
+    os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
+    state, dtype = torch.get_rng_state(), torch.get_default_dtype()
+    model = potentials.MACE(fixture_path("mace-zbl-f64"))
+    potentials.predict(model, GEOMETRIES["small_cell"]())
+    assert torch.equal(torch.get_rng_state(), state) and torch.get_default_dtype() == dtype
+    assert "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD" not in os.environ
+    os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"  # as `import mace` (MACE's calculator) sets it
+    with pytest.raises(potentials.CheckpointError, match="holds pickled Python objects, refused"):
+        potentials.load(fixture_path("mace-zbl-f64"))
+    with pytest.raises(potentials.CheckpointError):
+        potentials.load_model(str(fixture_path("mace-zbl-f64")))  # no "mace:": never read as a pickle
+
+
+def test_mlip_train_eval_scores_a_mace_file(tmp_path, fixtures):
+    """``mlip-train eval mace:FILE DATA`` on data labelled by MACE's calculator: errors at rounding level."""
+    from ase.calculators.singlepoint import SinglePointCalculator
+    from ase.io import write
+
+    from mlip_parallel.train.cli import evaluate_model
+
+    path, heads, geometries = fixtures["mace-heads-f64"]
+    frames = []
+    for geometry in ("fcc_bulk", "sheared", "small_cell"):
+        atoms, references = geometries[geometry]
+        atoms = atoms.copy()
+        ref = references["pbe"]
+        atoms.calc = SinglePointCalculator(atoms, energy=float(ref["energy"]), forces=ref["forces"],
+                                           stress=ref["stress"])
+        frames.append(atoms)
+    write(tmp_path / "labelled.traj", frames)  # full precision (extxyz rounds positions to 1e-8 Å)
+    errors = evaluate_model(f"mace:{path}", str(tmp_path / "labelled.traj"), head="pbe")
+    assert errors["energy_mae"] < 1e-10 and errors["forces_mae"] < 1e-10 and errors["stress_mae"] < 1e-10, errors
+    errors = evaluate_model(f"mace:{path}", str(tmp_path / "labelled.traj"))  # the default head: other labels
+    assert errors["forces_mae"] > 1e-4
