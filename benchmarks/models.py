@@ -27,7 +27,7 @@ def models(names):
         "SchNet": ("SchNet F=64 L=3", lambda: potentials.SchNet(["Cu"], cutoff=5.0, features=64, layers=3)),
         "PaiNN": ("PaiNN F=64 L=3", lambda: potentials.PaiNN(["Cu"], cutoff=5.0, features=64, layers=3)),
         "NequIP": ("NequIP F=16 l=2 L=3", lambda: potentials.NequIP(["Cu"], cutoff=5.0, features=16, layers=3)),
-        "SevenNet": ("SevenNet-0", lambda: __import__("potentials.sevennet").sevennet.SevenNet("7net-0")),
+        "SevenNet": ("SevenNet-0", lambda: potentials.SevenNet("7net-0")),
     }
     for key in names:
         label, build = builders[key]

