@@ -7,7 +7,7 @@ and how fast? Prints one table.
 1. the self-check (``mlip_parallel.check``: Lennard-Jones and SchNet, layerwise and wide, distributed vs one
    process) on 1, 2 and 4 ranks sharing the GPU(s), with the MPI backend (mpiexec; CUDA tensors
    host-staged unless MLIP_CUDA_AWARE_MPI=1) and the torch backend (torchrun; NCCL on GPUs, gloo on CPUs);
-2. SchNet, PaiNN, NequIP (random weights) and SevenNet-0 on the device, float64 and float32, against a CPU
+2. SchNet, PaiNN, NequIP (random weights), SevenNet-0 and a MACE file on the device, float64 and float32, against a CPU
    float64 reference: energy and forces;
 3. 100 velocity-Verlet steps on the device against the same run on the CPU (float64);
 4. ``mlip-train`` on the device (float64 SchNet, energy + force + stress, AdamW + EMA, 3 epochs): one process
@@ -21,6 +21,7 @@ and how fast? Prints one table.
 Exits 1 if a correctness check fails. Numbers for this machine are in README.
 """
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -64,7 +65,7 @@ def self_checks(ranks_list, env):
 # ----------------------------------------------------------------------------- 2. models on the device
 def models():
     """name → a function building the model: float64, except SevenNet-0 (float32 only; only where sevenn is
-    installed)."""
+    installed); MACE where mace-torch is installed."""
     import torch
 
     import potentials
@@ -83,6 +84,8 @@ def models():
         out["SevenNet-0"] = lambda: SevenNet("7net-0")
     except ImportError:
         pass
+    if importlib.util.find_spec("mace") is not None:  # a MACE file saved under e3nn 0.4.4 (the test fixture)
+        out["MACE"] = lambda: potentials.MACE(ROOT / "tests" / "data" / "mace" / "mace-zbl-f64.model")
     return out
 
 

@@ -18,6 +18,9 @@ own derivative of the per-atom energies (MACE computes no forces here).
 from __future__ import annotations
 
 import os
+import pickle
+import zipfile
+
 import torch
 from ase.data import chemical_symbols
 
@@ -181,14 +184,20 @@ def load_mace(path) -> torch.nn.Module:
     if path.endswith((".pt2", ".pth")) or path.endswith("-lammps.pt"):
         raise MACEModelError(f"{path}: a compiled (TorchScript / exported) MACE model; pass the .model file it was "
                              f"made from")
+    import_mace()
     try:
         tree = read_module_tree(path)
+        cls, config = mace_config(tree, path)
+        weights = {**codegen_tensors(tree), **state_dict(tree)}
+        dtype = tree.r_max.dtype
     except PickleFileError as exc:
         raise MACEModelError(str(exc)) from None
-    import_mace()
-    cls, config = mace_config(tree, path)
-    weights = {**codegen_tensors(tree), **state_dict(tree)}
-    dtype = tree.r_max.dtype
+    except (AttributeError, TypeError, ValueError, KeyError, IndexError, pickle.UnpicklingError,
+            zipfile.BadZipFile) as exc:  # a pickle whose tree lacks or garbles what a MACE model holds
+        if isinstance(exc, MACEModelError):
+            raise
+        raise MACEModelError(f"{path}: not a complete MACE model ({type(exc).__name__}: "
+                             f"{(str(exc).splitlines() or [''])[0]})") from None
     default = torch.get_default_dtype()
     try:
         with torch.random.fork_rng(devices=[]):
