@@ -155,6 +155,8 @@ def load_model(spec: str, dtype: str | None = None, head: str | None = None):
     LammpsBridgeError on a bad spec."""
     import potentials
 
+    if head is not None and not spec.startswith("mace:"):
+        raise LammpsBridgeError(f"--head chooses the head of a MACE model (--model mace:FILE), not of {spec}")
     if spec.startswith("lj:"):
         try:
             epsilon, sigma, cutoff = (float(v) for v in spec[3:].split(","))
@@ -600,6 +602,13 @@ def mace_deck_model(deck_path, lines) -> "DeckModel | None":
         if len(words) < 4:
             raise LammpsBridgeError(f"{where}: expected 'pair_style mliap unified MODEL 0'")
         export, elements = words[3], coeff[2][3:]
+    if kind == "mliap" and not export.endswith((*MACE_EXPORTS, ".model")):
+        return None  # another package's ML-IAP model (nequip's, ...): not MACE's
+    if "$" in export:
+        raise LammpsBridgeError(f"{where}: the model path {export} holds a LAMMPS variable; write the path out "
+                                f"(it is read before LAMMPS starts)")
+    if "NULL" in elements:
+        raise LammpsBridgeError(f"{deck_path}:{coeff[0] + 1}: a NULL type: every atom type needs an element here")
     eager = next((export[: -len(s)] for s in MACE_EXPORTS if export.endswith(s)), export)
     if not os.path.isfile(eager):
         raise LammpsBridgeError(f"{where}: the deck's MACE model {export} runs here from the .model file it was "

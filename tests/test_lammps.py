@@ -151,3 +151,11 @@ def test_mace_users_deck_names_its_model(tmp_path):
                                            f"pair_coeff * * {tmp_path}/other.model-lammps.pt Cu"])
     with pytest.raises(LammpsBridgeError, match="hybrid/overlay with mace: only a deck whose pair style is MACE"):
         mace_deck_model("in.h", head + ["pair_style hybrid/overlay mace no_domain_decomposition zbl 3 4"])
+    with pytest.raises(LammpsBridgeError, match=r"the model path \$\{dir\}/m.model-lammps.pt holds a LAMMPS variable"):
+        mace_deck_model("in.v", head + ["pair_style mace no_domain_decomposition",
+                                        "pair_coeff * * ${dir}/m.model-lammps.pt Cu"])
+    with pytest.raises(LammpsBridgeError, match="in.null:4: a NULL type"):
+        mace_deck_model("in.null", head + ["pair_style mace no_domain_decomposition",
+                                           f"pair_coeff * * {model}-lammps.pt Cu NULL"])
+    assert mace_deck_model("in.nequip", head + ["pair_style mliap unified model.nequip.lmp.pt 0",
+                                                "pair_coeff * * Cu"]) is None  # another package's ML-IAP file

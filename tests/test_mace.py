@@ -155,6 +155,32 @@ def test_pickle_that_runs_a_command_is_refused_without_running_it(tmp_path):
     assert not marker.exists() and model.layers == 2
 
 
+def test_files_that_torch_load_would_run_are_refused_without_running(tmp_path, monkeypatch):
+    """Neither path of torch.load that runs code is taken: a plain (legacy) pickle with a zip appended
+    (torch.load would unpickle it with plain pickle) and a TorchScript archive (torch.load would hand it
+    to torch.jit.load, whose __setstate__ code runs). With TORCH_FORCE_WEIGHTS_ONLY_LOAD set, MACE files
+    still load, and the variable stays."""
+    marker = tmp_path / "ran"
+    legacy = tmp_path / "legacy.model"
+    legacy.write_bytes(pickle.dumps(RunsACommand(marker)) + fixture_path("mace-small-f32").read_bytes())
+    assert zipfile.is_zipfile(legacy)  # the end of the file is a zip: a loose zip test would accept it
+    with pytest.raises(MACEModelError, match="legacy.model: not a torch.save archive"):
+        potentials.MACE(legacy)
+    assert not marker.exists()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.jit.load called")
+
+    monkeypatch.setattr(torch.jit, "load", refuse)
+    scripted = torch.jit.script(torch.nn.Linear(2, 2))
+    torch.jit.save(scripted, tmp_path / "scripted.model")
+    with pytest.raises(MACEModelError, match="not a MACE energy model"):
+        potentials.MACE(tmp_path / "scripted.model")
+    monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
+    assert potentials.MACE(fixture_path("mace-small-f32")).layers == 3
+    assert os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] == "1"
+
+
 def fixture_path(name):
     return MACE_DIR / f"{name}.model"
 
@@ -262,14 +288,14 @@ def test_md_and_lammps_deck_on_two_ranks_equal_one_process(mpirun, tmp_path):
     import yaml
     from ase import units
     from ase.io import read, write
-    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution, Stationary
+    from ase.md.velocitydistribution import Stationary, thermalize_momenta
 
     from conftest import MPI_DIR
     from md.cli import main
 
     path = fixture_path("mace-zbl-f64")
     atoms = GEOMETRIES["fcc_bulk"]()
-    MaxwellBoltzmannDistribution(atoms, temperature_K=600, rng=np.random.default_rng(7))
+    thermalize_momenta(atoms, temperature_K=600, rng=np.random.default_rng(7))
     Stationary(atoms)
     write(tmp_path / "start.traj", atoms)
     write(tmp_path / "start.data", atoms, format="lammps-data", specorder=["Cu", "Ag"], velocities=True,

@@ -32,7 +32,7 @@ def load_model(spec: str, dtype: str | None = None, head: str | None = None):
         from .sevennet import SevenNet
 
         if dtype not in (None, "float32"):
-            raise ModelSpecError(f"{spec}: SevenNet runs in float32 only")
+            raise ModelSpecError(f"{spec}: SevenNet runs in float32 only (dtype {dtype} asked for)")
         return SevenNet(spec[len("sevennet:"):])
     if spec.startswith("mace:"):
         from .mace import MACE

@@ -193,8 +193,8 @@ def load_mace(path) -> torch.nn.Module:
         dtype = tree.r_max.dtype
     except PickleFileError as exc:
         raise MACEModelError(str(exc)) from None
-    except (AttributeError, TypeError, ValueError, KeyError, IndexError, pickle.UnpicklingError,
-            zipfile.BadZipFile) as exc:  # a pickle whose tree lacks or garbles what a MACE model holds
+    except (AttributeError, TypeError, ValueError, KeyError, IndexError, ZeroDivisionError, RecursionError,
+            pickle.UnpicklingError, zipfile.BadZipFile) as exc:  # a tree that lacks or garbles a MACE model's parts
         if isinstance(exc, MACEModelError):
             raise
         raise MACEModelError(f"{path}: not a complete MACE model ({type(exc).__name__}: "
@@ -270,7 +270,7 @@ class MACE(Potential):
         species = torch.cat([graph.species.new_zeros(pad), graph.species])
         n_real = pad + graph.receivers
         data = {
-            "vectors": graph.edge_vec.to(self.dtype),
+            "vectors": graph.edge_vec.to(self.dtype, copy=True),  # MACE calls requires_grad_ on it
             "node_attrs": torch.nn.functional.one_hot(species, len(self.species)).to(self.dtype),
             "edge_index": graph.edge_index + pad,  # (sender, receiver), as MACE's
             "batch": torch.zeros(n_real, dtype=torch.int64, device=species.device),

@@ -4,8 +4,9 @@ A pickle names the classes and functions it needs ("GLOBAL module name") and the
 calls them: that is how a model file can run any command. Here only tensors, plain containers and a
 few data types are rebuilt — torch's own ``weights_only`` allowlist, and e3nn's ``Irreps`` (tuples of
 integers); every other global becomes a ``Pickled`` stand-in class that records what the pickle said
-about its instances (constructor arguments and state) and imports nothing. ``torch.load`` still reads
-the archive and its tensor storages.
+about its instances (constructor arguments and state) and imports nothing. The zip archive and its
+tensor storages are read here too, not by ``torch.load`` (which would pass a TorchScript archive to
+``torch.jit.load`` and a legacy, non-zip file to plain pickle).
 
 e3nn modules that generate code (``CodeGenMixin``: tensor products, linears) pickle their generated
 TorchScript (or fx) modules as bytes, and their constants (Wigner 3j coefficients) only there:
@@ -20,8 +21,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import types
-from contextlib import contextmanager
 
 import torch
 
@@ -129,42 +128,61 @@ class _RestrictedUnpickler(pickle.Unpickler):
         return self.standins[path]
 
 
-@contextmanager
-def _no_forced_load_mode():
-    """torch.load with an explicit pickle module refuses TORCH_FORCE_WEIGHTS_ONLY_LOAD, and the other
-    variable (set by ``import mace``) must not change anything here: both are lifted while reading."""
-    names = ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
-    saved = {k: os.environ.pop(k) for k in names if k in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
+def _load_archive(archive, what: str):
+    """The object pickled in a torch zip archive (``torch.save`` or ``torch.jit.save`` layout: one
+    ``PREFIX/data.pkl`` and its storages in ``PREFIX/data/KEY``), unpickled with the restricted
+    unpickler; storages are read from the archive's records. No torch loader runs (torch.load would
+    hand a TorchScript archive to torch.jit.load, and a file that is not a zip to plain pickle)."""
+    import io
 
-
-def read_module_tree(path, map_location="cpu"):
-    """The object tree of a ``torch.save(module)`` file, every class of it a ``Pickled`` stand-in
-    (tensors are real). Nothing the pickle names is imported or run. PickleFileError if the file is
-    missing, is not a torch zip archive, or is damaged."""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise PickleFileError(f"{path}: no such file")
-    import zipfile
-
-    if not zipfile.is_zipfile(path):
-        raise PickleFileError(f"{path}: not a torch.save archive (truncated, corrupt, or another format)")
+    pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
+    if len(pickles) != 1:
+        raise pickle.UnpicklingError(f"not a torch archive: {len(pickles)} data.pkl records")
+    root = pickles[0][: -len("data.pkl")]
+    if f"{root}byteorder" in archive.namelist() and archive.read(f"{root}byteorder").strip() != b"little":
+        raise pickle.UnpicklingError("written on a big-endian machine; not supported")
+    storages: dict = {}
 
     class Unpickler(_RestrictedUnpickler):
         allowed = _data_types()
         standins: dict = {}
 
-    restricted = types.ModuleType("restricted_pickle")
-    restricted.Unpickler = Unpickler
-    restricted.load = pickle.load
-    restricted.__name__ = "restricted_pickle"
+        def persistent_load(self, saved_id):
+            if not (isinstance(saved_id, tuple) and len(saved_id) == 5 and saved_id[0] == "storage"):
+                raise pickle.UnpicklingError(f"unknown persistent id {str(saved_id)[:80]}")
+            _, storage_type, key, _location, _numel = saved_id
+            dtype = getattr(storage_type, "dtype", None)
+            if not isinstance(dtype, torch.dtype):
+                raise pickle.UnpicklingError(f"storage of unknown type {storage_type!r}")
+            if key not in storages:
+                data = torch.UntypedStorage.from_buffer(archive.read(f"{root}data/{key}"), dtype=torch.uint8)
+                storages[key] = torch.storage.TypedStorage(wrap_storage=data, dtype=dtype, _internal=True)
+            return storages[key]
+
     try:
-        with _no_forced_load_mode():
-            return torch.load(path, map_location=map_location, weights_only=False, pickle_module=restricted)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, KeyError, AttributeError, TypeError) as exc:
+        return Unpickler(io.BytesIO(archive.read(pickles[0]))).load()
+    except RecursionError:
+        raise pickle.UnpicklingError(f"{what} nests too deeply") from None
+
+
+def read_module_tree(path):
+    """The object tree of a ``torch.save(module)`` file, every class of it a ``Pickled`` stand-in
+    (tensors are real, on the CPU). Nothing the pickle names is imported or run. PickleFileError if the
+    file is missing, is not a torch zip archive, or is damaged."""
+    import zipfile
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise PickleFileError(f"{path}: no such file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"PK\x03\x04":  # torch's own test: a zip from its first byte (not a pickle with a zip after)
+        raise PickleFileError(f"{path}: not a torch.save archive (truncated, corrupt, or another format)")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return _load_archive(archive, path)
+    except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, ValueError, KeyError, AttributeError,
+            TypeError, IndexError, OSError) as exc:
         raise PickleFileError(f"{path}: cannot read the pickled model ({type(exc).__name__}: "
                               f"{(str(exc).splitlines() or [''])[0]})") from None
 
@@ -175,24 +193,7 @@ def _archive_tensors(raw: bytes) -> dict:
     import io
     import zipfile
 
-    archive = zipfile.ZipFile(io.BytesIO(raw))
-    pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
-    if len(pickles) != 1:
-        raise pickle.UnpicklingError("not a TorchScript archive")
-    root = pickles[0][: -len("data.pkl")]
-
-    class Unpickler(_RestrictedUnpickler):
-        allowed = _data_types()
-        standins: dict = {}
-
-        def persistent_load(self, saved_id):
-            kind, storage_type, key, _location, _numel = saved_id
-            if kind != "storage":
-                raise pickle.UnpicklingError(f"unknown persistent id {kind!r}")
-            data = torch.UntypedStorage.from_buffer(archive.read(f"{root}data/{key}"), dtype=torch.uint8)
-            return torch.storage.TypedStorage(wrap_storage=data, dtype=storage_type.dtype, _internal=True)
-
-    module = Unpickler(io.BytesIO(archive.read(pickles[0]))).load()
+    module = _load_archive(zipfile.ZipFile(io.BytesIO(raw)), "generated code")
     fields = module._fields() if isinstance(module, Pickled) else {}
     return {k: v for k, v in fields.items() if isinstance(v, torch.Tensor)}
 

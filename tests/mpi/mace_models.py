@@ -55,6 +55,10 @@ for name in MACE_FIXTURES:
         print(f"{name}: max rel err vs MACECalculator {worst[name]:.2e} (evaluate), "
               f"{max(errors.values()):.2e} (MLIPCalculator)", flush=True)
 
+# per model: 7 geometries x grids + 3 wide cases for its first head; the two-head model's second: 7 + 3
+expected = len(MACE_FIXTURES) * (7 * len(GRIDS) + len(WIDE)) + 7 + len(WIDE)
+if cases != expected:
+    failures.append(f"{cases} cases ran, expected {expected}")
 failures = sorted({f for mine in world.allgather(failures) for f in mine})
 if world.rank == 0:
     print(f"P={P}: MACE {cases} cases, {len(failures)} failures, {empty} (case, rank) with no atoms; "
