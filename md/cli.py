@@ -25,9 +25,11 @@ SCHEMA = {
         "sevennet": (str, None, "a SevenNet checkpoint name or path, e.g. 7net-0 (needs the sevenn extra)"),
         "mace": (str, None, "a MACE model file (.model, as MACE's training writes it; read without running the "
                             "pickle's code; needs the mace extra)"),
+        "nequip": (str, None, "a NequIP or Allegro model of the nequip framework: its .ckpt checkpoint or "
+                              ".nequip.zip package (loaded by the framework, which unpickles it; needs the nequip extra)"),
         "head": (str, None, "mace: the head of a multi-head model (default: the only head, else 'default')"),
-        "dtype": (str, None, "float32 or float64 (default: float64 for checkpoints, the file's own for MACE, "
-                             "float32 for SevenNet)"),
+        "dtype": (str, None, "float32 or float64 (default: float64 for checkpoints, the file's own for MACE and "
+                             "nequip, float32 for SevenNet)"),
     },
     "structure": {
         "file": (str, None, "any ASE-readable structure file"),
@@ -84,7 +86,7 @@ def schema_help() -> str:
     return config_help(SCHEMA)
 
 
-MODEL_KEYS = ("lennard_jones", "checkpoint", "sevennet", "mace")
+MODEL_KEYS = ("lennard_jones", "checkpoint", "sevennet", "mace", "nequip")
 
 
 def build_model(section):
@@ -101,8 +103,7 @@ def build_model(section):
         except TypeError as exc:
             raise ConfigError(f"model.lennard_jones: {exc}") from None
     key = given[0] if given else "checkpoint"
-    spec = {"checkpoint": section["checkpoint"] or "cu-emt", "sevennet": f"sevennet:{section['sevennet']}",
-            "mace": f"mace:{section['mace']}"}[key]
+    spec = {"checkpoint": section["checkpoint"] or "cu-emt"}.get(key) or f"{key}:{section[key]}"
     try:
         dtype = section["dtype"] or ("float64" if key == "checkpoint" else None)  # MD runs checkpoints in float64
         return potentials.load_model(spec, dtype, section["head"])
@@ -168,9 +169,9 @@ def check_species(model, numbers, section) -> None:
     try:
         model.species_index(numbers)
     except UnknownSpeciesError as exc:
-        name = section["checkpoint"] or section["sevennet"] or section["mace"] or "cu-emt, the default"
-        raise ConfigError(f"structure: {exc} (model: {name}); set model.checkpoint, model.sevennet, model.mace "
-                          f"or model.lennard_jones for these elements") from None
+        name = next((section[k] for k in MODEL_KEYS[1:] if section[k]), "cu-emt, the default")
+        raise ConfigError(f"structure: {exc} (model: {name}); set model.checkpoint, model.sevennet, model.mace, "
+                          f"model.nequip or model.lennard_jones for these elements") from None
 
 
 def restart_numbers(path):

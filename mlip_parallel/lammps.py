@@ -1,6 +1,6 @@
 """mlip-lammps: run an unmodified LAMMPS input deck with a model of this package, no compilation.
 
-    mpiexec -n P mlip-lammps -in in.deck --model cu-emt|CHECKPOINT|sevennet:7net-0|mace:FILE.model|lj:EPS,SIGMA,CUTOFF
+    mpiexec -n P mlip-lammps -in in.deck --model cu-emt|CHECKPOINT|sevennet:7net-0|mace:FILE.model|nequip:FILE|lj:EPS,SIGMA,CUTOFF
                              [--elements Cu Ag] [--mode layerwise|wide] [--skin 1.0] [--add-fix] [--head NAME]
                              [any LAMMPS command-line option: -var NAME VALUE, -log FILE, -screen none, ...]
 
@@ -150,7 +150,7 @@ def _lammps_error_types():
 
 # -------------------------------------------------------------------------------------------- model
 def load_model(spec: str, dtype: str | None = None, head: str | None = None):
-    """``cu-emt`` / a checkpoint path, ``sevennet:NAME``, ``mace:PATH`` (``potentials.load_model``), or
+    """``cu-emt`` / a checkpoint path, ``sevennet:NAME``, ``mace:PATH``, ``nequip:PATH`` (``potentials.load_model``), or
     ``lj:EPS,SIGMA,CUTOFF`` (Lennard-Jones, eV and Å, energy shifted to zero at the cutoff).
     LammpsBridgeError on a bad spec."""
     import potentials
@@ -164,7 +164,7 @@ def load_model(spec: str, dtype: str | None = None, head: str | None = None):
         except ValueError as exc:
             raise LammpsBridgeError(f"--model {spec}: expected lj:EPSILON,SIGMA,CUTOFF with positive numbers "
                                     f"(eV, Å, Å) ({exc})") from None
-    if dtype is None and not spec.startswith(("sevennet:", "mace:")):
+    if dtype is None and not spec.startswith(("sevennet:", "mace:", "nequip:")):
         dtype = "float64"  # checkpoints run in float64 unless asked
     try:
         return potentials.load_model(spec, dtype, head)
@@ -676,7 +676,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-in", "-i", "--input", dest="input", required=True, metavar="DECK", help="LAMMPS input deck")
     parser.add_argument("--model",
                         help="cu-emt (bundled), a checkpoint path, sevennet:NAME (e.g. sevennet:7net-0, needs the "
-                             "sevenn extra), mace:FILE.model (needs the mace extra) or lj:EPSILON,SIGMA,CUTOFF (eV, "
+                             "sevenn extra), mace:FILE.model (the mace extra), nequip:FILE.ckpt|FILE.nequip.zip "
+                             "(the nequip extra) or lj:EPSILON,SIGMA,CUTOFF (eV, "
                              "Å, Å); default: the deck's own 'pair_style mace' / 'pair_style mliap unified' model, "
                              "else cu-emt")
     parser.add_argument("--head", help="the head of a multi-head MACE model (default: the only head, else 'default')")
@@ -686,7 +687,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="halo mode (default layerwise)")
     parser.add_argument("--skin", type=float, default=1.0, help="neighbour skin of the halo, Å (default 1.0)")
     parser.add_argument("--dtype", choices=("float32", "float64"),
-                        help="the model's dtype (default: float64 for checkpoints, a MACE file's own, float32 for SevenNet)")
+                        help="the model's dtype (default: float64 for checkpoints, a MACE or nequip file's own, float32 for "
+                             "SevenNet)")
     parser.add_argument("--add-fix", action="store_true",
                         help=f"the deck has no fix external: add 'fix {ADDED_FIX_ID} all external pf/callback 1 1' "
                              f"right after the box is defined")

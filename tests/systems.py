@@ -218,3 +218,104 @@ def mace_errors(result: dict, reference: dict, atoms) -> dict:
     if "virial" in reference:
         ours["virial"] = -voigt_6_to_full_3x3_stress(result["stress"]) * atoms.cell.volume
     return max_relative_error(ours, reference)
+
+
+# ------------------------------------------------------------------ nequip-framework fixtures (tests/data/nequip)
+NEQUIP_DIR = Path(__file__).parent / "data" / "nequip"
+NEQUIP_FIXTURES = ("nequip-zbl", "allegro")  # each as NAME.ckpt and NAME.nequip.zip (make_fixtures.py)
+
+
+def nequip_reference(path, atoms) -> dict:
+    """The nequip framework's own ASE calculator on ``atoms`` (energy, forces, and stress where the cell has
+    a volume), run in the framework's global dtype (float64) and the process's put back after."""
+    import logging
+
+    from nequip.integrations.ase import NequIPCalculator
+
+    dtype, level = torch.get_default_dtype(), logging.root.manager.disable
+    logging.disable(logging.INFO)
+    try:
+        calc = NequIPCalculator._from_saved_model(str(path), device="cpu", chemical_species_to_atom_type_map=True)
+        torch.set_default_dtype(torch.float64)
+        atoms = atoms.copy()
+        atoms.calc = calc
+        result = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces()}
+        if atoms.cell.rank == 3:
+            result["stress"] = atoms.get_stress()
+    finally:
+        torch.set_default_dtype(dtype)
+        logging.disable(level)
+    return result
+
+
+# ------------------------------------------------------------------ external models driving MD (mlip-md, mlip-lammps)
+LAMMPS_METAL_MVV2E = 1.0364269e-4  # LAMMPS's metal-unit mass * velocity^2 -> energy constant (update.cpp)
+MD_DECK = """units metal
+atom_style atomic
+boundary p p p
+read_data start.data
+mass 1 {cu:.17g}
+mass 2 {ag:.17g}
+{model_lines}
+timestep 0.001
+fix 1 all nve
+thermo_style custom step pe ke etotal press
+thermo 10
+run 50
+write_dump all custom {dump} id x y z modify format float %.17g sort id
+"""
+
+
+def write_md_comparison(directory, model: dict, decks: dict) -> Atoms:
+    """The inputs of one NVE run (50 steps of 1 fs, 108 Cu/Ag atoms from ``fcc_bulk`` at 600 K) done three
+    ways: ``md1.yaml`` (mlip-md, to run in one process), ``md2.yaml`` (mlip-md under mpiexec), and one
+    LAMMPS deck per entry of ``decks`` {name: (model lines, extra mlip-lammps arguments)}, each writing
+    NAME.dump; ``jobs.json`` lists md2 and the decks for tests/mpi/cli_jobs.py. LAMMPS's masses are scaled
+    by the ratio of the two codes' unit constants, so that both integrate the same equations. ``model``:
+    mlip-md's model section. Returns the start."""
+    import json
+
+    import yaml
+    from ase import units
+    from ase.io import write
+    from ase.md.velocitydistribution import Stationary, thermalize_momenta
+
+    directory = Path(directory)
+    atoms = GEOMETRIES["fcc_bulk"]()
+    thermalize_momenta(atoms, temperature_K=600, rng=np.random.default_rng(7))
+    Stationary(atoms)
+    assert set(np.round(atoms.get_masses(), 4)) == {63.546, 107.8682}
+    write(directory / "start.traj", atoms)
+    write(directory / "start.data", atoms, format="lammps-data", specorder=["Cu", "Ag"], velocities=True,
+          units="metal")
+    scale = 1 / (LAMMPS_METAL_MVV2E * (1000 * units.fs) ** 2)  # m_lammps = m * scale: the same accelerations
+    jobs = [["mlip-md", "md2.yaml"]]
+    for name, (lines, args) in decks.items():
+        (directory / f"{name}.in").write_text(MD_DECK.format(cu=63.546 * scale, ag=107.8682 * scale,
+                                                             model_lines=lines, dump=f"{name}.dump"))
+        jobs.append(["mlip-lammps", "-in", f"{name}.in", *args, "-screen", "none", "-log", f"{name}.log"])
+    job = {"model": model, "structure": {"file": "start.traj"}, "temperature_K": 0, "ensemble": "nve",
+           "timestep_fs": 1.0, "steps": 50, "output": {"thermo_every": 10, "trajectory_every": 25}}
+    for name in ("md1", "md2"):
+        (directory / f"{name}.yaml").write_text(yaml.safe_dump(dict(job, output=dict(job["output"], directory=name))))
+    (directory / "jobs.json").write_text(json.dumps(jobs))
+    return atoms
+
+
+def md_comparison_errors(directory, decks) -> dict:
+    """After ``write_md_comparison``'s runs: the largest position difference (Å) of the 2-rank mlip-md run
+    from the one-process run ("md2") and of each deck's LAMMPS run from the 2-rank mlip-md run (modulo the
+    cell: LAMMPS wraps atoms); "moved": the largest displacement of the one-process run from the start."""
+    from ase.io import read
+
+    directory = Path(directory)
+    start = read(directory / "start.traj")
+    one, two = (read(directory / name / "final.extxyz") for name in ("md1", "md2"))
+    assert one.info["step"] == 50
+    errors = {"md2": float(np.abs(one.positions - two.positions).max()),
+              "moved": float(np.abs(one.positions - start.positions).max())}
+    for name in decks:
+        positions = np.loadtxt(directory / f"{name}.dump", skiprows=9)[:, 1:4]
+        frac = (positions - two.positions) @ np.linalg.inv(two.cell[:])
+        errors[name] = float(np.abs((frac - np.round(frac)) @ two.cell[:]).max())
+    return errors

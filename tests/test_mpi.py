@@ -157,3 +157,17 @@ def test_mace_distributed_equals_mace_calculator(mpirun, torchrun, launcher, ran
         assert " 0 (case, rank) with no atoms" not in out, out
     if backend == "torch":
         assert "communication: torch.distributed gloo" in out, out
+
+
+@pytest.mark.parametrize("launcher, ranks, backend", [("mpiexec", 2, None), ("mpiexec", 3, None), ("mpiexec", 4, None),
+                                                      ("torchrun", 3, "torch"), ("mpiexec", 2, "torch")])
+def test_nequip_framework_distributed_equals_its_calculator(mpirun, torchrun, launcher, ranks, backend):
+    """NequIP (ZBL) and Allegro of the nequip framework, checkpoint and package, through evaluate on 2-4
+    ranks, both backends, every geometry and grid == NequIPCalculator (tests/mpi/nequip_models.py)."""
+    pytest.importorskip("allegro", reason="the nequip adapter needs the nequip extra (see README: Install)")
+    run = torchrun if launcher == "torchrun" else mpirun
+    rc, out, _ = run(ranks, MPI_DIR / "nequip_models.py", backend=backend)
+    assert rc == 0, out
+    assert f"P={ranks}: nequip framework" in out and " 0 failures" in out, out
+    if backend == "torch":
+        assert "communication: torch.distributed gloo" in out, out

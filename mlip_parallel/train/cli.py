@@ -164,7 +164,7 @@ def format_errors(errors: dict) -> str:
 def evaluate_model(model_path: str, data_path: str, batch_size: int = 8, progress: bool = False,
                    head: str | None = None) -> dict:
     """MAE/RMSE of a model (a checkpoint, a bundled model name, or any ``potentials.load_model`` spec:
-    ``mace:FILE.model``, ``sevennet:NAME``) on every structure of a labelled file (one process);
+    ``mace:FILE.model``, ``nequip:FILE``, ``sevennet:NAME``) on every structure of a labelled file (one process);
     ``progress`` prints a header and a progress bar."""
     import potentials
     from .training import check_species, error_sums, error_table, read_structures
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
         parser = argparse.ArgumentParser(prog="mlip-train eval", description="errors of a model on every structure "
                                          "of a labelled file")
         parser.add_argument("model", help="checkpoint path (best.pt), bundled model name (cu-emt), "
-                                          "mace:FILE.model or sevennet:NAME")
+                                          "mace:FILE.model, nequip:FILE.ckpt|FILE.nequip.zip or sevennet:NAME")
         parser.add_argument("data", help="ASE-readable file with energy/forces/stress")
         parser.add_argument("--head", help="the head of a multi-head MACE model")
         args = parser.parse_args(argv[1:])

@@ -4,6 +4,9 @@
   ``{t}_self_interaction_1``).
 * ``mace.MACE``: a MACE ``.model`` file (mace-torch's modules, halo through MACE's own
   ``lammps_mliap`` ghost-exchange hook); read by ``pickled`` without running the pickle's code.
+* ``nequip.NequIPFramework``: a NequIP or Allegro model of the nequip framework (``.ckpt`` or
+  ``.nequip.zip``; the framework's modules, halo through its own ghost-exchange slots).
+* ``exchange.GhostExchange``: the LAMMPS-ML-IAP-style exchange object both packages call.
 
 ``load_model(spec)`` is the one place a model is named by a string (the CLIs' model options).
 """
@@ -11,13 +14,15 @@ from __future__ import annotations
 
 from ..errors import MLIPError
 
-PREFIXES = ("sevennet:", "mace:")
+PREFIXES = ("sevennet:", "mace:", "nequip:")
 
 
 def load_model(spec: str, dtype: str | None = None, head: str | None = None):
     """The model named by ``spec``: "sevennet:NAME" (a name sevenn knows, e.g. 7net-0, or a checkpoint
     path), "mace:PATH" (a MACE .model file; read without running the pickle — naming it here is the
-    user's choice to read a pickle), else a potentials checkpoint path or bundled name ("cu-emt").
+    user's choice to read a pickle), "nequip:PATH" (a nequip-framework .ckpt or .nequip.zip, loaded by the
+    framework, which runs the pickle: naming it is that choice), else a potentials checkpoint path or
+    bundled name ("cu-emt").
     ``dtype`` "float32"/"float64", or None: the file's own.
     ``head``: a multi-head MACE model's head. Raises an ``MLIPError`` (the message names the spec's
     problem) or ImportError (the package the adapter needs is not installed)."""
@@ -38,6 +43,11 @@ def load_model(spec: str, dtype: str | None = None, head: str | None = None):
         from .mace import MACE
 
         return MACE(spec[len("mace:"):], head=head, dtype=dtypes[dtype])
+    if spec.startswith("nequip:"):
+        from .nequip import NequIPFramework
+
+        model = NequIPFramework(spec[len("nequip:"):])
+        return model if dtype is None else model.to(dtypes[dtype])
     from ..checkpoint import load
 
     model = load(spec)

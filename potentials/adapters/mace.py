@@ -27,6 +27,7 @@ from ase.data import chemical_symbols
 from ..base import Potential
 from ..errors import MLIPError
 from ..graph import AtomGraph
+from .exchange import GhostExchange
 from .pickled import Pickled, PickleFileError, codegen_tensors, read_module_tree, state_dict
 
 MODEL_CLASSES = ("mace.modules.models.ScaleShiftMACE", "mace.modules.models.MACE")
@@ -217,22 +218,6 @@ def load_mace(path) -> torch.nn.Module:
     return model.to(dtype).eval()
 
 
-class GhostExchange:
-    """MACE's ``lammps_class`` (the object its ``LAMMPS_MP`` function calls), over our halo: node
-    features [pad + n_real + n_ghost, vec_len] → the first ``pad`` rows (local padding) and the owned
-    rows kept, ghost rows copied from their owners; and the adjoint, ghost rows' gradients added into
-    their owners (ghost rows zero)."""
-
-    def __init__(self, halo, pad: int = 0):
-        self.halo, self.pad = halo, pad
-
-    def forward_exchange(self, feats: torch.Tensor, out: torch.Tensor, vec_len: int) -> None:
-        out.copy_(torch.cat([feats[: self.pad], self.halo(feats[self.pad:])]))
-
-    def reverse_exchange(self, grad: torch.Tensor, gout: torch.Tensor, vec_len: int) -> None:
-        gout.copy_(torch.cat([grad[: self.pad], self.halo.adjoint(grad[self.pad:])]))
-
-
 class MACE(Potential):
     """A trained MACE model (mace-torch's ``ScaleShiftMACE`` or ``MACE``) from its ``.model`` file.
 
@@ -275,7 +260,7 @@ class MACE(Potential):
             "edge_index": graph.edge_index + pad,  # (sender, receiver), as MACE's
             "batch": torch.zeros(n_real, dtype=torch.int64, device=species.device),
             "head": self._head_index,
-            "lammps_class": GhostExchange(graph.halo, pad),
+            "lammps_class": GhostExchange(graph.halo, pad, n_real, len(species)),
             "natoms": (n_real, len(species) - n_real),
         }
         default = torch.get_default_dtype()

