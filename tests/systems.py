@@ -303,19 +303,20 @@ def write_md_comparison(directory, model: dict, decks: dict) -> Atoms:
 
 
 def md_comparison_errors(directory, decks) -> dict:
-    """After ``write_md_comparison``'s runs: the largest position difference (Å) of the 2-rank mlip-md run
-    from the one-process run ("md2") and of each deck's LAMMPS run from the 2-rank mlip-md run (modulo the
-    cell: LAMMPS wraps atoms); "moved": the largest displacement of the one-process run from the start."""
+    """After ``write_md_comparison``'s runs: the largest position difference (Å, modulo the cell) of the
+    2-rank mlip-md run from the one-process run ("md2") and of each deck's LAMMPS run from the 2-rank
+    mlip-md run; "moved": the largest displacement of the one-process run from the start."""
     from ase.io import read
 
     directory = Path(directory)
     start = read(directory / "start.traj")
     one, two = (read(directory / name / "final.extxyz") for name in ("md1", "md2"))
     assert one.info["step"] == 50
-    errors = {"md2": float(np.abs(one.positions - two.positions).max()),
-              "moved": float(np.abs(one.positions - start.positions).max())}
+    def largest(a, b):  # modulo the cell: LAMMPS and mlip-md's final structure wrap atoms into it
+        frac = (a - b) @ np.linalg.inv(two.cell[:])
+        return float(np.abs((frac - np.round(frac)) @ two.cell[:]).max())
+
+    errors = {"md2": largest(one.positions, two.positions), "moved": largest(one.positions, start.positions)}
     for name in decks:
-        positions = np.loadtxt(directory / f"{name}.dump", skiprows=9)[:, 1:4]
-        frac = (positions - two.positions) @ np.linalg.inv(two.cell[:])
-        errors[name] = float(np.abs((frac - np.round(frac)) @ two.cell[:]).max())
+        errors[name] = largest(np.loadtxt(directory / f"{name}.dump", skiprows=9)[:, 1:4], two.positions)
     return errors

@@ -136,7 +136,9 @@ class NequIPFramework(Potential):
             else:  # older models: the energy model inside the force output
                 model.model = model.model.func
             self.exchanges = sum(type(m).__name__ == "NoOpGhostExchangeModule" for m in model.modules())
-            if self.exchanges and "enable_LAMMPSMLIAPGhostExchange" in modifiers:
+            # a framework without the modifier leaves the slots empty: then only wide mode is exact
+            self.exchange_filled = "enable_LAMMPSMLIAPGhostExchange" in modifiers
+            if self.exchanges and self.exchange_filled:
                 model = modify(model, [{"modifier": "enable_LAMMPSMLIAPGhostExchange"}])
         self.framework = model.eval()
         self.framework.requires_grad_(False)
@@ -159,6 +161,9 @@ class NequIPFramework(Potential):
 
         # rows the model updates: the owned atoms (layerwise), else every row; on a rank that owns none,
         # one isolated dummy atom keeps the model's blocks (and so its exchanges) running
+        if self.exchanges and not self.exchange_filled and graph.receivers < graph.n_nodes:
+            raise NequIPFrameworkError("this model's framework version cannot fill its ghost-exchange slots "
+                                       "(no enable_LAMMPSMLIAPGhostExchange modifier): evaluate it in wide mode")
         pad = 1 if graph.receivers == 0 else 0
         types = torch.cat([graph.species.new_zeros(pad), graph.species])
         nlocal = pad + graph.receivers

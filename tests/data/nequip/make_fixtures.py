@@ -95,18 +95,24 @@ MODELS = {
 }
 
 
+def train_and_package(name: str, model: dict, directory: Path, work: Path) -> None:
+    """One epoch of nequip-train for ``model`` (a ``training_module.model`` section) on EMT data, in
+    ``work``; writes ``directory/NAME.ckpt`` and ``directory/NAME.nequip.zip``."""
+    if not (work / "emt.extxyz").exists():
+        labelled_structures(work / "emt.extxyz")
+    (work / f"{name}.yaml").write_text(yaml.safe_dump(config(work / "emt.extxyz", model)))
+    run = work / f"run-{name}"
+    subprocess.run([str(BIN / "nequip-train"), "-cp", str(work), "-cn", name, f"hydra.run.dir={run}"],
+                   check=True, capture_output=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    shutil.copy(run / "last.ckpt", directory / f"{name}.ckpt")
+    subprocess.run([str(BIN / "nequip-package"), "build", str(directory / f"{name}.ckpt"),
+                    str(directory / f"{name}.nequip.zip")], check=True, capture_output=True)
+
+
 def main():
     with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        labelled_structures(tmp / "emt.extxyz")
         for name, model in MODELS.items():
-            (tmp / f"{name}.yaml").write_text(yaml.safe_dump(config(tmp / "emt.extxyz", model)))
-            run = tmp / f"run-{name}"
-            subprocess.run([str(BIN / "nequip-train"), "-cp", str(tmp), "-cn", name, f"hydra.run.dir={run}"],
-                           check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-            shutil.copy(run / "last.ckpt", HERE / f"{name}.ckpt")
-            subprocess.run([str(BIN / "nequip-package"), "build", str(HERE / f"{name}.ckpt"),
-                            str(HERE / f"{name}.nequip.zip")], check=True)
+            train_and_package(name, model, HERE, Path(tmp))
             print(f"{name}: {os.path.getsize(HERE / f'{name}.ckpt') / 1e3:.0f} kB checkpoint, "
                   f"{os.path.getsize(HERE / f'{name}.nequip.zip') / 1e3:.0f} kB package")
 
