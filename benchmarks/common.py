@@ -109,3 +109,68 @@ def alternate(script, worker_args, rounds, ranks=(1, 2)):
         for r in ranks:
             runs[r].append(launch(r, script, worker_args))
     return runs
+
+
+def median_call_times(calls: dict, repeat: int, backend) -> dict:
+    """In a worker: each of ``calls`` (name → function of no arguments) once as a warm-up, then ``repeat``
+    times, the calls alternating (after a barrier each): {name: median seconds per call}."""
+    import statistics
+    import time
+
+    for call in calls.values():
+        call()
+    times = {name: [] for name in calls}
+    for _ in range(repeat):
+        for name, call in calls.items():
+            backend.barrier()
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def ours_against_theirs(script, flags, rounds: int, theirs: str, title: str) -> None:
+    """Alternate ``rounds`` times a one-process launch of ``script --worker --which pair FLAGS`` (the
+    package's own calculator, "theirs", and ours, calls alternating) and a 2-rank launch with ``--which
+    ours``; print per-round times and the ratios: ours on 1 rank / ``theirs`` (target ≤ 1.05) and 2 ranks
+    over 1 (target ≥ 1.8×)."""
+    import statistics
+
+    runs = [(launch(1, script, flags + ["--which", "pair"]), launch(2, script, flags + ["--which", "ours"]))
+            for _ in range(rounds)]
+    reference = statistics.median(p["theirs"] for p, _ in runs)
+    one = statistics.median(p["ours"] for p, _ in runs)
+    two = statistics.median(t["ours"] for _, t in runs)
+    print(f"{title}, {runs[0][0]['n_atoms']} atoms rattled fcc Cu, one thread per process; seconds per "
+          f"energy+forces+stress, medians per launch, {rounds} rounds:")
+    for k, (p, t) in enumerate(runs):
+        print(f"  round {k + 1}: {theirs} {p['theirs']:.3f}, ours 1 rank {p['ours']:.3f} (ratio "
+              f"{p['ours'] / p['theirs']:.3f}), ours 2 ranks {t['ours']:.3f} (speed-up {p['ours'] / t['ours']:.2f}x)")
+    print(f"  1 rank / {theirs} = {one / reference:.3f} (target <= 1.05, goal <= 1.0); 2 ranks speed-up over 1 rank "
+          f"= {one / two:.2f}x (target >= 1.8x), over {theirs} {reference / two:.2f}x", flush=True)
+
+
+def calculator_call(atoms, before=None):
+    """A function computing energy, forces and stress of ``atoms`` with its ASE calculator afresh each
+    time (``before()`` first, if given)."""
+    def call():
+        if before is not None:
+            before()
+        atoms.calc.reset()
+        return atoms.get_potential_energy(), atoms.get_forces(), atoms.get_stress()
+    return call
+
+
+def adapter_scaling_parser(doc: str, repeat: int):
+    """The command line of the adapter-scaling benchmarks: --cells, --repeat, --rounds, and the worker's
+    hidden --which / --model / --worker."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--cells", type=int, default=8, help="cubic fcc cells per direction (8 → 2,048 atoms)")
+    parser.add_argument("--repeat", type=int, default=repeat)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--which", choices=["pair", "ours"], help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return parser

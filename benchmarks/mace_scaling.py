@@ -8,17 +8,15 @@ Needs the mace extra.
 
     python benchmarks/mace_scaling.py [--cells 8] [--repeat 3] [--rounds 2] [--dtype float32]
 """
-import argparse
 import json
-import statistics
 import sys
 import tempfile
-import time
 import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cu_crystal, launch  # noqa: E402
+from common import (adapter_scaling_parser, calculator_call, cu_crystal, median_call_times,  # noqa: E402
+                    ours_against_theirs)
 
 warnings.filterwarnings("ignore")
 
@@ -43,8 +41,8 @@ def make_model(path, dtype):
 
 
 def worker(args):
-    """``--which pair`` (one process): MACECalculator and ours on one rank, calls alternating; ``--which
-    ours`` (any ranks): ours alone. Prints {"n_atoms", "mace", "ours"}: median seconds per call."""
+    """``--which pair`` (one process): MACECalculator ("theirs") and ours on one rank, calls alternating;
+    ``--which ours`` (any ranks): ours alone. Prints {"n_atoms", "theirs", "ours"}: median seconds per call."""
     import torch
 
     import mlip_parallel
@@ -59,33 +57,15 @@ def worker(args):
 
         theirs = atoms.copy()
         theirs.calc = MACECalculator(model_paths=args.model, device="cpu", default_dtype=args.dtype)
-
-        def mace_call():
-            theirs.calc.reset()
-            return theirs.get_potential_energy(), theirs.get_forces(), theirs.get_stress()
-        calls["mace"] = mace_call
-    for call in calls.values():
-        call()  # warm-up
-    times = {name: [] for name in calls}
-    for _ in range(args.repeat):
-        for name, call in calls.items():
-            backend.barrier()
-            start = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - start)
+        calls["theirs"] = calculator_call(theirs)
+    times = median_call_times(calls, args.repeat, backend)
     if backend.rank == 0:
-        print(json.dumps({"n_atoms": len(atoms), **{k: statistics.median(v) for k, v in times.items()}}))
+        print(json.dumps({"n_atoms": len(atoms), **times}))
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cells", type=int, default=8, help="cubic fcc cells per direction (8 → 2,048 atoms)")
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser = adapter_scaling_parser(__doc__, repeat=3)
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
-    parser.add_argument("--which", choices=["pair", "ours"], help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
@@ -93,21 +73,8 @@ def main():
         path = Path(tmp) / "mace-mp-0-small-sized.model"
         make_model(path, args.dtype)
         flags = ["--cells", args.cells, "--repeat", args.repeat, "--dtype", args.dtype, "--model", path]
-        rounds = []
-        for _ in range(args.rounds):  # alternating launches; in the one-process launch, alternating calls
-            pair = launch(1, __file__, flags + ["--which", "pair"])
-            rounds.append((pair, launch(2, __file__, flags + ["--which", "ours"])))
-    mace = statistics.median(p["mace"] for p, _ in rounds)
-    one = statistics.median(p["ours"] for p, _ in rounds)
-    two = statistics.median(t["ours"] for _, t in rounds)
-    print(f"MACE-MP-0-small-sized model ({args.dtype}), {rounds[0][0]['n_atoms']} atoms rattled fcc Cu, one thread "
-          f"per process; seconds per energy+forces+stress, medians of {args.repeat} calls per launch, "
-          f"{args.rounds} rounds:")
-    for k, (p, t) in enumerate(rounds):
-        print(f"  round {k + 1}: MACECalculator {p['mace']:.3f}, ours 1 rank {p['ours']:.3f} (ratio "
-              f"{p['ours'] / p['mace']:.3f}), ours 2 ranks {t['ours']:.3f} (speed-up {p['ours'] / t['ours']:.2f}x)")
-    print(f"1 rank / MACECalculator = {one / mace:.3f} (target <= 1.05, goal <= 1.0)")
-    print(f"2 ranks speed-up over 1 rank = {one / two:.2f}x (target >= 1.8x); over MACECalculator {mace / two:.2f}x")
+        ours_against_theirs(__file__, flags, args.rounds, "MACECalculator",
+                            f"MACE-MP-0-small-sized model ({args.dtype})")
 
 
 if __name__ == "__main__":

@@ -8,17 +8,15 @@ energy + forces + stress per call and the ratios (targets: ours on 1 rank / Nequ
 
     python benchmarks/nequip_scaling.py [--cells 8] [--repeat 2] [--rounds 2] [--models nequip,allegro]
 """
-import argparse
 import json
-import statistics
 import sys
 import tempfile
-import time
 import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, cu_crystal, launch  # noqa: E402
+from common import (ROOT, adapter_scaling_parser, calculator_call, cu_crystal, median_call_times,  # noqa: E402
+                    ours_against_theirs)
 
 warnings.filterwarnings("ignore")
 MODELS = {
@@ -53,33 +51,16 @@ def worker(args):
         theirs.calc = NequIPCalculator._from_saved_model(args.model, device="cpu",
                                                          chemical_species_to_atom_type_map=True)
 
-        def framework_call():
-            torch.set_default_dtype(torch.float64)  # the framework's global dtype, as after its set_global_state
-            theirs.calc.reset()
-            return theirs.get_potential_energy(), theirs.get_forces(), theirs.get_stress()
-        calls["theirs"] = framework_call
-    for call in calls.values():
-        call()  # warm-up
-    times = {name: [] for name in calls}
-    for _ in range(args.repeat):
-        for name, call in calls.items():
-            backend.barrier()
-            start = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - start)
+        # in the framework's global dtype, as after its set_global_state
+        calls["theirs"] = calculator_call(theirs, before=lambda: torch.set_default_dtype(torch.float64))
+    times = median_call_times(calls, args.repeat, backend)
     if backend.rank == 0:
-        print(json.dumps({"n_atoms": len(atoms), **{k: statistics.median(v) for k, v in times.items()}}))
+        print(json.dumps({"n_atoms": len(atoms), **times}))
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cells", type=int, default=8, help="cubic fcc cells per direction (8 → 2,048 atoms)")
-    parser.add_argument("--repeat", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser = adapter_scaling_parser(__doc__, repeat=2)
     parser.add_argument("--models", default="nequip,allegro")
-    parser.add_argument("--which", choices=["pair", "ours"], help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
@@ -91,22 +72,7 @@ def main():
         for name in args.models.split(","):
             train_and_package(name, MODELS[name], tmp, tmp)
             flags = ["--cells", args.cells, "--repeat", args.repeat, "--model", tmp / f"{name}.nequip.zip"]
-            rounds = []
-            for _ in range(args.rounds):  # alternating launches; in the one-process launch, alternating calls
-                pair = launch(1, __file__, flags + ["--which", "pair"])
-                rounds.append((pair, launch(2, __file__, flags + ["--which", "ours"])))
-            theirs = statistics.median(p["theirs"] for p, _ in rounds)
-            one = statistics.median(p["ours"] for p, _ in rounds)
-            two = statistics.median(t["ours"] for _, t in rounds)
-            print(f"{name}: {rounds[0][0]['n_atoms']} atoms rattled fcc Cu, one thread per process; seconds per "
-                  f"energy+forces+stress, medians of {args.repeat} calls per launch, {args.rounds} rounds:")
-            for k, (p, t) in enumerate(rounds):
-                print(f"  round {k + 1}: NequIPCalculator {p['theirs']:.3f}, ours 1 rank {p['ours']:.3f} (ratio "
-                      f"{p['ours'] / p['theirs']:.3f}), ours 2 ranks {t['ours']:.3f} (speed-up "
-                      f"{p['ours'] / t['ours']:.2f}x)")
-            print(f"  1 rank / NequIPCalculator = {one / theirs:.3f} (target <= 1.05, goal <= 1.0); 2 ranks speed-up "
-                  f"over 1 rank = {one / two:.2f}x (target >= 1.8x), over NequIPCalculator {theirs / two:.2f}x",
-                  flush=True)
+            ours_against_theirs(__file__, flags, args.rounds, "NequIPCalculator", name)
 
 
 if __name__ == "__main__":

