@@ -26,7 +26,8 @@ SCHEMA = {
         "mace": (str, None, "a MACE model file (.model, as MACE's training writes it; read without running the "
                             "pickle's code; needs the mace extra)"),
         "nequip": (str, None, "a NequIP or Allegro model of the nequip framework: its .ckpt checkpoint or "
-                              ".nequip.zip package (loaded by the framework, which unpickles it; needs the nequip extra)"),
+                              ".nequip.zip package (loaded by the framework, which unpickles it; needs the "
+                              "nequip extra)"),
         "head": (str, None, "mace: the head of a multi-head model (default: the only head, else 'default')"),
         "dtype": (str, None, "float32 or float64 (default: float64 for checkpoints, the file's own for MACE and "
                              "nequip, float32 for SevenNet)"),
@@ -105,8 +106,7 @@ def build_model(section):
     key = given[0] if given else "checkpoint"
     spec = {"checkpoint": section["checkpoint"] or "cu-emt"}.get(key) or f"{key}:{section[key]}"
     try:
-        dtype = section["dtype"] or ("float64" if key == "checkpoint" else None)  # MD runs checkpoints in float64
-        return potentials.load_model(spec, dtype, section["head"])
+        return potentials.load_model(spec, section["dtype"], section["head"], checkpoint_dtype="float64")
     except (potentials.MLIPError, ImportError) as exc:
         raise ConfigError(f"model.{key}: {exc}") from None
 

@@ -1,6 +1,7 @@
 """mlip-lammps: run an unmodified LAMMPS input deck with a model of this package, no compilation.
 
-    mpiexec -n P mlip-lammps -in in.deck --model cu-emt|CHECKPOINT|sevennet:7net-0|mace:FILE.model|nequip:FILE|lj:EPS,SIGMA,CUTOFF
+    mpiexec -n P mlip-lammps -in in.deck
+                             --model cu-emt|CHECKPOINT|sevennet:7net-0|mace:FILE.model|nequip:FILE|lj:EPS,SIGMA,CUTOFF
                              [--elements Cu Ag] [--mode layerwise|wide] [--skin 1.0] [--add-fix] [--head NAME]
                              [any LAMMPS command-line option: -var NAME VALUE, -log FILE, -screen none, ...]
 
@@ -164,10 +165,8 @@ def load_model(spec: str, dtype: str | None = None, head: str | None = None):
         except ValueError as exc:
             raise LammpsBridgeError(f"--model {spec}: expected lj:EPSILON,SIGMA,CUTOFF with positive numbers "
                                     f"(eV, Å, Å) ({exc})") from None
-    if dtype is None and not spec.startswith(("sevennet:", "mace:", "nequip:")):
-        dtype = "float64"  # checkpoints run in float64 unless asked
     try:
-        return potentials.load_model(spec, dtype, head)
+        return potentials.load_model(spec, dtype, head, checkpoint_dtype="float64")
     except (potentials.MLIPError, ImportError) as exc:
         raise LammpsBridgeError(f"--model {spec}: {exc}") from None
 
@@ -588,8 +587,8 @@ def mace_deck_model(deck_path, lines) -> "DeckModel | None":
         return None
     where = f"{deck_path}:{style[0] + 1}"
     if kind.startswith("hybrid"):
-        raise LammpsBridgeError(f"{where}: pair_style {kind} with mace: only a deck whose pair style is MACE alone runs "
-                                f"here")
+        raise LammpsBridgeError(f"{where}: pair_style {kind} with mace: only a deck whose pair style is MACE "
+                                f"alone runs here")
     if kind == "mliap" and words[2:3] != ["unified"]:
         return None  # an ML-IAP model of another kind (SNAP, ...): not MACE's
     if coeff is None or coeff[2][1:3] != ["*", "*"]:
@@ -687,8 +686,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="halo mode (default layerwise)")
     parser.add_argument("--skin", type=float, default=1.0, help="neighbour skin of the halo, Å (default 1.0)")
     parser.add_argument("--dtype", choices=("float32", "float64"),
-                        help="the model's dtype (default: float64 for checkpoints, a MACE or nequip file's own, float32 for "
-                             "SevenNet)")
+                        help="the model's dtype (default: float64 for checkpoints, a MACE or nequip file's own, "
+                             "float32 for SevenNet)")
     parser.add_argument("--add-fix", action="store_true",
                         help=f"the deck has no fix external: add 'fix {ADDED_FIX_ID} all external pf/callback 1 1' "
                              f"right after the box is defined")

@@ -17,18 +17,21 @@ from ..errors import MLIPError
 PREFIXES = ("sevennet:", "mace:", "nequip:")
 
 
-def load_model(spec: str, dtype: str | None = None, head: str | None = None):
+def load_model(spec: str, dtype: str | None = None, head: str | None = None, checkpoint_dtype: str | None = None):
     """The model named by ``spec``: "sevennet:NAME" (a name sevenn knows, e.g. 7net-0, or a checkpoint
     path), "mace:PATH" (a MACE .model file; read without running the pickle — naming it here is the
     user's choice to read a pickle), "nequip:PATH" (a nequip-framework .ckpt or .nequip.zip, loaded by the
     framework, which runs the pickle: naming it is that choice), else a potentials checkpoint path or
     bundled name ("cu-emt").
-    ``dtype`` "float32"/"float64", or None: the file's own.
+    ``dtype`` "float32"/"float64", or None: the file's own (for a potentials checkpoint,
+    ``checkpoint_dtype`` if given: the MD tools run checkpoints in float64).
     ``head``: a multi-head MACE model's head. Raises an ``MLIPError`` (the message names the spec's
     problem) or ImportError (the package the adapter needs is not installed)."""
     import torch
 
     dtypes = {None: None, "float32": torch.float32, "float64": torch.float64}
+    if dtype is None and not spec.startswith(PREFIXES):
+        dtype = checkpoint_dtype
     if dtype not in dtypes:
         raise ValueError(f"dtype must be float32 or float64, got {dtype!r}")
     if head is not None and not spec.startswith("mace:"):

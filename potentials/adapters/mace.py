@@ -27,7 +27,7 @@ from ase.data import chemical_symbols
 from ..base import Potential
 from ..errors import MLIPError
 from ..graph import AtomGraph
-from .exchange import GhostExchange
+from .exchange import GhostExchange, default_dtype
 from .pickled import Pickled, PickleFileError, codegen_tensors, read_module_tree, state_dict
 
 MODEL_CLASSES = ("mace.modules.models.ScaleShiftMACE", "mace.modules.models.MACE")
@@ -200,21 +200,17 @@ def load_mace(path) -> torch.nn.Module:
             raise
         raise MACEModelError(f"{path}: not a complete MACE model ({type(exc).__name__}: "
                              f"{(str(exc).splitlines() or [''])[0]})") from None
-    default = torch.get_default_dtype()
     try:
-        with torch.random.fork_rng(devices=[]):
-            torch.set_default_dtype(dtype)
+        with torch.random.fork_rng(devices=[]), default_dtype(dtype):
             model = cls(**config)
     except Exception as exc:  # mace's constructors raise many types for hyper-parameters they reject
         raise MACEModelError(f"{path}: mace-torch cannot build this {cls.__name__} ({type(exc).__name__}: "
                              f"{exc})") from None
-    finally:
-        torch.set_default_dtype(default)
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as exc:
         raise MACEModelError(f"{path}: the saved weights do not fit the rebuilt {cls.__name__}: "
-                             f"{str(exc).splitlines()[0]} {' '.join(str(exc).split())[:300]}") from None
+                             f"{' '.join(str(exc).split())[:400]}") from None
     return model.to(dtype).eval()
 
 
@@ -249,25 +245,17 @@ class MACE(Potential):
         self.hyperparameters = {"path": os.fspath(path), "head": head}
 
     def forward(self, graph: AtomGraph) -> torch.Tensor:
-        # Rows MACE updates: the owned atoms (layerwise), else every row. MACE's blocks cannot run on zero
-        # atoms, so a rank that owns none (its exchanges must still run) prepends one isolated dummy atom.
-        pad = 1 if graph.receivers == 0 else 0
-        species = torch.cat([graph.species.new_zeros(pad), graph.species])
-        n_real = pad + graph.receivers
+        exchange, species = GhostExchange.for_graph(graph)
         data = {
             "vectors": graph.edge_vec.to(self.dtype, copy=True),  # MACE calls requires_grad_ on it
             "node_attrs": torch.nn.functional.one_hot(species, len(self.species)).to(self.dtype),
-            "edge_index": graph.edge_index + pad,  # (sender, receiver), as MACE's
-            "batch": torch.zeros(n_real, dtype=torch.int64, device=species.device),
+            "edge_index": graph.edge_index + exchange.pad,  # (sender, receiver), as MACE's
+            "batch": torch.zeros(exchange.nlocal, dtype=torch.int64, device=species.device),
             "head": self._head_index,
-            "lammps_class": GhostExchange(graph.halo, pad, n_real, len(species)),
-            "natoms": (n_real, len(species) - n_real),
+            "lammps_class": exchange,
+            "natoms": (exchange.nlocal, exchange.ntotal - exchange.nlocal),
         }
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)  # as MACE's calculator runs it: e.g. ZBL's prefactors are built in it
-        try:
+        with default_dtype(self.dtype):  # as MACE's calculator runs it: e.g. ZBL's prefactors are built in it
             out = self.mace(data, training=False, compute_force=False, compute_virials=False, compute_stress=False,
                             compute_displacement=False, lammps_mliap=True)
-        finally:
-            torch.set_default_dtype(default)
-        return out["node_energy"][pad: pad + graph.n_local]
+        return exchange.owned(out["node_energy"], graph.n_local)

@@ -29,7 +29,7 @@ from ase.data import atomic_numbers
 from ..base import Potential
 from ..errors import MLIPError
 from ..graph import AtomGraph
-from .exchange import GhostExchange
+from .exchange import GhostExchange, default_dtype
 
 INSTALL = "pip install -e .[nequip]"
 COMPILED = (".nequip.pth", ".nequip.pt2", ".pth", ".pt2")
@@ -159,28 +159,21 @@ class NequIPFramework(Potential):
     def forward(self, graph: AtomGraph) -> torch.Tensor:
         from nequip.data import AtomicDataDict
 
-        # rows the model updates: the owned atoms (layerwise), else every row; on a rank that owns none,
-        # one isolated dummy atom keeps the model's blocks (and so its exchanges) running
         if self.exchanges and not self.exchange_filled and graph.receivers < graph.n_nodes:
             raise NequIPFrameworkError("this model's framework version cannot fill its ghost-exchange slots "
                                        "(no enable_LAMMPSMLIAPGhostExchange modifier): evaluate it in wide mode")
-        pad = 1 if graph.receivers == 0 else 0
-        types = torch.cat([graph.species.new_zeros(pad), graph.species])
-        nlocal = pad + graph.receivers
+        exchange, types = GhostExchange.for_graph(graph)
         data = {
             AtomicDataDict.EDGE_VECTORS_KEY: graph.edge_vec.to(torch.float64, copy=True),
-            AtomicDataDict.EDGE_INDEX_KEY: graph.edge_index.flip(0) + pad,  # the framework's (receiver, sender)
+            # the framework's edges are (receiver, sender)
+            AtomicDataDict.EDGE_INDEX_KEY: graph.edge_index.flip(0) + exchange.pad,
             AtomicDataDict.ATOM_TYPE_KEY: types,
-            AtomicDataDict.LMP_MLIAP_DATA_KEY: GhostExchange(graph.halo, pad, nlocal, len(types)),
-            AtomicDataDict.NUM_LOCAL_GHOST_NODES_KEY: torch.tensor([nlocal, len(types) - nlocal],
+            AtomicDataDict.LMP_MLIAP_DATA_KEY: exchange,
+            AtomicDataDict.NUM_LOCAL_GHOST_NODES_KEY: torch.tensor([exchange.nlocal, exchange.ntotal - exchange.nlocal],
                                                                    device=types.device),
         }
         if self.pruner is not None:
             data = self.pruner(data)
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(torch.float64)  # the framework's global dtype, as its calculator runs
-        try:
+        with default_dtype(torch.float64):  # the framework's global dtype, as its calculator runs
             out = self.framework(data)
-        finally:
-            torch.set_default_dtype(default)
-        return out[AtomicDataDict.PER_ATOM_ENERGY_KEY].reshape(-1)[pad: pad + graph.n_local]
+        return exchange.owned(out[AtomicDataDict.PER_ATOM_ENERGY_KEY].reshape(-1), graph.n_local)
