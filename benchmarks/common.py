@@ -111,22 +111,44 @@ def alternate(script, worker_args, rounds, ranks=(1, 2)):
     return runs
 
 
-def median_call_times(calls: dict, repeat: int, backend) -> dict:
-    """In a worker: each of ``calls`` (name → function of no arguments) once as a warm-up, then ``repeat``
-    times, the calls alternating (after a barrier each): {name: median seconds per call}."""
+def adapter_worker(args, build_model, reference_calculator, before_reference=None) -> None:
+    """The worker of an adapter-scaling benchmark: one torch thread, ``cu_crystal(args.cells)``, our model
+    ``build_model(args.model)`` through ``mlip_parallel.evaluate``, and with ``--which pair`` also the
+    package's own ASE calculator ``reference_calculator(args)`` ("theirs", ``before_reference()`` before
+    each of its calls); each called once as a warm-up, then ``args.repeat`` times, alternating. Rank 0
+    prints {"n_atoms", "ours"[, "theirs"]}: median seconds per call."""
     import statistics
     import time
 
+    import torch
+
+    import mlip_parallel
+
+    torch.set_num_threads(1)
+    atoms = cu_crystal(args.cells)
+    model, backend = build_model(args.model), mlip_parallel.get_backend()
+    calls = {"ours": lambda: mlip_parallel.evaluate(model, atoms)}
+    if args.which == "pair":
+        theirs = atoms.copy()
+        theirs.calc = reference_calculator(args)
+
+        def theirs_call():
+            if before_reference is not None:
+                before_reference()
+            theirs.calc.reset()
+            return theirs.get_potential_energy(), theirs.get_forces(), theirs.get_stress()
+        calls["theirs"] = theirs_call
     for call in calls.values():
         call()
     times = {name: [] for name in calls}
-    for _ in range(repeat):
+    for _ in range(args.repeat):
         for name, call in calls.items():
             backend.barrier()
             start = time.perf_counter()
             call()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    if backend.rank == 0:
+        print(json.dumps({"n_atoms": len(atoms), **{name: statistics.median(t) for name, t in times.items()}}))
 
 
 def ours_against_theirs(script, flags, rounds: int, theirs: str, title: str) -> None:
@@ -148,17 +170,6 @@ def ours_against_theirs(script, flags, rounds: int, theirs: str, title: str) -> 
               f"{p['ours'] / p['theirs']:.3f}), ours 2 ranks {t['ours']:.3f} (speed-up {p['ours'] / t['ours']:.2f}x)")
     print(f"  1 rank / {theirs} = {one / reference:.3f} (target <= 1.05, goal <= 1.0); 2 ranks speed-up over 1 rank "
           f"= {one / two:.2f}x (target >= 1.8x), over {theirs} {reference / two:.2f}x", flush=True)
-
-
-def calculator_call(atoms, before=None):
-    """A function computing energy, forces and stress of ``atoms`` with its ASE calculator afresh each
-    time (``before()`` first, if given)."""
-    def call():
-        if before is not None:
-            before()
-        atoms.calc.reset()
-        return atoms.get_potential_energy(), atoms.get_forces(), atoms.get_stress()
-    return call
 
 
 def adapter_scaling_parser(doc: str, repeat: int):

@@ -8,15 +8,13 @@ Needs the mace extra.
 
     python benchmarks/mace_scaling.py [--cells 8] [--repeat 3] [--rounds 2] [--dtype float32]
 """
-import json
 import sys
 import tempfile
 import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (adapter_scaling_parser, calculator_call, cu_crystal, median_call_times,  # noqa: E402
-                    ours_against_theirs)
+from common import adapter_scaling_parser, adapter_worker, ours_against_theirs  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -40,27 +38,18 @@ def make_model(path, dtype):
     torch.save(model, path)
 
 
+def mace_calculator(args):
+    from mace.calculators import MACECalculator
+
+    return MACECalculator(model_paths=args.model, device="cpu", default_dtype=args.dtype)
+
+
 def worker(args):
     """``--which pair`` (one process): MACECalculator ("theirs") and ours on one rank, calls alternating;
-    ``--which ours`` (any ranks): ours alone. Prints {"n_atoms", "theirs", "ours"}: median seconds per call."""
-    import torch
-
-    import mlip_parallel
+    ``--which ours`` (any ranks): ours alone."""
     import potentials
 
-    torch.set_num_threads(1)
-    atoms = cu_crystal(args.cells)
-    model, backend = potentials.MACE(args.model), mlip_parallel.get_backend()
-    calls = {"ours": lambda: mlip_parallel.evaluate(model, atoms)}
-    if args.which == "pair":
-        from mace.calculators import MACECalculator
-
-        theirs = atoms.copy()
-        theirs.calc = MACECalculator(model_paths=args.model, device="cpu", default_dtype=args.dtype)
-        calls["theirs"] = calculator_call(theirs)
-    times = median_call_times(calls, args.repeat, backend)
-    if backend.rank == 0:
-        print(json.dumps({"n_atoms": len(atoms), **times}))
+    adapter_worker(args, potentials.MACE, mace_calculator)
 
 
 def main():

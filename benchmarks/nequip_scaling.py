@@ -8,15 +8,13 @@ energy + forces + stress per call and the ratios (targets: ours on 1 rank / Nequ
 
     python benchmarks/nequip_scaling.py [--cells 8] [--repeat 2] [--rounds 2] [--models nequip,allegro]
 """
-import json
 import sys
 import tempfile
 import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (ROOT, adapter_scaling_parser, calculator_call, cu_crystal, median_call_times,  # noqa: E402
-                    ours_against_theirs)
+from common import ROOT, adapter_scaling_parser, adapter_worker, ours_against_theirs  # noqa: E402
 
 warnings.filterwarnings("ignore")
 MODELS = {
@@ -29,33 +27,24 @@ MODELS = {
 }
 
 
+def framework_calculator(args):
+    from nequip.integrations.ase import NequIPCalculator
+
+    return NequIPCalculator._from_saved_model(args.model, device="cpu", chemical_species_to_atom_type_map=True)
+
+
 def worker(args):
-    """``--which pair``: NequIPCalculator and ours alternating in one process; ``--which ours``: ours alone.
-    Prints {"n_atoms", "theirs", "ours"}: median seconds per call."""
+    """``--which pair``: NequIPCalculator and ours alternating in one process; ``--which ours``: ours alone."""
     import logging
 
     import torch
 
-    import mlip_parallel
     import potentials
 
     logging.disable(logging.INFO)
-    torch.set_num_threads(1)
-    atoms = cu_crystal(args.cells)
-    model, backend = potentials.NequIPFramework(args.model), mlip_parallel.get_backend()
-    calls = {"ours": lambda: mlip_parallel.evaluate(model, atoms)}
-    if args.which == "pair":
-        from nequip.integrations.ase import NequIPCalculator
-
-        theirs = atoms.copy()
-        theirs.calc = NequIPCalculator._from_saved_model(args.model, device="cpu",
-                                                         chemical_species_to_atom_type_map=True)
-
-        # in the framework's global dtype, as after its set_global_state
-        calls["theirs"] = calculator_call(theirs, before=lambda: torch.set_default_dtype(torch.float64))
-    times = median_call_times(calls, args.repeat, backend)
-    if backend.rank == 0:
-        print(json.dumps({"n_atoms": len(atoms), **times}))
+    # the framework's calculator runs in its global dtype, float64, as after its set_global_state
+    adapter_worker(args, potentials.NequIPFramework, framework_calculator,
+                   before_reference=lambda: torch.set_default_dtype(torch.float64))
 
 
 def main():
