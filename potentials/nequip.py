@@ -10,6 +10,7 @@ from e3nn import o3
 
 from .base import BlockPotential, SpeciesScaleShift
 from .graph import AtomGraph
+from .messages import edge_sum
 from .radial import SincBasis, polynomial_cutoff
 
 
@@ -41,14 +42,18 @@ class Interaction(torch.nn.Module):
         self.self_connection = o3.FullyConnectedTensorProduct(irreps_in, irreps_attr, irreps_out)
         self.norm = 1.0 / math.sqrt(avg_neighbors)
 
-    def forward(self, h, attr, sender, receiver, sh, radial_embedding, n_receivers=None):
-        """Output rows [0, n_receivers) (all rows when None)."""
-        n = h.shape[0] if n_receivers is None else n_receivers
-        x = self.linear_in(h)
-        messages = self.tp(x[sender], sh, self.radial_net(radial_embedding))
-        summed = torch.zeros(n, messages.shape[1], dtype=messages.dtype, device=messages.device)
-        summed = summed.index_add(0, receiver, messages) * self.norm
-        return self.linear_out(summed) + self.self_connection(h[:n], attr[:n])
+    def forward(self, h, attr, graph: AtomGraph, edge_features):
+        """Output rows [0, graph.receivers). ``edge_features(vec [e, 3] float64)`` -> (Y(r̂) [e, sh dim],
+        radial embedding [e, radial]) of a chunk of edges (``edge_sum``)."""
+        n = graph.receivers
+
+        def message(vec, x_j):
+            sh, radial_embedding = edge_features(vec)
+            return self.tp(x_j, sh, self.radial_net(radial_embedding))
+
+        sender, receiver = graph.edge_index
+        summed = edge_sum(message, graph.edge_vec, sender, receiver, [self.linear_in(h)], n, graph.memory_budget)
+        return self.linear_out(summed * self.norm) + self.self_connection(h[:n], attr[:n])
 
 
 class NequIP(BlockPotential):
@@ -111,23 +116,24 @@ class NequIP(BlockPotential):
         memo[id(self)] = clone
         return clone
 
-    def context(self, graph: AtomGraph):
-        vec = graph.edge_vec.to(self.dtype)
+    def edge_features(self, vec: torch.Tensor):
+        """(Y_l(r̂) [e, sh dim], Bessel basis × polynomial envelope [e, radial]) of edge vectors [e, 3]."""
+        vec = vec.to(self.dtype)
         r = vec.norm(dim=1)
         sh = o3.spherical_harmonics(self.irreps_sh, vec, normalize=True, normalization="component")
-        radial = self.radial_basis(r) * polynomial_cutoff(r, self.cutoff)[:, None]
-        attr = torch.nn.functional.one_hot(graph.species, len(self.species)).to(self.dtype)
-        return sh, radial, attr
+        return sh, self.radial_basis(r) * polynomial_cutoff(r, self.cutoff)[:, None]
+
+    def context(self, graph: AtomGraph):
+        """One-hot species [n, species] (the edge features are recomputed inside each block's edge step)."""
+        return torch.nn.functional.one_hot(graph.species, len(self.species)).to(self.dtype)
 
     def embed(self, graph: AtomGraph, ctx) -> torch.Tensor:
-        return self.embedding(ctx[2])
+        return self.embedding(ctx)
 
     def block(self, k: int, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
         if k > 0:
             h = graph.halo(h)
-        sh, radial, attr = ctx
-        sender, receiver = graph.edge_index
-        update = self.gates[str(k)](self.interactions[str(k)](h, attr, sender, receiver, sh, radial, graph.receivers))
+        update = self.gates[str(k)](self.interactions[str(k)](h, ctx, graph, self.edge_features))
         return update + h[: update.shape[0]] if update.shape[1] == h.shape[1] else update
 
     def readout_energies(self, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:

@@ -7,11 +7,13 @@ import torch
 
 from .base import BlockPotential, SpeciesScaleShift
 from .graph import AtomGraph
+from .messages import edge_sum
 from .radial import SincBasis, cosine_cutoff
 
 
 class PaiNNLayer(torch.nn.Module):
-    """One message + update block on scalars s [n, F] and vectors v [n, 3, F]."""
+    """One message + update block on scalars s [n, F] and vectors v [n, 3, F] (the model sums the
+    messages over edges, ``edge_sum``, between the two)."""
 
     def __init__(self, features: int, rbf: int):
         super().__init__()
@@ -23,22 +25,22 @@ class PaiNNLayer(torch.nn.Module):
         self.update_mlp = torch.nn.Sequential(
             torch.nn.Linear(2 * features, features), torch.nn.SiLU(), torch.nn.Linear(features, 3 * features))
 
-    def forward(self, s, v, sender, receiver, unit, radial, envelope, n_receivers):
-        """Updates rows [0, n_receivers) of s and v; returns only those rows."""
+    def messages(self, phi_j, v_j, unit, radial, envelope):
+        """Per-edge Δs = φ_s(s_j) W_s(r), Δv = v_j φ_vv W_vv + r̂ φ_vs W_vs as one [e, 4F] tensor, from
+        phi_j = message_mlp(s)_j [e, 3F], v_j [e, 3F] (flattened [e, 3, F]), unit r̂ [e, 3], radial
+        basis [e, rbf] and envelope [e]."""
         f = self.features
-        # message: Δs_i = Σ_j φ_s(s_j) W_s(r_ij); Δv_i = Σ_j v_j φ_vv W_vv + r̂_ij φ_vs W_vs
-        x = self.message_mlp(s)[sender] * (self.filter(radial) * envelope[:, None])
-        ds, dvv, dvs = torch.split(x, f, dim=1)
-        dv = v[sender] * dvv[:, None, :] + unit[:, :, None] * dvs[:, None, :]
-        s = s[:n_receivers].index_add(0, receiver, ds)
-        v = v[:n_receivers].index_add(0, receiver, dv)
-        # update: node-local mixing of scalars and vector norms / inner products
+        ds, dvv, dvs = torch.split(phi_j * (self.filter(radial) * envelope[:, None]), f, dim=1)
+        dv = v_j.reshape(-1, 3, f) * dvv[:, None, :] + unit[:, :, None] * dvs[:, None, :]
+        return torch.cat([ds, dv.reshape(-1, 3 * f)], dim=1)
+
+    def update(self, s, v):
+        """Node-local mixing of scalars s [n, F] and vector norms / inner products of v [n, 3, F]."""
+        f = self.features
         uv, vv = torch.split(self.mix_vectors(v), f, dim=2)
         vv_norm = torch.sqrt(vv.pow(2).sum(dim=1) + 1e-8)
         a_vv, a_sv, a_ss = torch.split(self.update_mlp(torch.cat([s, vv_norm], dim=1)), f, dim=1)
-        v = v + a_vv[:, None, :] * uv
-        s = s + a_ss + a_sv * (uv * vv).sum(dim=1)
-        return s, v
+        return s + a_ss + a_sv * (uv * vv).sum(dim=1), v + a_vv[:, None, :] * uv
 
 
 class PaiNN(BlockPotential):
@@ -73,9 +75,7 @@ class PaiNN(BlockPotential):
 
     # h packs the scalars s [n, F] and the vectors v [n, 3, F] as one [n, 4F] tensor (halo, pipeline)
     def context(self, graph: AtomGraph):
-        vec = graph.edge_vec.to(self.dtype)
-        r = vec.norm(dim=1)
-        return vec / r[:, None], self.radial(r), cosine_cutoff(r, self.cutoff)
+        return None  # every edge feature is recomputed from edge_vec inside the block's edge step
 
     def embed(self, graph: AtomGraph, ctx) -> torch.Tensor:
         s = self.embedding(graph.species)
@@ -84,10 +84,19 @@ class PaiNN(BlockPotential):
     def block(self, k: int, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
         if k > 0:
             h = graph.halo(h)
-        n, f = h.shape[0], self.features
+        layer, rows, f = self.blocks[str(k)], graph.receivers, self.features
+
+        def message(vec, phi_j, v_j):  # [e, 3] float64, [e, 3F], [e, 3F] -> [e, 4F]
+            vec = vec.to(self.dtype)
+            r = vec.norm(dim=1)
+            return layer.messages(phi_j, v_j, vec / r[:, None], self.radial(r), cosine_cutoff(r, self.cutoff))
+
         sender, receiver = graph.edge_index
-        s, v = self.blocks[str(k)](h[:, :f], h[:, f:].reshape(n, 3, f), sender, receiver, *ctx, graph.receivers)
-        return torch.cat([s, v.reshape(s.shape[0], 3 * f)], dim=1)
+        delta = edge_sum(message, graph.edge_vec, sender, receiver, [layer.message_mlp(h[:, :f]), h[:, f:]], rows,
+                         graph.memory_budget)
+        h = h[:rows] + delta  # message step: s += Δs, v += Δv
+        s, v = layer.update(h[:, :f], h[:, f:].reshape(rows, 3, f))
+        return torch.cat([s, v.reshape(rows, 3 * f)], dim=1)
 
     def readout_energies(self, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
         out = self.readout(h[: graph.n_local, : self.features]).squeeze(-1)

@@ -8,14 +8,18 @@ from torch_geometric.nn.models.schnet import InteractionBlock, ShiftedSoftplus
 
 from .base import BlockPotential, SpeciesScaleShift
 from .graph import AtomGraph
-from .radial import GaussianBasis
+from .messages import edge_sum
+from .radial import GaussianBasis, cosine_cutoff
 
 
 class SchNet(BlockPotential):
     """Continuous-filter convolutions over edges within ``cutoff`` (cosine envelope, Gaussian RBFs).
 
     h0 = embedding(species); for each layer l: [l > 0: h = halo(h)]; h = h + interaction_l(h, edges);
-    e_i = scale[z_i] * MLP(h_i) + shift[z_i]   (eV, ``scale_shift``).
+    e_i = scale[z_i] * MLP(h_i) + shift[z_i]   (eV, ``scale_shift``). The interactions are
+    torch-geometric's ``InteractionBlock`` modules (their weights and state-dict keys), evaluated here
+    with the edge step as one ``edge_sum`` so that it can run in memory-bounded chunks:
+    lin(act(lin2(Σ_j lin1(h)_j · mlp(rbf(r_ij)) · C(r_ij)))), C the cosine envelope.
     """
 
     PART_MODULES = {"embed": ("embedding",), "block": ("interactions.{k}",), "readout": ("readout", "scale_shift")}
@@ -43,8 +47,7 @@ class SchNet(BlockPotential):
         return self.features
 
     def context(self, graph: AtomGraph):
-        distance = graph.edge_vec.to(self.dtype).norm(dim=1)
-        return distance, self.distance_expansion(distance)
+        return None  # every edge feature is recomputed from edge_vec inside the block's edge step
 
     def embed(self, graph: AtomGraph, ctx) -> torch.Tensor:
         return self.embedding(graph.species)
@@ -52,8 +55,16 @@ class SchNet(BlockPotential):
     def block(self, k: int, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
         if k > 0:
             h = graph.halo(h)
-        distance, expanded = ctx
-        return h + self.interactions[str(k)](h, graph.edge_index, distance, expanded)
+        interaction, rows = self.interactions[str(k)], graph.receivers
+
+        def message(vec, x_j):  # [e, 3] float64, [e, filters] -> [e, filters]
+            r = vec.to(self.dtype).norm(dim=1)
+            return x_j * (interaction.mlp(self.distance_expansion(r)) * cosine_cutoff(r, self.cutoff)[:, None])
+
+        sender, receiver = graph.edge_index
+        x = edge_sum(message, graph.edge_vec, sender, receiver, [interaction.conv.lin1(h)], rows,
+                     graph.memory_budget)
+        return h[:rows] + interaction.lin(interaction.act(interaction.conv.lin2(x)))
 
     def readout_energies(self, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
         out = self.readout(h[: graph.n_local]).squeeze(-1)

@@ -9,6 +9,7 @@ import torch
 from ase import Atoms
 
 import potentials
+from potentials.graph import AtomGraph
 from systems import GEOMETRIES, SPECIES
 
 torch.set_num_threads(1)
@@ -69,8 +70,11 @@ def test_nequip_interaction_passes_e3nn_equivariance_check():
 
     def func(h, vec):
         from e3nn import o3
-        sh = o3.spherical_harmonics(model.irreps_sh, vec, normalize=True, normalization="component")
-        return block(h, attr, sender, receiver, sh, radial)
+
+        graph = AtomGraph(species=torch.zeros(n, dtype=torch.long), edge_index=torch.stack([sender, receiver]),
+                          edge_vec=vec, n_local=n)
+        return block(h, attr, graph, lambda v: (
+            o3.spherical_harmonics(model.irreps_sh, v, normalize=True, normalization="component"), radial))
 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)  # e3nn draws its test rotations in the default dtype

@@ -1,0 +1,145 @@
+"""Message sums over edges within a memory budget: the step of every message-passing block whose
+tensors are per edge ([E, ...], ~40 edges per atom) rather than per atom.
+
+``edge_sum`` computes out[i] = Σ_{e: receiver(e) = i} message(edge_vec[e], x[sender(e)] for x in nodes).
+Under plain autograd every intermediate of ``message`` is kept for the backward on all E edges at once
+(SchNet: ~450 float32 values per edge per layer, ~225 KB per atom). With a memory budget the edges are
+processed in chunks by a custom autograd function that keeps only its inputs (node tensors, edge vectors,
+indices): the forward runs each chunk without a graph, and the backward recomputes one chunk at a time
+and back-propagates it into the node rows and edge vectors it read. Peak memory is then the per-atom
+tensors plus one chunk's edge temporaries (≤ the budget).
+
+The chunked function returns gradients for its tensor inputs only (edge vectors → positions and strain,
+node features → earlier layers), not for the parameters ``message`` uses, and it cannot be
+differentiated twice: it serves evaluation (energy, forces, stress, MD). Training (``create_graph``,
+parameter gradients) takes the plain path: ``AtomGraph.memory_budget`` None.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+PROBE_EDGES = 1024     # edges whose saved tensors are counted to size the chunks
+MIN_CHUNK_EDGES = 256  # below this, per-chunk overheads dominate
+# The automatic budget: a fraction of the free device memory, capped. Chunks of ~100 MB are as fast as
+# one pass over all edges on an H200 and faster on CPU (cache-sized temporaries, no page faults on
+# fresh allocations): see benchmarks/memory_per_atom.py.
+AUTO_FRACTION = 0.05
+AUTO_CAP_BYTES = {"cpu": 64 * 2**20, "cuda": 2 * 2**30}
+
+
+def available_bytes(device: torch.device) -> int:
+    """Free memory of ``device``: CUDA's free bytes, or the host's MemAvailable (Linux; 8 GiB elsewhere)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2**30
+
+
+def memory_budget_bytes(memory_budget_gb: float | None, device) -> int:
+    """The bytes one chunk of edge temporaries may take: ``memory_budget_gb`` (GB = 1e9 bytes) when
+    given, else ``AUTO_FRACTION`` of the device's free memory capped at ``AUTO_CAP_BYTES``."""
+    if memory_budget_gb is not None:
+        budget = float(memory_budget_gb)
+        if not budget > 0:
+            raise ValueError(f"memory_budget_gb must be a positive number of GB, got {memory_budget_gb!r}")
+        return max(1, int(budget * 1e9))
+    device = torch.device(device)
+    cap = AUTO_CAP_BYTES["cuda" if device.type == "cuda" else "cpu"]
+    return max(MIN_CHUNK_EDGES * 4096, min(cap, int(AUTO_FRACTION * available_bytes(device))))
+
+
+def edge_sum(message: Callable, edge_vec: torch.Tensor, sender: torch.Tensor, receiver: torch.Tensor,
+             nodes: Sequence[torch.Tensor], rows: int, budget: int | None) -> torch.Tensor:
+    """[rows, D]: Σ over edges e with receiver[e] = i of ``message(edge_vec[e], *(x[sender[e]] for x in nodes))``.
+
+    message(vec [e, 3] float64, *gathered [e, ...]) -> [e, D] must act on each edge alone (no reduction
+    over edges) and read nothing per edge but its arguments. sender, receiver: [E] long; receiver < rows.
+    ``budget`` None: one pass under plain autograd (differentiable twice, parameter gradients).
+    Otherwise chunks whose saved tensors take at most ``budget`` bytes (one pass when all edges fit).
+    """
+    n_edges = int(sender.shape[0])
+    if budget is None or n_edges <= PROBE_EDGES:
+        return _scatter(message(edge_vec, *(x[sender] for x in nodes)), receiver, rows)
+    chunk = max(MIN_CHUNK_EDGES, int(budget // _bytes_per_edge(message, edge_vec, sender, nodes)))
+    if chunk >= n_edges:
+        return _scatter(message(edge_vec, *(x[sender] for x in nodes)), receiver, rows)
+    return _ChunkedEdgeSum.apply(message, chunk, rows, sender, receiver, edge_vec, *nodes)
+
+
+def _scatter(messages: torch.Tensor, receiver: torch.Tensor, rows: int) -> torch.Tensor:
+    out = messages.new_zeros((rows, *messages.shape[1:]))
+    return out.index_add(0, receiver, messages)
+
+
+def _bytes_per_edge(message, edge_vec, sender, nodes) -> float:
+    """Bytes autograd keeps per edge for ``message`` (saved tensors, gathered inputs, output, and their
+    gradients in the backward), measured on the first ``PROBE_EDGES`` edges."""
+    saved = 0
+
+    def pack(t):
+        nonlocal saved
+        saved += t.numel() * t.element_size()
+        return t
+
+    probe = slice(0, PROBE_EDGES)
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        vec = edge_vec[probe].detach().requires_grad_(True)
+        gathered = [x[sender[probe]].detach().requires_grad_(True) for x in nodes]
+        out = message(vec, *gathered)
+    inputs = vec.numel() * vec.element_size() + sum(g.numel() * g.element_size() for g in gathered)
+    return (saved + 2 * out.numel() * out.element_size() + 2 * inputs) / PROBE_EDGES
+
+
+class _ChunkedEdgeSum(torch.autograd.Function):
+    """``edge_sum`` in chunks of ``chunk`` edges, recomputing each chunk in the backward."""
+
+    @staticmethod
+    def forward(ctx, message, chunk, rows, sender, receiver, edge_vec, *nodes):
+        out = None
+        for start in range(0, sender.shape[0], chunk):
+            part = slice(start, start + chunk)
+            m = message(edge_vec[part], *(x[sender[part]] for x in nodes))
+            if out is None:
+                out = m.new_zeros((rows, *m.shape[1:]))
+            out.index_add_(0, receiver[part], m)
+        ctx.message, ctx.chunk = message, chunk
+        ctx.save_for_backward(sender, receiver, edge_vec, *nodes)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        sender, receiver, edge_vec, *nodes = ctx.saved_tensors
+        need_vec = ctx.needs_input_grad[5]
+        need_nodes = ctx.needs_input_grad[6:]
+        grad_vec = torch.zeros_like(edge_vec) if need_vec else None
+        grad_nodes = [torch.zeros_like(x) if need else None for x, need in zip(nodes, need_nodes)]
+        for start in range(0, sender.shape[0], ctx.chunk):
+            part = slice(start, start + ctx.chunk)
+            with torch.enable_grad():
+                vec = edge_vec[part].detach().requires_grad_(need_vec)
+                gathered = [x.detach()[sender[part]].requires_grad_(need) for x, need in zip(nodes, need_nodes)]
+                m = ctx.message(vec, *gathered)
+                wanted = [t for t in (vec, *gathered) if t.requires_grad]
+                grads = iter(torch.autograd.grad(m, wanted, grad_out[receiver[part]], allow_unused=True)
+                             if wanted else ())
+            if need_vec:
+                g = next(grads)
+                if g is not None:
+                    grad_vec[part] = g
+            for k, need in enumerate(need_nodes):
+                if need:
+                    g = next(grads)
+                    if g is not None:
+                        grad_nodes[k].index_add_(0, sender[part], g)
+        return (None, None, None, None, None, grad_vec, *grad_nodes)
+
