@@ -32,7 +32,7 @@ from mlip_parallel import (MODES, DecompositionError, Domain, Grid, LostAtomsErr
                            get_backend)
 from mlip_parallel.evaluate import ghost_reach, global_sums
 from potentials.errors import InvalidStructureError
-from potentials.messages import memory_budget_bytes
+from potentials.messages import resolved_budget_gb
 
 PER_ATOM = ("positions", "velocities", "masses", "numbers", "ids", "image")
 PHASES = ("force", "halo", "neighbour", "integrate", "output")  # where a step's time goes (``MDSystem.timers``)
@@ -74,7 +74,7 @@ class MDSystem:
             raise ValueError(f"skin must be >= 0, got {skin}")
         self.model, self.mode, self.skin, self.grid_dims = model, mode, float(skin), grid
         self.backend, self.device = get_backend(comm), model.device
-        self.memory_budget_gb = memory_budget_bytes(memory_budget_gb, self.device) / 1e9  # fixed for the run
+        self.memory_budget_gb = resolved_budget_gb(memory_budget_gb, self.device)  # fixed for the run
         self.cell, self.pbc = np.asarray(cell, dtype=np.float64), np.asarray(pbc, dtype=bool)
         self.atoms = {k: _host(atoms[k]) for k in PER_ATOM}
         self.n_atoms = int(self.backend.allreduce(len(self.atoms["ids"])))

@@ -367,9 +367,9 @@ class Bridge:
         device = torch.device(device) if device is not None else rank_device(self.backend)
         if model.device != device:
             model.to(device)
-        from potentials.messages import memory_budget_bytes
+        from potentials.messages import resolved_budget_gb
 
-        self.memory_budget_gb = memory_budget_bytes(memory_budget_gb, device) / 1e9
+        self.memory_budget_gb = resolved_budget_gb(memory_budget_gb, device)
         self.ntypes = int(lmp.extract_global("ntypes"))
         if elements is None and not lmp.extract_atom("mass"):
             raise LammpsBridgeError(f"atom style {lmp.extract_global('atom_style')} has no per-type masses to "

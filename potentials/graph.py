@@ -57,6 +57,8 @@ class AtomGraph:
     halo: Callable[[torch.Tensor], torch.Tensor] = field(default_factory=NoHalo)
     n_receivers: int | None = None
     memory_budget: int | None = None
+    # per-edge features computed once on all edges and shared by the blocks (messages.edge_sum, plain path)
+    edge_features_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def n_nodes(self) -> int:

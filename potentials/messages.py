@@ -16,6 +16,7 @@ parameter gradients) takes the plain path: ``AtomGraph.memory_budget`` None.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import torch
@@ -26,7 +27,7 @@ MIN_CHUNK_EDGES = 256  # below this, per-chunk overheads dominate
 # one pass over all edges on an H200 and faster on CPU (cache-sized temporaries, no page faults on
 # fresh allocations): see benchmarks/memory_per_atom.py.
 AUTO_FRACTION = 0.05
-AUTO_CAP_BYTES = {"cpu": 64 * 2**20, "cuda": 2 * 2**30}
+AUTO_CAP_BYTES = {"cpu": 8 * 2**20, "cuda": 2 * 2**30}
 
 
 def available_bytes(device: torch.device) -> int:
@@ -45,35 +46,52 @@ def available_bytes(device: torch.device) -> int:
     return 8 * 2**30
 
 
-def memory_budget_bytes(memory_budget_gb: float | None, device) -> int:
+def memory_budget_bytes(memory_budget_gb: float | None, device) -> int | None:
     """The bytes one chunk of edge temporaries may take: ``memory_budget_gb`` (GB = 1e9 bytes) when
-    given, else ``AUTO_FRACTION`` of the device's free memory capped at ``AUTO_CAP_BYTES``."""
+    given (inf: None, every edge at once), else ``AUTO_FRACTION`` of the device's free memory capped at
+    ``AUTO_CAP_BYTES``."""
     if memory_budget_gb is not None:
         budget = float(memory_budget_gb)
         if not budget > 0:
             raise ValueError(f"memory_budget_gb must be a positive number of GB, got {memory_budget_gb!r}")
-        return max(1, int(budget * 1e9))
+        return None if math.isinf(budget) else max(1, int(budget * 1e9))
     device = torch.device(device)
     cap = AUTO_CAP_BYTES["cuda" if device.type == "cuda" else "cpu"]
     return max(MIN_CHUNK_EDGES * 4096, min(cap, int(AUTO_FRACTION * available_bytes(device))))
 
 
-def edge_sum(message: Callable, edge_vec: torch.Tensor, sender: torch.Tensor, receiver: torch.Tensor,
-             nodes: Sequence[torch.Tensor], rows: int, budget: int | None) -> torch.Tensor:
-    """[rows, D]: Σ over edges e with receiver[e] = i of ``message(edge_vec[e], *(x[sender[e]] for x in nodes))``.
+def resolved_budget_gb(memory_budget_gb: float | None, device) -> float:
+    """``memory_budget_gb`` with the automatic choice made now (GB; inf: every edge at once), for a run
+    that keeps one chunk size throughout (MD, LAMMPS)."""
+    budget = memory_budget_bytes(memory_budget_gb, device)
+    return math.inf if budget is None else budget / 1e9
 
-    message(vec [e, 3] float64, *gathered [e, ...]) -> [e, D] must act on each edge alone (no reduction
-    over edges) and read nothing per edge but its arguments. sender, receiver: [E] long; receiver < rows.
-    ``budget`` None: one pass under plain autograd (differentiable twice, parameter gradients).
-    Otherwise chunks whose saved tensors take at most ``budget`` bytes (one pass when all edges fit).
+
+def edge_sum(graph, features: Callable, message: Callable, nodes: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[graph.receivers, D]: Σ over edges e into row i of ``message(features(vec_e), *(x[sender_e] for x in nodes))``.
+
+    features(vec [e, 3] float64) -> tuple of per-edge tensors (radial basis, envelope, …), a function of the
+    edge vectors alone; message(feats, *gathered [e, ...]) -> [e, D] acts on each edge alone (no
+    reduction over edges). With ``graph.memory_budget`` None every edge is evaluated at once under plain
+    autograd (differentiable twice, parameter gradients) and ``features`` once per graph, shared by every
+    block that passes the same function; otherwise in chunks whose saved tensors take at most
+    ``graph.memory_budget`` bytes (one pass when all edges fit), ``features`` recomputed per chunk.
     """
-    n_edges = int(sender.shape[0])
+    sender, receiver = graph.edge_index
+    rows, budget, n_edges = graph.receivers, graph.memory_budget, int(sender.shape[0])
     if budget is None or n_edges <= PROBE_EDGES:
-        return _scatter(message(edge_vec, *(x[sender] for x in nodes)), receiver, rows)
-    chunk = max(MIN_CHUNK_EDGES, int(budget // _bytes_per_edge(message, edge_vec, sender, nodes)))
+        feats = graph.edge_features_cache.get(features)
+        if feats is None:
+            feats = graph.edge_features_cache[features] = features(graph.edge_vec)
+        return _scatter(message(feats, *(x[sender] for x in nodes)), receiver, rows)
+
+    def edge_message(vec, *gathered):
+        return message(features(vec), *gathered)
+
+    chunk = max(MIN_CHUNK_EDGES, int(budget // _bytes_per_edge(edge_message, graph.edge_vec, sender, nodes)))
     if chunk >= n_edges:
-        return _scatter(message(edge_vec, *(x[sender] for x in nodes)), receiver, rows)
-    return _ChunkedEdgeSum.apply(message, chunk, rows, sender, receiver, edge_vec, *nodes)
+        return _scatter(edge_message(graph.edge_vec, *(x[sender] for x in nodes)), receiver, rows)
+    return _ChunkedEdgeSum.apply(edge_message, chunk, rows, sender, receiver, graph.edge_vec, *nodes)
 
 
 def _scatter(messages: torch.Tensor, receiver: torch.Tensor, rows: int) -> torch.Tensor:

@@ -44,15 +44,14 @@ class Interaction(torch.nn.Module):
 
     def forward(self, h, attr, graph: AtomGraph, edge_features):
         """Output rows [0, graph.receivers). ``edge_features(vec [e, 3] float64)`` -> (Y(r̂) [e, sh dim],
-        radial embedding [e, radial]) of a chunk of edges (``edge_sum``)."""
+        radial embedding [e, radial]) of edges (``edge_sum``)."""
         n = graph.receivers
 
-        def message(vec, x_j):
-            sh, radial_embedding = edge_features(vec)
+        def message(feats, x_j):
+            sh, radial_embedding = feats
             return self.tp(x_j, sh, self.radial_net(radial_embedding))
 
-        sender, receiver = graph.edge_index
-        summed = edge_sum(message, graph.edge_vec, sender, receiver, [self.linear_in(h)], n, graph.memory_budget)
+        summed = edge_sum(graph, edge_features, message, [self.linear_in(h)])
         return self.linear_out(summed * self.norm) + self.self_connection(h[:n], attr[:n])
 
 

@@ -77,6 +77,12 @@ class PaiNN(BlockPotential):
     def context(self, graph: AtomGraph):
         return None  # every edge feature is recomputed from edge_vec inside the block's edge step
 
+    def edge_features(self, vec: torch.Tensor):
+        """(r̂ [e, 3], sinc basis [e, rbf], cosine envelope [e]) of edge vectors [e, 3]."""
+        vec = vec.to(self.dtype)
+        r = vec.norm(dim=1)
+        return vec / r[:, None], self.radial(r), cosine_cutoff(r, self.cutoff)
+
     def embed(self, graph: AtomGraph, ctx) -> torch.Tensor:
         s = self.embedding(graph.species)
         return torch.cat([s, s.new_zeros(s.shape[0], 3 * self.features)], dim=1)
@@ -86,15 +92,10 @@ class PaiNN(BlockPotential):
             h = graph.halo(h)
         layer, rows, f = self.blocks[str(k)], graph.receivers, self.features
 
-        def message(vec, phi_j, v_j):  # [e, 3] float64, [e, 3F], [e, 3F] -> [e, 4F]
-            vec = vec.to(self.dtype)
-            r = vec.norm(dim=1)
-            return layer.messages(phi_j, v_j, vec / r[:, None], self.radial(r), cosine_cutoff(r, self.cutoff))
+        def message(feats, phi_j, v_j):  # [e, 3F], [e, 3F] -> [e, 4F]
+            return layer.messages(phi_j, v_j, *feats)
 
-        sender, receiver = graph.edge_index
-        delta = edge_sum(message, graph.edge_vec, sender, receiver, [layer.message_mlp(h[:, :f]), h[:, f:]], rows,
-                         graph.memory_budget)
-        h = h[:rows] + delta  # message step: s += Δs, v += Δv
+        h = h[:rows] + edge_sum(graph, self.edge_features, message, [layer.message_mlp(h[:, :f]), h[:, f:]])
         s, v = layer.update(h[:, :f], h[:, f:].reshape(rows, 3, f))
         return torch.cat([s, v.reshape(rows, 3 * f)], dim=1)
 

@@ -55,16 +55,19 @@ class SchNet(BlockPotential):
     def block(self, k: int, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
         if k > 0:
             h = graph.halo(h)
-        interaction, rows = self.interactions[str(k)], graph.receivers
+        interaction = self.interactions[str(k)]
 
-        def message(vec, x_j):  # [e, 3] float64, [e, filters] -> [e, filters]
-            r = vec.to(self.dtype).norm(dim=1)
-            return x_j * (interaction.mlp(self.distance_expansion(r)) * cosine_cutoff(r, self.cutoff)[:, None])
+        def message(feats, x_j):  # [e, filters] -> [e, filters]
+            expanded, envelope = feats
+            return x_j * (interaction.mlp(expanded) * envelope[:, None])
 
-        sender, receiver = graph.edge_index
-        x = edge_sum(message, graph.edge_vec, sender, receiver, [interaction.conv.lin1(h)], rows,
-                     graph.memory_budget)
-        return h[:rows] + interaction.lin(interaction.act(interaction.conv.lin2(x)))
+        x = edge_sum(graph, self.edge_features, message, [interaction.conv.lin1(h)])
+        return h[: x.shape[0]] + interaction.lin(interaction.act(interaction.conv.lin2(x)))
+
+    def edge_features(self, vec: torch.Tensor):
+        """(Gaussian basis [e, rbf], cosine envelope [e]) of edge vectors [e, 3]."""
+        r = vec.to(self.dtype).norm(dim=1)
+        return self.distance_expansion(r), cosine_cutoff(r, self.cutoff)
 
     def readout_energies(self, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
         out = self.readout(h[: graph.n_local]).squeeze(-1)

@@ -222,3 +222,52 @@ def test_steps_between_rebuilds_keep_atoms_on_the_device(monkeypatch, integrator
     assert transfers.seen == [], transfers.seen
     for value in (*system.atoms.values(), system.forces):
         assert isinstance(value, torch.Tensor) and value.device == model.device
+
+
+def peak_saved_bytes(call) -> int:
+    """The most bytes autograd held in saved tensors at once while ``call()`` ran (forward and backward;
+    a tensor saved twice counts twice, so this bounds the true figure from above)."""
+    import weakref
+
+    live = peak = 0
+
+    class Held:
+        __slots__ = ("tensor", "__weakref__")
+
+    def release(nbytes):
+        nonlocal live
+        live -= nbytes
+
+    def pack(tensor):
+        nonlocal live, peak
+        held, nbytes = Held(), tensor.numel() * tensor.element_size()
+        held.tensor = tensor
+        live += nbytes
+        peak = max(peak, live)
+        weakref.finalize(held, release, nbytes)
+        return held
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.tensor):
+        call()
+    return peak
+
+
+def test_md_force_call_takes_the_memory_bounded_path():
+    """One MD force call on 864 Cu atoms (SchNet F=64, 3 layers, cutoff 5 Å, ~42 edges per atom) keeps at
+    most its chunk budget + 25 KB per atom in saved tensors, with the default (automatic) budget and
+    with an explicit one; one pass over all edges (``memory_budget_gb=inf``, training's path) keeps
+    ~10× more. Guards against a change that silently brings the all-edges path back into MD."""
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat((6, 6, 6))
+    atoms.rattle(0.05, seed=0)
+    model = potentials.SchNet(["Cu"], cutoff=5.0, features=64, layers=3, seed=0)
+    n = len(atoms)
+    per_atom = {}
+    for budget in (None, 0.004, float("inf")):
+        system = MDSystem.from_atoms(model, atoms, skin=1.0, memory_budget_gb=budget)
+        system.compute_forces()  # the first call builds the neighbour list
+        per_atom[budget] = (peak_saved_bytes(system.compute_forces), system.memory_budget_gb)
+    for budget in (None, 0.004):
+        saved, budget_gb = per_atom[budget]
+        assert budget_gb < 1, budget_gb
+        assert saved <= budget_gb * 1e9 + 25e3 * n, (budget, saved / n, budget_gb)
+    assert per_atom[float("inf")][0] > 100e3 * n, per_atom
