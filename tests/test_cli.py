@@ -19,7 +19,7 @@ JOB = {
     "structure": {"element": "Ar", "crystal": "fcc", "a": 5.26, "repeat": [3, 3, 3]},
     "temperature_K": 100, "ensemble": "npt", "thermostat": {"temperature_K": 100, "tdamp_fs": 100.0},
     "barostat": {"pressure_GPa": 0.5, "pdamp_fs": 200.0, "isotropic": False}, "balance_every": 10,
-    "timestep_fs": 4.0, "steps": 40, "seed": 3,
+    "timestep_fs": 4.0, "steps": 40, "seed": 3, "memory_budget_gb": 0.5,
 }
 
 
@@ -160,6 +160,8 @@ def test_bad_config_names_the_key(tmp_path):
         (dict(JOB, thermostat={"tdamp_fs": 0.0}), "thermostat.tdamp_fs must be > 0"),
         (dict(JOB, output={"trajectory_format": "pdb"}), "output.trajectory_format must be one of"),
         (dict(JOB, timestep_fs=-1.0), "timestep_fs must be >= 0"),
+        (dict(JOB, memory_budget_gb=0), "memory_budget_gb must be > 0 (GB), got 0"),
+        (dict(JOB, memory_budget_gb="lots"), "memory_budget_gb must be float"),
         (dict(JOB, model={"sevennet": "7net-0", "checkpoint": "x.pt"}), "model takes one of"),
         (dict(JOB, model={"checkpoint": str(tmp_path / "none.pt")}), "model.checkpoint: "),
         (dict(JOB, structure={"file": str(tmp_path / "missing.xyz")}), "structure.file: cannot read"),

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 from ase import Atoms
-from ase.build import fcc111
+from ase.build import bulk, fcc111
 
 import mlip_parallel
 import potentials
@@ -235,3 +235,27 @@ def test_molecule_without_cell_has_no_stress_like_ase():
     atoms = GEOMETRIES["clusters"]()
     result = mlip_parallel.evaluate(lennard_jones(), atoms)
     assert "stress" not in result and "stress" not in ase_lj_results(atoms)
+
+
+def test_memory_budget_knob():
+    """The automatic budget is a share of the free memory within its bounds; inf is the plain path; a
+    budget that is not a positive number is refused by every entry point, naming the knob."""
+    from md import MLIPCalculator
+    from md.engine import MDSystem
+    from potentials.messages import AUTO_CAP_BYTES, memory_budget_bytes, resolved_budget_gb
+
+    auto = memory_budget_bytes(None, "cpu")
+    assert 2**20 <= auto <= AUTO_CAP_BYTES["cpu"]
+    assert memory_budget_bytes(0.25, "cpu") == 250_000_000 and memory_budget_bytes(float("inf"), "cpu") is None
+    assert resolved_budget_gb(float("inf"), "cpu") == float("inf") and resolved_budget_gb(None, "cpu") == auto / 1e9
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True)
+    model = potentials.SchNet(["Cu"], cutoff=4.0, features=8, layers=2, seed=0)
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="memory_budget_gb must be a positive number of GB"):
+            potentials.predict(model, atoms, memory_budget_gb=bad)
+        with pytest.raises(ValueError, match="memory_budget_gb must be a positive number of GB"):
+            mlip_parallel.evaluate(model, atoms, memory_budget_gb=bad)
+        with pytest.raises(ValueError, match="memory_budget_gb must be a positive number of GB"):
+            MLIPCalculator(model, memory_budget_gb=bad)
+        with pytest.raises(ValueError, match="memory_budget_gb must be a positive number of GB"):
+            MDSystem.from_atoms(model, atoms, memory_budget_gb=bad)

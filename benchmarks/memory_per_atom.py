@@ -1,0 +1,202 @@
+"""Bytes and time per atom of one energy + forces + stress evaluation, the plain path (every edge of a
+block at once under autograd: ``memory_budget_gb=inf``, what every evaluation did before the bounded
+path, and what training's create_graph still takes) against the memory-bounded one (the automatic
+budget), side by side, on rattled fcc Cu, one thread, each measurement in a fresh process; launches
+alternate --rounds times and the medians are printed with the ratios.
+
+Memory is the peak resident size (VmHWM) during the call above the resident size before it (VmRSS after
+a 32-atom warm-up, gc and malloc_trim), per atom; time is the median of --repeat calls after it.
+Models: SchNet (F=64, 3 layers, cutoff 5 Å, 4,000 and 16,384 atoms), PaiNN (F=64, 3 layers, cutoff 5 Å,
+2,048 atoms), NequIP (defaults, cutoff 4.5 Å, 500 and 864 atoms); the training step of the SchNet
+(force loss, create_graph, parameter gradients); and the external adapters through their own blocks
+(SevenNet-0, 2,048 Si atoms; a MACE-MP-0-small-sized random MACE, 500 Cu atoms), one path each.
+
+    python benchmarks/memory_per_atom.py [--rounds 1] [--repeat 2] [--quick]
+    python benchmarks/memory_per_atom.py --largest 64 [--ranks 2]   # SchNet on 4·64³ = 1,048,576 atoms
+
+``--largest CELLS`` runs one bounded SchNet evaluation of 4·CELLS³ atoms on --ranks ranks
+(``mlip_parallel.evaluate``) and prints each rank's peak resident size and the wall time.
+"""
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cu_crystal, launch, reset_hwm, status_mb  # noqa: E402
+from pipeline import trimmed_rss  # noqa: E402
+
+warnings.filterwarnings("ignore")
+
+# label: (model, cubic cells per direction of the crystal, paths)
+CASES = {
+    "SchNet 4,000": ("schnet", 10, ("plain", "bounded")),
+    "SchNet 16,384": ("schnet", 16, ("plain", "bounded")),
+    "PaiNN 2,048": ("painn", 8, ("plain", "bounded")),
+    "NequIP 500": ("nequip", 5, ("plain", "bounded")),
+    "NequIP 864": ("nequip", 6, ("plain", "bounded")),
+    "SchNet training 4,000": ("schnet", 10, ("training",)),
+    "SevenNet-0 2,048 (Si)": ("sevennet", 4, ("adapter",)),
+    "MACE-MP-0-small size 500": ("mace", 5, ("adapter",)),
+}
+QUICK = ("SchNet 4,000", "PaiNN 2,048", "NequIP 500")
+
+
+def build(name, model_file=None):
+    import torch
+
+    import potentials
+
+    if name == "schnet":
+        return potentials.SchNet(["Cu"], cutoff=5.0, features=64, layers=3, seed=0)
+    if name == "painn":
+        return potentials.PaiNN(["Cu"], cutoff=5.0, features=64, layers=3, seed=0)
+    if name == "nequip":
+        return potentials.NequIP(["Cu"], cutoff=4.5, seed=0)
+    if name == "sevennet":
+        from potentials.adapters.sevennet import SevenNet
+
+        return SevenNet("7net-0")
+    if name == "mace":
+        return potentials.MACE(model_file).to(torch.float32)
+    raise ValueError(name)
+
+
+def structure(name, cells):
+    if name == "sevennet":
+        from sevennet_scaling import silicon
+
+        return silicon(cells)
+    return cu_crystal(cells)
+
+
+def evaluation(model, path):
+    """A function of Atoms doing one energy + forces + stress evaluation along ``path``."""
+    import torch
+
+    import mlip_parallel
+    from potentials.predict import energy_forces
+
+    if path == "adapter":
+        return lambda atoms: mlip_parallel.evaluate(model, atoms)
+    if path == "training":
+        def step(atoms):  # the force-matching step of mlip-train: create_graph, then parameter gradients
+            model.zero_grad()
+            energies, forces, dE_dstrain = energy_forces(model, atoms, create_graph=True)
+            (energies.sum() ** 2 + forces.pow(2).sum() + dE_dstrain.pow(2).sum()).backward()
+        return step
+    budget = float("inf") if path == "plain" else None
+    return lambda atoms: [t.detach() for t in energy_forces(model, atoms, memory_budget_gb=budget)]
+
+
+def worker(args):
+    import torch
+
+    torch.set_num_threads(1)
+    model = build(args.model, args.model_file)
+    call = evaluation(model, args.path)
+    call(structure(args.model, 2))  # warm-up: kernels, allocator pools
+    atoms = structure(args.model, args.cells)
+    base = trimmed_rss()
+    reset_hwm()
+    start = time.perf_counter()
+    call(atoms)
+    first = time.perf_counter() - start
+    peak = status_mb("VmHWM") - base
+    times = [first]
+    for _ in range(args.repeat - 1):
+        start = time.perf_counter()
+        call(atoms)
+        times.append(time.perf_counter() - start)
+    print(json.dumps({"atoms": len(atoms), "kb_per_atom": peak * 1024 / len(atoms),
+                      "us_per_atom": 1e6 * statistics.median(times) / len(atoms)}))
+
+
+def largest(args):
+    """One bounded SchNet evaluation of 4·cells³ atoms on this rank's share; rank 0 prints the peaks."""
+    import torch
+
+    import mlip_parallel
+
+    torch.set_num_threads(1)
+    backend = mlip_parallel.get_backend()
+    model = build("schnet")
+    mlip_parallel.evaluate(model, cu_crystal(2))  # warm-up
+    atoms = cu_crystal(args.cells)
+    base = trimmed_rss()
+    reset_hwm()
+    backend.barrier()
+    start = time.perf_counter()
+    result = mlip_parallel.evaluate(model, atoms)
+    seconds = time.perf_counter() - start
+    peaks = backend.allgather(status_mb("VmHWM"))
+    bases = backend.allgather(base)
+    if backend.rank == 0:
+        print(json.dumps({"atoms": len(atoms), "ranks": backend.size, "seconds": seconds,
+                          "peak_rss_mb": peaks, "base_rss_mb": bases, "energy_per_atom": result["energy"] / len(atoms)}))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--model-file", help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    parser.add_argument("--cells", type=int, default=10, help=argparse.SUPPRESS)
+    parser.add_argument("--repeat", type=int, default=2, help="timed calls per measurement (the first included)")
+    parser.add_argument("--rounds", type=int, default=1, help="alternating launches per path")
+    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
+    parser.add_argument("--largest", type=int, metavar="CELLS", help="the largest-system run (see above)")
+    parser.add_argument("--ranks", type=int, default=2, help="ranks of the --largest run")
+    parser.add_argument("--largest-worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker and args.largest_worker:
+        return largest(args)
+    if args.worker:
+        return worker(args)
+    if args.largest:
+        out = launch(args.ranks, Path(__file__), ["--largest-worker", "--cells", args.largest])
+        peaks = [p - b for p, b in zip(out["peak_rss_mb"], out["base_rss_mb"])]
+        print(f"SchNet F=64, 3 layers, cutoff 5 Å, {out['atoms']:,} atoms on {out['ranks']} ranks: "
+              f"{out['seconds']:.0f} s; peak resident per rank {', '.join(f'{p / 1024:.2f}' for p in out['peak_rss_mb'])} GiB "
+              f"({', '.join(f'{p / 1024:.2f}' for p in peaks)} GiB above the warmed-up process), "
+              f"{sum(peaks) * 1024 / out['atoms']:.1f} KB per atom in all")
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        mace_file = None
+        labels = QUICK if args.quick else list(CASES)
+        if any(CASES[label][0] == "mace" for label in labels):
+            from mace_scaling import make_model
+
+            mace_file = str(Path(tmp) / "mace.model")
+            make_model(mace_file, "float32")
+        runs = {}
+        for _ in range(args.rounds):
+            for label in labels:
+                name, cells, paths = CASES[label]
+                for path in paths:
+                    extra = ["--model-file", mace_file] if name == "mace" else []
+                    runs.setdefault((label, path), []).append(launch(1, Path(__file__), [
+                        "--model", name, "--cells", cells, "--path", path, "--repeat", args.repeat, *extra]))
+    med = {key: {k: statistics.median(r[k] for r in rs) for k in ("kb_per_atom", "us_per_atom")}
+           for key, rs in runs.items()}
+    print("one thread; KB/atom: peak resident above the warmed-up process; µs/atom: median call")
+    print(f"{'case':28s} {'path':9s} {'KB/atom':>9s} {'µs/atom':>9s} {'memory ×':>9s} {'time ×':>7s}")
+    for label in labels:
+        paths = CASES[label][2]
+        for path in paths:
+            m = med[(label, path)]
+            ratios = ""
+            if path == "bounded":
+                plain = med[(label, "plain")]
+                ratios = f"{m['kb_per_atom'] / plain['kb_per_atom']:9.3f} {m['us_per_atom'] / plain['us_per_atom']:7.2f}"
+            print(f"{label:28s} {path:9s} {m['kb_per_atom']:9.1f} {m['us_per_atom']:9.1f} {ratios}")
+    print("ratios: bounded / plain, measured in the same run")
+
+
+if __name__ == "__main__":
+    main()
