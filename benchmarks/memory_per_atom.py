@@ -5,13 +5,15 @@ budget), side by side, on rattled fcc Cu, one thread, each measurement in a fres
 alternate --rounds times and the medians are printed with the ratios.
 
 Memory is the peak resident size (VmHWM) during the call above the resident size before it (VmRSS after
-a 32-atom warm-up, gc and malloc_trim), per atom; time is the median of --repeat calls after it.
+a warm-up on 2³ cells, gc and malloc_trim), per atom; time is the median of --repeat calls, that one
+included (a fresh process's first call pays its page faults, as a real one does).
 Models: SchNet (F=64, 3 layers, cutoff 5 Å, 4,000 and 16,384 atoms), PaiNN (F=64, 3 layers, cutoff 5 Å,
 2,048 atoms), NequIP (defaults, cutoff 4.5 Å, 500 and 864 atoms); the training step of the SchNet
 (force loss, create_graph, parameter gradients); and the external adapters through their own blocks
-(SevenNet-0, 2,048 Si atoms; a MACE-MP-0-small-sized random MACE, 500 Cu atoms), one path each.
+(SevenNet-0 on 512 Si atoms, both paths: its convolutions' edge steps are chunked from outside; a
+MACE-MP-0-small-sized random MACE on 500 Cu atoms through mace-torch's own interactions, one path).
 
-    python benchmarks/memory_per_atom.py [--rounds 1] [--repeat 2] [--quick]
+    python benchmarks/memory_per_atom.py [--rounds 1] [--repeat 3] [--quick]
     python benchmarks/memory_per_atom.py --largest 64 [--ranks 2]   # SchNet on 4·64³ = 1,048,576 atoms
 
 ``--largest CELLS`` runs one bounded SchNet evaluation of 4·CELLS³ atoms on --ranks ranks
@@ -40,8 +42,8 @@ CASES = {
     "NequIP 500": ("nequip", 5, ("plain", "bounded")),
     "NequIP 864": ("nequip", 6, ("plain", "bounded")),
     "SchNet training 4,000": ("schnet", 10, ("training",)),
-    "SevenNet-0 2,048 (Si)": ("sevennet", 4, ("adapter",)),
-    "MACE-MP-0-small size 500": ("mace", 5, ("adapter",)),
+    "SevenNet-0 512 (Si)": ("sevennet", 4, ("plain", "bounded")),
+    "MACE (MP-0-small size) 500": ("mace", 5, ("adapter",)),
 }
 QUICK = ("SchNet 4,000", "PaiNN 2,048", "NequIP 500")
 
@@ -76,8 +78,6 @@ def structure(name, cells):
 
 def evaluation(model, path):
     """A function of Atoms doing one energy + forces + stress evaluation along ``path``."""
-    import torch
-
     import mlip_parallel
     from potentials.predict import energy_forces
 
@@ -147,7 +147,7 @@ def main():
     parser.add_argument("--model-file", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--cells", type=int, default=10, help=argparse.SUPPRESS)
-    parser.add_argument("--repeat", type=int, default=2, help="timed calls per measurement (the first included)")
+    parser.add_argument("--repeat", type=int, default=3, help="timed calls per measurement (the first included)")
     parser.add_argument("--rounds", type=int, default=1, help="alternating launches per path")
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     parser.add_argument("--largest", type=int, metavar="CELLS", help="the largest-system run (see above)")
@@ -182,10 +182,10 @@ def main():
                     extra = ["--model-file", mace_file] if name == "mace" else []
                     runs.setdefault((label, path), []).append(launch(1, Path(__file__), [
                         "--model", name, "--cells", cells, "--path", path, "--repeat", args.repeat, *extra]))
-    med = {key: {k: statistics.median(r[k] for r in rs) for k in ("kb_per_atom", "us_per_atom")}
+    med = {key: {k: statistics.median(r[k] for r in rs) for k in ("atoms", "kb_per_atom", "us_per_atom")}
            for key, rs in runs.items()}
     print("one thread; KB/atom: peak resident above the warmed-up process; µs/atom: median call")
-    print(f"{'case':28s} {'path':9s} {'KB/atom':>9s} {'µs/atom':>9s} {'memory ×':>9s} {'time ×':>7s}")
+    print(f"{'case':28s} {'path':9s} {'atoms':>7s} {'KB/atom':>9s} {'µs/atom':>9s} {'memory ×':>9s} {'time ×':>7s}")
     for label in labels:
         paths = CASES[label][2]
         for path in paths:
@@ -194,7 +194,7 @@ def main():
             if path == "bounded":
                 plain = med[(label, "plain")]
                 ratios = f"{m['kb_per_atom'] / plain['kb_per_atom']:9.3f} {m['us_per_atom'] / plain['us_per_atom']:7.2f}"
-            print(f"{label:28s} {path:9s} {m['kb_per_atom']:9.1f} {m['us_per_atom']:9.1f} {ratios}")
+            print(f"{label:28s} {path:9s} {m['atoms']:7.0f} {m['kb_per_atom']:9.1f} {m['us_per_atom']:9.1f} {ratios}")
     print("ratios: bounded / plain, measured in the same run")
 
 

@@ -67,8 +67,9 @@ def resolved_budget_gb(memory_budget_gb: float | None, device) -> float:
     return math.inf if budget is None else budget / 1e9
 
 
-def edge_sum(graph, features: Callable, message: Callable, nodes: Sequence[torch.Tensor]) -> torch.Tensor:
-    """[graph.receivers, D]: Σ over edges e into row i of ``message(features(vec_e), *(x[sender_e] for x in nodes))``.
+def edge_sum(graph, features: Callable, message: Callable, nodes: Sequence[torch.Tensor],
+             rows: int | None = None) -> torch.Tensor:
+    """[rows, D] (rows None: graph.receivers): Σ over edges e into row i of ``message(features(vec_e), *(x[sender_e] for x in nodes))``.
 
     features(vec [e, 3] float64) -> tuple of per-edge tensors (radial basis, envelope, …), a function of the
     edge vectors alone; message(feats, *gathered [e, ...]) -> [e, D] acts on each edge alone (no
@@ -78,7 +79,8 @@ def edge_sum(graph, features: Callable, message: Callable, nodes: Sequence[torch
     ``graph.memory_budget`` bytes (one pass when all edges fit), ``features`` recomputed per chunk.
     """
     sender, receiver = graph.edge_index
-    rows, budget, n_edges = graph.receivers, graph.memory_budget, int(sender.shape[0])
+    rows = graph.receivers if rows is None else rows
+    budget, n_edges = graph.memory_budget, int(sender.shape[0])
     if budget is None or n_edges <= PROBE_EDGES:
         feats = graph.edge_features_cache.get(features)
         if feats is None:

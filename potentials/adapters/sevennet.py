@@ -3,7 +3,9 @@
 The sevenn model runs module by module on our AtomGraph; the halo refresh goes on the node features
 ``x`` right after each ``{t}_self_interaction_1``, t ≥ 1 — exactly where sevenn's own LAMMPS parallel
 build cuts its segments (the convolution is the only module that reads neighbours' features). Its
-final reduction and autograd force modules are skipped: we sum and differentiate ourselves.
+final reduction and autograd force modules are skipped: we sum and differentiate ourselves. Each
+convolution's edge step (sevenn's tensor product and radial weight network on the edge embedding) runs
+as one ``messages.edge_sum``, so that it takes the memory-bounded path of every other model.
 """
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ from ase.data import chemical_symbols
 
 from ..base import Potential
 from ..graph import AtomGraph
+from ..messages import edge_sum
 
 _SKIPPED_MODULES = ("reduce_total_enegy", "force_output")  # sevenn's own spelling
+_EDGE_EMBEDDING = "edge_embedding"
 
 
 class SevenNet(Potential):
@@ -45,7 +49,24 @@ class SevenNet(Potential):
         for name, module in self.sevenn._modules.items():
             if name in _SKIPPED_MODULES:
                 continue
+            if name == _EDGE_EMBEDDING:
+                continue  # each convolution's edge step computes it (self.edge_features)
+            if name.endswith("_convolution"):
+                data[module.key_x] = self._convolve(module, data[module.key_x], graph)
+                continue
             data = module(data)
             if name.endswith("_self_interaction_1") and not name.startswith("0_"):
                 data["x"] = graph.halo(data["x"])
         return data["atomic_energy"].squeeze(-1)[: graph.n_local]
+
+    def edge_features(self, vec: torch.Tensor) -> dict:
+        """sevenn's edge embedding (radial basis × cutoff, spherical harmonics) of edge vectors [e, 3]."""
+        return self.sevenn._modules[_EDGE_EMBEDDING]({"edge_vec": vec.to(self.dtype)})
+
+    def _convolve(self, conv, x: torch.Tensor, graph: AtomGraph) -> torch.Tensor:
+        """sevenn's IrrepsConvolution.forward with its message sum as an ``edge_sum`` (every row out, as
+        sevenn's own ``message_gather``): tensor product of x_j with Y(r̂), weights from its radial network."""
+        def message(feats, x_j):
+            return conv.convolution(x_j, feats[conv.key_filter], conv.weight_nn(feats[conv.key_weight_input]))
+
+        return edge_sum(graph, self.edge_features, message, [x], rows=graph.n_nodes).div(conv.denominator)
