@@ -22,10 +22,14 @@ from typing import Callable, Sequence
 import torch
 
 PROBE_EDGES = 1024     # edges whose saved tensors are counted to size the chunks
-MIN_CHUNK_EDGES = 256  # below this, per-chunk overheads dominate
-# The automatic budget: a fraction of the free device memory, capped. Chunks of ~100 MB are as fast as
-# one pass over all edges on an H200 and faster on CPU (cache-sized temporaries, no page faults on
-# fresh allocations): see benchmarks/memory_per_atom.py.
+# Chunks hold at least this many edges, whatever the budget: below it the per-chunk cost of launching a
+# block's many small operations (e3nn's tensor products: ~100 per chunk) outweighs the memory saved
+# (NequIP, 864 atoms, one CPU thread: 700-edge chunks 1.3× slower than one pass, 2,800-edge ones 0.9×).
+MIN_CHUNK_EDGES = 2048
+# The automatic budget: a fraction of the free device memory, capped. On a CPU cache-sized chunks are the
+# fastest (SchNet, 4,000 atoms: 8 MiB 0.3× the time of one pass over all edges, 64 MiB 0.7×: no page
+# faults on fresh large allocations); on a GPU large chunks keep the kernels busy (not yet measured).
+# See benchmarks/memory_per_atom.py.
 AUTO_FRACTION = 0.05
 AUTO_CAP_BYTES = {"cpu": 8 * 2**20, "cuda": 2 * 2**30}
 
@@ -76,7 +80,9 @@ def edge_sum(graph, features: Callable, message: Callable, nodes: Sequence[torch
     reduction over edges). With ``graph.memory_budget`` None every edge is evaluated at once under plain
     autograd (differentiable twice, parameter gradients) and ``features`` once per graph, shared by every
     block that passes the same function; otherwise in chunks whose saved tensors take at most
-    ``graph.memory_budget`` bytes (one pass when all edges fit), ``features`` recomputed per chunk.
+    ``graph.memory_budget`` bytes, but of at least ``MIN_CHUNK_EDGES`` (one pass when all edges fit),
+    ``features`` recomputed per chunk. (The backward's transient temporaries come on top of the saved
+    tensors: a chunk's peak is about 1.6–1.8× its budget.)
     """
     sender, receiver = graph.edge_index
     rows = graph.receivers if rows is None else rows
