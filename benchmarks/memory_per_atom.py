@@ -5,8 +5,8 @@ budget), side by side, on rattled fcc Cu, one thread, each measurement in a fres
 alternate --rounds times and the medians are printed with the ratios.
 
 Memory is the peak resident size (VmHWM) during the call above the resident size before it (VmRSS after
-a warm-up on 2³ cells, gc and malloc_trim), per atom; time is the median of --repeat calls, that one
-included (a fresh process's first call pays its page faults, as a real one does).
+a warm-up on 2³ cells, gc and malloc_trim), per atom, in a fresh process per path; time is the median
+over the case's launches of --repeat calls per path, the paths' calls alternating in each process.
 Models: SchNet (F=64, 3 layers, cutoff 5 Å, 4,000 and 16,384 atoms), PaiNN (F=64, 3 layers, cutoff 5 Å,
 2,048 atoms), NequIP (defaults, cutoff 4.5 Å, 500 and 864 atoms); the training step of the SchNet
 (force loss, create_graph, parameter gradients); and the external adapters through their own blocks
@@ -94,26 +94,31 @@ def evaluation(model, path):
 
 
 def worker(args):
+    """Memory: one call along ``args.path`` in this fresh process. Then time: every path of
+    ``args.time_paths`` (this one among them), calls alternating, ``args.repeat`` rounds; the medians."""
     import torch
 
     torch.set_num_threads(1)
     model = build(args.model, args.model_file)
-    call = evaluation(model, args.path)
-    call(structure(args.model, 2))  # warm-up: kernels, allocator pools
+    paths = args.time_paths.split(",")
+    calls = {path: evaluation(model, path) for path in paths}
+    small = structure(args.model, 2)
+    calls[args.path](small)  # warm-up: kernels, allocator pools
     atoms = structure(args.model, args.cells)
     base = trimmed_rss()
     reset_hwm()
-    start = time.perf_counter()
-    call(atoms)
-    first = time.perf_counter() - start
+    calls[args.path](atoms)
     peak = status_mb("VmHWM") - base
-    times = [first]
-    for _ in range(args.repeat - 1):
-        start = time.perf_counter()
-        call(atoms)
-        times.append(time.perf_counter() - start)
+    for path in paths:
+        calls[path](atoms)  # every path warmed up on this size before the timed rounds
+    times = {path: [] for path in paths}
+    for _ in range(args.repeat):
+        for path in paths:
+            start = time.perf_counter()
+            calls[path](atoms)
+            times[path].append(time.perf_counter() - start)
     print(json.dumps({"atoms": len(atoms), "kb_per_atom": peak * 1024 / len(atoms),
-                      "us_per_atom": 1e6 * statistics.median(times) / len(atoms)}))
+                      "us_per_atom": {p: 1e6 * statistics.median(t) / len(atoms) for p, t in times.items()}}))
 
 
 def largest(args):
@@ -146,8 +151,9 @@ def main():
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--model-file", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
+    parser.add_argument("--time-paths", help=argparse.SUPPRESS)
     parser.add_argument("--cells", type=int, default=10, help=argparse.SUPPRESS)
-    parser.add_argument("--repeat", type=int, default=3, help="timed calls per measurement (the first included)")
+    parser.add_argument("--repeat", type=int, default=3, help="timed calls per path in each launch")
     parser.add_argument("--rounds", type=int, default=1, help="alternating launches per path")
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     parser.add_argument("--largest", type=int, metavar="CELLS", help="the largest-system run (see above)")
@@ -181,9 +187,14 @@ def main():
                 for path in paths:
                     extra = ["--model-file", mace_file] if name == "mace" else []
                     runs.setdefault((label, path), []).append(launch(1, Path(__file__), [
-                        "--model", name, "--cells", cells, "--path", path, "--repeat", args.repeat, *extra]))
-    med = {key: {k: statistics.median(r[k] for r in rs) for k in ("atoms", "kb_per_atom", "us_per_atom")}
-           for key, rs in runs.items()}
+                        "--model", name, "--cells", cells, "--path", path, "--time-paths", ",".join(paths),
+                        "--repeat", args.repeat, *extra]))
+    # memory: the path's own launches; time: every launch of the case (all its paths time side by side)
+    med = {}
+    for (label, path), rs in runs.items():
+        timed = [r["us_per_atom"][path] for p in CASES[label][2] for r in runs[(label, p)]]
+        med[(label, path)] = {"atoms": rs[0]["atoms"], "kb_per_atom": statistics.median(r["kb_per_atom"] for r in rs),
+                              "us_per_atom": statistics.median(timed)}
     print("one thread; KB/atom: peak resident above the warmed-up process; µs/atom: median call")
     print(f"{'case':28s} {'path':9s} {'atoms':>7s} {'KB/atom':>9s} {'µs/atom':>9s} {'memory ×':>9s} {'time ×':>7s}")
     for label in labels:
