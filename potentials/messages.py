@@ -1,13 +1,13 @@
 """Message sums over edges within a memory budget: the step of every message-passing block whose
 tensors are per edge ([E, ...], ~40 edges per atom) rather than per atom.
 
-``edge_sum`` computes out[i] = Σ_{e: receiver(e) = i} message(edge_vec[e], x[sender(e)] for x in nodes).
-Under plain autograd every intermediate of ``message`` is kept for the backward on all E edges at once
+``edge_sum`` computes out[i] = Σ_{e: receiver(e) = i} message(features(edge_vec[e]), x[sender(e)] for x in
+nodes). Under plain autograd every intermediate of ``message`` is kept for the backward on all E edges at once
 (SchNet: ~450 float32 values per edge per layer, ~225 KB per atom). With a memory budget the edges are
 processed in chunks by a custom autograd function that keeps only its inputs (node tensors, edge vectors,
 indices): the forward runs each chunk without a graph, and the backward recomputes one chunk at a time
 and back-propagates it into the node rows and edge vectors it read. Peak memory is then the per-atom
-tensors plus one chunk's edge temporaries (≤ the budget).
+tensors plus one chunk's edge temporaries (about the budget).
 
 The chunked function returns gradients for its tensor inputs only (edge vectors → positions and strain,
 node features → earlier layers), not for the parameters ``message`` uses, and it cannot be
@@ -61,7 +61,7 @@ def memory_budget_bytes(memory_budget_gb: float | None, device) -> int | None:
         return None if math.isinf(budget) else max(1, int(budget * 1e9))
     device = torch.device(device)
     cap = AUTO_CAP_BYTES["cuda" if device.type == "cuda" else "cpu"]
-    return max(MIN_CHUNK_EDGES * 4096, min(cap, int(AUTO_FRACTION * available_bytes(device))))
+    return max(2**20, min(cap, int(AUTO_FRACTION * available_bytes(device))))
 
 
 def resolved_budget_gb(memory_budget_gb: float | None, device) -> float:
@@ -73,7 +73,8 @@ def resolved_budget_gb(memory_budget_gb: float | None, device) -> float:
 
 def edge_sum(graph, features: Callable, message: Callable, nodes: Sequence[torch.Tensor],
              rows: int | None = None) -> torch.Tensor:
-    """[rows, D] (rows None: graph.receivers): Σ over edges e into row i of ``message(features(vec_e), *(x[sender_e] for x in nodes))``.
+    """[rows, D] (rows None: graph.receivers): Σ over the edges e into row i of
+    ``message(features(vec_e), *(x[sender_e] for x in nodes))``.
 
     features(vec [e, 3] float64) -> tuple of per-edge tensors (radial basis, envelope, …), a function of the
     edge vectors alone; message(feats, *gathered [e, ...]) -> [e, D] acts on each edge alone (no
