@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
-PROBE_EDGES = 1024     # edges whose saved tensors are counted to size the chunks
+PROBE_EDGES = 1024     # edges whose saved tensors are counted to size the chunks (≤ MIN_CHUNK_EDGES)
 # Chunks hold at least this many edges, whatever the budget: below it the per-chunk cost of launching a
 # block's many small operations (e3nn's tensor products: ~100 per chunk) outweighs the memory saved
 # (NequIP, 864 atoms, one CPU thread: 700-edge chunks 1.3× slower than one pass, 2,800-edge ones 0.9×).
@@ -88,19 +88,18 @@ def edge_sum(graph, features: Callable, message: Callable, nodes: Sequence[torch
     sender, receiver = graph.edge_index
     rows = graph.receivers if rows is None else rows
     budget, n_edges = graph.memory_budget, int(sender.shape[0])
-    if budget is None or n_edges <= PROBE_EDGES:
-        feats = graph.edge_features_cache.get(features)
-        if feats is None:
-            feats = graph.edge_features_cache[features] = features(graph.edge_vec)
-        return _scatter(message(feats, *(x[sender] for x in nodes)), receiver, rows)
+    if budget is not None and n_edges > MIN_CHUNK_EDGES:
+        def edge_message(vec, *gathered):
+            return message(features(vec), *gathered)
 
-    def edge_message(vec, *gathered):
-        return message(features(vec), *gathered)
-
-    chunk = max(MIN_CHUNK_EDGES, int(budget // _bytes_per_edge(edge_message, graph.edge_vec, sender, nodes)))
-    if chunk >= n_edges:
-        return _scatter(edge_message(graph.edge_vec, *(x[sender] for x in nodes)), receiver, rows)
-    return _ChunkedEdgeSum.apply(edge_message, chunk, rows, sender, receiver, graph.edge_vec, *nodes)
+        chunk = max(MIN_CHUNK_EDGES, int(budget // _bytes_per_edge(edge_message, graph.edge_vec, sender, nodes)))
+        if chunk < n_edges:
+            return _ChunkedEdgeSum.apply(edge_message, chunk, rows, sender, receiver, graph.edge_vec, *nodes)
+    key = (features, torch.is_grad_enabled())  # features made without a graph never serve one with it
+    feats = graph.edge_features_cache.get(key)
+    if feats is None:
+        feats = graph.edge_features_cache[key] = features(graph.edge_vec)
+    return _scatter(message(feats, *(x[sender] for x in nodes)), receiver, rows)
 
 
 def _scatter(messages: torch.Tensor, receiver: torch.Tensor, rows: int) -> torch.Tensor:
@@ -118,13 +117,13 @@ def _bytes_per_edge(message, edge_vec, sender, nodes) -> float:
         saved += t.numel() * t.element_size()
         return t
 
-    probe = slice(0, PROBE_EDGES)
+    probe = slice(0, min(PROBE_EDGES, int(sender.shape[0])))
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         vec = edge_vec[probe].detach().requires_grad_(True)
         gathered = [x[sender[probe]].detach().requires_grad_(True) for x in nodes]
         out = message(vec, *gathered)
     inputs = vec.numel() * vec.element_size() + sum(g.numel() * g.element_size() for g in gathered)
-    return (saved + 2 * out.numel() * out.element_size() + 2 * inputs) / PROBE_EDGES
+    return (saved + 2 * out.numel() * out.element_size() + 2 * inputs) / max(1, probe.stop)
 
 
 class _ChunkedEdgeSum(torch.autograd.Function):
