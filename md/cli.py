@@ -59,7 +59,7 @@ SCHEMA = {
     "skin": (float, 1.0, "neighbour skin, Å: rebuild when an atom moved more than skin/2"),
     "mode": (str, "layerwise", "layerwise or wide halo"),
     "memory_budget_gb": (float, None, "GB one chunk of a block's per-edge temporaries may take on a rank (default: "
-                                      "5 % of the device's free memory, at most 2 GB on a GPU and 64 MB on a CPU); "
+                                      "5 % of the device's free memory, at most 2 GiB on a GPU and 8 MiB on a CPU); "
                                       "bounds memory, never changes results"),
     "device": (str, "auto", "where each rank's model and atoms live: auto (cuda:<local rank> where CUDA exists, "
                             "else cpu), cpu or cuda"),

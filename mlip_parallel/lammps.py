@@ -352,8 +352,6 @@ class Bridge:
             raise LammpsBridgeError(f"mode must be one of {MODES}, got {mode!r}")
         if skin < 0:
             raise LammpsBridgeError(f"skin must be >= 0, got {skin}")
-        if memory_budget_gb is not None and not memory_budget_gb > 0:
-            raise LammpsBridgeError(f"the memory budget must be > 0 GB, got {memory_budget_gb}")
         if not lmp.has_id("fix", fix_id):
             raise LammpsBridgeError(f"LAMMPS has no fix {fix_id!r}")
         units = lmp.extract_global("units")
@@ -369,7 +367,10 @@ class Bridge:
             model.to(device)
         from potentials.messages import resolved_budget_gb
 
-        self.memory_budget_gb = resolved_budget_gb(memory_budget_gb, device)
+        try:  # the knob's one check (potentials.messages), reported as the bridge's error
+            self.memory_budget_gb = resolved_budget_gb(memory_budget_gb, device)
+        except ValueError as exc:
+            raise LammpsBridgeError(str(exc)) from None
         self.ntypes = int(lmp.extract_global("ntypes"))
         if elements is None and not lmp.extract_atom("mass"):
             raise LammpsBridgeError(f"atom style {lmp.extract_global('atom_style')} has no per-type masses to "
@@ -695,7 +696,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--skin", type=float, default=1.0, help="neighbour skin of the halo, Å (default 1.0)")
     parser.add_argument("--memory-budget-gb", type=float, metavar="GB",
                         help="GB one chunk of a block's per-edge temporaries may take on a rank (default: 5 %% of "
-                             "the device's free memory, at most 2 GB on a GPU, 64 MB on a CPU)")
+                             "the device's free memory, at most 2 GiB on a GPU, 8 MiB on a CPU)")
     parser.add_argument("--dtype", choices=("float32", "float64"),
                         help="the model's dtype (default: float64 for checkpoints, a MACE or nequip file's own, "
                              "float32 for SevenNet)")
