@@ -15,6 +15,8 @@ from pathlib import Path
 
 from mlip_parallel.config import ConfigError, check_output_directory, config_parser, read_config, report_error, \
     schema_help as config_help, validate as config_validate
+from mlip_parallel.launch import end_job
+from potentials.errors import OutputError
 
 # key: (types, default, help); a dict value is a nested section. Missing keys take the defaults.
 SCHEMA = {
@@ -65,15 +67,18 @@ SCHEMA = {
                             "else cpu), cpu or cuda"),
     "balance_every": (int, 0, "load balance: 0 keeps uniform cut planes; N > 0 shifts them so ranks own similar "
                               "atom counts, at the start and every N steps (slabs, droplets)"),
-    "restart_from": (str, None, "continue from a restart.npz (structure, velocities and step come from it)"),
+    "resume": (bool, False, "continue from OUTPUT/restart.npz when there is one, else start; steps is then the "
+                            "run's total, so the same command, run again after a crash, finishes the run"),
+    "restart_from": (str, None, "continue from a restart.npz (structure, velocities and step come from it) for "
+                                "steps more steps; in its own directory the outputs continue, elsewhere they start"),
     "output": {
         "directory": (str, "md_output", "output directory"),
         "thermo_every": (int, 10, "thermo row every N steps"),
         "trajectory_every": (int, 100, "trajectory frame every N steps (0: none)"),
         "trajectory_format": (str, "extxyz", "extxyz (OUTPUT/trajectory.extxyz) or traj (ASE's OUTPUT/trajectory.traj)"),
         "restart_every": (int, 0, "write OUTPUT/restart.npz every N steps and at the end (0: at the end only)"),
-        "overwrite": (bool, False, "write over a non-empty output directory (refused otherwise, unless "
-                                   "restart_from continues a run there)"),
+        "overwrite": (bool, False, "write over a non-empty output directory (refused otherwise, unless resume "
+                                   "or restart_from continues a run there)"),
     },
 }
 CHOICES = {"ensemble": ("nve", "langevin", "bussi", "nose-hoover", "npt"), "mode": ("layerwise", "wide"),
@@ -177,29 +182,60 @@ def check_species(model, numbers, section) -> None:
                           f"model.nequip or model.lennard_jones for these elements") from None
 
 
-def restart_numbers(path):
-    """The atomic numbers saved in the restart file ``path``."""
+def read_restart(path, key: str = "restart_from") -> dict:
+    """{"numbers", "step", "outputs"} of the restart file ``path`` ("outputs": what the run's output files
+    held when it was written, ``md.outputs.RunFiles.record``; None in a restart written without it)."""
+    import json
+
     import numpy as np
 
     try:
         with np.load(path) as data:
-            return data["numbers"]
+            outputs = json.loads(str(data["outputs"])) if "outputs" in data else None
+            return {"numbers": data["numbers"], "step": int(data["step"]), "outputs": outputs}
     except (OSError, KeyError, ValueError) as exc:
-        raise ConfigError(f"restart_from: cannot read {path!r}: {exc}") from None
+        raise ConfigError(f"{key}: cannot read {str(path)!r}: {exc}") from None
+
+
+def continued_restart(config):
+    """(path, key) of the restart this run continues from, or (None, None): ``restart_from``, or with
+    ``resume`` OUTPUT/restart.npz where it exists."""
+    if config["resume"] and config["restart_from"] is not None:
+        raise ConfigError("resume continues OUTPUT/restart.npz and restart_from another restart file: give one")
+    if config["restart_from"] is not None:
+        return Path(config["restart_from"]), "restart_from"
+    path = Path(config["output"]["directory"]) / "restart.npz"
+    return (path, "resume") if config["resume"] and path.is_file() else (None, None)
 
 
 def prepare(config) -> dict:
     """Everything that can fail on the validated ``config``, before anything is printed or written and
-    before MPI starts (every rank alike): the output directory, the integrator, the structure, the model
-    and the structure's elements. Returns {"model", "integrator", "atoms"} (atoms None with restart_from)."""
+    before MPI starts (every rank alike): the output directory, the restart and the output files it
+    continues, the integrator, the structure, the model and the structure's elements. Returns {"model",
+    "integrator", "atoms" (None when continuing a restart), "restart" (its path or None), "steps" (the
+    last step), "continues" (the outputs of the restart's run to cut back and append to, or None)}."""
+    from .outputs import check_recorded
+
     out = config["output"]
     if config["memory_budget_gb"] is not None and not config["memory_budget_gb"] > 0:
         raise ConfigError(f"memory_budget_gb must be > 0 (GB), got {config['memory_budget_gb']}")
-    if config["restart_from"] is None:  # a restart appends to its run's directory
-        check_output_directory(out["directory"], out["overwrite"])
+    restart, key = continued_restart(config)
+    directory = Path(out["directory"])
+    in_place = restart is not None and restart.resolve().parent == directory.resolve()
+    if not in_place and not config["resume"]:  # resume with no restart yet: a killed first attempt's files
+        check_output_directory(directory, out["overwrite"])
     integrator = build_integrator(config)
-    if config["restart_from"] is not None:
-        atoms, numbers = None, restart_numbers(config["restart_from"])
+    continues, steps = None, config["steps"]
+    if restart is not None:
+        saved = read_restart(restart, key)
+        atoms, numbers = None, saved["numbers"]
+        if config["resume"] and saved["step"] > steps:
+            raise ConfigError(f"resume: {restart} is at step {saved['step']}, beyond steps ({steps}, the run's "
+                              f"total under resume)")
+        steps = steps if config["resume"] else saved["step"] + steps
+        if in_place:
+            continues = saved["outputs"] or {}
+            check_recorded(directory, continues, restart)
     else:
         atoms = build_atoms(config)
         numbers = atoms.numbers
@@ -212,7 +248,8 @@ def prepare(config) -> dict:
             raise ConfigError("device: cuda, but torch sees no CUDA device (use auto or cpu)")
     model = build_model(config["model"])
     check_species(model, numbers, config["model"])
-    return {"model": model, "integrator": integrator, "atoms": atoms}
+    return {"model": model, "integrator": integrator, "atoms": atoms, "restart": restart, "steps": steps,
+            "continues": continues}
 
 
 THERMO_COLUMNS = ("step", "time_fs", "temperature_K", "epot_eV", "ekin_eV", "etot_eV", "pressure_GPa",
@@ -222,7 +259,8 @@ SAMPLES = 10_000  # at most this many thermo samples (every max(1, steps // SAMP
 
 
 def simulate(config) -> list:
-    """Run the validated ``config``; return the thermo rows (every rank)."""
+    """Run the validated ``config``; return the thermo rows (every rank). An output file that cannot be
+    written raises OutputError on rank 0, naming the file, the reason and the last restart written."""
     start = prepare(config)
     import numpy as np
     from ase import Atoms, units
@@ -232,51 +270,58 @@ def simulate(config) -> list:
 
     from mlip_parallel import get_backend
     from mlip_parallel.backend import rank_device, set_threads
+    from potentials.files import atomic_write, naming_errors
     from potentials.predict import voigt_stress
 
     from .engine import PHASES, MDSystem, run
+    from .outputs import RunFiles, cut_back, write_extxyz
 
     backend = get_backend()
     threads = set_threads(backend)
-    model, integrator = start["model"], start["integrator"]
+    model, integrator, restart = start["model"], start["integrator"], start["restart"]
     model.to(torch.device("cpu") if config["device"] == "cpu" else rank_device(backend))  # atoms follow it
+    options = dict(skin=config["skin"], mode=config["mode"], memory_budget_gb=config["memory_budget_gb"])
+
+    def from_restart(path):
+        return MDSystem.from_restart(model, path, integrator=integrator, **options)
+
     # From here on every rank takes part in collectives: an error is not a config error any more (prepare
     # checked the config and the restart file); uncaught, it ends the whole job through the abort hook.
-    if config["restart_from"] is not None:
-        system, first_step = MDSystem.from_restart(model, config["restart_from"], integrator=integrator,
-                                                   skin=config["skin"], mode=config["mode"],
-                                                   memory_budget_gb=config["memory_budget_gb"])
+    if restart is not None:
+        system, first_step = from_restart(restart)
     else:
-        system, first_step = MDSystem.from_atoms(model, start["atoms"], skin=config["skin"], mode=config["mode"],
-                                                 balance=config["balance_every"] > 0,
-                                                 memory_budget_gb=config["memory_budget_gb"]), 0
+        system, first_step = MDSystem.from_atoms(model, start["atoms"], balance=config["balance_every"] > 0,
+                                                 **options), 0
     out = config["output"]
     directory = Path(out["directory"])
+    restart_path = directory / "restart.npz"
     every, traj_every, restart_every = max(1, out["thermo_every"]), out["trajectory_every"], out["restart_every"]
-    steps = first_step + config["steps"]
-    stride = max(1, config["steps"] // SAMPLES)
-    trajectory = f"trajectory.{out['trajectory_format']}"
+    steps = start["steps"]
+    stride = max(1, (steps - first_step) // SAMPLES)
+    continuing = start["continues"] is not None  # cut back to the restart, then append
+    unrecorded = start["continues"] == {}
+    last_restart = f"{restart} (step {first_step})" if continuing else "none yet"
     root = backend.rank == 0
-    continuing = config["restart_from"] is not None  # append to thermo.csv and the trajectory
-    if root:
-        directory.mkdir(parents=True, exist_ok=True)
-        if not continuing:
-            (directory / trajectory).unlink(missing_ok=True)
-        csv_file = open(directory / "thermo.csv", "a" if continuing else "w", newline="")
-        writer = csv.DictWriter(csv_file, fieldnames=THERMO_COLUMNS)
-        if csv_file.tell() == 0:
-            writer.writeheader()
-        via = f" ({backend.library.split(' (')[0]})" if backend.size > 1 else ""
-        print(f"mlip-md: {system.n_atoms} atoms on {backend.size} rank(s){via} x {threads} thread(s), {system.device}, "
-              f"{config['ensemble']}, steps {first_step} to {steps} of {config['timestep_fs']} fs")
-        print(" ".join(f"{c:>14s}" for c in SCREEN_COLUMNS))
-        from tqdm import tqdm
-        bar = tqdm(total=steps, initial=first_step, unit="step", file=sys.stderr, dynamic_ncols=True)
-
-    def snapshot(name, step, append):  # collective: gathers in global id order, rank 0 writes
-        positions, numbers, velocities, forces = (system.gather(k) for k in
-                                                  ("positions", "numbers", "velocities", "forces"))
+    try:
         if root:
+            with naming_errors(directory):
+                directory.mkdir(parents=True, exist_ok=True)
+            if continuing:
+                cut_back(directory, start["continues"])
+            files = RunFiles(directory, THERMO_COLUMNS, f"trajectory.{out['trajectory_format']}" if traj_every
+                             else None, fresh=not continuing)
+            via = f" ({backend.library.split(' (')[0]})" if backend.size > 1 else ""
+            print(f"mlip-md: {system.n_atoms} atoms on {backend.size} rank(s){via} x {threads} thread(s), "
+                  f"{system.device}, {config['ensemble']}, steps {first_step} to {steps} of {config['timestep_fs']} fs")
+            print(" ".join(f"{c:>14s}" for c in SCREEN_COLUMNS))
+            from tqdm import tqdm
+            bar = tqdm(total=steps, initial=first_step, unit="step", file=sys.stderr, dynamic_ncols=True)
+
+        def snapshot(step):  # collective: gathers in global id order; the frame on rank 0 (None elsewhere)
+            positions, numbers, velocities, forces = (system.gather(k) for k in
+                                                      ("positions", "numbers", "velocities", "forces"))
+            if not root:
+                return None
             frame = Atoms(numbers=numbers, positions=positions, cell=system.cell, pbc=system.pbc)
             frame.set_velocities(velocities)
             frame.info.update(step=step, time_fs=step * integrator.dt / units.fs)
@@ -284,59 +329,69 @@ def simulate(config) -> list:
             if frame.cell.rank == 3:
                 results["stress"] = voigt_stress(system.virial, frame.cell.volume)
             frame.calc = SinglePointCalculator(frame, **results)
-            if name.endswith(".traj"):  # ase.io.write cannot append to .traj files: use the Trajectory
-                from ase.io.trajectory import Trajectory
-                with Trajectory(directory / name, "a" if append else "w") as trajectory_file:
-                    trajectory_file.write(frame)
-            else:
-                write_extxyz(directory / name, frame, append=append)
+            return frame
 
-    rows, step = [], first_step
-    stops = {steps} | {s for n in (every, traj_every, restart_every) if n for s in range(0, steps + 1, n)}
-    system.compute_forces()
-    samples = [system.thermo(first_step, integrator.dt)]  # for the summary: every `stride` steps
-    start_time = time.perf_counter()
-    last_timers, last_step = dict(system.timers), step
-    for target in sorted(s for s in stops if s >= first_step):
-        if target > step:
-            t0 = time.perf_counter()
-            chunk = run(system, integrator, target - step, thermo_every=stride, start_step=step,
-                        balance_every=config["balance_every"])[1:]
-            per_step = (time.perf_counter() - t0) / (target - step)
-            samples += chunk
-            step = target
-            state = chunk[-1] if chunk and chunk[-1]["step"] == step else system.thermo(step, integrator.dt)
-        else:
-            state, per_step = system.thermo(step, integrator.dt), 0.0
-        already_written = continuing and step == first_step  # the previous run's last row and frame
-        output_start = time.perf_counter()
-        if (step % every == 0 or step == steps) and not already_written:
-            span = max(1, step - last_step)  # seconds per step in each phase since the last row (rank 0's)
-            row = dict(state, seconds_per_step=per_step,
-                       **{f"{phase}_s": (system.timers[phase] - last_timers[phase]) / span for phase in PHASES})
-            last_timers, last_step = dict(system.timers), step
-            rows.append(row)
+        rows, step = [], first_step
+        stops = {steps} | {s for n in (every, traj_every, restart_every) if n for s in range(0, steps + 1, n)}
+        system.compute_forces()
+        samples = [system.thermo(first_step, integrator.dt)]  # for the summary: every `stride` steps
+        start_time = time.perf_counter()
+        last_timers, last_step = dict(system.timers), step
+        for target in sorted(s for s in stops if s >= first_step):
+            if target > step:
+                t0 = time.perf_counter()
+                chunk = run(system, integrator, target - step, thermo_every=stride, start_step=step,
+                            balance_every=config["balance_every"])[1:]
+                per_step = (time.perf_counter() - t0) / (target - step)
+                samples += chunk
+                step = target
+                state = chunk[-1] if chunk and chunk[-1]["step"] == step else system.thermo(step, integrator.dt)
+            else:
+                state, per_step = system.thermo(step, integrator.dt), 0.0
+            output_start = time.perf_counter()
+            if (step == steps or (restart_every and step % restart_every == 0)) and not (continuing and step == first_step):
+                # the restart holds the state at `step` and the files up to the step before; the run goes on
+                # from the file, as a requeued job does, so that the two are bit-identical from here on
+                system.save_restart(restart_path, step, integrator, outputs=files.record() if root else None)
+                last_restart = f"{restart_path} (step {step})"
+                timers, rebuilds = system.timers, system.rebuilds
+                del system
+                system, _ = from_restart(restart_path)
+                system.timers, system.rebuilds = timers, rebuilds + system.rebuilds
+                system.compute_forces()
+                state = system.thermo(step, integrator.dt)
+            written = unrecorded and step == first_step  # a restart of an older version: its row and frame are there
+            if (step % every == 0 or step == steps) and not written:
+                span = max(1, step - last_step)  # seconds per step in each phase since the last row (rank 0's)
+                row = dict(state, seconds_per_step=per_step,
+                           **{f"{phase}_s": (system.timers[phase] - last_timers[phase]) / span for phase in PHASES})
+                last_timers, last_step = dict(system.timers), step
+                rows.append(row)
+                if root:
+                    files.row(row)
+                    bar.clear()
+                    print(" ".join(f"{row[c]:14.6g}" for c in SCREEN_COLUMNS), flush=True)
+            if traj_every and step % traj_every == 0 and not written:
+                frame = snapshot(step)
+                if root:
+                    files.frame(frame)
             if root:
-                writer.writerow(row)
-                csv_file.flush()
-                bar.clear()
-                print(" ".join(f"{row[c]:14.6g}" for c in SCREEN_COLUMNS), flush=True)
-        if traj_every and step % traj_every == 0 and not already_written:
-            snapshot(trajectory, step, append=True)
-        if step == steps or (restart_every and step % restart_every == 0):
-            system.save_restart(directory / "restart.npz", step, integrator)
+                bar.update(step - bar.n)
+            system.timers["output"] += time.perf_counter() - output_start
+        final = snapshot(steps)
         if root:
-            bar.update(step - bar.n)
-        system.timers["output"] += time.perf_counter() - output_start
-    snapshot("final.extxyz", steps, append=False)
+            with atomic_write(directory / "final.extxyz", "w") as f:
+                write_extxyz(f, final)
+            files.close()
+            elapsed = time.perf_counter() - start_time
+            close_bar(bar)
+            plot_thermo(directory)
+    except OutputError as exc:
+        raise OutputError(f"{exc}; last restart written: {last_restart}") from None
     phases = np.array([system.timers[phase] for phase in PHASES])
     slowest, mean = backend.allreduce(phases, op="max"), backend.allreduce(phases) / backend.size
     if root:
-        elapsed = time.perf_counter() - start_time
-        close_bar(bar)
-        csv_file.close()
-        plot_thermo(directory)
-        print(f"mlip-md: done in {elapsed:.1f} s ({1e3 * elapsed / max(1, config['steps']):.3g} ms/step), "
+        print(f"mlip-md: done in {elapsed:.1f} s ({1e3 * elapsed / max(1, steps - first_step):.3g} ms/step), "
               f"{system.rebuilds} neighbour-list rebuilds; output in {directory}/")
         print(summary(samples, system.n_atoms, config["ensemble"]), flush=True)
         print(phase_table(mean, slowest), flush=True)
@@ -421,27 +476,10 @@ def plot_thermo(directory: Path) -> None:
     pressure.plot(t_ps, [float(r["pressure_GPa"]) for r in rows])
     pressure.set_ylabel("P (GPa)")
     pressure.set_xlabel("time (ps)")
-    fig.savefig(directory / "thermo.png", dpi=100)
+    from potentials.files import atomic_write
 
-
-def write_extxyz(path, atoms, append: bool = False) -> None:
-    """Extended XYZ as ASE writes it (info, calculator energy/stress, momenta, forces), with every number at
-    full precision (ASE's writer keeps 8 decimals)."""
-    import numpy as np
-    from ase.io.extxyz import output_column_format, save_calc_results
-    from ase.stress import voigt_6_to_full_3x3_stress
-
-    frame = atoms.copy()
-    save_calc_results(frame, atoms.calc, calc_prefix="")  # energy, stress → info; forces → arrays
-    if "stress" in frame.info:
-        frame.info["stress"] = voigt_6_to_full_3x3_stress(frame.info["stress"])
-    columns = ["symbols", "positions"] + [k for k in ("momenta", "forces") if k in frame.arrays]
-    arrays = dict(frame.arrays, symbols=np.array(frame.get_chemical_symbols()))
-    comment = output_column_format(frame, columns, arrays)[0]
-    values = np.hstack([arrays[k] for k in columns[1:]]).tolist()
-    with open(path, "a" if append else "w") as f:
-        f.write(f"{len(frame)}\n{comment}\n")
-        f.writelines(f"{symbol} {' '.join(map(repr, row))}\n" for symbol, row in zip(arrays["symbols"], values))
+    with atomic_write(directory / "thermo.png") as f:
+        fig.savefig(f, format="png", dpi=100)
 
 
 def main(argv=None) -> int:
@@ -451,6 +489,9 @@ def main(argv=None) -> int:
     except ConfigError as exc:  # raised alike on every rank by prepare(), before any output and any collective
         report_error("mlip-md", exc)
         return 2
+    except OutputError as exc:  # rank 0 could not write: one line, and the whole job ends
+        end_job("mlip-md", exc)
+        return 1
     return 0
 
 

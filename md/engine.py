@@ -22,6 +22,7 @@ Units are ASE's: Å, eV, amu, time in ASE units (``dt_fs * ase.units.fs``).
 """
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -32,6 +33,7 @@ from mlip_parallel import (MODES, DecompositionError, Domain, Grid, LostAtomsErr
                            get_backend)
 from mlip_parallel.evaluate import ghost_reach, global_sums
 from potentials.errors import InvalidStructureError
+from potentials.files import atomic_write
 from potentials.messages import resolved_budget_gb
 
 PER_ATOM = ("positions", "velocities", "masses", "numbers", "ids", "image")
@@ -98,18 +100,23 @@ class MDSystem:
         mine = np.arange(n) % backend.size == backend.rank  # any split: the first rebuild migrates them
         return cls(model, {k: np.asarray(v)[mine] for k, v in local.items()}, atoms.cell[:], atoms.pbc, **kwargs)
 
-    def save_restart(self, path, step: int, integrator=None) -> None:
+    def save_restart(self, path, step: int, integrator=None, outputs: dict | None = None) -> None:
         """Write the full state (all atoms in global id order, cell, pbc, step, the cut planes and the
-        ``integrator``'s variables) to ``path`` (.npz) from rank 0 (collective). Random numbers are
-        counter-based, so nothing else is needed to continue exactly."""
+        ``integrator``'s variables) to ``path`` (.npz) from rank 0 (collective), atomically: the previous
+        file stays whole until the new one is complete. Random numbers are counter-based, so nothing else
+        is needed to continue exactly. ``outputs``: what the run's output files held at this step
+        (``md.outputs.RunFiles.record``), stored as JSON under "outputs"."""
         state = {key: self.gather(key) for key in PER_ATOM}
         if integrator is not None:
             state["integrator"] = np.array(type(integrator).__name__)
             state.update({f"integrator.{k}": v for k, v in integrator.state_dict().items()})
         if self.cuts is not None:
             state.update({f"cuts.{d}": c for d, c in enumerate(self.cuts)})
+        if outputs is not None:
+            state["outputs"] = np.array(json.dumps(outputs))
         if self.backend.rank == 0:
-            np.savez(path, step=step, cell=self.cell, pbc=self.pbc, **state)
+            with atomic_write(path) as f:
+                np.savez(f, step=step, cell=self.cell, pbc=self.pbc, **state)
         self.backend.barrier()
 
     @classmethod

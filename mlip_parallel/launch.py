@@ -52,6 +52,32 @@ def yield_when_oversubscribed(environ=os.environ, ranks: int | None = None) -> N
 _HOOK_INSTALLED = False
 
 
+def _job_abort():
+    """(this rank, a function ending the whole job at once) in a job of more than one process, else None."""
+    if launched_by_torchrun():
+        if int(os.environ["WORLD_SIZE"]) == 1:
+            return None
+        return int(os.environ["RANK"]), lambda code=1: os._exit(code)
+    if launched_by_mpiexec() or "mpi4py.MPI" in sys.modules:
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.Get_size() > 1:
+            return MPI.COMM_WORLD.Get_rank(), lambda code=1: MPI.COMM_WORLD.Abort(code)
+    return None
+
+
+def end_job(prog: str, exc, code: int = 1) -> None:
+    """Print ``prog: error: exc`` (one line, from this rank) and, in a job of several processes, end all
+    of them at once with exit status ``code`` (the others may be waiting in a collective for this one).
+    Alone, it returns: the caller exits with ``code``."""
+    sys.stderr.write(f"{prog}: error: {exc}\n")
+    sys.stderr.flush()
+    job = _job_abort()
+    if job is not None:
+        time.sleep(0.5)  # let the launcher forward the message before the abort tears the job down
+        job[1](code)
+
+
 def install_abort_on_error():
     """Make an uncaught exception on any rank print ``rank N: <type>: <message>`` and end the whole
     job at once (MPI_Abort under an MPI launcher; under torchrun this process exits and torchrun stops
@@ -59,16 +85,10 @@ def install_abort_on_error():
     global _HOOK_INSTALLED
     if _HOOK_INSTALLED:
         return
-    if launched_by_torchrun():
-        if int(os.environ["WORLD_SIZE"]) == 1:
-            return
-        rank, abort = int(os.environ["RANK"]), lambda: os._exit(1)
-    else:
-        from mpi4py import MPI
-
-        if MPI.COMM_WORLD.Get_size() == 1:
-            return
-        rank, abort = MPI.COMM_WORLD.Get_rank(), lambda: MPI.COMM_WORLD.Abort(1)
+    job = _job_abort()
+    if job is None:
+        return
+    rank, abort = job
 
     def hook(exc_type, exc, tb):
         if issubclass(exc_type, KeyboardInterrupt):

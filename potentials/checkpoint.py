@@ -15,6 +15,7 @@ import torch
 
 from .base import BlockPotential, all_parts
 from .errors import MLIPError
+from .files import atomic_write, naming_errors
 from .lj import LennardJones
 from .nequip import NequIP
 from .painn import PaiNN
@@ -32,9 +33,10 @@ class CheckpointError(MLIPError, ValueError):
 
 
 def save(model, path, extra: dict | None = None, state_dict: dict | None = None) -> None:
-    """Write ``model`` (a potentials model) to ``path``. ``extra``: more entries of tensors and plain
-    containers stored beside it (e.g. a trainer's optimizer state); ``load`` ignores them.
-    ``state_dict``: the weights to write instead of ``model``'s own (see ``save_parts``)."""
+    """Write ``model`` (a potentials model) to ``path``, atomically (``files.atomic_write``: a kill or a
+    full disk leaves the previous file). ``extra``: more entries of tensors and plain containers stored
+    beside it (e.g. a trainer's optimizer state); ``load`` ignores them. ``state_dict``: the weights to
+    write instead of ``model``'s own (see ``save_parts``). An OSError is raised as OutputError."""
     name = type(model).__name__
     if MODEL_CLASSES.get(name) is not type(model):
         raise CheckpointError(f"cannot save {name}: checkpoints support {sorted(MODEL_CLASSES)}")
@@ -42,7 +44,8 @@ def save(model, path, extra: dict | None = None, state_dict: dict | None = None)
               "species": model.species, "cutoff": model.cutoff, "units": {"energy": "eV", "length": "Angstrom"},
               "dtype": str(model.dtype)}
     state = {k: v.detach().cpu() for k, v in (model.state_dict() if state_dict is None else state_dict).items()}
-    torch.save(dict(extra or {}, config=json.dumps(config), state_dict=state), path)
+    with atomic_write(path) as f:
+        torch.save(dict(extra or {}, config=json.dumps(config), state_dict=state), f)
 
 
 def load(path, map_location="cpu", parts=None):
@@ -112,19 +115,20 @@ def load(path, map_location="cpu", parts=None):
     return model.to(map_location).eval()
 
 
-def save_parts(model, path, pieces) -> None:
+def save_parts(model, path, pieces, extra: dict | None = None) -> None:
     """Write one ordinary checkpoint (``load`` reads it) of a model whose weights are spread over
     processes, holding one piece at a time: ``model`` (any part of it: it gives the class,
     hyper-parameters and dtype) and ``pieces``, an iterable of state-dict fragments that together cover
     the whole model (e.g. one per pipeline stage, received from its rank while iterating). Each piece
-    is spooled to a temporary file beside ``path`` and memory-mapped back for the final write."""
+    is spooled to a temporary file beside ``path`` and memory-mapped back for the final (atomic) write;
+    ``extra`` as for ``save``."""
     import tempfile
 
     name = type(model).__name__
     if MODEL_CLASSES.get(name) is not type(model):
         raise CheckpointError(f"cannot save {name}: checkpoints support {sorted(MODEL_CLASSES)}")
     directory = os.path.dirname(os.path.abspath(path))
-    with tempfile.TemporaryDirectory(dir=directory, prefix=".parts-") as spool:
+    with naming_errors(path), tempfile.TemporaryDirectory(dir=directory, prefix=".parts-") as spool:
         state = {}
         for k, piece in enumerate(pieces):
             spooled = os.path.join(spool, f"{k}.pt")
@@ -134,5 +138,4 @@ def save_parts(model, path, pieces) -> None:
         missing = sorted(set(all_parts(model.layers)) - {model.part_of(key) for key in state})
         if missing:
             raise CheckpointError(f"cannot write {path}: no piece holds the parts {missing}")
-        save(model, path + ".tmp", state_dict=state)
-    os.replace(path + ".tmp", path)
+        save(model, path, extra=extra, state_dict=state)

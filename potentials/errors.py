@@ -11,3 +11,8 @@ class UnknownSpeciesError(MLIPError, ValueError):
 
 class InvalidStructureError(MLIPError, ValueError):
     """The structure cannot be evaluated: non-finite positions, a degenerate cell, ..."""
+
+
+class OutputError(MLIPError, OSError):
+    """An output file could not be written (disk full, no permission, an I/O error): the message names
+    the file, the operating system's reason and, where a run wrote one, its last restart or checkpoint."""
