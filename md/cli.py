@@ -313,7 +313,7 @@ def simulate(config) -> list:
             via = f" ({backend.library.split(' (')[0]})" if backend.size > 1 else ""
             print(f"mlip-md: {system.n_atoms} atoms on {backend.size} rank(s){via} x {threads} thread(s), "
                   f"{system.device}, {config['ensemble']}, steps {first_step} to {steps} of {config['timestep_fs']} fs")
-            print(" ".join(f"{c:>14s}" for c in SCREEN_COLUMNS))
+            print(" ".join(f"{c:>14s}" for c in SCREEN_COLUMNS), flush=True)
             from tqdm import tqdm
             bar = tqdm(total=steps, initial=first_step, unit="step", file=sys.stderr, dynamic_ncols=True)
 

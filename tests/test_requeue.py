@@ -4,17 +4,19 @@ for bit (mlip-md: thermo rows, trajectory frames, final.extxyz; mlip-train: weig
 disk ends the job with one line naming the file and the last restart, which continues the run; a restart
 refuses output files that are not the ones it recorded."""
 import csv
+import importlib.util
 import os
-import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
 import pytest
+import torch
 import yaml
-from ase.io import read
+from ase.io import read, write
 
 from conftest import HANG_GUARD, ROOT, mpiexec_path
 from mlip_parallel.launch import yield_when_oversubscribed
@@ -45,35 +47,58 @@ def launch(cmd, cwd, env):
                             start_new_session=True)  # its own process group: mpiexec, its proxies, the ranks
 
 
-def finish(cmd, cwd, env) -> tuple:
-    """(exit status, output, seconds) of ``cmd`` run to its end."""
-    start = time.perf_counter()
+def finish(cmd, cwd, env, started: str) -> tuple:
+    """(exit status, output, seconds from the line that holds ``started``, the job's start of work, to its
+    end) of ``cmd`` run to its end."""
     proc = launch(cmd, cwd, env)
-    try:
-        out, _ = proc.communicate(timeout=HANG_GUARD)
-    except subprocess.TimeoutExpired:
+    lines, begun = [], threading.Event()
+    reader = threading.Thread(target=follow, args=(proc, lines, begun, started))
+    reader.start()
+    reader.join(HANG_GUARD)
+    if reader.is_alive():
         os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail(f"{' '.join(cmd)} did not finish within {HANG_GUARD} s (hang?)")
-    return proc.returncode, out, time.perf_counter() - start
+    proc.wait()
+    return proc.returncode, "".join(lines), time.perf_counter() - begun.time
 
 
-def requeue(cmd, cwd, env, moments) -> list:
-    """Run ``cmd`` in ``cwd``, killing its process group with SIGKILL ``moments[k]`` seconds after the
-    k-th launch, then once more to its end (as a batch scheduler requeues a job); every launch must end
-    killed or with status 0. Returns the launches' outcomes ("killed" or "done")."""
+def follow(proc, lines, begun, started) -> None:
+    """Collect ``proc``'s output lines; set ``begun`` (with the time, ``begun.time``) at the first that
+    holds ``started``, or at the end of the output."""
+    for line in proc.stdout:
+        if not begun.is_set() and started in line:  # merged with stderr: a progress bar may precede it
+            begun.time = time.perf_counter()
+            begun.set()
+        lines.append(line)
+    if not begun.is_set():  # ended (or was killed) before it
+        begun.time = time.perf_counter()
+        begun.set()
+
+
+def requeue(cmd, cwd, env, started: str, delays) -> list:
+    """Run ``cmd`` in ``cwd`` as a batch scheduler requeues a job: the k-th launch is killed (SIGKILL to
+    its process group) ``delays[k]`` seconds after it prints a line holding ``started``, unless it
+    ended before; then once more to its end. Every launch must end killed or with status 0; the first
+    that exits 0 ends the job. Returns the launches' outcomes ("killed" or "done")."""
     outcomes = []
-    for moment in moments:
+    for delay in delays:
         proc = launch(cmd, cwd, env)
+        lines, begun = [], threading.Event()
+        reader = threading.Thread(target=follow, args=(proc, lines, begun, started))
+        reader.start()
+        begun.wait(HANG_GUARD)
         try:
-            out, _ = proc.communicate(timeout=moment)
-            assert proc.returncode == 0, out
-            outcomes.append("done")
-            continue
+            proc.wait(timeout=delay)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+            proc.wait()
+            reader.join()
             outcomes.append("killed")
-    rc, out, _ = finish(cmd, cwd, env)
+            continue
+        reader.join()
+        assert proc.returncode == 0, "".join(lines)
+        return outcomes + ["done"]
+    rc, out, _ = finish(cmd, cwd, env, started)
     assert rc == 0, out
     return outcomes + ["done"]
 
@@ -92,10 +117,10 @@ def test_mlip_md_killed_at_random_moments_and_requeued_equals_an_uninterrupted_r
         (tmp_path / name).mkdir()
         (tmp_path / name / "job.yaml").write_text(yaml.safe_dump(MD_JOB))
     cmd = command(2, "-m", "md.cli", "job.yaml")
-    rc, out, seconds = finish(cmd, tmp_path / "straight", env)
+    rc, out, seconds = finish(cmd, tmp_path / "straight", env, "mlip-md: 108 atoms")
     assert rc == 0 and "steps 0 to 300" in out, out
-    moments = np.random.default_rng(35).uniform(0.5, 1.0, size=5) * seconds  # start-up takes about half
-    outcomes = requeue(cmd, tmp_path / "requeued", env, moments)
+    delays = np.random.default_rng(35).uniform(0.0, 0.3, size=5) * seconds  # of the run's time after start-up
+    outcomes = requeue(cmd, tmp_path / "requeued", env, "mlip-md: 108 atoms", delays)
     assert outcomes.count("killed") >= 3, outcomes
     straight, requeued = tmp_path / "straight" / "out", tmp_path / "requeued" / "out"
     rows = thermo(straight)
@@ -106,3 +131,72 @@ def test_mlip_md_killed_at_random_moments_and_requeued_equals_an_uninterrupted_r
     frames = read(requeued / "trajectory.extxyz", index=":")
     assert [f.info["step"] for f in frames] == list(range(0, 301, 10))
     assert not list(requeued.glob(".*.partial")), list(requeued.iterdir())
+
+
+def cu_data(path):
+    spec = importlib.util.spec_from_file_location("generate_cu_emt_data", ROOT / "examples" / "generate_cu_emt_data.py")
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    write(path, generator.generate(seed=0, quick=True), format="extxyz")
+    return path
+
+
+def train_job(data, **changes):
+    config = {"data": {"train": str(data), "validation_fraction": 0.25},
+              "model": {"name": "SchNet", "cutoff": 4.0, "hyperparameters": {"features": 8, "layers": 2},
+                        "dtype": "float64"},
+              "loss": {"energy_weight": 1.0, "forces_weight": 10.0, "stress_weight": 1.0},
+              "optimizer": {"lr": 0.005}, "ema_decay": 0.9, "epochs": 16, "batch_size": 2, "seed": 1,
+              "resume": True, "output": {"directory": "out"}}
+    return dict(config, **changes)
+
+
+def tensors(path, key=None):
+    state = torch.load(path, weights_only=True)
+    return state[key] if key else state
+
+
+def same(a, b) -> bool:
+    """Nested states equal bit for bit (tensors, numbers, containers)."""
+    if isinstance(a, dict):
+        return set(a) == set(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    return a == b
+
+
+@pytest.mark.parametrize("parallel", ["data", "pipeline"])
+def test_mlip_train_killed_at_random_moments_and_requeued_equals_an_uninterrupted_run(tmp_path, parallel):
+    """mlip-train on 2 ranks (data parallel; 2 pipeline stages, 1F1B), 16 epochs, killed at 5 seeded random
+    moments and requeued with the identical command: best.pt, last.pt (and the stages' shards) and
+    metrics.csv equal the uninterrupted run's bit for bit (but the seconds column)."""
+    data = cu_data(tmp_path / "cu.extxyz")
+    changes = {"parallel": "pipeline", "pipeline": {"stages": 2, "microbatches": 2, "schedule": "1f1b"}} \
+        if parallel == "pipeline" else {"parallel": "data"}
+    env = environment(2)
+    for name in ("straight", "requeued"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "job.yaml").write_text(yaml.safe_dump(train_job(data, **changes)))
+    cmd = command(2, "-m", "mlip_parallel.train.cli", "job.yaml")
+    rc, out, seconds = finish(cmd, tmp_path / "straight", env, "mlip-train: SchNet")
+    assert rc == 0, out
+    delays = np.random.default_rng(36).uniform(0.0, 0.3, size=5) * seconds  # of the run's time after start-up
+    outcomes = requeue(cmd, tmp_path / "requeued", env, "mlip-train: SchNet", delays)
+    assert outcomes.count("killed") >= 3, outcomes
+    straight, requeued = tmp_path / "straight" / "out", tmp_path / "requeued" / "out"
+    with open(straight / "metrics.csv") as f:
+        rows = [{k: v for k, v in row.items() if k not in TIMING} for row in csv.DictReader(f)]
+    with open(requeued / "metrics.csv") as f:
+        assert [{k: v for k, v in row.items() if k not in TIMING} for row in csv.DictReader(f)] == rows
+    assert [int(r["epoch"]) for r in rows] == list(range(1, 17))
+    for name in ("best.pt", "last.pt"):
+        assert same(tensors(requeued / name), tensors(straight / name)), name
+    shards = sorted(p.name for p in (straight / "pipeline").glob("stage*.pt")) if parallel == "pipeline" else []
+    assert shards == (["stage0.epoch16.pt", "stage1.epoch16.pt"] if parallel == "pipeline" else [])
+    assert sorted(p.name for p in (requeued / "pipeline").glob("stage*.pt")) == shards if shards else True
+    for name in shards:
+        a, b = (tensors(d / "pipeline" / name, "training") for d in (straight, requeued))
+        a["pipeline"].pop("costs", None), b["pipeline"].pop("costs", None)  # timings
+        assert same(a, b), name

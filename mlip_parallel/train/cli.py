@@ -9,8 +9,9 @@ for one device), with data parallelism across pipeline replicas.
 
 Writes OUTPUT/best.pt and OUTPUT/last.pt (potentials checkpoints: ``potentials.load`` reads them;
 last.pt also holds the optimizer, schedule and EMA state for an exact ``resume``; in pipeline mode both
-are assembled part by part and each stage's state goes to OUTPUT/pipeline/stageS.pt), OUTPUT/metrics.csv
-and OUTPUT/learning_curve.png.
+are assembled part by part and each stage's state goes to OUTPUT/pipeline/stageS.epochE.pt), OUTPUT/metrics.csv
+and OUTPUT/learning_curve.png, each atomically (a kill leaves the previous file). With ``resume``, the same
+command run again after a crash continues from the last complete last.pt and ends as if never interrupted.
 """
 from __future__ import annotations
 
@@ -21,8 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
+from potentials.errors import OutputError
+
 from ..config import ConfigError, config_parser, read_config, report_error, validate
 from ..errors import MLIPError
+from ..launch import end_job
 
 SCHEMA = {
     "data": {
@@ -128,7 +132,10 @@ def keep_freed_memory() -> bool:
 
 
 def write_metrics(directory: Path, rows) -> None:
-    with open(directory / "metrics.csv", "w", newline="") as f:
+    """OUTPUT/metrics.csv (atomically: a kill leaves the previous file): one row per epoch."""
+    from potentials.files import atomic_write
+
+    with atomic_write(directory / "metrics.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=METRIC_COLUMNS)
         writer.writeheader()
         for row in rows:
@@ -149,7 +156,9 @@ def plot_learning_curve(directory: Path, rows) -> None:
     right.semilogy(epochs, [1e3 * r["energy_mae"] for r in rows], label="energy (meV/atom)")
     right.set_xlabel("epoch"), right.set_ylabel("validation MAE"), right.legend()
     fig.tight_layout()
-    fig.savefig(directory / "learning_curve.png", dpi=100)
+    from potentials.files import atomic_write
+    with atomic_write(directory / "learning_curve.png") as f:
+        fig.savefig(f, format="png", dpi=100)
     plt.close(fig)
 
 
@@ -214,6 +223,9 @@ def main(argv=None) -> int:
         from ..backend import get_backend, set_threads
         set_threads(get_backend())  # cores ÷ ranks each, on cores of their own where the job fills the node
         train(config)
+    except OutputError as exc:  # this rank could not write: one line, and the whole job ends
+        end_job("mlip-train", exc)
+        return 1
     except MLIPError as exc:  # bad config or data: raised alike on every rank, before any collective
         report_error("mlip-train", exc)
         return 2

@@ -1000,11 +1000,12 @@ class PipelineTrainer:
             if self._usable(loaded):  # else (a fixed schedule's costs, resumed under auto) measured again
                 self.costs, self._actions = loaded, {}
 
-    def save_merged(self, path, model=None) -> None:
+    def save_merged(self, path, model=None, extra: dict | None = None) -> None:
         """Write one ordinary ``potentials`` checkpoint of the whole model (``model``: this stage's parts
         to write, default the trained ones; e.g. their EMA) to ``path`` on rank 0, collectively over
         every rank: replica 0's stages send their parts to rank 0 one at a time
-        (``potentials.save_parts``), so no rank ever holds more than its own parts and one other."""
+        (``potentials.save_parts``), so no rank ever holds more than its own parts and one other.
+        ``extra``: plain entries stored beside the weights (rank 0's)."""
         import torch.distributed as dist
 
         if self.replica == 0:  # the other replicas hold the same weights
@@ -1018,7 +1019,7 @@ class PipelineTrainer:
                         holder = [None]
                         dist.recv_object_list(holder, src=source)
                         yield holder[0]
-                save_parts(net, str(path), pieces())
+                save_parts(net, str(path), pieces(), extra=extra)
             else:
                 dist.send_object_list([state], dst=0)
         dist.barrier()

@@ -360,6 +360,7 @@ class Trainer:
         self.first_epoch, self.best, self.rows = 0, float("inf"), []
         if self.resume:
             self.load_state()
+        self.last_written = f"{self.last_path} (epoch {self.first_epoch})" if self.resume else "none yet"
 
     # ------------------------------------------------------------------ state
     @property
@@ -372,11 +373,31 @@ class Trainer:
                 "best": self.best, "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
                 "ema": self.ema.state_dict() if self.ema is not None else {}, "pipeline": self.strategy.state_dict()}
 
-    def load_state(self) -> None:
-        """Continue the run in the output directory: last.pt's training state (pipeline: this stage's shard)."""
+    def shard(self, epoch: int) -> Path:
+        """This pipeline stage's resume state after ``epoch`` epochs (written by replica 0)."""
+        return self.shards / f"stage{self.pipeline.stage.stage}.epoch{epoch}.pt"
+
+    def saved_epoch(self) -> int:
+        """The epoch of the last complete last.pt (rank 0 reads it, memory-mapped; every rank gets it)."""
         import torch
 
-        path = self.shards / f"stage{self.pipeline.stage.stage}.pt" if self.pipeline is not None else self.last_path
+        epoch = None
+        if self.root:
+            try:
+                epoch = int(torch.load(self.last_path, map_location="cpu", weights_only=True, mmap=True)["epoch"])
+            except (OSError, RuntimeError, KeyError, ValueError) as exc:
+                epoch = f"resume: cannot read the epoch of {self.last_path}: {exc}"
+        epoch = self.procs.bcast(epoch)
+        if isinstance(epoch, str):
+            raise ConfigError(epoch)
+        return epoch
+
+    def load_state(self) -> None:
+        """Continue the run in the output directory from its last complete last.pt: its training state
+        (pipeline: this stage's shard of last.pt's epoch; last.pt is written after every stage's shard)."""
+        import torch
+
+        path = self.shard(self.saved_epoch()) if self.pipeline is not None else self.last_path
         try:
             state = torch.load(path, map_location=self.device, weights_only=True)["training"]
         except (OSError, RuntimeError, KeyError) as exc:
@@ -389,25 +410,38 @@ class Trainer:
             self.ema.load_state_dict(state["ema"])
         self.strategy.load_state_dict(state["pipeline"])
         self.first_epoch, self.best = int(state["epoch"]), float(state["best"])
-        with open(self.directory / "metrics.csv") as f:
-            rows = [{k: int(v) if k == "epoch" else float(v) for k, v in r.items()} for r in csv.DictReader(f)]
+        try:
+            with open(self.directory / "metrics.csv") as f:
+                rows = [{k: int(v) if k == "epoch" else float(v) for k, v in r.items()} for r in csv.DictReader(f)]
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"resume: cannot read {self.directory / 'metrics.csv'}: {exc}") from None
+        if len(rows) < self.first_epoch:  # metrics.csv is written before the checkpoints of its epoch
+            raise ConfigError(f"resume: {self.directory / 'metrics.csv'} holds {len(rows)} epochs, {path} "
+                              f"{self.first_epoch}: not this run's metrics")
         self.rows = rows[:self.first_epoch]
 
     def save(self, path, epoch: int) -> None:
-        """Write ``path`` (an ordinary potentials checkpoint of the evaluation model) from rank 0; in
-        pipeline mode collectively, assembled from the stages' parts, each stage writing its resume shard
-        beside last.pt."""
-        import torch
-
+        """Write ``path`` (an ordinary potentials checkpoint of the evaluation model, atomically) from rank
+        0; in pipeline mode collectively, assembled from the stages' parts. Saving last.pt in pipeline mode,
+        each stage first writes its resume shard of ``epoch``, and removes its older ones once last.pt is
+        complete: a resume finds every stage's shard of last.pt's epoch."""
         import potentials
+        from potentials.files import atomic_write
 
         if self.pipeline is None:
             if self.root:
                 potentials.save(self.evaluation_model, path, extra={"training": self.training_state(epoch)})
             return
-        if self.pipeline.replica == 0 and path == self.last_path:
-            torch.save({"training": self.training_state(epoch)}, self.shards / f"stage{self.pipeline.stage.stage}.pt")
-        self.pipeline.save_merged(path, self.evaluation_model)
+        last = path == self.last_path
+        if self.pipeline.replica == 0 and last:
+            import torch
+            with atomic_write(self.shard(epoch)) as f:
+                torch.save({"training": self.training_state(epoch)}, f)
+        self.pipeline.save_merged(path, self.evaluation_model, extra={"epoch": epoch})
+        if self.pipeline.replica == 0 and last:
+            for old in self.shards.glob(f"stage{self.pipeline.stage.stage}.epoch*.pt"):
+                if old != self.shard(epoch):
+                    old.unlink(missing_ok=True)
 
     # ----------------------------------------------------------------- scoring
     def errors(self, net, structures, when: str) -> dict:
@@ -426,10 +460,23 @@ class Trainer:
     # -------------------------------------------------------------------- run
     def fit(self) -> list:
         """Train ``epochs`` epochs (from where a resumed run stopped); write checkpoints, metrics.csv, the
-        learning curve; score the test set with best.pt. Returns the metric rows (every rank)."""
+        learning curve; score the test set with best.pt. Returns the metric rows (every rank). An output
+        file that cannot be written raises OutputError naming it, the reason and the last checkpoint."""
+        from potentials.errors import OutputError
+
+        try:
+            return self._fit()
+        except OutputError as exc:
+            raise OutputError(f"{exc}; last checkpoint written: {self.last_written}") from None
+
+    def _fit(self) -> list:
+        import shutil
+
         import torch
 
         import potentials
+
+        from potentials.files import atomic_write, naming_errors
 
         from .cli import format_errors, plot_learning_curve, write_metrics
 
@@ -438,11 +485,15 @@ class Trainer:
         if self.pipeline is not None:  # ... or a stage's parts: add the stages of one replica
             count = procs.sum(np.array([float(count)]))[0] / self.pipeline.replicas
         if root:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            with naming_errors(self.directory):
+                self.directory.mkdir(parents=True, exist_ok=True)
+                for spool in self.directory.glob(".parts-*"):  # a killed run's pieces of a merged checkpoint
+                    shutil.rmtree(spool, ignore_errors=True)
             if self.pipeline is not None:
-                self.shards.mkdir(exist_ok=True)
-                (self.shards / "layout.json").write_text(json.dumps({"stages": self.pipeline.stages,
-                                                                     "boundaries": self.pipeline.boundaries}))
+                with naming_errors(self.shards):
+                    self.shards.mkdir(exist_ok=True)
+                with atomic_write(self.shards / "layout.json", "w") as f:
+                    json.dump({"stages": self.pipeline.stages, "boundaries": self.pipeline.boundaries}, f)
             from tqdm import tqdm
             bar = tqdm(total=config["epochs"], initial=self.first_epoch, unit="epoch", file=sys.stderr,
                        dynamic_ncols=True)
@@ -478,11 +529,14 @@ class Trainer:
                              seconds=time.perf_counter() - start, **errors))
             improved = val_loss < self.best
             self.best = min(self.best, val_loss)
-            self.save(self.last_path, epoch + 1)
-            if improved:
-                self.save(self.directory / "best.pt", epoch + 1)
+            # last.pt last: a run killed before it is complete redoes the epoch, and writes all three again
             if root:
                 write_metrics(self.directory, rows)
+            if improved:
+                self.save(self.directory / "best.pt", epoch + 1)
+            self.save(self.last_path, epoch + 1)
+            self.last_written = f"{self.last_path} (epoch {epoch + 1})"
+            if root:
                 bar.update(1)
                 bar.set_postfix(val_loss=f"{val_loss:.3g}", F_mae=f"{errors['forces_mae'] * 1e3:.1f} meV/A")
             procs.barrier()

@@ -12,6 +12,7 @@
 * the validation set is scored by a pipelined evaluation, and no rank ever builds the whole model.
 """
 import csv
+import glob
 import os
 import shutil
 import sys
@@ -46,8 +47,9 @@ def job(directory, epochs, **changes):
 def shards(directory, costs=False):
     """Every stage's training state; without its measured sweep costs (timings differ from run to run)
     unless ``costs``."""
-    states = [torch.load(os.path.join(OUT, directory, "pipeline", f"stage{s}.pt"), weights_only=True)["training"]
-              for s in range(len(os.listdir(os.path.join(OUT, directory, "pipeline"))) - 1)]
+    paths = sorted(glob.glob(os.path.join(OUT, directory, "pipeline", "stage*.epoch*.pt")),  # one per stage
+                   key=lambda p: int(os.path.basename(p)[5:].split(".")[0]))
+    states = [torch.load(path, weights_only=True)["training"] for path in paths]
     if not costs:
         for state in states:
             state["pipeline"].pop("costs")
