@@ -3,9 +3,11 @@ requeued with the identical command until it exits 0 ends with the outputs of an
 for bit (mlip-md: thermo rows, trajectory frames, final.extxyz; mlip-train: weights and metrics); a full
 disk ends the job with one line naming the file and the last restart, which continues the run; a restart
 refuses output files that are not the ones it recorded."""
+import contextlib
 import csv
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -132,6 +134,108 @@ def test_mlip_md_killed_at_random_moments_and_requeued_equals_an_uninterrupted_r
     assert [f.info["step"] for f in frames] == list(range(0, 301, 10))
     assert not list(requeued.glob(".*.partial")), list(requeued.iterdir())
 
+    # the disk fills during the run: one line names the file, the reason and the last restart; the same
+    # command, with space again, continues from that restart to the uninterrupted run's outputs
+    full = tmp_path / "full"
+    (full / "out").mkdir(parents=True)
+    (full / "job.yaml").write_text(yaml.safe_dump(MD_JOB))
+    with small_disk(full / "out", 120_000) as mounted:
+        short = cmd if mounted else command(2, ROOT / "tests" / "mpi" / "disk_full.py", 120_000, full / "out",
+                                            "-m", "md.cli", "job.yaml")
+        rc, out, seconds = finish(short, full, env, "mlip-md: 108 atoms")
+        errors = [line for line in out.splitlines() if "mlip-md: error:" in line]
+        assert rc != 0 and len(errors) == 1 and "Traceback" not in out and seconds < 60, out
+        found = re.search(r"mlip-md: error: cannot write out/\S+: \[Errno 28\] No space left on device; "
+                          r"last restart written: out/restart.npz \(step (\d+)\)$", errors[0])
+        assert found and 0 < int(found[1]) < 300, errors
+        if mounted:
+            subprocess.run(["mount", "-o", "remount,size=16m", str(full / "out")], check=True)
+        rc, out, _ = finish(cmd, full, env, "mlip-md: 108 atoms")
+        assert rc == 0 and f"steps {found[1]} to 300" in out, out
+        assert thermo(full / "out") == rows
+        for name in ("trajectory.extxyz", "final.extxyz"):
+            assert (full / "out" / name).read_bytes() == (straight / name).read_bytes(), name
+
+    # a restart refuses output files that are not the ones it recorded, and leaves them as they are
+    from md.cli import ConfigError, prepare, validate
+    config = validate(dict(MD_JOB, output=dict(MD_JOB["output"], directory=str(requeued))))
+    thermo_csv, trajectory = requeued / "thermo.csv", requeued / "trajectory.extxyz"
+    with open(thermo_csv, "a") as f:
+        f.write("300,partial row")  # written after the restart: cut back, not refused
+    prepare(config)
+    text = thermo_csv.read_bytes()
+    thermo_csv.write_bytes(text.replace(b",", b";", 1))
+    with pytest.raises(ConfigError, match="thermo.csv has different contents than when .*restart.npz was written"):
+        prepare(config)
+    assert thermo_csv.read_bytes() == text.replace(b",", b";", 1)
+    trajectory.write_bytes(trajectory.read_bytes()[:trajectory.stat().st_size // 2])
+    thermo_csv.write_bytes(text)
+    with pytest.raises(ConfigError, match=r"trajectory.extxyz is shorter \(\d+ bytes\) than when"):
+        prepare(config)
+    trajectory.unlink()
+    with pytest.raises(ConfigError, match="trajectory.extxyz is missing"):
+        prepare(config)
+
+
+@contextlib.contextmanager
+def small_disk(directory, size: int):
+    """Mount a tmpfs of ``size`` bytes on ``directory`` where this process may (yields True; unmounted at
+    the end), else yield False (the caller fills the disk through tests/mpi/disk_full.py)."""
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)],
+                                 capture_output=True).returncode == 0
+    except OSError:  # no mount command
+        mounted = False
+    try:
+        yield mounted
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(directory)], check=True)
+
+
+def test_trajectory_files_cut_back_to_a_restart(tmp_path):
+    """An extxyz and an ASE .traj trajectory, recorded after 3 frames, then 2 more frames and a partial one
+    written: cut back, they hold the 3 frames whole, and the 2 frames written again give the bytes of the
+    file written straight through (the .traj header's frame count and offset table restored)."""
+    from ase.build import bulk
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    from md.cli import THERMO_COLUMNS
+    from md.outputs import RunFiles, check_recorded, cut_back
+
+    def frames(n):
+        atoms = bulk("Cu", cubic=True).repeat(2)
+        out = []
+        for k in range(n):
+            frame = atoms.copy()
+            frame.positions += 0.01 * k
+            frame.info["step"] = k
+            frame.calc = SinglePointCalculator(frame, energy=-1.0 * k, forces=np.full((len(frame), 3), 0.1 * k))
+            out.append(frame)
+        return out
+
+    for name in ("trajectory.extxyz", "trajectory.traj"):
+        for run in ("straight", "cut"):
+            (tmp_path / run).mkdir(exist_ok=True)
+            files = RunFiles(tmp_path / run, THERMO_COLUMNS, name, fresh=True)
+            for k, frame in enumerate(frames(5)):
+                if run == "cut" and k == 3:
+                    record = files.record()
+                files.frame(frame)
+            files.close()
+        path = tmp_path / "cut" / name
+        with open(path, "ab") as f:
+            f.write(b"\x00partial frame" * 10)
+        check_recorded(tmp_path / "cut", record, "restart.npz")
+        cut_back(tmp_path / "cut", record)
+        assert [f.info["step"] for f in read(path, index=":")] == [0, 1, 2], name
+        files = RunFiles(tmp_path / "cut", THERMO_COLUMNS, name, fresh=False)
+        for frame in frames(5)[3:]:
+            files.frame(frame)
+        files.close()
+        assert path.read_bytes() == (tmp_path / "straight" / name).read_bytes(), name
+        assert [f.info["step"] for f in read(path, index=":")] == [0, 1, 2, 3, 4], name
+
 
 def cu_data(path):
     spec = importlib.util.spec_from_file_location("generate_cu_emt_data", ROOT / "examples" / "generate_cu_emt_data.py")
@@ -200,3 +304,23 @@ def test_mlip_train_killed_at_random_moments_and_requeued_equals_an_uninterrupte
         a, b = (tensors(d / "pipeline" / name, "training") for d in (straight, requeued))
         a["pipeline"].pop("costs", None), b["pipeline"].pop("costs", None)  # timings
         assert same(a, b), name
+
+
+def test_mlip_train_disk_full_names_the_file_and_the_last_checkpoint(tmp_path):
+    """mlip-train (one process) whose disk fills after some epochs: exit status 1 and one line naming the
+    file, the reason and the last complete last.pt; the same command, with space again, finishes the run."""
+    data = cu_data(tmp_path / "cu.extxyz")
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(train_job(data, epochs=6)))
+    env = environment(1)
+    script = [sys.executable, ROOT / "tests" / "mpi" / "disk_full.py", 400_000, tmp_path / "out",
+              "-m", "mlip_parallel.train.cli", "job.yaml"]
+    rc, out, _ = finish([str(a) for a in script], tmp_path, env, "mlip-train: SchNet")
+    errors = [line for line in out.splitlines() if "mlip-train: error:" in line]
+    assert rc == 1 and len(errors) == 1 and "Traceback" not in out, out
+    found = re.search(r"error: cannot write out/\S+: \[Errno 28\] No space left on device; last checkpoint "
+                      r"written: out/last.pt \(epoch (\d+)\)$", errors[0])
+    assert found and 0 < int(found[1]) < 6, errors
+    rc, out, _ = finish([sys.executable, "-m", "mlip_parallel.train.cli", "job.yaml"], tmp_path, env, "mlip-train")
+    assert rc == 0, out
+    with open(tmp_path / "out" / "metrics.csv") as f:
+        assert [int(r["epoch"]) for r in csv.DictReader(f)] == list(range(1, 7))
