@@ -92,7 +92,7 @@ def worker(args):
                           "stage_seconds": [sum(t[-steps:]) / steps for t in stage_seconds]}))
         return
     from mlip_parallel.train.pipeline import PipelineTrainer
-    from mlip_parallel.train.schedule import render
+    from mlip_parallel.train.pipeline.schedule import render
     from mlip_parallel.train.trainer import Processes
 
     Processes("pipeline")
@@ -139,7 +139,7 @@ def in_sequence(build, structures, args, weights):
     import numpy as np
 
     from mlip_parallel.train.pipeline import PipelineStage
-    from mlip_parallel.train.schedule import one_f_one_b
+    from mlip_parallel.train.pipeline.schedule import one_f_one_b
     from mlip_parallel.train.training import Batch, Counts
     from potentials.base import stage_parts
 
@@ -200,7 +200,7 @@ def scaled_costs(costs, blocks, stages):
     """Costs of ``stages`` even stages from those measured on 2 even stages of ``blocks`` blocks: per block, a
     measured stage's seconds and memory divided by its blocks (the first half of the new stages from stage
     0's, the second from stage 1's), times the new stage's blocks."""
-    from mlip_parallel.train.schedule import Costs
+    from mlip_parallel.train.pipeline.schedule import Costs
 
     per = blocks // 2
     new = blocks // stages
@@ -281,7 +281,7 @@ def main():
             for s, row in enumerate(measured["seconds"])))
     if args.render:
         print("S=2 auto, measured durations:\n" + results[2, "auto"]["render"])
-    from mlip_parallel.train.schedule import SWEEPS, auto, check, one_f_one_b
+    from mlip_parallel.train.pipeline.schedule import SWEEPS, auto, check, one_f_one_b
 
     measured = results[2, "auto"]["costs"]
     for s, (seconds, held) in enumerate(zip(measured["seconds"], measured["memory"])):

@@ -1,11 +1,11 @@
-"""Pipeline schedules (mlip_parallel.train.schedule): validity, memory bound, bubble, and the checker's errors;
+"""Pipeline schedules (mlip_parallel.train.pipeline.schedule): validity, memory bound, bubble, and the checker's errors;
 split sweeps (the deferred W), the timed simulator, list scheduling and auto."""
 from collections import Counter
 from fractions import Fraction
 
 import pytest
 
-from mlip_parallel.train.schedule import (PRIORITIES, SCHEDULES, SWEEPS, Action, Costs, ScheduleError, auto, check,
+from mlip_parallel.train.pipeline.schedule import (PRIORITIES, SCHEDULES, SWEEPS, Action, Costs, ScheduleError, auto, check,
                                           defer_tail, dependencies, gpipe, in_flight_bound, list_schedule,
                                           one_f_one_b, render, split, sweeps_of, theoretical_bubble)
 

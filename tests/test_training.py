@@ -192,7 +192,7 @@ def test_branch_formulas_equal_the_nodes(beta, threshold):
     """The outputs that backward_split's parameter part computes by formula (pipeline._branch_outputs) equal
     those of the autograd node itself, float64: the double backward of softplus (both sides of its
     threshold, beta 1 and 2), and a matrix product."""
-    from mlip_parallel.train.pipeline import _branch_outputs
+    from mlip_parallel.train.pipeline.split_backward import _branch_outputs
 
     generator = torch.Generator().manual_seed(0)
 

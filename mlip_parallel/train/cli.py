@@ -16,9 +16,7 @@ command run again after a crash continues from the last complete last.pt and end
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
-from pathlib import Path
 
 import numpy as np
 
@@ -27,6 +25,7 @@ from potentials.errors import OutputError
 from ..config import ConfigError, config_parser, read_config, report_error, validate
 from ..errors import MLIPError
 from ..launch import end_job
+from .outputs import format_errors
 
 SCHEMA = {
     "data": {
@@ -94,9 +93,6 @@ SCHEMA = {
 CHOICES = {"model.name": ("SchNet", "PaiNN", "NequIP"), "model.dtype": ("float32", "float64"),
            "schedule.name": ("plateau", "cosine", "none"), "parallel": ("data", "graph", "pipeline"),
            "pipeline.schedule": ("auto", "gpipe", "1f1b")}
-METRIC_COLUMNS = ("epoch", "train_loss", "val_loss", "energy_mae", "energy_rmse", "forces_mae", "forces_rmse",
-                  "stress_mae", "stress_rmse", "lr", "seconds")
-
 
 def train(config) -> list:
     """Run the validated ``config`` (``trainer.Trainer``); return the metric rows (every rank)."""
@@ -129,45 +125,6 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return all([mallopt(param, value) == 1 for param, value in MALLOPT.values()])
-
-
-def write_metrics(directory: Path, rows) -> None:
-    """OUTPUT/metrics.csv (atomically: a kill leaves the previous file): one row per epoch."""
-    from potentials.files import atomic_write
-
-    with atomic_write(directory / "metrics.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=METRIC_COLUMNS)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: row[k] for k in METRIC_COLUMNS})
-
-
-def plot_learning_curve(directory: Path, rows) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    epochs = [r["epoch"] for r in rows]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
-    left.semilogy(epochs, [r["train_loss"] for r in rows], label="train")
-    left.semilogy(epochs, [r["val_loss"] for r in rows], label="validation")
-    left.set_xlabel("epoch"), left.set_ylabel("loss"), left.legend()
-    right.semilogy(epochs, [1e3 * r["forces_mae"] for r in rows], label="forces (meV/Å)")
-    right.semilogy(epochs, [1e3 * r["energy_mae"] for r in rows], label="energy (meV/atom)")
-    right.set_xlabel("epoch"), right.set_ylabel("validation MAE"), right.legend()
-    fig.tight_layout()
-    from potentials.files import atomic_write
-    with atomic_write(directory / "learning_curve.png") as f:
-        fig.savefig(f, format="png", dpi=100)
-    plt.close(fig)
-
-
-def format_errors(errors: dict) -> str:
-    units = {"energy": ("meV/atom", 1e3), "forces": ("meV/Å", 1e3), "stress": ("meV/Å³", 1e3)}
-    lines = [f"{'quantity':10s} {'MAE':>12s} {'RMSE':>12s}  unit"]
-    for q, (unit, factor) in units.items():
-        lines.append(f"{q:10s} {factor * errors[f'{q}_mae']:12.4g} {factor * errors[f'{q}_rmse']:12.4g}  {unit}")
-    return "\n".join(lines)
 
 
 def evaluate_model(model_path: str, data_path: str, batch_size: int = 8, progress: bool = False,

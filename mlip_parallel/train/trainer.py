@@ -478,7 +478,7 @@ class Trainer:
 
         from potentials.files import atomic_write, naming_errors
 
-        from .cli import format_errors, plot_learning_curve, write_metrics
+        from .outputs import format_errors, plot_learning_curve, write_metrics
 
         config, procs, root = self.config, self.procs, self.root
         count = sum(p.numel() for p in self.strategy.parameters)  # the whole model on each rank ...

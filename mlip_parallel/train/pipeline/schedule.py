@@ -43,7 +43,7 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
-from ..errors import MLIPError
+from ...errors import MLIPError
 
 
 class Sweep(str, Enum):
