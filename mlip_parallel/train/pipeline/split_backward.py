@@ -118,15 +118,10 @@ class DeferredGradients:
         from torch.autograd.graph import GradientEdge
 
         arriving = self._arriving()
-        if arriving:
+        if arriving:  # added into each .grad as the engine reaches its parameter: no list of all the gradients
             edges = list(arriving)
-            grads = torch.autograd.grad([GradientEdge(node, k) for node, k in edges], self.parameters,
-                                        [arriving[e] for e in edges], retain_graph=True, allow_unused=True)
-            with torch.no_grad():
-                for p, g in zip(self.parameters, grads):
-                    if g is not None:
-                        fresh = g._is_view() or g.stride() != p.stride()  # .grad in the parameter's layout
-                        p.grad = (torch.empty_like(p).copy_(g) if fresh else g) if p.grad is None else p.grad.add_(g)
+            torch.autograd.backward([GradientEdge(node, k) for node, k in edges], [arriving[e] for e in edges],
+                                    retain_graph=True, inputs=self.parameters)
         self.joins = self.branch = self.seeded = None  # release the graph
 
     @property

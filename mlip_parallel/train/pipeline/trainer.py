@@ -21,12 +21,14 @@ from .stage import PipelineError, PipelineStage, _wait_for_device
 def block_costs(build, structures) -> list:
     """Measured seconds of each interaction block's forward + force backward on ``structures``
     (for cost-balanced boundaries). ``build(parts)`` returns a model holding ``parts``: the blocks are
-    built and timed one at a time, on random input features of the right width."""
+    built and timed one at a time, on random input features of the right width. Blocks of the same shape
+    (widths and parameter shapes) get their mean cost: timing noise (up to 2x per block on a shared
+    machine) would otherwise split identical blocks unevenly, and stages would hold unequal parameters."""
     skeleton = build(frozenset())
     geometry = batch_geometry(Batch(structures, skeleton, skeleton.device))
     ctx = skeleton.context(geometry.graph)
     generator = torch.Generator().manual_seed(0)
-    costs = []
+    costs, shapes = [], []
     for k in range(skeleton.layers):
         model = build(frozenset({block_part(k)}))
         h_in = torch.randn(len(geometry.pos), model.feature_width(k), generator=generator, dtype=model.dtype)
@@ -39,8 +41,25 @@ def block_costs(build, structures) -> list:
             _wait_for_device(h_in.device)
             seconds.append(time.perf_counter() - start)
         costs.append(min(seconds))
+        shapes.append((model.feature_width(k), model.feature_width(k + 1),
+                       tuple(tuple(p.shape) for p in model.parameters())))
         del model, out
+    for shape in set(shapes):
+        same = [k for k in range(len(costs)) if shapes[k] == shape]
+        for k in same:
+            costs[k] = float(np.mean([costs[j] for j in same]))
     return costs
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap memory back to the system (glibc's ``malloc_trim``; with mlip-train's
+    ``keep_freed_memory`` it would stay resident); nothing where the C library has no such call."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass
 
 
 def split_blocks(costs, stages: int) -> list:
@@ -162,6 +181,8 @@ class PipelineTrainer:
             if sample is None:
                 raise PipelineError("give boundaries, or sample structures to measure the block costs on")
             holder = [block_costs(build, sample) if rank == 0 else None]
+            if rank == 0:
+                release_freed_memory()  # the one-block models it built and freed (~190 MB at F=768)
             dist.broadcast_object_list(holder, src=0)
             boundaries = split_blocks(holder[0], stages)
         self.boundaries = check_boundaries(boundaries, stages, layers)
