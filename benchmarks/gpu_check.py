@@ -18,7 +18,7 @@ and how fast? Prints one table.
    waiting, inside the force call), one layer's feature exchange timed alone (every rank ready), and the
    peak memory per rank (GPU: ``max_memory_allocated``; CPU: resident high-water mark).
 
-Exits 1 if a correctness check fails. Numbers for this machine are in README.
+Exits 1 if a correctness check fails. Numbers for the machines it has run on are in docs/benchmarks.md.
 """
 import argparse
 import importlib.util

@@ -13,7 +13,7 @@
 Peak memory is the process's resident high-water mark (VmHWM) over building the model and two
 optimizer steps, minus its resident size after the imports and the process-group set-up (VmRSS).
 The processes run with glibc's malloc defaults (they do not call mlip-train's ``keep_freed_memory``), as
-the README's figures were measured: freed large tensors go back to the system, and fragmentation of a
+the figures in docs/benchmarks.md were measured: freed large tensors go back to the system, and fragmentation of a
 kept heap does not enter the peaks.
 4 ranks oversubscribe this 2-core machine: times are not the point here.
 """
