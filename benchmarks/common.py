@@ -18,12 +18,12 @@ def cu_crystal(cells):
 
 
 def cu_emt_frames(count, atoms_per_structure):
-    """``count`` rattled fcc Cu cells of 32, 108 or 256 atoms (ASE Atoms), each holding ASE EMT's energy,
+    """``count`` rattled fcc Cu cells of 4, 32, 108 or 256 atoms (ASE Atoms), each holding ASE EMT's energy,
     forces and stress (a SinglePointCalculator: ready to write as labelled extxyz)."""
     from ase.calculators.emt import EMT
     from ase.calculators.singlepoint import SinglePointCalculator
 
-    cells = {32: 2, 108: 3, 256: 4}[atoms_per_structure]
+    cells = {4: 1, 32: 2, 108: 3, 256: 4}[atoms_per_structure]
     frames = []
     for k in range(count):
         atoms = cu_crystal(cells)

@@ -8,7 +8,14 @@
   size), in one process and in 4 stages: a bisection over the width, each candidate trained for two
   steps and its measured peak compared with the budget.
 
+* ``--train``: the regime where parameters dominate, through the ``mlip-train`` command itself (its
+  defaults: glibc keeps freed memory, schedule auto, cost-balanced boundaries, a merged checkpoint per
+  epoch): the same PaiNN on 4-atom Cu structures, batch 2, M=2, 2 epochs, in one process and in 4
+  stages; every process's peak (VmHWM at exit) minus the same run with a 16-feature model (what a
+  process holds whatever the model), and the largest stage as a fraction of one process.
+
     python benchmarks/pipeline_memory.py [--features 768] [--blocks 8] [--budget-gib 3]
+    python benchmarks/pipeline_memory.py --train [--features 768] [--blocks 8]
 
 Peak memory is the process's resident high-water mark (VmHWM) over building the model and two
 optimizer steps, minus its resident size after the imports and the process-group set-up (VmRSS).
@@ -19,6 +26,7 @@ kept heap does not enter the peaks.
 """
 import argparse
 import json
+import os
 import sys
 
 from common import ROOT, cu_structures, launch, reset_hwm, status_mb
@@ -106,9 +114,72 @@ def largest_features(fits, low, high, step=8):
     return low
 
 
+def train_worker(job, out) -> None:
+    """``mlip-train job`` in this process (one rank of a job), then its VmHWM (MB) to ``out.rankR.json``."""
+    from mlip_parallel.config import launch_rank
+    from mlip_parallel.train.cli import main
+
+    code = main([job])
+    with open(f"{out}.rank{launch_rank()}.json", "w") as f:
+        json.dump({"hwm_mb": status_mb("VmHWM"), "exit": code}, f)
+
+
+def train_peaks(directory, data, ranks, features, blocks) -> list:
+    """Peak resident MB of each process of ``mlip-train`` on ``ranks`` processes (pipeline of ``ranks``
+    stages, or one process) for the parameter-dominated job."""
+    import subprocess
+
+    import yaml
+
+    from common import launcher_command
+
+    name = f"{directory}/S{ranks}.F{features}"
+    job = {"data": {"train": str(data), "validation_fraction": 0.25},
+           "model": {"name": "PaiNN", "cutoff": 4.5, "hyperparameters": {"features": features, "layers": blocks},
+                     "dtype": "float32"},
+           "loss": {"energy_weight": 1.0, "forces_weight": 10.0, "stress_weight": 1.0}, "optimizer": {"lr": 1e-4},
+           "ema_decay": 0.99, "epochs": 2, "batch_size": 2, "seed": 0,
+           "parallel": "pipeline" if ranks > 1 else "data",
+           "pipeline": {"stages": ranks, "microbatches": 2}, "output": {"directory": f"{name}_out"}}
+    with open(f"{name}.yaml", "w") as f:
+        yaml.safe_dump(job, f)
+    cmd = ([sys.executable] if ranks == 1 else launcher_command(ranks)) + [__file__, "--train-worker", f"{name}.yaml",
+                                                                          name]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    subprocess.run(cmd, env=env, check=True, capture_output=True)
+    peaks = [json.load(open(f"{name}.rank{r}.json")) for r in range(ranks)]
+    assert all(p["exit"] == 0 for p in peaks), peaks
+    return [p["hwm_mb"] for p in peaks]
+
+
+def train_regime(features, blocks) -> None:
+    import tempfile
+
+    from ase.io import write
+
+    from common import cu_emt_frames
+
+    with tempfile.TemporaryDirectory() as directory:
+        data = f"{directory}/cu4.extxyz"
+        write(data, cu_emt_frames(12, 4), format="extxyz")
+        print(f"mlip-train, PaiNN features={features}, {blocks} blocks ({painn_parameters(features, blocks) / 1e6:.1f} M "
+              f"parameters, float32), 12 x 4-atom Cu (9 training), batch 2, M=2, AdamW + EMA, E+F+S, 2 epochs; "
+              f"peak MB above the same run with features=16:")
+        above = {}
+        for ranks in (1, 4):
+            big, tiny = train_peaks(directory, data, ranks, features, blocks), train_peaks(directory, data, ranks, 16, blocks)
+            above[ranks] = [b - t for b, t in zip(big, tiny)]
+        one = above[1][0]
+        print(f"  one process: {one:.0f} MB")
+        print(f"  4 stages: {', '.join(f'{a:.0f}' for a in above[4])} MB (rank 0 first); largest / one process "
+              f"{max(above[4]) / one:.2f}, stages 1-3 {max(above[4][1:]) / one:.2f}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--train-worker", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--train", action="store_true", help="the parameter-dominated regime through mlip-train")
     parser.add_argument("--stages", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--features", type=int, default=768)
     parser.add_argument("--blocks", type=int, default=8)
@@ -117,6 +188,12 @@ def main():
     args = parser.parse_args()
     if args.worker:
         worker(args)
+        return
+    if args.train_worker:
+        train_worker(*args.train_worker)
+        return
+    if args.train:
+        train_regime(args.features, args.blocks)
         return
     total = painn_parameters(args.features, args.blocks)
     print(f"PaiNN features={args.features}, {args.blocks} blocks: {total / 1e6:.1f} M parameters (float32); "
