@@ -44,11 +44,8 @@ def block_costs(build, structures) -> list:
         shapes.append((model.feature_width(k), model.feature_width(k + 1),
                        tuple(tuple(p.shape) for p in model.parameters())))
         del model, out
-    for shape in set(shapes):
-        same = [k for k in range(len(costs)) if shapes[k] == shape]
-        for k in same:
-            costs[k] = float(np.mean([costs[j] for j in same]))
-    return costs
+    means = {shape: float(np.mean([c for c, s in zip(costs, shapes) if s == shape])) for shape in set(shapes)}
+    return [means[shape] for shape in shapes]
 
 
 def release_freed_memory() -> None:
