@@ -349,7 +349,8 @@ def simulate(config) -> list:
             else:
                 state, per_step = system.thermo(step, integrator.dt), 0.0
             output_start = time.perf_counter()
-            if (step == steps or (restart_every and step % restart_every == 0)) and not (continuing and step == first_step):
+            restart_due = step == steps or (restart_every and step % restart_every == 0)
+            if restart_due and not (continuing and step == first_step):  # not again the one continued from
                 # the restart holds the state at `step` and the files up to the step before; the run goes on
                 # from the file, as a requeued job does, so that the two are bit-identical from here on
                 system.save_restart(restart_path, step, integrator, outputs=files.record() if root else None)
@@ -360,7 +361,8 @@ def simulate(config) -> list:
                 system.timers, system.rebuilds = timers, rebuilds + system.rebuilds
                 system.compute_forces()
                 state = system.thermo(step, integrator.dt)
-            written = unrecorded and step == first_step  # a restart of an older version: its row and frame are there
+            # a restart written without a record of the outputs holds its own step's row and frame already
+            written = unrecorded and step == first_step
             if (step % every == 0 or step == steps) and not written:
                 span = max(1, step - last_step)  # seconds per step in each phase since the last row (rank 0's)
                 row = dict(state, seconds_per_step=per_step,

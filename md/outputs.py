@@ -133,9 +133,9 @@ class RunFiles:
         with naming_errors(self.thermo):
             self.csv_file.flush()
             os.fsync(self.csv_file.fileno())
-        names = ["thermo.csv"] + [self.trajectory] * (self.trajectory is not None and
-                                                      (self.directory / self.trajectory).exists())
-        return {name: file_record(self.directory / name) for name in names}
+        names = ["thermo.csv", self.trajectory]  # no trajectory, or none written yet: not recorded
+        return {name: file_record(self.directory / name) for name in names
+                if name is not None and (self.directory / name).exists()}
 
     def close(self) -> None:
         self.csv_file.close()

@@ -55,7 +55,7 @@ def atomic_write(path, mode: str = "wb", **open_kwargs):
         # OSError that the write raised underneath
         error = exc if isinstance(exc, OSError) else getattr(watched, "error", None)
         if error is not None and not isinstance(exc, OutputError):
-            raise OutputError(f"cannot write {path}: {describe(error)}") from None
+            raise cannot_write(path, error) from None
         raise
     sync_directory(os.path.dirname(os.path.abspath(path)))
 
@@ -80,12 +80,12 @@ class _Watched:
         return iter(self._file)
 
 
-def describe(exc: OSError) -> str:
-    """``[Errno 28] No space left on device`` (the errno and the system's words; the exception's text
-    without the file name, which the caller's message gives)."""
-    if exc.errno is not None and exc.strerror:
-        return f"[Errno {exc.errno}] {exc.strerror}"
-    return str(exc) or type(exc).__name__
+def cannot_write(path, exc: OSError) -> OutputError:
+    """OutputError("cannot write PATH: [Errno 28] No space left on device"): the errno and the system's
+    words, without the file name the OSError's own text repeats."""
+    reason = f"[Errno {exc.errno}] {exc.strerror}" if exc.errno is not None and exc.strerror else \
+        str(exc) or type(exc).__name__
+    return OutputError(f"cannot write {os.fspath(path)}: {reason}")
 
 
 @contextlib.contextmanager
@@ -96,4 +96,4 @@ def naming_errors(path):
     except OutputError:
         raise
     except OSError as exc:
-        raise OutputError(f"cannot write {os.fspath(path)}: {describe(exc)}") from None
+        raise cannot_write(path, exc) from None

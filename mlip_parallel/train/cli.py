@@ -94,6 +94,7 @@ CHOICES = {"model.name": ("SchNet", "PaiNN", "NequIP"), "model.dtype": ("float32
            "schedule.name": ("plateau", "cosine", "none"), "parallel": ("data", "graph", "pipeline"),
            "pipeline.schedule": ("auto", "gpipe", "1f1b")}
 
+
 def train(config) -> list:
     """Run the validated ``config`` (``trainer.Trainer``); return the metric rows (every rank)."""
     from .trainer import Trainer
