@@ -1,10 +1,11 @@
 """`mlip-train` seconds per epoch, one process against a 2-stage pipeline (`parallel: pipeline`,
 `pipeline.schedule: auto`), run alternately so that both see the same machine:
 
-* the data: ``--structures`` rattled 256-atom fcc Cu cells labelled by ASE's EMT (10 % of them
-  validation), written to a temporary extxyz file; the default 80 make nine full global batches per
-  epoch, so that the first epoch holds auto's five timed warm-up steps (with 18 training structures,
-  two full batches per epoch, the next two epochs held three of them, two on split sweeps);
+* the data: ``--structures`` rattled fcc Cu cells of ``--atoms`` atoms (256 or 108) labelled by ASE's EMT
+  (10 % of them validation), written to a temporary extxyz file; the default 80 make nine full global
+  batches per epoch, so that the first epoch holds auto's five timed warm-up steps. ``--atoms 108
+  --structures 18``: 16 training structures, two global batches per epoch, micro-batches of one
+  108-atom structure (the regime where what a micro-batch pays whatever its size shows);
 * the model: SchNet, 8 blocks, F=64, cutoff 4.5 Å, float32; energy + force + stress loss; global batch
   8, M=8 micro-batches, AdamW, EMA;
 * each run: ``--epochs`` epochs, one torch thread per rank; the table gives each run's seconds per
@@ -22,7 +23,7 @@
   tensors' memory for reuse; ``glibc``: its defaults, under which a step's large tensors go back to the
   system and page-fault in again (``keep_freed_memory: false``); ``both``: the two, one after the other.
 
-    python benchmarks/pipeline_epoch.py [--pairs 3] [--epochs 3] [--structures 80] [--no-side-by-side]
+    python benchmarks/pipeline_epoch.py [--pairs 3] [--epochs 3] [--atoms 256] [--structures 80] [--no-side-by-side]
                                         [--allocator kept|glibc|both] [--also 1f1b|gpipe|unbound]
 """
 import argparse
@@ -79,6 +80,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=3, help="alternating (one process, pipeline) pairs of runs")
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--atoms", type=int, choices=(108, 256), default=256, help="atoms per structure")
     parser.add_argument("--structures", type=int, default=80, help="structures in the data set (10 %% validation)")
     parser.add_argument("--side-by-side", action=argparse.BooleanOptionalAction, default=True,
                         help="also run two one-process runs at once per pair (this machine's ceiling for two ranks)")
@@ -94,7 +96,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         from ase.io import write
-        write(tmp / "cu256.extxyz", cu_emt_frames(args.structures, 256), format="extxyz")
+        write(tmp / "cu.extxyz", cu_emt_frames(args.structures, args.atoms), format="extxyz")
         for allocator in ("kept", "glibc") if args.allocator == "both" else (args.allocator,):
             compare(tmp, args, allocator, env)
 
@@ -107,11 +109,11 @@ def compare(tmp, args, allocator, env):
     also = {"unbound": "auto"}.get(args.also, args.also)
     for name, parallel, schedule in runs + ([("also", "pipeline", also)] if args.also else []):
         jobs[name] = tmp / f"{name}.yaml"
-        jobs[name].write_text(yaml.safe_dump(config(tmp / "cu256.extxyz", tmp / name, args.epochs, parallel,
+        jobs[name].write_text(yaml.safe_dump(config(tmp / "cu.extxyz", tmp / name, args.epochs, parallel,
                                                     allocator == "kept", schedule)))
     train = args.structures - round(0.1 * args.structures)
     print(f"mlip-train, SchNet 8 blocks F=64, {train} training / {args.structures - train} validation structures "
-          f"of 256 Cu atoms, batch 8, M=8, {args.epochs} epochs; allocator: {allocator}")
+          f"of {args.atoms} Cu atoms, batch 8, M=8, {args.epochs} epochs; allocator: {allocator}")
     print(f"{'pair':>4s} {'one process s/epoch':>20s} {'S=2 s/epoch':>12s} {'speed-up':>8s}"
           + (f" {'side by side s/epoch':>21s} {'ceiling':>7s}" if args.side_by_side else "")
           + (f" {'S=2 ' + args.also + ' s/epoch':>17s} {'pin gain' if args.also == 'unbound' else 'auto gain':>9s}" if args.also else "") + "  schedule")
