@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import struct
 import zipfile
 
 import torch
@@ -37,15 +38,19 @@ def save(model, path, extra: dict | None = None, state_dict: dict | None = None)
     full disk leaves the previous file). ``extra``: more entries of tensors and plain containers stored
     beside it (e.g. a trainer's optimizer state); ``load`` ignores them. ``state_dict``: the weights to
     write instead of ``model``'s own (see ``save_parts``). An OSError is raised as OutputError."""
+    state = {k: v.detach().cpu() for k, v in (model.state_dict() if state_dict is None else state_dict).items()}
+    with atomic_write(path) as f:
+        torch.save(dict(extra or {}, config=_config(model), state_dict=state), f)
+
+
+def _config(model) -> str:
+    """The JSON config a checkpoint of ``model`` stores (CheckpointError for a class it cannot hold)."""
     name = type(model).__name__
     if MODEL_CLASSES.get(name) is not type(model):
         raise CheckpointError(f"cannot save {name}: checkpoints support {sorted(MODEL_CLASSES)}")
-    config = {"format": FORMAT, "version": VERSION, "class": name, "hyperparameters": model.hyperparameters,
-              "species": model.species, "cutoff": model.cutoff, "units": {"energy": "eV", "length": "Angstrom"},
-              "dtype": str(model.dtype)}
-    state = {k: v.detach().cpu() for k, v in (model.state_dict() if state_dict is None else state_dict).items()}
-    with atomic_write(path) as f:
-        torch.save(dict(extra or {}, config=json.dumps(config), state_dict=state), f)
+    return json.dumps({"format": FORMAT, "version": VERSION, "class": name, "hyperparameters": model.hyperparameters,
+                       "species": model.species, "cutoff": model.cutoff,
+                       "units": {"energy": "eV", "length": "Angstrom"}, "dtype": str(model.dtype)})
 
 
 def load(path, map_location="cpu", parts=None):
@@ -115,27 +120,96 @@ def load(path, map_location="cpu", parts=None):
     return model.to(map_location).eval()
 
 
-def save_parts(model, path, pieces, extra: dict | None = None) -> None:
+def save_parts(model, path, layout: dict, tensors, extra: dict | None = None) -> None:
     """Write one ordinary checkpoint (``load`` reads it) of a model whose weights are spread over
-    processes, holding one piece at a time: ``model`` (any part of it: it gives the class,
-    hyper-parameters and dtype) and ``pieces``, an iterable of state-dict fragments that together cover
-    the whole model (e.g. one per pipeline stage, received from its rank while iterating). Each piece
-    is spooled to a temporary file beside ``path`` and memory-mapped back for the final (atomic) write;
-    ``extra`` as for ``save``."""
-    import tempfile
+    processes, holding one tensor at a time: ``model`` (any part of it: it gives the class,
+    hyper-parameters and dtype); ``layout`` {name: (shape, dtype)}, the whole model's state dict;
+    ``tensors``, an iterable of (name, tensor) that gives each entry of ``layout`` once, in any order
+    (e.g. received from the process that holds it while iterating). ``extra``: plain entries (no
+    tensors) stored beside the weights.
 
-    name = type(model).__name__
-    if MODEL_CLASSES.get(name) is not type(model):
-        raise CheckpointError(f"cannot save {name}: checkpoints support {sorted(MODEL_CLASSES)}")
-    directory = os.path.dirname(os.path.abspath(path))
-    with naming_errors(path), tempfile.TemporaryDirectory(dir=directory, prefix=".parts-") as spool:
-        state = {}
-        for k, piece in enumerate(pieces):
-            spooled = os.path.join(spool, f"{k}.pt")
-            torch.save({key: v.detach().cpu() for key, v in piece.items()}, spooled)
-            del piece
-            state.update(torch.load(spooled, weights_only=True, mmap=True))
-        missing = sorted(set(all_parts(model.layers)) - {model.part_of(key) for key in state})
-        if missing:
-            raise CheckpointError(f"cannot write {path}: no piece holds the parts {missing}")
-        save(model, path, extra=extra, state_dict=state)
+    The archive is written first with every tensor's bytes left empty (``torch.save`` under
+    ``torch.serialization.skip_data``); each tensor is then written into its record as it comes, and the
+    records' CRC-32s filled in. Atomic as ``save``; an OSError is raised as OutputError."""
+    import zlib
+
+    config = _config(model)
+    if any(isinstance(v, torch.Tensor) for v in (extra or {}).values()):
+        raise CheckpointError("save_parts: extra entries must be plain values, not tensors")
+    missing = sorted(set(all_parts(model.layers)) - {model.part_of(key) for key in layout})
+    if missing:
+        raise CheckpointError(f"cannot write {path}: no piece holds the parts {missing}")
+    placeholders = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in layout.items()}  # never touched
+    with atomic_write(path, "w+b") as f:
+        with torch.serialization.skip_data():
+            torch.save(dict(extra or {}, config=config, state_dict=placeholders), f)
+        f.flush()
+        records = _data_records(f, torch.load(f.name, weights_only=True, mmap=True)["state_dict"], path)
+        del placeholders
+        crcs = {}
+        for key, tensor in tensors:
+            if key not in records or key in crcs:
+                raise CheckpointError(f"cannot write {path}: {key!r} is {'given twice' if key in crcs else 'not in the layout'}")
+            shape, dtype = layout[key]
+            if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+                raise CheckpointError(f"cannot write {path}: {key!r} is {tuple(tensor.shape)} {tensor.dtype}, "
+                                      f"the layout says {tuple(shape)} {dtype}")
+            data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            offset, _ = records[key]
+            if offset is not None:  # (an empty tensor has no bytes)
+                f.seek(offset)
+                f.write(memoryview(data))
+            crcs[key] = zlib.crc32(data)
+        if len(crcs) != len(layout):
+            raise CheckpointError(f"cannot write {path}: no tensor given for {sorted(set(layout) - set(crcs))[:5]}")
+        _write_crcs(f, {records[key][1]: crc for key, crc in crcs.items() if records[key][1] is not None})
+
+
+def _data_records(f, skeleton: dict, path) -> dict:
+    """{name: (file offset of its bytes, ZipInfo of its record)} of the state-dict entries of the
+    archive ``f`` (``save_parts``' skeleton, whose only tensors are the state dict's, each with its own
+    storage). ``skeleton``: the archive loaded memory-mapped (nothing is read but the pickle), so each
+    tensor lies as far from the map's start as its record's bytes from the file's: the tensors in
+    address order are the data records in file order. Empty tensors have no bytes (offset None)."""
+    f.seek(0)
+    data = []
+    for info in zipfile.ZipFile(f).infolist():
+        if "/data/" in info.filename and info.file_size > 0:
+            f.seek(info.header_offset + 26)
+            name_length, extra_length = struct.unpack("<HH", f.read(4))
+            data.append((info.header_offset + 30 + name_length + extra_length, info))
+    data.sort(key=lambda record: record[0])
+    held = sorted((t.untyped_storage().data_ptr(), k) for k, t in skeleton.items() if t.untyped_storage().nbytes())
+    records = {k: (None, None) for k, t in skeleton.items() if not t.untyped_storage().nbytes()}
+    if len(held) != len(data):
+        raise CheckpointError(f"cannot write {path}: torch.save wrote {len(data)} data records for {len(held)} tensors")
+    for (pointer, key), (offset, info) in zip(held, data):
+        if pointer - held[0][0] != offset - data[0][0] or skeleton[key].untyped_storage().nbytes() != info.file_size:
+            raise CheckpointError(f"cannot write {path}: this torch lays out checkpoints differently "
+                                  f"({key!r} is not at {info.filename})")
+        records[key] = offset, info
+    return records
+
+
+def _write_crcs(f, crcs: dict) -> None:
+    """Set the CRC-32 of each record of ``crcs`` {ZipInfo: crc} in its local header and in the central
+    directory of the zip archive ``f`` (``save_parts`` writes the bytes after torch.save's skeleton)."""
+    by_name = {info.filename: crc for info, crc in crcs.items()}
+    for info, crc in crcs.items():
+        f.seek(info.header_offset + 14)
+        f.write(struct.pack("<I", crc))
+    f.seek(0)
+    start = zipfile.ZipFile(f).start_dir  # the central directory: 46-byte headers, each with its name
+    f.seek(start)
+    while True:
+        header = f.read(46)
+        if len(header) < 46 or header[:4] != b"PK\x01\x02":
+            break
+        name_length, extra_length, comment_length = struct.unpack("<HHH", header[28:34])
+        name = f.read(name_length).decode()
+        if name in by_name:
+            here = f.tell()
+            f.seek(here - name_length - 46 + 16)
+            f.write(struct.pack("<I", by_name[name]))
+            f.seek(here)
+        f.seek(extra_length + comment_length, 1)

@@ -158,6 +158,49 @@ def test_checkpoint_round_trip(tmp_path, name, dtype):
         assert np.allclose(a[key], b[key], rtol=tolerance, atol=tolerance * np.abs(a[key]).max()), key
 
 
+@pytest.mark.parametrize("name", ML_MODELS)
+def test_save_parts_writes_save_s_checkpoint_one_tensor_at_a_time(tmp_path, name):
+    """potentials.save_parts (a pipeline's merged checkpoint): entries given one at a time in any order give
+    the weights potentials.save writes, bit for bit, in a zip archive whose CRC-32s check; a wrong or
+    missing entry is refused by name."""
+    import random
+    import zipfile
+
+    model = build(name, torch.float64, seed=3)
+    state = model.state_dict()
+    layout = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+    order = list(state.items())
+    random.Random(0).shuffle(order)
+    given = []
+
+    def tensors():  # as a pipeline's rank 0 receives them: one at a time, each dropped once written
+        for key, value in order:
+            given.append(key)
+            yield key, value.clone()
+    potentials.save_parts(model, tmp_path / "parts.pt", layout, tensors(), extra={"epoch": 7})
+    potentials.save(model, tmp_path / "whole.pt")
+    assert given == [k for k, _ in order]
+    parts, whole = potentials.load(tmp_path / "parts.pt"), potentials.load(tmp_path / "whole.pt")
+    assert all(torch.equal(parts.state_dict()[k], whole.state_dict()[k]) for k in state)
+    assert torch.load(tmp_path / "parts.pt", weights_only=True)["epoch"] == 7
+    with zipfile.ZipFile(tmp_path / "parts.pt") as archive:
+        assert archive.testzip() is None  # every record's CRC-32 matches its bytes
+    assert not list(tmp_path.glob(".*partial"))
+
+    key, value = order[0]
+    wrong = [(key, value.to(torch.float32))] + order[1:]
+    with pytest.raises(potentials.CheckpointError, match=f"{key}.*float32.*layout says"):
+        potentials.save_parts(model, tmp_path / "bad.pt", layout, iter(wrong))
+    with pytest.raises(potentials.CheckpointError, match="no tensor given for"):
+        potentials.save_parts(model, tmp_path / "bad.pt", layout, iter(order[1:]))
+    with pytest.raises(potentials.CheckpointError, match="given twice"):
+        potentials.save_parts(model, tmp_path / "bad.pt", layout, iter(order + order[:1]))
+    without = {k: v for k, v in layout.items() if model.part_of(k) != "readout"}
+    with pytest.raises(potentials.CheckpointError, match="no piece holds the parts.*readout"):
+        potentials.save_parts(model, tmp_path / "bad.pt", without, iter(order))
+    assert not (tmp_path / "bad.pt").exists() and not list(tmp_path.glob(".*partial"))
+
+
 class _Exploit:
     def __reduce__(self):
         return (os.system, (f"touch {os.environ.get('EXPLOIT_MARKER', '/tmp/exploit')}",))

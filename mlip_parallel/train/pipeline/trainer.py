@@ -434,23 +434,36 @@ class PipelineTrainer:
     def save_merged(self, path, model=None, extra: dict | None = None) -> None:
         """Write one ordinary ``potentials`` checkpoint of the whole model (``model``: this stage's parts
         to write, default the trained ones; e.g. their EMA) to ``path`` on rank 0, collectively over
-        every rank: replica 0's stages send their parts to rank 0 one at a time
-        (``potentials.save_parts``), so no rank ever holds more than its own parts and one other.
-        ``extra``: plain entries stored beside the weights (rank 0's)."""
+        every rank: replica 0's stages send rank 0 their entries' shapes, then the tensors one at a time,
+        which ``potentials.save_parts`` writes into place as they arrive: no rank holds more than its own
+        parts and one tensor of another's. ``extra``: plain entries stored beside the weights (rank 0's)."""
         import torch.distributed as dist
 
         if self.replica == 0:  # the other replicas hold the same weights
             net = model if model is not None else self.model
-            state = {k: v.detach().cpu() for k, v in net.state_dict().items()
+            state = {k: v.detach() for k, v in net.state_dict().items()
                      if self.stage.first or net.part_of(k) is not None}  # shared buffers once, from stage 0
+            layout = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+            where = self.stage.message_device()
             if self.stage.first:  # rank 0
-                def pieces():
-                    yield state
+                layouts = [layout]
+                for source in range(1, self.stages):
+                    holder = [None]
+                    dist.recv_object_list(holder, src=source)
+                    layouts.append(holder[0])
+
+                def tensors():
+                    yield from state.items()
                     for source in range(1, self.stages):
-                        holder = [None]
-                        dist.recv_object_list(holder, src=source)
-                        yield holder[0]
-                save_parts(net, str(path), pieces(), extra=extra)
+                        for key, (shape, dtype) in layouts[source].items():
+                            received = torch.empty(shape, dtype=dtype, device=where)
+                            if received.numel():
+                                dist.recv(received, src=source)
+                            yield key, received
+                save_parts(net, str(path), {k: v for lay in layouts for k, v in lay.items()}, tensors(), extra=extra)
             else:
-                dist.send_object_list([state], dst=0)
+                dist.send_object_list([layout], dst=0)
+                for value in state.values():
+                    if value.numel():
+                        dist.send(value.to(where).contiguous(), dst=0)
         dist.barrier()
