@@ -4,6 +4,7 @@ EMT-labelled copper; each rank builds only its stage's parts (seeded part by par
 the one-process model built from the same seed:
 
 * every rank's parameters are exactly its stage's parts (names checked against the whole model's);
+  no step leaves a tensor with an autograd graph alive (checked in every gradient case);
 * gradients of every stage equal the single-process double backward (1e-9), and the loss equals it:
   SchNet with GPipe and 1F1B, four sweeps and two (energy only), and with activation recomputation;
   A's parameter part merged into B (the default: A computes only the cotangent the next stage waits
@@ -28,6 +29,7 @@ the one-process model built from the same seed:
 import os
 import sys
 import tempfile
+import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import numpy as np  # noqa: E402
@@ -113,6 +115,15 @@ def owned_pairs(trainer, values, reference_values):
     return [(values[n], reference_values[n]) for n, _ in trainer.model.named_parameters()]
 
 
+def tensors_with_graph() -> int:
+    """Live tensors that carry an autograd graph (after a full garbage collection)."""
+    import gc
+    gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance on torch's deprecated module attributes
+        return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor) and obj.grad_fn is not None)
+
+
 def gradient_case(name, schedule, sweeps, recompute, microbatches, data, boundaries=None, steps=1, costs=None,
                   lists=None, merge=True, given=None):
     """``steps`` gradient computations of one trainer (auto: the first five are the timed warm-up, 1F1B on
@@ -129,6 +140,7 @@ def gradient_case(name, schedule, sweeps, recompute, microbatches, data, boundar
                                                      check(lists, STAGES, microbatches, kind))
     reference = REFERENCES[name]
     ref_loss, ref_grads = reference_gradients(reference, weights, data)
+    graphs_before = tensors_with_graph()
     for _ in range(steps):  # auto: the warm-up (plain, split, plain, split, plain), then its choice
         loss = trainer.gradients(data, weights)
         grads = {n: p.grad for n, p in trainer.model.named_parameters()}
@@ -142,6 +154,9 @@ def gradient_case(name, schedule, sweeps, recompute, microbatches, data, boundar
                 word="max rel err" if schedule != "auto" and lists is None and merge else "largest relative difference")
         if abs(loss - ref_loss) > 1e-10 * abs(ref_loss):
             failures.append(f"{label}: loss {loss} vs {ref_loss}")
+    left = tensors_with_graph() - graphs_before
+    if left:  # e.g. a saved-tensor hook that kept a saved output (with its grad_fn: a cycle gc cannot free)
+        failures.append(f"{name} {schedule}, {steps} step(s): {left} tensors with an autograd graph outlive the steps")
     if schedule == "auto" and steps > WARM_UP_STEPS[True] and trainer.costs is None:
         failures.append(f"{name} auto: no measured costs after {steps} steps (the warm-up is {WARM_UP_STEPS[True]})")
     if schedule == "auto" and costs is None and trainer.costs is not None and STAGES > 1:  # stage 0 sends in F (A)

@@ -148,7 +148,7 @@ class PipelineStage:
             if storage.data_ptr() not in counted["seen"]:
                 counted["seen"].add(storage.data_ptr())
                 counted[phase] += storage.nbytes()
-            return t
+            return t.detach()  # not t: a saved output would hold its own grad_fn, a cycle gc cannot free
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
     def _counted(self, m) -> dict:
