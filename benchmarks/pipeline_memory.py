@@ -12,7 +12,9 @@
   defaults: glibc keeps freed memory, schedule auto, cost-balanced boundaries, a merged checkpoint per
   epoch): the same PaiNN on 4-atom Cu structures, batch 2, M=2, 2 epochs, in one process and in 4
   stages; every process's peak (VmHWM at exit) minus the same run with a 16-feature model (what a
-  process holds whatever the model), and the largest stage as a fraction of one process.
+  process holds whatever the model), and the largest stage as a fraction of one process; and the
+  torch tensors each process holds at the end of training (counted over the live tensors' storages;
+  this CPU build of torch keeps no allocator statistics), on CUDA also torch's peak allocated bytes.
 
     python benchmarks/pipeline_memory.py [--features 768] [--blocks 8] [--budget-gib 3]
     python benchmarks/pipeline_memory.py --train [--features 768] [--blocks 8]
@@ -114,14 +116,47 @@ def largest_features(fits, low, high, step=8):
     return low
 
 
+def tensor_mb() -> float:
+    """MB of the storages of every live torch tensor of this process (each storage once)."""
+    import gc
+    import warnings
+
+    import torch
+
+    storages = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance on torch's deprecated module attributes warns
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor) and obj.device.type != "meta":
+                storage = obj.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values()) / 2**20
+
+
 def train_worker(job, out) -> None:
-    """``mlip-train job`` in this process (one rank of a job), then its VmHWM (MB) to ``out.rankR.json``."""
+    """``mlip-train job`` in this process (one rank of a job), then to ``out.rankR.json``: its VmHWM (MB)
+    and the MB of torch tensors it holds at the end of training (the Trainer still alive: weights,
+    gradients, AdamW state, EMA, cached structures), on CUDA also torch's peak allocated bytes."""
+    import torch
+
     from mlip_parallel.config import launch_rank
+    from mlip_parallel.train import trainer
     from mlip_parallel.train.cli import main
 
+    held = {}
+    fit = trainer.Trainer.fit
+
+    def fit_and_count(self):
+        rows = fit(self)
+        held["tensor_mb"] = tensor_mb()
+        return rows
+
+    trainer.Trainer.fit = fit_and_count
     code = main([job])
+    if torch.cuda.is_available():
+        held["cuda_peak_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
     with open(f"{out}.rank{launch_rank()}.json", "w") as f:
-        json.dump({"hwm_mb": status_mb("VmHWM"), "exit": code}, f)
+        json.dump({"hwm_mb": status_mb("VmHWM"), "exit": code, **held}, f)
 
 
 def train_peaks(directory, data, ranks, features, blocks) -> list:
@@ -149,7 +184,7 @@ def train_peaks(directory, data, ranks, features, blocks) -> list:
     subprocess.run(cmd, env=env, check=True, capture_output=True)
     peaks = [json.load(open(f"{name}.rank{r}.json")) for r in range(ranks)]
     assert all(p["exit"] == 0 for p in peaks), peaks
-    return [p["hwm_mb"] for p in peaks]
+    return peaks
 
 
 def train_regime(features, blocks) -> None:
@@ -165,14 +200,25 @@ def train_regime(features, blocks) -> None:
         print(f"mlip-train, PaiNN features={features}, {blocks} blocks ({painn_parameters(features, blocks) / 1e6:.1f} M "
               f"parameters, float32), 12 x 4-atom Cu (9 training), batch 2, M=2, AdamW + EMA, E+F+S, 2 epochs; "
               f"peak MB above the same run with features=16:")
-        above = {}
+        above, tensors, allocated = {}, {}, {}
         for ranks in (1, 4):
             big, tiny = train_peaks(directory, data, ranks, features, blocks), train_peaks(directory, data, ranks, 16, blocks)
-            above[ranks] = [b - t for b, t in zip(big, tiny)]
+            above[ranks] = [b["hwm_mb"] - t["hwm_mb"] for b, t in zip(big, tiny)]
+            tensors[ranks] = [b["tensor_mb"] for b in big]
+            allocated[ranks] = [b.get("cuda_peak_allocated_mb") for b in big]
         one = above[1][0]
         print(f"  one process: {one:.0f} MB")
         print(f"  4 stages: {', '.join(f'{a:.0f}' for a in above[4])} MB (rank 0 first); largest / one process "
               f"{max(above[4]) / one:.2f}, stages 1-3 {max(above[4][1:]) / one:.2f}")
+        weights = painn_parameters(features, blocks) * 4 / 2**20
+        print(f"torch tensors held at the end of training (weights {weights:.0f} MB: with gradients, AdamW's two "
+              f"moments and the EMA, 5x = {5 * weights:.0f} MB in all):")
+        print(f"  one process: {tensors[1][0]:.0f} MB; 4 stages: {', '.join(f'{t:.0f}' for t in tensors[4])} MB; "
+              f"largest / one process {max(tensors[4]) / tensors[1][0]:.2f}")
+        if allocated[1][0] is not None:
+            print(f"torch.cuda.max_memory_allocated: one process {allocated[1][0]:.0f} MB; 4 stages "
+                  f"{', '.join(f'{a:.0f}' for a in allocated[4])} MB; largest / one process "
+                  f"{max(allocated[4]) / allocated[1][0]:.2f}")
 
 
 def main():

@@ -470,8 +470,6 @@ class Trainer:
             raise OutputError(f"{exc}; last checkpoint written: {self.last_written}") from None
 
     def _fit(self) -> list:
-        import shutil
-
         import torch
 
         import potentials
@@ -487,8 +485,6 @@ class Trainer:
         if root:
             with naming_errors(self.directory):
                 self.directory.mkdir(parents=True, exist_ok=True)
-                for spool in self.directory.glob(".parts-*"):  # a killed run's pieces of a merged checkpoint
-                    shutil.rmtree(spool, ignore_errors=True)
             if self.pipeline is not None:
                 with naming_errors(self.shards):
                     self.shards.mkdir(exist_ok=True)
