@@ -91,12 +91,15 @@ def install_abort_on_error():
     rank, abort = job
 
     def hook(exc_type, exc, tb):
+        # the process's own stderr: torch.distributed's excepthook calls this one with sys.stderr swapped
+        # for a buffer it prints afterwards, and the abort below comes first
+        stderr = sys.__stderr__ or sys.stderr
         if issubclass(exc_type, KeyboardInterrupt):
-            sys.stderr.write(f"rank {rank}: interrupted\n")
+            stderr.write(f"rank {rank}: interrupted\n")
         else:
             text = "".join(traceback.format_exception(exc_type, exc, tb))
-            sys.stderr.write(f"{text}rank {rank}: {exc_type.__name__}: {exc}\n")
-        sys.stderr.flush()
+            stderr.write(f"{text}rank {rank}: {exc_type.__name__}: {exc}\n")
+        stderr.flush()
         time.sleep(0.5)  # let the launcher forward the message before the abort tears the job down
         abort()
 

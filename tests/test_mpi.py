@@ -95,10 +95,11 @@ def test_uncaught_bad_input_aborts_job(mpirun):
     assert_job_aborted(rc, out, seconds, "InvalidStructureError: non-finite positions")
 
 
-@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
-def test_exception_on_one_rank_aborts_all(mpirun, torchrun, launcher):
+@pytest.mark.parametrize("launcher, process_group", [("mpiexec", False), ("torchrun", False), ("mpiexec", True)])
+def test_exception_on_one_rank_aborts_all(mpirun, torchrun, launcher, process_group):
     run = torchrun if launcher == "torchrun" else mpirun
-    rc, out, seconds = run(3, MPI_DIR / "raise_on_one_rank.py", timeout=60)
+    rc, out, seconds = run(3, MPI_DIR / "raise_on_one_rank.py", *(["--process-group"] if process_group else []),
+                           timeout=60)
     assert_job_aborted(rc, out, seconds, "rank 1: RuntimeError: deliberate failure on rank 1")
 
 
