@@ -40,8 +40,9 @@ respect the memory bound.
 """
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 from ...errors import MLIPError
 
@@ -56,6 +57,8 @@ class Sweep(str, Enum):
     B = "B"
     WA = "WA"
     WB = "WB"
+
+    __hash__ = str.__hash__  # the value's hash, computed in C (Enum's is Python: auto hashes actions a lot)
 
     def __str__(self):
         return self.value
@@ -84,9 +87,8 @@ class ScheduleError(MLIPError, ValueError):
     """A schedule is malformed, deadlocks, or holds more micro-batches in flight than allowed."""
 
 
-@dataclass(frozen=True, order=True)
-class Action:
-    """One sweep of one micro-batch on one stage.
+class Action(NamedTuple):
+    """One sweep of one micro-batch on one stage (a tuple: hashed and compared in C, as ``auto`` needs).
 
     ``str`` is ``sweep + microbatch`` ("F3", "A0", "B12", "WB2"), with a dot after sweeps whose name ends
     in a digit so that it stays unambiguous: "B1.3" is B1 of micro-batch 3, "B13" is B of micro-batch 13."""
@@ -113,26 +115,35 @@ class Costs:
     seconds: tuple
     latency: float = 0.0
     memory: tuple = None
+    _known: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # ``_timing``'s
 
     def times(self, sweeps) -> bool:
         """Whether these costs give every action of ``sweeps`` a duration on every stage."""
         return all(key in row for row in self.seconds for sw in sweeps for key in _cost_keys(row, sw, sweeps))
 
+    def _timing(self, action, sweeps) -> tuple:
+        """(duration, sent) of ``action`` under ``sweeps``, worked out once (``auto`` asks again and again)."""
+        key = action.stage, action.sweep, sweeps
+        known = self._known.get(key)
+        if known is None:
+            row = self.seconds[action.stage]
+            keys = _cost_keys(row, action.sweep, sweeps)
+            try:
+                whole = float(sum(row[k] for k in keys))
+            except KeyError:
+                raise ScheduleError(f"costs have no duration of sweep {action.sweep} on stage {action.stage} "
+                                    f"(sweeps {'/'.join(sweeps)})") from None
+            sent = row.get(f"{keys[0]}.sent") if len(keys) == 1 else None
+            known = self._known[key] = whole, whole if sent is None else min(float(sent), whole)
+        return known
+
     def duration(self, action, sweeps) -> float:
-        row = self.seconds[action.stage]
-        try:
-            return float(sum(row[key] for key in _cost_keys(row, action.sweep, sweeps)))
-        except KeyError:
-            raise ScheduleError(f"costs have no duration of sweep {action.sweep} on stage {action.stage} "
-                                f"(sweeps {'/'.join(sweeps)})") from None
+        return self._timing(action, tuple(sweeps))[0]
 
     def sent(self, action, sweeps) -> float:
         """Seconds from the start of ``action`` until its messages to the neighbours have left: the row's
         "<key>.sent" where the action is one timed key that has one, else the whole ``duration``."""
-        row, whole = self.seconds[action.stage], self.duration(action, sweeps)
-        keys = _cost_keys(row, action.sweep, sweeps)
-        sent = row.get(f"{keys[0]}.sent") if len(keys) == 1 else None
-        return whole if sent is None else min(float(sent), whole)
+        return self._timing(action, tuple(sweeps))[1]
 
 
 def _cost_keys(row, sweep, sweeps) -> list:
