@@ -16,7 +16,7 @@ import torch
 
 from .base import BlockPotential, all_parts
 from .errors import MLIPError
-from .files import atomic_write, naming_errors
+from .files import atomic_write
 from .lj import LennardJones
 from .nequip import NequIP
 from .painn import PaiNN
