@@ -33,12 +33,11 @@ class CheckpointError(MLIPError, ValueError):
     """A checkpoint file is unreadable, corrupt, of another format/version/class, or holds objects."""
 
 
-def save(model, path, extra: dict | None = None, state_dict: dict | None = None) -> None:
+def save(model, path, extra: dict | None = None) -> None:
     """Write ``model`` (a potentials model) to ``path``, atomically (``files.atomic_write``: a kill or a
     full disk leaves the previous file). ``extra``: more entries of tensors and plain containers stored
-    beside it (e.g. a trainer's optimizer state); ``load`` ignores them. ``state_dict``: the weights to
-    write instead of ``model``'s own (see ``save_parts``). An OSError is raised as OutputError."""
-    state = {k: v.detach().cpu() for k, v in (model.state_dict() if state_dict is None else state_dict).items()}
+    beside it (e.g. a trainer's optimizer state); ``load`` ignores them. An OSError is raised as OutputError."""
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     with atomic_write(path) as f:
         torch.save(dict(extra or {}, config=_config(model), state_dict=state), f)
 
