@@ -104,12 +104,6 @@ def load_framework_model(path, model_key: str = "sole_model"):
     return model.eval()
 
 
-def _has_class(model, name: str) -> bool:
-    """Whether a module of class ``name`` is in ``model`` (by name: a packaged model's classes live in
-    their own ``<torch_package_N>`` namespace, so isinstance does not match them)."""
-    return any(type(m).__name__ == name for m in model.modules())
-
-
 class NequIPFramework(Potential):
     """A trained NequIP or Allegro model of the nequip framework, from its ``.ckpt`` checkpoint or its
     ``.nequip.zip`` package (eager; compiled ``.nequip.pth`` / ``.pt2`` files are refused). dtype from
