@@ -288,12 +288,9 @@ class PipelineParallel:
             self.reported = True
             name, _, timeline = self.pipeline.plan(self.pipeline.microbatches, self.pipeline.sweeps)
             if self.pipeline.replica == 0 and self.pipeline.stage.first:
-                work = [0.0] * self.pipeline.stages  # each stage's summed sweep seconds: their balance
-                for action, begin in timeline["start"].items():
-                    work[action.stage] += timeline["end"][action] - begin
                 print(f"mlip-train: pipeline schedule {name}: predicted {timeline['time']:.3g} s per global "
                       f"batch, bubble {timeline['bubble_fraction']:.2f}, stages' work "
-                      f"{' / '.join(f'{w:.3g}' for w in work)} s (measured sweep costs)", flush=True)
+                      f"{' / '.join(f'{w:.3g}' for w in timeline['stage_busy'])} s (measured sweep costs)", flush=True)
         return loss
 
     def error_sums(self, net, structures) -> np.ndarray:

@@ -258,6 +258,7 @@ def check(schedule, stages, microbatches, sweeps=SWEEPS["forces"], max_in_flight
     a deadlock, or more than ``max_in_flight`` micro-batches in flight on a stage. ``costs``: a ``Costs``
     (None: every action one time step, no latency). Returns {"time" (predicted step time: steps, or
     seconds), "steps" (the same), "start", "end" (Action -> time), "busy" (summed action time),
+    "stage_busy" [S] (each stage's summed action time),
     "bubble_fraction" (idle share of stages × time), "max_in_flight" [S], "costs"}, and without costs
     "grid" (rows = steps, columns = stages, the Action started there or None)."""
     sweeps = tuple(sweeps)
@@ -301,9 +302,12 @@ def check(schedule, stages, microbatches, sweeps=SWEEPS["forces"], max_in_flight
             if last[a.microbatch] == k:
                 held.discard(a.microbatch)
         peak.append(peak_s)
-    busy = sum(end[a] - start[a] for a in start)
+    stage_busy = [0] * stages
+    for a in start:
+        stage_busy[a.stage] += end[a] - start[a]
+    busy = sum(stage_busy)
     total = max(end.values(), default=0)
-    result = {"time": total, "steps": total, "start": start, "end": end, "busy": busy,
+    result = {"time": total, "steps": total, "start": start, "end": end, "busy": busy, "stage_busy": stage_busy,
               "bubble_fraction": 1 - busy / (total * stages) if total else 0.0, "max_in_flight": peak,
               "costs": costs, "peak_memory": memory}
     if costs is None:
