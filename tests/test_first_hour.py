@@ -1,5 +1,5 @@
 """First-hour experience: a file that is not a checkpoint names itself, a config error prints once per
-MPI job, output directories are not overwritten by accident, and the mlip-md summary's statistics."""
+MPI job, output directories are not overwritten by accident, the mlip-md summary's statistics, and a wheel that holds every module."""
 import re
 import sys
 import zipfile
@@ -76,3 +76,26 @@ def test_summary_statistics():
     assert re.search(r"energy drift +0\.002 eV/atom/ns", text), text
     assert re.search(r"epot_eV/atom +-1 ± 0\b", text), text
     assert "volume_A3" in summary(samples, n_atoms=10, ensemble="npt")
+
+
+def test_wheel_holds_every_module_and_data_file(tmp_path):
+    """A plain (not editable) install gets every package: the wheel built from a copy of this tree (no
+    stale build/ folder) holds each .py file under mlip_parallel/, potentials/ and md/, and the shipped
+    model data."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root, source = Path(__file__).resolve().parents[1], tmp_path / "source"
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "build")
+    for top in ("mlip_parallel", "potentials", "md"):
+        shutil.copytree(root / top, source / top, ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, source)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+                    "-w", str(tmp_path), str(source)], check=True, capture_output=True, cwd=tmp_path)
+    (wheel,) = tmp_path.glob("mlip_parallel-*.whl")
+    packed = set(zipfile.ZipFile(wheel).namelist())
+    wanted = {p.relative_to(source).as_posix() for top in ("mlip_parallel", "potentials", "md")
+              for p in (source / top).rglob("*") if p.suffix in (".py", ".pt")}
+    assert wanted and not wanted - packed, f"missing from the wheel: {sorted(wanted - packed)}"
