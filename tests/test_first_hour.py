@@ -1,5 +1,6 @@
 """First-hour experience: a file that is not a checkpoint names itself, a config error prints once per
-MPI job, output directories are not overwritten by accident, the mlip-md summary's statistics, and a wheel that holds every module."""
+MPI job, output directories are not overwritten by accident, the mlip-md summary's statistics, and a
+plain install gets every module."""
 import re
 import sys
 import zipfile
