@@ -1,0 +1,1 @@
+"""Model files shipped with the package (``potentials.checkpoint.BUNDLED``); no code."""
