@@ -87,16 +87,17 @@ def test_wheel_holds_every_module_and_data_file(tmp_path):
     import subprocess
     from pathlib import Path
 
-    root, source = Path(__file__).resolve().parents[1], tmp_path / "source"
+    root, source, tops = Path(__file__).resolve().parents[1], tmp_path / "source", ("mlip_parallel", "potentials", "md")
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "build")
-    for top in ("mlip_parallel", "potentials", "md"):
+    for top in tops:
         shutil.copytree(root / top, source / top, ignore=ignore)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(root / name, source)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-                    "-w", str(tmp_path), str(source)], check=True, capture_output=True, cwd=tmp_path)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                            "-q", "-w", str(tmp_path), str(source)], capture_output=True, text=True, cwd=tmp_path)
+    assert built.returncode == 0, f"pip wheel failed:\n{built.stderr[-3000:]}"
     (wheel,) = tmp_path.glob("mlip_parallel-*.whl")
     packed = set(zipfile.ZipFile(wheel).namelist())
-    wanted = {p.relative_to(source).as_posix() for top in ("mlip_parallel", "potentials", "md")
-              for p in (source / top).rglob("*") if p.suffix in (".py", ".pt")}
+    wanted = {p.relative_to(source).as_posix() for top in tops for p in (source / top).rglob("*")
+              if p.suffix in (".py", ".pt")}
     assert wanted and not wanted - packed, f"missing from the wheel: {sorted(wanted - packed)}"
