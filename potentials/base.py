@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from ase.data import atomic_numbers, chemical_symbols
 
-from .errors import UnknownSpeciesError
+from .errors import MLIPError, UnknownSpeciesError
 from .graph import AtomGraph
 
 
@@ -66,6 +66,98 @@ class Potential(torch.nn.Module):
 
     def forward(self, graph: AtomGraph) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ training contract
+    # What a trainer knows of a model, the same for this package's models and other packages' (adapters):
+    # its weights by their package's names, its per-element reference energies, and how it writes itself
+    # in its package's own file format. The exchange points are ``graph.halo`` (above), which the
+    # adapters place where their packages exchange ghost atoms; training differentiates them twice.
+    PACKAGE_MODULE = ""  # attribute holding the package's own module (adapters): its parameter names are the users'
+
+    def named_weights(self):
+        """(name, parameter) of every weight training may change, named as the model's own package names
+        them (``freeze`` patterns match these names): by default every parameter of the package's module."""
+        module = getattr(self, self.PACKAGE_MODULE) if self.PACKAGE_MODULE else self
+        return list(module.named_parameters())
+
+    def reference_energies(self) -> np.ndarray | None:
+        """The per-element reference energies [len(species)] (eV per atom, added to each atom's energy),
+        or None for a model without them."""
+        shift = getattr(self, "scale_shift", None)
+        return None if shift is None else shift.shift.detach().cpu().double().numpy().copy()
+
+    def set_reference_energies(self, energies) -> None:
+        """Replace the reference energies by ``energies`` [len(species)] (eV per atom)."""
+        with torch.no_grad():
+            self.scale_shift.shift.copy_(torch.as_tensor(np.asarray(energies, dtype=np.float64)))
+
+    def native_file(self, stem: str) -> str | None:
+        """The file name under which ``save_native`` writes a model called ``stem`` ("best") in its package's
+        own format (e.g. "best.model" for MACE), or None where this package's checkpoint is that format."""
+        return None
+
+    def save_native(self, path, data=None) -> None:
+        """Write the model, atomically, in its package's own format, for the package's own tools. ``data``: the
+        file of structures it was trained on, for a format that names its training data (nequip's)."""
+        raise NotImplementedError(f"{type(self).__name__} has no other file format than potentials checkpoints")
+
+
+class RebuiltOnCopy:
+    """Mixin for models built from another package's modules: ``copy.deepcopy`` (an EMA's copy, say) builds
+    a new model from ``hyperparameters`` and loads the state dict, requires_grad flags and mode into it.
+    (A deep copy of e3nn's generated code keeps its constants under other names, so the copy's state dict
+    would not be the model's.)"""
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        clone = type(self)(**copy.deepcopy(self.hyperparameters, memo)).to(self.dtype).to(self.device)
+        clone.load_state_dict(self.state_dict())
+        for (_, mine), (_, theirs) in zip(self.named_parameters(), clone.named_parameters()):
+            theirs.requires_grad_(mine.requires_grad)
+        return clone.train(self.training)
+
+
+class FreezeError(MLIPError, ValueError):
+    """A ``freeze`` pattern that matches none of the model's weights."""
+
+
+def weight_groups(names) -> list:
+    """The parameter groups of weight ``names``, for messages: each name cut after its first component that
+    tells modules apart (a layer index stays with its module: "interactions.0.*", "model.func.layer1_convnet.*")."""
+    names = list(names)
+    for depth in range(1, 8):
+        groups = set()
+        for name in names:
+            parts = name.split(".")
+            cut = min(depth, len(parts) - 1)
+            while cut < len(parts) - 1 and parts[cut].isdigit():
+                cut += 1
+            groups.add(".".join(parts[:cut]) + ".*" if cut else name)
+        if len(groups) > 1 or depth >= max((n.count(".") for n in names), default=0):
+            return sorted(groups)
+    return sorted(groups)
+
+
+def select_weights(model: Potential, freeze=(), require_match: bool = True) -> list:
+    """The weights training changes: ``model.named_weights()`` except those matching a glob pattern of
+    ``freeze`` (fnmatch over their names, e.g. "interactions.*"). Sets ``requires_grad`` accordingly on
+    every weight; returns the trained ones, in ``named_weights`` order. FreezeError for a pattern that
+    matches nothing (the message lists the model's parameter groups), unless not ``require_match``."""
+    from fnmatch import fnmatchcase
+
+    weights = model.named_weights()
+    for pattern in freeze if require_match else ():
+        if not any(fnmatchcase(name, pattern) for name, _ in weights):
+            raise FreezeError(f"freeze pattern {pattern!r} matches none of the {type(model).__name__}'s weights; "
+                              f"its parameter groups are {', '.join(weight_groups(n for n, _ in weights))}")
+    trained = []
+    for name, weight in weights:
+        frozen = any(fnmatchcase(name, pattern) for pattern in freeze)
+        weight.requires_grad_(not frozen)
+        if not frozen:
+            trained.append(weight)
+    return trained
 
 
 EMBED, READOUT = "embed", "readout"

@@ -25,6 +25,13 @@ from .schnet import SchNet
 FORMAT = "mlip-parallel-potential"
 VERSION = 1
 MODEL_CLASSES = {cls.__name__: cls for cls in (LennardJones, SchNet, PaiNN, NequIP)}
+# other packages' models (a fine-tuned MACE, ...): class name -> module of potentials.adapters, imported when named
+ADAPTER_CLASSES = {"MACE": "mace", "NequIPFramework": "nequip", "SevenNet": "sevennet"}
+FOREIGN = (  # (bytes all found in a torch archive's pickle, what the file is, the model key that reads it)
+    ((b"mace.modules",), "a MACE model file", "mace"),
+    ((b"pytorch-lightning_version",), "a nequip-framework checkpoint", "nequip"),
+    ((b"model_state_dict", b"_type_map"), "a SevenNet checkpoint", "sevennet"),
+)
 _DTYPES = {"torch.float32": torch.float32, "torch.float64": torch.float64}
 BUNDLED = {"cu-emt": os.path.join(os.path.dirname(__file__), "data", "cu-emt.pt")}  # name → shipped checkpoint
 
@@ -42,11 +49,25 @@ def save(model, path, extra: dict | None = None) -> None:
         torch.save(dict(extra or {}, config=_config(model), state_dict=state), f)
 
 
+def model_class(name: str, where: str = "checkpoint"):
+    """The model class a checkpoint names (an adapter's module imported on first use); None if unknown."""
+    if name in MODEL_CLASSES:
+        return MODEL_CLASSES[name]
+    if name not in ADAPTER_CLASSES:
+        return None
+    from importlib import import_module
+
+    try:
+        return getattr(import_module(f"potentials.adapters.{ADAPTER_CLASSES[name]}"), name)
+    except ImportError as exc:
+        raise CheckpointError(f"{where}: a {name} model, whose package is not installed ({exc})") from None
+
+
 def _config(model) -> str:
     """The JSON config a checkpoint of ``model`` stores (CheckpointError for a class it cannot hold)."""
     name = type(model).__name__
-    if MODEL_CLASSES.get(name) is not type(model):
-        raise CheckpointError(f"cannot save {name}: checkpoints support {sorted(MODEL_CLASSES)}")
+    if name not in {**MODEL_CLASSES, **ADAPTER_CLASSES} or model_class(name) is not type(model):
+        raise CheckpointError(f"cannot save {name}: checkpoints support {sorted({**MODEL_CLASSES, **ADAPTER_CLASSES})}")
     return json.dumps({"format": FORMAT, "version": VERSION, "class": name, "hyperparameters": model.hyperparameters,
                        "species": model.species, "cutoff": model.cutoff,
                        "units": {"energy": "eV", "length": "Angstrom"}, "dtype": str(model.dtype)})
@@ -65,12 +86,21 @@ def load(path, map_location="cpu", parts=None):
     if not os.path.isfile(path) and path in BUNDLED:
         path = BUNDLED[path]
     if not os.path.isfile(path):
+        key, _, rest = path.partition(":")
+        if key in ("mace", "nequip", "sevennet") and rest:
+            raise CheckpointError(f"{path}: a {key} model spec, not a checkpoint path: in mlip-md's and mlip-train's "
+                                  f"model section, name the file with the key {key} (model: {{{key}: {rest}}})")
         raise CheckpointError(f"{path}: no such checkpoint file (bundled models: {sorted(BUNDLED)})")
     try:
         with open(path, "rb") as f:
             empty, archive = not f.read(1), zipfile.is_zipfile(f)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read checkpoint ({exc.strerror})") from None
+    foreign = _foreign(path) if archive else None
+    if foreign is not None:
+        what, key = foreign
+        raise CheckpointError(f"{path}: {what}, not a potentials checkpoint: name it with the key {key} "
+                              f"(model: {{{key}: FILE}} in mlip-md and mlip-train, {key}:FILE elsewhere)")
     if not archive:  # potentials.save writes torch's zip format; text, CSV or empty files are not checkpoints
         raise CheckpointError(f"{path}: not a checkpoint: truncated or corrupt, or not written by potentials.save "
                               f"({'an empty file' if empty else 'not a zip archive'})")
@@ -98,14 +128,15 @@ def load(path, map_location="cpu", parts=None):
     if not isinstance(config.get("version"), int) or config["version"] > VERSION:
         raise CheckpointError(f"{path}: format version {config.get('version')!r}; this mlip-parallel reads "
                               f"versions up to {VERSION}")
-    cls = MODEL_CLASSES.get(config.get("class"))
+    cls = model_class(str(config.get("class")), path)
     if cls is None:
-        raise CheckpointError(f"{path}: unknown model class {config.get('class')!r}; known {sorted(MODEL_CLASSES)}")
+        raise CheckpointError(f"{path}: unknown model class {config.get('class')!r}; known "
+                              f"{sorted({**MODEL_CLASSES, **ADAPTER_CLASSES})}")
     if parts is not None and not issubclass(cls, BlockPotential):
         raise CheckpointError(f"{path}: a {cls.__name__} is not written as parts; it cannot be loaded part by part")
     try:
         model = cls(**config["hyperparameters"], **({} if parts is None else {"parts": parts, "seed": 0}))
-    except (TypeError, ValueError, KeyError) as exc:
+    except (TypeError, ValueError, KeyError) as exc:  # (an adapter's MLIPError is a ValueError)
         raise CheckpointError(f"{path}: hyper-parameters do not build a {cls.__name__}: {exc}") from None
     model.to(_DTYPES.get(config.get("dtype"), torch.float32))
     try:
@@ -117,6 +148,27 @@ def load(path, map_location="cpu", parts=None):
         raise CheckpointError(f"{path}: weights do not fit a {cls.__name__} with these hyper-parameters: "
                               f"{str(exc).splitlines()[0]}") from None
     return model.to(map_location).eval()
+
+
+def _foreign(path):
+    """(what, model key) when ``path`` is a zip archive that another package's model file is (a MACE .model, a
+    nequip .ckpt or .nequip.zip, a SevenNet checkpoint: told by the names its pickle or records hold, nothing
+    unpickled); None otherwise."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+            if any(n.endswith("/model/package_metadata.txt") for n in names):
+                return "a nequip-framework package (.nequip.zip)", "nequip"
+            pickles = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
+            data = archive.read(pickles[0]) if len(pickles) == 1 else b""
+    except (OSError, zipfile.BadZipFile, KeyError, RuntimeError):
+        return None
+    if FORMAT.encode() in data:
+        return None
+    for markers, what, key in FOREIGN:
+        if all(marker in data for marker in markers):
+            return what, key
+    return None
 
 
 def save_parts(model, path, layout: dict, tensors, extra: dict | None = None) -> None:

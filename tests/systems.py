@@ -340,3 +340,92 @@ def md_comparison_errors(directory, decks) -> dict:
     for name in decks:
         errors[name] = largest(np.loadtxt(directory / f"{name}.dump", skiprows=9)[:, 1:4], two.positions)
     return errors
+
+
+# ------------------------------------------------------------------ fine-tuning (tests/test_finetune.py, tests/mpi/finetune.py)
+def labelled_alloys(count: int, seed: int) -> list:
+    """``count`` small Cu/Ag structures labelled by ASE's EMT (energy, forces; stress where periodic), in
+    turn: an 8-atom orthorhombic cell, an 8-atom sheared (triclinic) cell, and two 4-atom clusters 12 Å apart,
+    not periodic (a rank between them owns no atom)."""
+    from ase.calculators.emt import EMT
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    rng = np.random.default_rng(seed)
+    frames = []
+    for k in range(count):
+        if k % 3 == 0:
+            atoms = bulk("Cu", "fcc", a=3.65, cubic=True).repeat((2, 1, 1))
+        elif k % 3 == 1:
+            atoms = bulk("Cu", "fcc", a=3.62).repeat((2, 2, 2))
+            atoms.set_cell(atoms.cell[:] @ np.array([[1.0, 0.0, 0.0], [0.12, 1.0, 0.0], [-0.08, 0.1, 1.0]]),
+                           scale_atoms=True)
+        else:
+            blob = bulk("Cu", "fcc", a=3.61, cubic=True)
+            atoms = Atoms(numbers=[29] * 8, positions=np.concatenate([blob.positions, blob.positions + [0.5, 0.3, 12.0]]),
+                          cell=[20.0, 20.0, 30.0], pbc=False)  # (a cell, for packages that divide by its volume)
+        if atoms.pbc.all():
+            atoms.set_cell(atoms.cell[:] * rng.uniform(0.98, 1.03), scale_atoms=True)
+        numbers = atoms.numbers.copy()
+        numbers[rng.random(len(atoms)) < 0.35] = 47
+        atoms.numbers = numbers
+        atoms.rattle(0.08, seed=int(rng.integers(1 << 30)))
+        atoms.calc = EMT()
+        results = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces()}
+        if atoms.pbc.all():
+            results["stress"] = atoms.get_stress()
+        atoms.calc = SinglePointCalculator(atoms, **results)
+        frames.append(atoms)
+    return frames
+
+
+def write_small_mace(path, seed: int = 0) -> None:
+    """A small random MACE (ScaleShiftMACE, Cu/Ag, L = 1 features, two residual interactions, float64) written as
+    MACE's training writes one (``torch.save`` of the module), under this environment's e3nn."""
+    from e3nn import o3
+    from mace import modules
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = modules.ScaleShiftMACE(
+                r_max=4.5, num_bessel=6, num_polynomial_cutoff=5, max_ell=2,
+                interaction_cls=modules.interaction_classes["RealAgnosticResidualInteractionBlock"],
+                interaction_cls_first=modules.interaction_classes["RealAgnosticResidualInteractionBlock"],
+                num_interactions=2, num_elements=2, hidden_irreps=o3.Irreps("4x0e+4x1o"), MLP_irreps=o3.Irreps("8x0e"),
+                gate=torch.nn.functional.silu, atomic_energies=np.array([-3.1, -2.2]), avg_num_neighbors=12.0,
+                atomic_numbers=[29, 47], correlation=2, radial_MLP=[8, 8], atomic_inter_scale=1.2,
+                atomic_inter_shift=0.1)
+            with torch.no_grad():  # every weight away from its initial value (some start at zero)
+                for p in model.parameters():
+                    p.add_(0.2 * torch.randn_like(p))
+    finally:
+        torch.set_default_dtype(before)
+    torch.save(model, path)
+
+
+def write_small_sevennet(path, seed: int = 0) -> None:
+    """A small random SevenNet (Cu/Ag, 8 channels, l ≤ 1, two convolutions) written as a sevenn checkpoint:
+    SevenNet-0's model config with smaller sizes, built by sevenn's own model builder."""
+    import sevenn
+    import sevenn.util
+    from sevenn.model_build import build_E3_equivariant_model
+
+    config = dict(sevenn.util.load_checkpoint("7net-0").config)
+    for key in ("shift_cp", "scale_cp", "avg_num_neigh_cp", "load_dataset_path", "load_validset_path", "continue"):
+        config.pop(key, None)
+    config.update(chemical_species=["Ag", "Cu"], _number_of_species=2, _type_map={47: 0, 29: 1},
+                  _chemical_species_by_atomic_number=[47, 29], channel=8, lmax=1, num_convolution_layer=2,
+                  irreps_manual=False, weight_nn_hidden_neurons=[16], avg_num_neigh=[20.0, 20.0],
+                  conv_denominator=20.0, shift=[-2.5, -3.5], scale=[1.2, 1.4], cutoff=4.5,
+                  cutoff_function={"cutoff_function_name": "XPLOR", "cutoff_on": 4.0}, version=sevenn.__version__,
+                  _flash_lammps=False, use_oeq=False, device="cpu")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = build_E3_equivariant_model(dict(config))
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.add_(0.2 * torch.randn_like(p))
+    torch.save({"config": config, "model_state_dict": model.state_dict()}, path)

@@ -87,7 +87,7 @@ def test_loader_carries_every_saved_tensor(fixtures):
         path = fixtures[name][0]
         tree = read_module_tree(path)
         saved = {**codegen_tensors(tree), **state_dict(tree)}
-        loaded = load_mace(path).state_dict()
+        loaded = load_mace(path)[0].state_dict()
         assert set(loaded) == set(saved), sorted(set(loaded) ^ set(saved))[:5]
         assert any("U_matrix" in key for key in saved)
         assert any("_w3j_" in key for key in saved) == (name != "mace-small-f32")  # scalars only: no 3j
@@ -222,9 +222,10 @@ def test_bad_files_are_named(tmp_path):
         potentials.predict(potentials.MACE(fixture_path("mace-small-f32")), atoms)
 
 
-def test_loading_leaves_the_process_as_it_was(restore_environment):
+def test_loading_leaves_the_process_as_it_was(restore_environment, tmp_path):
     """Default dtype, the global random state and TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD (which ``import mace``
-    sets) are what they were; after ``import mace``, potentials.load still refuses a pickled model."""
+    sets) are what they were; after ``import mace``, potentials.load still refuses a pickled model: a MACE
+    file is named as one (and the key that reads it), a pickle of another module is refused unread."""
     os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
     state, dtype = torch.get_rng_state(), torch.get_default_dtype()
     model = potentials.MACE(fixture_path("mace-zbl-f64"))
@@ -232,8 +233,12 @@ def test_loading_leaves_the_process_as_it_was(restore_environment):
     assert torch.equal(torch.get_rng_state(), state) and torch.get_default_dtype() == dtype
     assert "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD" not in os.environ
     os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"  # as `import mace` (MACE's calculator) sets it
-    with pytest.raises(potentials.CheckpointError, match="holds pickled Python objects, refused"):
+    with pytest.raises(potentials.CheckpointError, match=r"a MACE model file, not a potentials checkpoint: name it "
+                                                         r"with the key mace \(model: \{mace: FILE\}"):
         potentials.load(fixture_path("mace-zbl-f64"))
+    torch.save(torch.nn.Linear(2, 2), tmp_path / "module.pt")
+    with pytest.raises(potentials.CheckpointError, match="holds pickled Python objects, refused"):
+        potentials.load(tmp_path / "module.pt")
     with pytest.raises(potentials.CheckpointError):
         potentials.load_model(str(fixture_path("mace-zbl-f64")))  # no "mace:": never read as a pickle
 

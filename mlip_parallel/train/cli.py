@@ -36,13 +36,29 @@ SCHEMA = {
         "test_fraction": (float, 0.0, "share of train held out for the test when no test file"),
     },
     "model": {
-        "name": (str, "SchNet", "SchNet, PaiNN or NequIP"),
-        "cutoff": (float, 5.0, "cutoff radius, Å"),
-        "hyperparameters": (dict, {}, "further constructor arguments, e.g. {features: 64, layers: 3}"),
-        "species": (list, None, "element symbols (default: those in the training data)"),
-        "dtype": (str, "float32", "float32 or float64"),
-        "checkpoint": (str, None, "start from this potentials checkpoint (e.g. an earlier best.pt; any number of "
-                                  "pipeline stages): its architecture, species and weights replace the keys above"),
+        "name": (str, None, "a new model of this package: SchNet, PaiNN or NequIP (default SchNet where no starting "
+                            "model is given)"),
+        "cutoff": (float, None, "new model: cutoff radius, Å (default 5.0)"),
+        "hyperparameters": (dict, None, "new model: further constructor arguments, e.g. {features: 64, layers: 3}"),
+        "species": (list, None, "new model: element symbols (default: those in the training data)"),
+        "checkpoint": (str, None, "start from this potentials checkpoint (an earlier best.pt, also of a fine-tuned "
+                                  "MACE, nequip or SevenNet model; any number of pipeline stages for SchNet, PaiNN "
+                                  "and NequIP): its architecture, species, dtype and weights replace the new-model keys"),
+        "mace": (str, None, "fine-tune a MACE model file (.model, as MACE's training writes it; read without running "
+                            "its pickle; needs the mace extra); best.model is written beside best.pt"),
+        "head": (str, None, "mace: the head of a multi-head model to train (default: the only head, else 'default')"),
+        "nequip": (str, None, "fine-tune a NequIP or Allegro model of the nequip framework: its .ckpt checkpoint or "
+                              ".nequip.zip package (the framework unpickles it; needs the nequip extra); best.ckpt "
+                              "is written beside best.pt"),
+        "sevennet": (str, None, "fine-tune a SevenNet checkpoint, a name sevenn knows (7net-0) or a path (needs the "
+                                "sevenn extra); checkpoint_best.pth is written beside best.pt"),
+        "dtype": (str, None, "float32 or float64 (default: a starting model's own, float32 for a new model)"),
+        "freeze": (list, [], "glob patterns over the weights' names (their package's names, e.g. 'interactions.*' of a "
+                             "MACE model) that stay fixed; a pattern matching nothing is an error that lists the groups"),
+        "reference_energies": (str, "keep", "a starting model's per-element reference energies (MACE's E0s, "
+                                            "nequip's per-type shifts, SevenNet's shifts): keep them, or refit them "
+                                            "by least squares of the model's energy residual per element on the "
+                                            "training set (a new model's are always fitted)"),
     },
     "loss": {
         "energy_weight": (float, 1.0, "weight of the energy-per-atom MSE (eV²)"),
@@ -91,6 +107,7 @@ SCHEMA = {
     },
 }
 CHOICES = {"model.name": ("SchNet", "PaiNN", "NequIP"), "model.dtype": ("float32", "float64"),
+           "model.reference_energies": ("keep", "refit"),
            "schedule.name": ("plateau", "cosine", "none"), "parallel": ("data", "graph", "pipeline"),
            "pipeline.schedule": ("auto", "gpipe", "1f1b")}
 

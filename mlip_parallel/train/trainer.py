@@ -79,8 +79,28 @@ class Processes:
 
 
 # ----------------------------------------------------------------------------- the model and the data
+STARTING_KEYS = ("checkpoint", "mace", "nequip", "sevennet")  # model keys naming a trained model to start from
+NEW_MODEL_KEYS = ("name", "cutoff", "hyperparameters", "species")  # model keys describing a new model
+
+
+def starting_model(section) -> str | None:
+    """The model key that names the model training starts from (None: a new model); ConfigError for keys
+    that contradict each other (two starting models, a new model's keys beside one, a head without MACE)."""
+    given = [k for k in STARTING_KEYS if section[k] is not None]
+    if len(given) > 1:
+        raise ConfigError(f"model: start from one of {', '.join(STARTING_KEYS)} (got {', '.join(given)})")
+    if given and given[0] != "checkpoint":  # (a checkpoint's architecture replaces these keys, as it always did)
+        described = [k for k in NEW_MODEL_KEYS if section[k] is not None]
+        if described:
+            raise ConfigError(f"model.{described[0]} describes a new model, but model.{given[0]} starts from a trained "
+                              f"one, whose architecture, cutoff and species are its own: remove model.{described[0]}")
+    if section["head"] is not None and given != ["mace"]:
+        raise ConfigError("model.head chooses the head of a MACE model (model.mace)")
+    return given[0] if given else None
+
+
 def model_species(section, structures) -> list:
-    """The model's element symbols: model.species, else those in ``structures``."""
+    """A new model's element symbols: model.species, else those in ``structures``."""
     if section["species"] is not None:
         return section["species"]
     from ase.data import chemical_symbols
@@ -88,24 +108,45 @@ def model_species(section, structures) -> list:
 
 
 def build_model(section, species, seed, parts=None):
-    """The configured model (``parts``: only these parts, a pipeline stage's), initialised from
-    ``seed`` part by part, or read from ``model.checkpoint``."""
+    """The configured model: a new one (``parts``: only these parts, a pipeline stage's) initialised from
+    ``seed`` part by part, or the starting model ``model.checkpoint`` (only ``parts`` of it), ``model.mace``,
+    ``model.nequip`` or ``model.sevennet``, in ``model.dtype`` (default: its own)."""
     import torch
 
     import potentials
 
-    dtype = torch.float64 if section["dtype"] == "float64" else torch.float32
-    if section["checkpoint"] is not None:
+    dtype = {"float32": torch.float32, "float64": torch.float64, None: None}[section["dtype"]]
+    key = starting_model(section)
+    if key is not None:
         try:
-            return potentials.load(section["checkpoint"], parts=parts).to(dtype).train()
-        except potentials.CheckpointError as exc:
-            raise ConfigError(f"model.checkpoint: {exc}") from None
-    cls = {"SchNet": potentials.SchNet, "PaiNN": potentials.PaiNN, "NequIP": potentials.NequIP}[section["name"]]
+            if key == "checkpoint":
+                model = potentials.load(section["checkpoint"], parts=parts)
+            else:
+                model = potentials.load_model(f"{key}:{section[key]}", head=section["head"])
+        except (potentials.MLIPError, ImportError) as exc:
+            raise ConfigError(f"model.{key}: {exc}") from None
+        return (model if dtype is None else model.to(dtype)).train()
+    cls = {"SchNet": potentials.SchNet, "PaiNN": potentials.PaiNN, "NequIP": potentials.NequIP}[section["name"] or "SchNet"]
+    cutoff = 5.0 if section["cutoff"] is None else section["cutoff"]
     try:
-        model = cls(species=species, cutoff=section["cutoff"], **section["hyperparameters"], parts=parts, seed=seed)
+        model = cls(species=species, cutoff=cutoff, **(section["hyperparameters"] or {}), parts=parts, seed=seed)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"model: cannot build {section['name']}: {exc}") from None
-    return model.to(dtype)
+        raise ConfigError(f"model: cannot build {section['name'] or 'SchNet'}: {exc}") from None
+    return model.to(dtype or torch.float32)
+
+
+def check_freeze(model, freeze, procs) -> None:
+    """ConfigError naming a ``model.freeze`` pattern that matches no weight of the model on any rank
+    (pipeline stages each hold some parts), with the model's parameter groups (collective)."""
+    from fnmatch import fnmatchcase
+
+    from potentials.base import weight_groups
+
+    names = [name for held in procs.allgather([name for name, _ in model.named_weights()]) for name in held]
+    for pattern in freeze:
+        if not any(fnmatchcase(name, pattern) for name in names):
+            raise ConfigError(f"model.freeze: pattern {pattern!r} matches none of the {type(model).__name__}'s "
+                              f"weights; its parameter groups are {', '.join(weight_groups(names))}")
 
 
 def fit_scale_shift(model, structures) -> None:
@@ -231,6 +272,15 @@ class DataParallel:
     def share(self, structures) -> list:
         return structures[self.procs.rank::self.procs.size]
 
+    def energies(self, net, structures) -> np.ndarray:
+        """``net``'s energies of ``structures`` [len(structures)] (eV; each rank its share, summed over ranks)."""
+        from .training import predicted_energies
+
+        mine = self.share(list(range(len(structures))))
+        out = np.zeros(len(structures))
+        out[mine] = predicted_energies(net, [structures[k] for k in mine], self.batch_size, self.device)
+        return self.procs.sum(out)
+
     def error_sums(self, net, structures) -> np.ndarray:
         from .training import error_sums
 
@@ -319,16 +369,25 @@ class Trainer:
         self.directory = Path(config["output"]["directory"])
         if not config["resume"]:
             check_output_directory(self.directory, config["output"]["overwrite"])
+        section = config["model"]
+        self.starting = starting_model(section)  # (the config alone: before any process group exists)
+        if self.starting in ("mace", "nequip", "sevennet") and config["parallel"] == "pipeline":
+            raise ConfigError(f"parallel: pipeline does not split {self.starting} models into stages yet (SchNet, "
+                              f"PaiNN and NequIP only): fine-tune them with parallel: data or graph")
         self.procs = procs = Processes(config["parallel"])
         self.root = procs.rank == 0
         self.train_set, self.validation, self.test, self.weights = load_data(config)
         self.last_path, self.shards = self.directory / "last.pt", self.directory / "pipeline"
         self.resume = bool(procs.bcast(config["resume"] and self.last_path.exists()))  # rank 0's disk decides
         self.device = device = rank_device(procs.backend)
-        species = model_species(config["model"], self.train_set)
+        species = model_species(section, self.train_set)
 
         def build(parts=None):
-            return build_model(config["model"], species, config["seed"], parts).to(device)
+            from potentials.base import select_weights
+
+            model = build_model(section, species, config["seed"], parts).to(device)
+            select_weights(model, section["freeze"], require_match=False)  # checked below, over every stage
+            return model
 
         self.pipeline = None
         if procs.parallel == "pipeline":
@@ -342,10 +401,18 @@ class Trainer:
             kind = GraphParallel if procs.parallel == "graph" else DataParallel
             self.strategy = kind(procs, model, device, config, self.weights)
         self.model = model = self.strategy.model
+        check_freeze(model, section["freeze"], procs)
+        if not self.strategy.parameters:
+            raise ConfigError(f"model.freeze {section['freeze']} keeps every weight of the model fixed: nothing to train")
         for part, role in ((self.train_set, "training"), (self.validation, "validation"), (self.test, "test")):
             check_species(model, part, role, error=ConfigError)
-        if not self.resume and config["model"]["checkpoint"] is None:
-            fit_scale_shift(model, self.train_set)
+        if self.starting is None:
+            if not self.resume:
+                fit_scale_shift(model, self.train_set)
+        elif section["reference_energies"] == "refit":  # also on resume: the saved state may hold their shape
+            self.refit_reference_energies()
+        elif self.root:
+            self.report_reference_energies("kept", model.reference_energies())
         o, sch = config["optimizer"], config["schedule"]
         self.optimizer = torch.optim.AdamW(self.strategy.parameters, lr=o["lr"], weight_decay=o["weight_decay"])
         if sch["name"] == "plateau":
@@ -362,6 +429,49 @@ class Trainer:
         if self.resume:
             self.load_state()
         self.last_written = f"{self.last_path} (epoch {self.first_epoch})" if self.resume else "none yet"
+
+    # ------------------------------------------------------------------ reference energies
+    def report_reference_energies(self, what: str, energies, before=None) -> None:
+        """Print the per-element reference energies (rank 0's log)."""
+        if energies is None:
+            return
+        from ase.data import chemical_symbols
+
+        present = {chemical_symbols[int(z)] for s in self.train_set for z in s.numbers}
+        pairs = [f"{x} {e:.6g}" + ("" if before is None else f" (was {b:.6g})")
+                 for x, e, b in zip(self.model.species, energies, energies if before is None else before)
+                 if x in present]
+        shown = ", ".join(pairs[:12]) + (f", ... ({len(pairs)} elements)" if len(pairs) > 12 else "")
+        print(f"mlip-train: reference energies {what} (eV per atom, the training set's elements): {shown}", flush=True)
+
+    def refit_reference_energies(self) -> None:
+        """``model.reference_energies: refit``: add to each element's reference energy the least-squares fit of
+        the starting model's energy residual (label − prediction) over the training structures to their
+        element counts (as MACE's ``E0s: estimated`` fits the labels); elements absent from the training set
+        keep theirs. The same numbers on every rank (predictions summed over ranks)."""
+        from ase.data import atomic_numbers
+
+        from .training import fit_reference_energies
+
+        model = self.model
+        before = model.reference_energies()
+        if before is None:
+            raise ConfigError(f"model.reference_energies: refit: this {type(model).__name__} has no per-element "
+                              f"reference energies")
+        labelled = [s for s in self.train_set if s.energy is not None]
+        if not labelled:
+            raise ConfigError("model.reference_energies: refit needs training structures with energies")
+        residuals = np.array([s.energy for s in labelled]) - self.strategy.energies(model, labelled)
+        present = sorted({int(z) for s in labelled for z in s.numbers})
+        delta = fit_reference_energies(labelled, present, residuals)
+        after = before.copy()
+        index = {atomic_numbers[x]: k for k, x in enumerate(model.species)}
+        for z, d in zip(present, delta):
+            after[index[z]] += d
+        model.set_reference_energies(after)
+        if self.root:
+            self.report_reference_energies(f"refit by least squares on {len(labelled)} training structures", after,
+                                           before)
 
     # ------------------------------------------------------------------ state
     @property
@@ -431,7 +541,11 @@ class Trainer:
 
         if self.pipeline is None:
             if self.root:
-                potentials.save(self.evaluation_model, path, extra={"training": self.training_state(epoch)})
+                model = self.evaluation_model
+                potentials.save(model, path, extra={"training": self.training_state(epoch)})
+                native = model.native_file("best") if path == self.directory / "best.pt" else None
+                if native is not None:  # and in the package's own format, for its own tools
+                    model.save_native(self.directory / native, data=self.config["data"]["train"])
             return
         last = path == self.last_path
         if self.pipeline.replica == 0 and last:
@@ -480,9 +594,11 @@ class Trainer:
         from .outputs import format_errors, plot_learning_curve, write_metrics
 
         config, procs, root = self.config, self.procs, self.root
-        count = sum(p.numel() for p in self.strategy.parameters)  # the whole model on each rank ...
+        count = np.array([float(sum(p.numel() for p in self.strategy.parameters)),  # trained, of all weights:
+                          float(sum(p.numel() for _, p in self.model.named_weights()))])  # the whole model ...
         if self.pipeline is not None:  # ... or a stage's parts: add the stages of one replica
-            count = procs.sum(np.array([float(count)]))[0] / self.pipeline.replicas
+            count = procs.sum(count) / self.pipeline.replicas
+        section = config["model"]
         if root:
             with naming_errors(self.directory):
                 self.directory.mkdir(parents=True, exist_ok=True)
@@ -495,7 +611,12 @@ class Trainer:
             bar = tqdm(total=config["epochs"], initial=self.first_epoch, unit="epoch", file=sys.stderr,
                        dynamic_ncols=True)
             layout = f", stages at blocks {self.pipeline.boundaries}" if self.pipeline is not None else ""
-            print(f"mlip-train: {type(self.model).__name__} {self.model.species}, {int(count)} parameters, "
+            species = self.model.species if len(self.model.species) <= 10 else f"({len(self.model.species)} elements)"
+            start = "" if self.starting is None else f" from {self.starting} {section[self.starting]}" + (
+                f" (head {self.model.head})" if self.starting == "mace" else "")
+            trained = f"{int(count[0])} parameters" if count[0] == count[1] else \
+                f"{int(count[0])} of {int(count[1])} parameters trained (model.freeze {section['freeze']})"
+            print(f"mlip-train: {type(self.model).__name__}{start} {species}, {trained}, "
                   f"{len(self.train_set)} training / {len(self.validation)} validation / {len(self.test)} test "
                   f"structures, {procs.size} rank(s) x {torch.get_num_threads()} thread(s), {procs.parallel} parallel{layout}",
                   flush=True)
@@ -547,6 +668,8 @@ class Trainer:
             if root:
                 print("test set, best.pt:\n" + format_errors(errors), flush=True)
         if root:
-            written = ["best.pt", "last.pt", "metrics.csv", "learning_curve.png"] + (["pipeline/"] if self.pipeline else [])
+            native = self.model.native_file("best")
+            written = ["best.pt"] + ([native] if native else []) + ["last.pt", "metrics.csv", "learning_curve.png"] + \
+                (["pipeline/"] if self.pipeline else [])
             print(f"mlip-train: output in {self.directory}: {', '.join(written)}", flush=True)
         return rows

@@ -126,12 +126,13 @@ def split(structures, fractions, seed: int):
     return parts
 
 
-def fit_reference_energies(structures, species) -> np.ndarray:
-    """Per-species reference energies [S] (eV) by least squares: E ≈ Σ_s n_s e_s."""
+def fit_reference_energies(structures, species, energies=None) -> np.ndarray:
+    """Per-species reference energies [S] (eV) by least squares: E ≈ Σ_s n_s e_s, ``species`` atomic numbers,
+    E the structures' energies (or ``energies`` [len(structures)], e.g. a model's residuals)."""
     column = np.full(max(species) + 1, -1)
     column[list(species)] = np.arange(len(species))
     counts = np.stack([np.bincount(column[s.numbers], minlength=len(species)) for s in structures]).astype(float)
-    energies = np.array([s.energy for s in structures])
+    energies = np.array([s.energy for s in structures]) if energies is None else np.asarray(energies, dtype=float)
     return np.linalg.lstsq(counts, energies, rcond=None)[0]
 
 
@@ -325,6 +326,16 @@ def prediction_errors(batch: Batch, energy=None, forces=None, stress=None) -> np
         diff = diff[mask].flatten().cpu().numpy()
         sums[3 * k: 3 * k + 3] = [np.abs(diff).sum(), (diff**2).sum(), len(diff)]
     return sums
+
+
+def predicted_energies(model, structures, batch_size: int, device) -> np.ndarray:
+    """The model's energies (eV) of ``structures`` [len(structures)], float64 (no derivatives)."""
+    out = []
+    with torch.no_grad():
+        for start in range(0, len(structures), batch_size):
+            batch = Batch(structures[start:start + batch_size], model, device)
+            out.append(structure_energies(batch, model(batch_geometry(batch).graph)).cpu().numpy())
+    return np.concatenate(out) if out else np.zeros(0)
 
 
 def error_sums(model, structures, batch_size: int, device) -> np.ndarray:

@@ -39,9 +39,8 @@ def load_model(spec: str, dtype: str | None = None, head: str | None = None, che
     if spec.startswith("sevennet:"):
         from .sevennet import SevenNet
 
-        if dtype not in (None, "float32"):
-            raise ModelSpecError(f"{spec}: SevenNet runs in float32 only (dtype {dtype} asked for)")
-        return SevenNet(spec[len("sevennet:"):])
+        model = SevenNet(spec[len("sevennet:"):])
+        return model if dtype is None else model.to(dtypes[dtype])
     if spec.startswith("mace:"):
         from .mace import MACE
 

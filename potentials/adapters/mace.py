@@ -24,7 +24,7 @@ import zipfile
 import torch
 from ase.data import chemical_symbols
 
-from ..base import Potential
+from ..base import Potential, RebuiltOnCopy
 from ..errors import MLIPError
 from ..graph import AtomGraph
 from .exchange import GhostExchange, default_dtype
@@ -178,10 +178,75 @@ def mace_config(tree, where: str) -> tuple:
     return modules.MACE, config
 
 
-def load_mace(path) -> torch.nn.Module:
-    """A MACE model from its ``.model`` file, rebuilt with mace-torch's constructors and the file's
-    tensors (strict), in the file's dtype, in eval mode on the CPU. The pickle's code is never run.
-    The process's default dtype and global random state are left as they were."""
+IRREPS_KEYS = ("hidden_irreps", "MLP_irreps", "edge_irreps")
+
+
+def mace_architecture(cls, config) -> dict:
+    """The JSON form of (model class, constructor keyword arguments) ``mace_config`` returns: classes and
+    gates by their names in MACE's own tables, irreps as strings, arrays as lists."""
+    import numpy as np
+    from mace import modules
+    from mace.modules import gate_dict
+
+    def name_in(table, value, what):
+        names = [k for k, v in table.items() if v is value]
+        if not names:
+            raise MACEModelError(f"{what} {value!r} is not in MACE's table of {what}s")
+        return names[0]
+
+    out = {"class": cls.__name__}
+    for key, value in config.items():
+        if key in ("interaction_cls", "interaction_cls_first"):
+            value = name_in(modules.interaction_classes, value, "interaction block")
+        elif key == "readout_cls":
+            value = name_in(modules.readout_classes, value, "readout block")
+        elif key == "gate":
+            value = name_in(gate_dict, value, "gate")
+        elif key in IRREPS_KEYS:
+            value = None if value is None else str(value)
+        elif isinstance(value, np.ndarray):
+            value = value.tolist()
+        out[key] = value
+    return out
+
+
+def build_mace(architecture: dict, where: str) -> torch.nn.Module:
+    """A MACE module of ``architecture`` (``mace_architecture``'s form) built by mace-torch's constructors in
+    float64, its weights those the constructors drew (load a state dict into it). The process's default
+    dtype and random state are left as they were."""
+    import numpy as np
+    from e3nn import o3
+    from mace import modules
+    from mace.modules import gate_dict
+
+    config = dict(architecture)
+    cls = {"ScaleShiftMACE": modules.ScaleShiftMACE, "MACE": modules.MACE}.get(config.pop("class", None))
+    try:
+        for key in ("interaction_cls", "interaction_cls_first"):
+            config[key] = modules.interaction_classes[config[key]]
+        config["readout_cls"] = modules.readout_classes[config["readout_cls"]]
+        config["gate"] = gate_dict[config["gate"]]
+        for key in IRREPS_KEYS:
+            config[key] = None if config.get(key) is None else o3.Irreps(config[key])
+        config["atomic_energies"] = np.asarray(config["atomic_energies"], dtype=np.float64)
+        if cls is None:
+            raise KeyError("class")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise MACEModelError(f"{where}: not a MACE architecture this mace-torch builds ({type(exc).__name__}: "
+                             f"{exc})") from None
+    try:
+        with torch.random.fork_rng(devices=[]), default_dtype(torch.float64):
+            return cls(**config)
+    except Exception as exc:  # mace's constructors raise many types for hyper-parameters they reject
+        raise MACEModelError(f"{where}: mace-torch cannot build this {cls.__name__} ({type(exc).__name__}: "
+                             f"{exc})") from None
+
+
+def load_mace(path) -> tuple:
+    """(module, architecture): a MACE model from its ``.model`` file, rebuilt with mace-torch's constructors
+    and the file's tensors (strict), in the file's dtype, in eval mode on the CPU, and its architecture
+    (``mace_architecture``). The pickle's code is never run. The process's default dtype and global
+    random state are left as they were."""
     path = os.fspath(path)
     if path.endswith((".pt2", ".pth")) or path.endswith("-lammps.pt"):
         raise MACEModelError(f"{path}: a compiled (TorchScript / exported) MACE model; pass the .model file it was "
@@ -189,7 +254,7 @@ def load_mace(path) -> torch.nn.Module:
     import_mace()
     try:
         tree = read_module_tree(path)
-        cls, config = mace_config(tree, path)
+        architecture = mace_architecture(*mace_config(tree, path))
         weights = {**codegen_tensors(tree), **state_dict(tree)}
         dtype = tree.r_max.dtype
     except PickleFileError as exc:
@@ -200,41 +265,55 @@ def load_mace(path) -> torch.nn.Module:
             raise
         raise MACEModelError(f"{path}: not a complete MACE model ({type(exc).__name__}: "
                              f"{(str(exc).splitlines() or [''])[0]})") from None
-    try:
-        with torch.random.fork_rng(devices=[]), default_dtype(dtype):
-            model = cls(**config)
-    except Exception as exc:  # mace's constructors raise many types for hyper-parameters they reject
-        raise MACEModelError(f"{path}: mace-torch cannot build this {cls.__name__} ({type(exc).__name__}: "
-                             f"{exc})") from None
+    model = build_mace(architecture, path)
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as exc:
-        raise MACEModelError(f"{path}: the saved weights do not fit the rebuilt {cls.__name__}: "
-                             f"{' '.join(str(exc).split())[:400]}") from None
-    return model.to(dtype).eval()
+        raise MACEModelError(f"{path}: the saved weights do not fit the rebuilt {type(model).__name__}: "
+                             f"{' '.join(str(exc).splitlines())[:400]}") from None
+    return model.to(dtype).eval(), architecture
 
 
-class MACE(Potential):
+class MACE(RebuiltOnCopy, Potential):
     """A trained MACE model (mace-torch's ``ScaleShiftMACE`` or ``MACE``) from its ``.model`` file.
 
     ``path``: the file MACE's training writes (``torch.save(model)``), under any e3nn MACE has used;
-    read without running the pickle's code (``load_mace``). ``head``: the head of a multi-head model
-    (None: MACE's calculator's choice — the only head, else the one named "default"). ``dtype``: None
-    keeps the file's. Cutoff = the model's r_max, layers = its interactions. Needs mace-torch."""
+    read without running the pickle's code (``load_mace``). Or ``architecture`` (``mace_architecture``'s
+    JSON form, as a potentials checkpoint of a fine-tuned MACE stores it) instead of a path: the model is
+    built with untrained weights, for a state dict to be loaded into it. ``head``: the head of a
+    multi-head model (None: MACE's calculator's choice — the only head, else the one named "default").
+    ``dtype``: None keeps the file's. Cutoff = the model's r_max, layers = its interactions. Needs
+    mace-torch.
 
-    def __init__(self, path, head: str | None = None, dtype: torch.dtype | None = None):
-        model = load_mace(path)
+    Trainable through the ``Potential`` contract: its weights are mace-torch's parameters (named as in the
+    MACE module: "interactions.0.linear.weight", ...), its reference energies the head's E0s, and
+    ``save_native`` writes a ``.model`` file as MACE's own training does (``torch.save`` of the module),
+    for ``MACECalculator``."""
+
+    PACKAGE_MODULE = "mace"
+
+    def __init__(self, path=None, head: str | None = None, dtype: torch.dtype | None = None,
+                 architecture: dict | None = None):
+        if (path is None) == (architecture is None):
+            raise TypeError("MACE takes a model file (path) or an architecture, one of the two")
+        if architecture is not None:
+            import_mace()
+            where = "the checkpoint's MACE architecture"
+            model = build_mace(architecture, where).eval()
+        else:
+            where = os.fspath(path)
+            model, architecture = load_mace(path)
         numbers = [int(z) for z in model.atomic_numbers]
         super().__init__([chemical_symbols[z] for z in numbers])
         heads = list(model.heads)
         if head is None:
             named = [h for h in heads if h.lower() == "default"]
             if len(heads) > 1 and not named:
-                raise MACEModelError(f"{path}: a multi-head model with no head named 'default': choose one of "
+                raise MACEModelError(f"{where}: a multi-head model with no head named 'default': choose one of "
                                      f"{heads}")
             head = heads[0] if len(heads) == 1 else named[0]
         if head not in heads:
-            raise MACEModelError(f"{path}: no head {head!r}; the model's heads are {heads}")
+            raise MACEModelError(f"{where}: no head {head!r}; the model's heads are {heads}")
         self.mace = model.to(dtype or model.r_max.dtype)
         self.to(self.mace.r_max.dtype)
         self.mace.requires_grad_(False)
@@ -242,7 +321,33 @@ class MACE(Potential):
         self.register_buffer("_head_index", torch.tensor([heads.index(head)]), persistent=False)
         self.cutoff = float(model.r_max)
         self.layers = int(model.num_interactions)
-        self.hyperparameters = {"path": os.fspath(path), "head": head}
+        self.hyperparameters = {"architecture": architecture, "head": head}
+
+    def _e0s(self) -> torch.Tensor:
+        """This head's E0s [len(species)], a view of MACE's ``atomic_energies`` buffer."""
+        return torch.atleast_2d(self.mace.atomic_energies_fn.atomic_energies)[int(self._head_index)]
+
+    def reference_energies(self):
+        return self._e0s().detach().cpu().double().numpy().copy()
+
+    def set_reference_energies(self, energies) -> None:
+        with torch.no_grad():
+            self._e0s().copy_(torch.as_tensor(energies))
+
+    def native_file(self, stem: str) -> str:
+        return f"{stem}.model"
+
+    def save_native(self, path, data=None) -> None:
+        """``path``: a ``.model`` file, ``torch.save`` of the mace-torch module (every head; on the CPU), as
+        MACE's training writes it; ``MACECalculator(model_paths=path)`` loads it where mace-torch runs beside
+        the e3nn this process has (e3nn >= 0.5 reads e3nn 0.6's pickled code)."""
+        import copy
+
+        from ..files import atomic_write
+
+        module = self.mace if self.mace.r_max.device.type == "cpu" else copy.deepcopy(self.mace).cpu()
+        with atomic_write(path) as f:
+            torch.save(module, f)
 
     def forward(self, graph: AtomGraph) -> torch.Tensor:
         exchange, species = GhostExchange.for_graph(graph)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from ase.data import atomic_numbers
 
-from ..base import Potential
+from ..base import Potential, RebuiltOnCopy
 from ..errors import MLIPError
 from ..graph import AtomGraph
 from .exchange import GhostExchange, default_dtype
@@ -104,22 +104,87 @@ def load_framework_model(path, model_key: str = "sole_model"):
     return model.eval()
 
 
-class NequIPFramework(Potential):
-    """A trained NequIP or Allegro model of the nequip framework, from its ``.ckpt`` checkpoint or its
-    ``.nequip.zip`` package (eager; compiled ``.nequip.pth`` / ``.pt2`` files are refused). dtype from
-    the model's metadata; cutoff = its r_max; layers = its message-passing steps (interaction blocks for
-    NequIP, 1 for Allegro, which is strictly local). Type names must be chemical symbols. Needs the
-    ``nequip`` extra. (``potentials.NequIP`` is this package's own NequIP-style model.)"""
+def framework_architecture(path, model_key: str) -> dict:
+    """What rebuilds the model saved at ``path`` without the file (JSON): {"model": the model's config (its
+    builder's ``_target_`` and arguments), "training_module": the training module's config, "versions": the
+    package versions it was trained with, "model_key"}. Read from a .ckpt's hyper-parameters (the
+    framework's own loader has unpickled the file already) or a .nequip.zip's ``model/config.yaml``."""
+    import json
+    import zipfile
 
-    def __init__(self, path, model_key: str = "sole_model"):
+    import yaml
+
+    if path.endswith(".nequip.zip"):
+        with zipfile.ZipFile(path) as archive:
+            names = [n for n in archive.namelist() if n.endswith("/model/config.yaml")]
+            config = yaml.safe_load(archive.read(names[0])) if names else {}
+        training_module, versions = config.get("training_module", {}), {}
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        info = checkpoint.get("hyper_parameters", {}).get("info_dict", {})
+        training_module, versions = info.get("training_module", {}), info.get("versions", {})
+    model = training_module.get("model")
+    if isinstance(model, dict) and model_key != "sole_model":
+        model = model.get(model_key)
+    if not isinstance(model, dict) or "_target_" not in model:
+        raise NequIPFrameworkError(f"{path}: holds no model config for {model_key!r} (its training_module.model)")
+    return json.loads(json.dumps({"model": model, "training_module": training_module, "versions": versions,
+                                  "model_key": model_key}))
+
+
+def build_framework_model(model_config: dict):
+    """The GraphModel ``model_config`` describes, built by its builder (``_target_``) as the framework's
+    training module builds it, eager, under the framework's global state (then put back)."""
+    from hydra.utils import get_method
+    from nequip.model.utils import override_model_compile_mode
+    from nequip.utils.global_state import set_global_state
+
+    config = dict(model_config)
+    with process_state_kept():
+        set_global_state()
+        with override_model_compile_mode("eager"):
+            try:
+                return get_method(config.pop("_target_"))(**config).eval()
+            except Exception as exc:  # the framework's builders raise many types for a config they reject
+                raise NequIPFrameworkError(f"the nequip framework cannot build this model ({type(exc).__name__}: "
+                                           f"{(str(exc).splitlines() or [''])[0]})") from None
+
+
+class NequIPFramework(RebuiltOnCopy, Potential):
+    """A trained NequIP or Allegro model of the nequip framework, from its ``.ckpt`` checkpoint or its
+    ``.nequip.zip`` package (eager; compiled ``.nequip.pth`` / ``.pt2`` files are refused), or from an
+    ``architecture`` (``framework_architecture``'s JSON, as a potentials checkpoint of a fine-tuned model
+    stores it: built with untrained weights, for a state dict to be loaded into it). dtype from the
+    model's metadata; cutoff = its r_max; layers = its message-passing steps (interaction blocks for
+    NequIP, 1 for Allegro, which is strictly local). Type names must be chemical symbols. Needs the
+    ``nequip`` extra. (``potentials.NequIP`` is this package's own NequIP-style model.)
+
+    Trainable through the ``Potential`` contract: its weights are the framework's parameters (named as in
+    its GraphModel: "model.func.layer0_convnet.conv.linear_1.weight", ...), its reference energies the
+    per-type energy shifts, and ``save_native`` writes a framework checkpoint (``best.ckpt``) that its
+    loader, ``nequip-package build`` and ``nequip-compile`` read."""
+
+    PACKAGE_MODULE = "framework"
+
+    def __init__(self, path=None, model_key: str = "sole_model", architecture: dict | None = None):
         from nequip.model.modify_utils import get_all_modifiers, modify
 
-        model = load_framework_model(path, model_key)
+        if (path is None) == (architecture is None):
+            raise TypeError("NequIPFramework takes a model file (path) or an architecture, one of the two")
+        if architecture is not None:
+            where, model_key = "the checkpoint's nequip architecture", architecture["model_key"]
+            model = build_framework_model(architecture["model"])
+        else:
+            where = path = os.fspath(path)
+            model = load_framework_model(path, model_key)
+            architecture = framework_architecture(path, model_key)
         metadata = model.metadata
         names = metadata["type_names"].split(" ")
         unknown = [n for n in names if n not in atomic_numbers or n == "X"]
         if unknown:
-            raise NequIPFrameworkError(f"{path}: type names {unknown} are not chemical symbols; this adapter maps "
+            raise NequIPFrameworkError(f"{where}: type names {unknown} are not chemical symbols; this adapter maps "
                                        f"elements to the model's types by name")
         super().__init__(names)
         modifiers = get_all_modifiers(model)
@@ -142,7 +207,7 @@ class NequIPFramework(Potential):
         # every interaction block holds one slot (the first block's is never called); Allegro holds none
         self.layers = max(1, self.exchanges)
         self.is_allegro = self.exchanges == 0
-        self.hyperparameters = {"path": os.fspath(path), "model_key": model_key}
+        self.hyperparameters = {"architecture": architecture}
         self.pruner = None
         if metadata.get("per_edge_type_cutoff") is not None:
             from nequip.data.transforms.neighborlist import NeighborListPruneTransform
@@ -171,3 +236,95 @@ class NequIPFramework(Potential):
         with default_dtype(torch.float64):  # the framework's global dtype, as its calculator runs
             out = self.framework(data)
         return exchange.owned(out[AtomicDataDict.PER_ATOM_ENERGY_KEY].reshape(-1), graph.n_local)
+
+    # ------------------------------------------------------------------ training contract
+    def _scale_shift(self):
+        for module in self.framework.modules():
+            if type(module).__name__ == "PerTypeScaleShift" and getattr(module, "has_shifts", False):
+                return module
+        raise NequIPFrameworkError("this nequip model has no per-type energy shifts (PerTypeScaleShift): no "
+                                   "reference energies to keep or refit")
+
+    def reference_energies(self):
+        shifts = self._scale_shift().shifts.detach().reshape(-1).cpu().double().numpy()
+        return np.broadcast_to(shifts, (len(self.species),)).copy()
+
+    def set_reference_energies(self, energies) -> None:
+        """Set the per-type shifts; a model that shares one shift among its types (the framework's shortcut)
+        gets one per type, in its architecture too (its ``per_type_energy_shifts`` then a dict by type)."""
+        module = self._scale_shift()
+        values = torch.as_tensor(np.asarray(energies, dtype=np.float64), dtype=module.shifts.dtype,
+                                 device=module.shifts.device).reshape(-1, 1)
+        with torch.no_grad():
+            if module.shifts.shape == values.shape:
+                module.shifts.copy_(values)
+            else:  # a shared (shortcut) buffer of shape [1, 1]
+                module.shifts = values
+                module.shifts_shortcut = False
+        self.hyperparameters["architecture"]["model"]["per_type_energy_shifts"] = dict(
+            zip(self.species, np.asarray(energies, dtype=float).tolist()))
+
+    def native_file(self, stem: str) -> str:
+        return f"{stem}.ckpt"
+
+    def save_native(self, path, data=None) -> None:
+        """``path``: a framework checkpoint (.ckpt) of this model: the training module of the original run
+        (its config: loss, metrics, optimizer) built by the framework with these weights (also as its EMA
+        weights, which the framework's loader evaluates), as Lightning writes one. ``data``: the file of
+        structures the model was trained on, which the checkpoint names as its training data (``nequip-package
+        build`` takes an example structure from it)."""
+        import json
+
+        import lightning
+        from hydra.utils import get_class
+        from nequip.utils import get_current_code_versions
+        from nequip.utils.global_state import set_global_state
+
+        from ..files import atomic_write
+
+        architecture = self.hyperparameters["architecture"]
+        module_config = json.loads(json.dumps(architecture["training_module"]))
+        target = module_config.pop("_target_", "nequip.train.NequIPLightningModule")
+        module_config.pop("model", None)
+        model_config = architecture["model"]
+        model_key = architecture["model_key"]
+        species = list(self.species)
+        info = {
+            "versions": get_current_code_versions(verbose=False),
+            "data": {"_target_": "nequip.data.datamodule.ASEDataModule", "seed": 0,
+                     "train_file_path": [os.path.abspath(os.fspath(data))] if data is not None else [],
+                     "val_file_path": [os.path.abspath(os.fspath(data))] if data is not None else [],
+                     "transforms": [
+                         {"_target_": "nequip.data.transforms.ChemicalSpeciesToAtomTypeMapper",
+                          "model_type_names": species, "chemical_species_to_atom_type_map": {s: s for s in species}},
+                         {"_target_": "nequip.data.transforms.NeighborListTransform", "r_max": self.cutoff}],
+                     "train_dataloader": {"_target_": "torch.utils.data.DataLoader", "batch_size": 1}},
+            "trainer": {"_target_": "lightning.Trainer"}, "global_options": {"allow_tf32": False}, "runs": ["train"],
+            "training_module": {"_target_": target, "model": model_config if model_key == "sole_model" else
+                                {model_key: model_config}, **module_config},
+        }
+        hyper_parameters = dict(module_config, model=info["training_module"]["model"], info_dict=info,
+                                num_datasets={"train": 1, "val": 1, "test": 0, "predict": 0})
+        weights = {k: v.detach().cpu() for k, v in self.framework.state_dict().items()}
+        with process_state_kept(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            set_global_state()
+            try:
+                training = get_class(target)(**hyper_parameters)
+                package_model = training.model[model_key]
+                package_model.load_state_dict(weights, strict=True)
+            except Exception as exc:  # the framework raises many types for a config it rejects
+                raise NequIPFrameworkError(f"cannot write {path}: the nequip framework cannot rebuild the training "
+                                           f"module ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})") \
+                    from None
+            ema = getattr(training, "ema", None)
+            if ema is not None:  # the EMA weights are the ones the framework's loader evaluates
+                with torch.no_grad():
+                    for averaged, weight in zip(ema.ema_weights, training.model.parameters()):
+                        averaged.copy_(weight)
+            state = {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in training.state_dict().items()}
+        checkpoint = {"epoch": 0, "global_step": 0, "pytorch-lightning_version": lightning.__version__,
+                      "state_dict": state, "hparams_name": "kwargs", "hyper_parameters": hyper_parameters,
+                      "loops": {}, "callbacks": {}, "optimizer_states": [], "lr_schedulers": []}
+        with atomic_write(path) as f:
+            torch.save(checkpoint, f)

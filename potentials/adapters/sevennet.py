@@ -6,41 +6,63 @@ build cuts its segments (the convolution is the only module that reads neighbour
 final reduction and autograd force modules are skipped: we sum and differentiate ourselves. Each
 convolution's edge step (sevenn's tensor product and radial weight network on the edge embedding) runs
 as one ``messages.edge_sum``, so that it takes the memory-bounded path of every other model.
+
+sevenn's one-hot embedding casts to float32; run in float64 (``model.double()``), its output is cast to
+the model's dtype, so that every module runs in float64 (for training comparisons to 1e-10).
 """
 from __future__ import annotations
 
 import torch
 from ase.data import chemical_symbols
 
-from ..base import Potential
+from ..base import Potential, RebuiltOnCopy
 from ..graph import AtomGraph
 from ..messages import edge_sum
 
 _SKIPPED_MODULES = ("reduce_total_enegy", "force_output")  # sevenn's own spelling
 _EDGE_EMBEDDING = "edge_embedding"
+_ONE_HOT = "onehot_idx_to_onehot"
 
 
-class SevenNet(Potential):
+class SevenNet(RebuiltOnCopy, Potential):
     """A pretrained SevenNet model. ``checkpoint``: a name sevenn knows offline ("7net-0", shipped
-    inside the sevenn package) or a path to a sevenn checkpoint. float32 only (sevenn's embedding casts
-    to float32); cutoff and layer count come from the checkpoint."""
+    inside the sevenn package) or a path to a sevenn checkpoint; or ``config``, a checkpoint's model
+    config in ``plain.encode``'s JSON form (as a potentials checkpoint of a fine-tuned SevenNet stores it):
+    the model is built with untrained weights, for a state dict to be loaded into it. float32 as sevenn
+    runs it, or float64 after ``.double()``; cutoff and layer count come from the checkpoint.
 
-    def __init__(self, checkpoint: str = "7net-0"):
+    Trainable through the ``Potential`` contract: its weights are the parameters sevenn itself trains (its
+    per-element shift and scale and the convolutions' neighbour denominators only where its config trains
+    them), its reference energies the per-element shifts, and ``save_native`` writes a sevenn checkpoint
+    (``checkpoint_best.pth``) for ``SevenNetCalculator(model=...)``."""
+
+    PACKAGE_MODULE = "sevenn"
+
+    def __init__(self, checkpoint: str | None = "7net-0", config: dict | None = None):
         try:
             import sevenn.util
+            from sevenn.model_build import build_E3_equivariant_model
         except ImportError as exc:
             raise ImportError("SevenNet needs the sevenn package: pip install -e .[sevenn]") from exc
-        loaded = sevenn.util.load_checkpoint(checkpoint)
-        model = loaded.build_model(enable_cueq=False, enable_flash=False, enable_oeq=False)
+        from .plain import decode, encode
+
+        if config is not None:
+            config = decode(config)
+            model = build_E3_equivariant_model(dict(config))
+        else:
+            loaded = sevenn.util.load_checkpoint(checkpoint)
+            model = loaded.build_model(enable_cueq=False, enable_flash=False, enable_oeq=False)
+            config = dict(loaded.config, _flash_lammps=False, use_oeq=False)  # as build_model builds it
         model.set_is_batch_data(False)
-        config = loaded.config
         type_map = config["_type_map"]  # atomic number -> one-hot index
         by_index = sorted(type_map, key=type_map.get)
         super().__init__([chemical_symbols[z] for z in by_index])
+        self.trained_by_sevenn = [name for name, p in model.named_parameters() if p.requires_grad]
         self.sevenn = model.eval()
+        self.config = config
         self.cutoff = float(config["cutoff"])
         self.layers = int(config["num_convolution_layer"])
-        self.hyperparameters = {"checkpoint": checkpoint}
+        self.hyperparameters = {"config": encode(config)}
         self.requires_grad_(False)
 
     def forward(self, graph: AtomGraph) -> torch.Tensor:
@@ -55,6 +77,9 @@ class SevenNet(Potential):
                 data[module.key_x] = self._convolve(module, data[module.key_x], graph)
                 continue
             data = module(data)
+            if name == _ONE_HOT and self.dtype != torch.float32:  # sevenn's one-hot is float32
+                data = {k: v.to(self.dtype) if torch.is_tensor(v) and v.dtype == torch.float32 else v
+                        for k, v in data.items()}
             if name.endswith("_self_interaction_1") and not name.startswith("0_"):
                 data["x"] = graph.halo(data["x"])
         return data["atomic_energy"].squeeze(-1)[: graph.n_local]
@@ -70,3 +95,49 @@ class SevenNet(Potential):
             return conv.convolution(x_j, feats[conv.key_filter], conv.weight_nn(feats[conv.key_weight_input]))
 
         return edge_sum(graph, self.edge_features, message, [x], rows=graph.n_nodes).div(conv.denominator)
+
+    # ------------------------------------------------------------------ training contract
+    def named_weights(self):
+        trained = set(self.trained_by_sevenn)
+        return [(name, p) for name, p in self.sevenn.named_parameters() if name in trained]
+
+    def _shift(self) -> torch.Tensor:
+        from ..errors import MLIPError
+
+        shift = self.sevenn._modules["rescale_atomic_energy"].shift
+        if shift.numel() != len(self.species):
+            raise MLIPError(f"this SevenNet model shifts every element's energy alike ({shift.numel()} shift); "
+                            f"it has no per-element reference energies to refit")
+        return shift
+
+    def reference_energies(self):
+        return self._shift().detach().cpu().double().numpy().copy()
+
+    def set_reference_energies(self, energies) -> None:
+        with torch.no_grad():
+            self._shift().copy_(torch.as_tensor(energies))
+
+    def native_file(self, stem: str) -> str:
+        return f"checkpoint_{stem}.pth"
+
+    def save_native(self, path, data=None) -> None:
+        """``path``: a sevenn checkpoint as sevenn's trainer writes one ({"config", "model_state_dict",
+        "optimizer_state_dict", "scheduler_state_dict", "epoch", "time", "hash"}; the config's shift and
+        scale those of the weights, its version this sevenn's), which ``SevenNetCalculator(model=path)`` and ``sevenn.util.
+        load_checkpoint`` read."""
+        import datetime
+        import uuid
+
+        import sevenn
+
+        from ..files import atomic_write
+
+        state = {k: v.detach().cpu() for k, v in self.sevenn.state_dict().items()}
+        rescale = self.sevenn._modules["rescale_atomic_energy"]
+        # the weights are in this sevenn's layout: its version keeps sevenn from patching them as an older one's
+        config = dict(self.config, version=sevenn.__version__, shift=rescale.shift.detach().cpu().tolist(),
+                      scale=rescale.scale.detach().cpu().tolist())
+        with atomic_write(path) as f:
+            torch.save({"config": config, "model_state_dict": state, "optimizer_state_dict": None,
+                        "scheduler_state_dict": None, "epoch": None,
+                        "time": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "hash": uuid.uuid4().hex}, f)
