@@ -76,7 +76,7 @@ def worker(args):
         def step():
             trainer.step(structures, weights, optimizer, clip_norm=10.0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.99), use_buffers=True)
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.99), use_buffers=False)
     for _ in range(2):
         step()
         ema.update_parameters(model)

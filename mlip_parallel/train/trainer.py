@@ -423,7 +423,9 @@ class Trainer:
                 self.optimizer, T_max=max(1, config["epochs"]), eta_min=sch["min_lr"])
         else:
             self.scheduler = None
-        self.ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(config["ema_decay"]), use_buffers=True) \
+        # the parameters only: buffers are constants (reference energies, MACE's atomic numbers, whose integers an
+        # average would round down: 29 -> 28)
+        self.ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(config["ema_decay"]), use_buffers=False) \
             if config["ema_decay"] > 0 else None
         self.first_epoch, self.best, self.rows = 0, float("inf"), []
         if self.resume:

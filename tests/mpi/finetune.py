@@ -1,0 +1,23 @@
+"""mlip-train runs in one launch (each ``train(config)`` in this process, under mpiexec -n P or torchrun):
+the YAML configs listed in the JSON file given as the first argument, in order — other packages' models
+fine-tuned data parallel and graph parallel. Prints "finetune runs done N"; the pytest side
+(tests/test_finetune.py) writes the configs and compares the trained weights with one process's."""
+import json
+import os
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+import torch  # noqa: E402
+
+from mlip_parallel.config import read_config  # noqa: E402
+from mlip_parallel.train.cli import CHOICES, SCHEMA, train, validate  # noqa: E402
+
+torch.set_num_threads(1)
+with open(sys.argv[1]) as f:
+    configs = json.load(f)
+for path in configs:
+    train(validate(read_config(path), SCHEMA, CHOICES))
+if int(os.environ.get("RANK", os.environ.get("PMI_RANK", 0))) == 0:
+    print(f"finetune runs done {len(configs)}", flush=True)

@@ -1,0 +1,435 @@
+"""mlip-train fine-tunes the models other packages train — MACE, the nequip framework's NequIP and Allegro,
+SevenNet — through their own modules, and writes them back in their own formats.
+
+The oracle of each family is the package's own code path: its model called as its calculator calls it
+(MACE: ``model(batch, training=True, compute_force=True, compute_stress=True)`` on MACE's own graph;
+nequip: the framework's model with its force/stress output on its calculator's data; SevenNet: sevenn's
+model on its calculator's graph), the loss written out here, and torch's AdamW over the same batches:
+the same ``train_loss`` every epoch (float64). Data and graph parallel on 2 ranks (torchrun) and 3 ranks
+(mpiexec) equal one process in the trained weights; the written files load in the packages' own
+calculators and equal our evaluation; resume is exact; freeze, refit and bad input are tested.
+
+Models: a small MACE written here under this environment's e3nn (``systems.write_small_mace``), the
+nequip-framework fixtures (tests/data/nequip), a small SevenNet (``systems.write_small_sevennet``), and
+MACE's multi-head fixture written under e3nn 0.4.4. Data: Cu/Ag structures labelled by ASE's EMT, among
+them triclinic cells and a pair of clusters with empty space between them (a rank of the 3 owns no atom).
+"""
+import json
+import re
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from ase.io import read, write
+from ase.stress import voigt_6_to_full_3x3_stress
+
+pytest.importorskip("mace", reason="fine-tuning tests need mace-torch (the mace extra)")
+pytest.importorskip("nequip", reason="fine-tuning tests need the nequip extra")
+pytest.importorskip("sevenn", reason="fine-tuning tests need the sevenn extra")
+warnings.filterwarnings("ignore", module="mace|e3nn|nequip|sevenn|lightning|torch_geometric")
+
+import potentials  # noqa: E402
+from conftest import MPI_DIR  # noqa: E402
+from mlip_parallel.config import ConfigError  # noqa: E402
+from mlip_parallel.train.cli import CHOICES, SCHEMA, main, train, validate  # noqa: E402
+from potentials.adapters.exchange import default_dtype  # noqa: E402
+from systems import (MACE_DIR, NEQUIP_DIR, labelled_alloys, max_relative_error, write_small_mace,  # noqa: E402
+                     write_small_sevennet)
+
+SEED, EPOCHS, BATCH, LR, CLIP = 1, 3, 3, 0.003, 1.0
+WEIGHTS = {"energy": 1.0, "forces": 10.0, "stress": 1.0}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Training and validation data and the starting model of each family: {"train", "validation", family: spec}."""
+    root = tmp_path_factory.mktemp("finetune")
+    write(root / "train.extxyz", labelled_alloys(9, seed=0))
+    write(root / "validation.extxyz", labelled_alloys(3, seed=1))
+    write_small_mace(root / "small.model")
+    write_small_sevennet(root / "small-sevennet.pth")
+    return {"root": root, "train": root / "train.extxyz", "validation": root / "validation.extxyz",
+            "mace": ("mace", root / "small.model"), "nequip": ("nequip", NEQUIP_DIR / "nequip-zbl.ckpt"),
+            "allegro": ("nequip", NEQUIP_DIR / "allegro.nequip.zip"),
+            "sevennet": ("sevennet", root / "small-sevennet.pth")}
+
+
+FAMILIES = ("mace", "nequip", "allegro", "sevennet")
+
+
+def job(files, family, directory, **changes) -> dict:
+    key, path = files[family]
+    config = {"data": {"train": str(files["train"]), "validation": str(files["validation"])},
+              "model": {key: str(path), "dtype": "float64"},
+              "loss": {f"{q}_weight": w for q, w in WEIGHTS.items()},
+              "optimizer": {"lr": LR, "gradient_clip": CLIP}, "schedule": {"name": "none"}, "ema_decay": 0.9,
+              "epochs": EPOCHS, "batch_size": BATCH, "seed": SEED, "output": {"directory": str(directory)}}
+    for key, value in changes.items():
+        config[key] = dict(config[key], **value) if isinstance(value, dict) and key in config else value
+    return config
+
+
+@pytest.fixture(scope="module")
+def one_process(files):
+    """Each family trained in this process: {family: (output directory, metric rows)}."""
+    runs = {}
+    for family in FAMILIES:
+        directory = files["root"] / f"one-{family}"
+        runs[family] = directory, train(validate(job(files, family, directory), SCHEMA, CHOICES))
+    return runs
+
+
+def trained_weights(directory) -> dict:
+    return torch.load(directory / "last.pt", weights_only=True)["training"]["model"]
+
+
+# ------------------------------------------------------------------ the packages' own code paths
+def mace_own(path):
+    """MACE's model (``torch.load``, as MACE loads it) and its forward on MACE's own batched graph."""
+    from potentials.adapters.mace import import_mace
+
+    import_mace()
+    from mace import data
+    from mace.tools import AtomicNumberTable, torch_geometric
+
+    model = torch.load(path, weights_only=False)
+
+    def predict(frames):
+        graphs = [data.AtomicData.from_config(data.config_from_atoms(a), z_table=AtomicNumberTable([29, 47]),
+                                              cutoff=float(model.r_max), heads=model.heads) for a in frames]
+        batch = next(iter(torch_geometric.dataloader.DataLoader(graphs, batch_size=len(graphs)))).to_dict()
+        out = model(batch, training=True, compute_force=True, compute_stress=True)
+        return out["energy"], out["forces"], out["stress"]
+
+    return model, predict
+
+
+def nequip_calculator(path):
+    """The framework's ASE calculator for ``path``; the global state its loading sets (e3nn's code generation
+    settings, the default dtype, seeds) put back afterwards, as potentials.NequIPFramework does."""
+    from nequip.integrations.ase import NequIPCalculator
+
+    from potentials.adapters.nequip import process_state_kept
+
+    with process_state_kept():
+        return NequIPCalculator._from_saved_model(str(path), device="cpu", chemical_species_to_atom_type_map=True)
+
+
+def nequip_own(path):
+    """The framework's model with its force/stress output (as its ASE calculator loads it), in training mode,
+    on a batch of its calculator's data."""
+    from nequip.data import AtomicDataDict
+
+    calc = nequip_calculator(path)
+    model = calc.model.train()
+
+    def predict(frames):
+        batch = AtomicDataDict.batched_from_list([calc.atoms_to_data(a.copy()) for a in frames])  # (no labels)
+        out = model(batch)
+        return (out[AtomicDataDict.TOTAL_ENERGY_KEY].reshape(-1), out[AtomicDataDict.FORCE_KEY],
+                out[AtomicDataDict.STRESS_KEY].reshape(-1, 3, 3))
+
+    return model, predict
+
+
+def sevenn_own(path):
+    """sevenn's model built from its checkpoint by sevenn, on a batch of its calculator's graphs, in float64
+    (its one-hot output cast to float64, as our adapter casts it)."""
+    import sevenn.util
+    from sevenn.atom_graph_data import AtomGraphData
+    from sevenn.train.dataload import unlabeled_atoms_to_graph
+    from sevenn.util import dtype_correct
+    from torch_geometric.data import Batch
+
+    checkpoint = sevenn.util.load_checkpoint(str(path))
+    model = checkpoint.build_model().double().train()
+    model.load_state_dict(checkpoint.model_state_dict)  # (built in float32: float64 weights were rounded)
+    model.set_is_batch_data(True)
+
+    def as_float64(module, inputs, data):
+        for key in list(data.keys()):
+            if torch.is_tensor(data[key]) and data[key].dtype == torch.float32:
+                data[key] = data[key].double()
+
+    model._modules["onehot_idx_to_onehot"].register_forward_hook(as_float64)
+    cutoff = checkpoint.config["cutoff"]
+
+    def predict(frames):
+        # sevenn's graphs, converted as AtomGraphData.from_numpy_dict does but to float64, not float32
+        batch = Batch.from_data_list([AtomGraphData(**{
+            k: torch.as_tensor(v, dtype=torch.float64) if k == "cell_shift" else dtype_correct(v, torch.float64)
+            for k, v in unlabeled_atoms_to_graph(a, cutoff).items()}) for a in frames])
+        out = model(batch)
+        s = -out["inferred_stress"]  # sevenn's order xx yy zz xy yz zx, the negative of ASE's stress
+        stress = torch.stack([torch.stack([s[:, 0], s[:, 3], s[:, 5]], -1), torch.stack([s[:, 3], s[:, 1], s[:, 4]], -1),
+                              torch.stack([s[:, 5], s[:, 4], s[:, 2]], -1)], 1)
+        return out["inferred_total_energy"].reshape(-1), out["inferred_force"], stress
+
+    return model, predict
+
+
+OWN = {"mace": mace_own, "nequip": nequip_own, "allegro": nequip_own, "sevennet": sevenn_own}
+
+
+def loss(energy, forces, stress, frames):
+    """mlip-train's documented loss of one batch: weights × (MSE of the energy per atom, of the force
+    components, of the stress components of the periodic structures)."""
+    atoms = torch.tensor([len(a) for a in frames], dtype=torch.float64)
+    e_ref = torch.tensor([a.get_potential_energy() for a in frames])
+    f_ref = torch.tensor(np.concatenate([a.get_forces() for a in frames]))
+    periodic = [k for k, a in enumerate(frames) if a.pbc.all()]
+    s_ref = torch.tensor(np.array([voigt_6_to_full_3x3_stress(frames[k].get_stress()) for k in periodic]))
+    return (WEIGHTS["energy"] * (((energy - e_ref) / atoms) ** 2).mean()
+            + WEIGHTS["forces"] * ((forces - f_ref) ** 2).mean()
+            + WEIGHTS["stress"] * ((stress[periodic] - s_ref) ** 2).sum() / (9 * max(1, len(periodic))))
+
+
+def own_training_losses(family, path, train_file) -> list:
+    """The train_loss of each epoch of the package's own forward + this loss + AdamW (gradient clipping as
+    mlip-train's), over mlip-train's batches: the structures shuffled by the seed, then each epoch's order."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # as the packages' calculators run float64 models
+    try:
+        model, predict = OWN[family](path)
+        frames = read(train_file, ":")
+        frames = [frames[k] for k in np.random.default_rng(SEED).permutation(len(frames))]
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+        losses = []
+        for epoch in range(EPOCHS):
+            order = np.random.default_rng([SEED, epoch]).permutation(len(frames))
+            total = []
+            for start in range(0, len(order), BATCH):
+                batch = [frames[k] for k in order[start:start + BATCH]]
+                optimizer.zero_grad()
+                value = loss(*predict(batch), batch)
+                value.backward()
+                torch.nn.utils.clip_grad_norm_(params, CLIP)
+                optimizer.step()
+                total.append(value.item())
+            losses.append(float(np.mean(total)))
+    finally:
+        torch.set_default_dtype(before)
+    return losses
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_process_equals_the_packages_own_training(files, one_process, family):
+    """train_loss of every epoch == the package's own forward + the loss + AdamW, float64, 1e-8 relative."""
+    directory, rows = one_process[family]
+    ours = [row["train_loss"] for row in rows]
+    theirs = own_training_losses(family, files[family][1], files["train"])
+    assert len(ours) == EPOCHS and ours[-1] < ours[0], ours
+    assert max(abs(a - b) / abs(b) for a, b in zip(ours, theirs)) < 1e-8, (ours, theirs)
+
+
+def test_data_and_graph_parallel_equal_one_process(files, one_process, mpirun, torchrun):
+    """Every family, data and graph parallel on 2 ranks (torchrun: the torch.distributed backend, no MPI) and
+    3 ranks (mpiexec; the clusters leave a rank without atoms): the trained weights after 3 epochs (9 steps,
+    gradient clipping) equal one process's to 1e-10 relative, float64."""
+    from mlip_parallel.domain import Domain
+    from mlip_parallel.grid import Grid
+
+    root = files["root"]
+    clusters = read(files["train"], 2)
+    domain = Domain.from_positions(clusters.positions, clusters.cell, clusters.pbc)
+    owners = Grid.for_ranks(3, domain).owner(domain.wrapped_fractional(domain.wrap(clusters.positions)[0]))
+    assert sorted(set(owners.tolist())) == [0, 2], owners  # the middle rank of 3 owns none of the clusters' atoms
+    for ranks, launcher in ((2, torchrun), (3, mpirun)):
+        configs = []
+        for family in FAMILIES:
+            for parallel in ("data", "graph"):
+                path = root / f"{ranks}-{family}-{parallel}.yaml"
+                path.write_text(yaml.safe_dump(job(files, family, root / f"{ranks}-{family}-{parallel}",
+                                                   parallel=parallel)))
+                configs.append(str(path))
+        (root / f"jobs{ranks}.json").write_text(json.dumps(configs))
+        rc, out, _ = launcher(ranks, MPI_DIR / "finetune.py", root / f"jobs{ranks}.json")
+        assert rc == 0 and f"finetune runs done {len(configs)}" in out, out
+        assert f"{ranks} rank(s) x 1 thread(s), graph parallel" in out, out
+        for family in FAMILIES:
+            reference = trained_weights(one_process[family][0])
+            for parallel in ("data", "graph"):
+                weights = trained_weights(root / f"{ranks}-{family}-{parallel}")
+                assert set(weights) == set(reference)
+                for key, value in reference.items():
+                    if value.numel() == 0 or not value.is_floating_point():
+                        assert torch.equal(weights[key], value), (ranks, family, parallel, key)
+                        continue
+                    scale = max(float(value.abs().max()), 1e-12)
+                    error = float((weights[key] - value).abs().max()) / scale
+                    assert error < 1e-10, (ranks, family, parallel, key, error)
+
+
+# ------------------------------------------------------------------ the files written back
+def ours_on(model, atoms) -> dict:
+    result = potentials.predict(model, atoms)
+    result.pop("energies")
+    return result
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_written_file_loads_in_the_packages_own_calculator(files, one_process, family):
+    """best.model / best.ckpt / checkpoint_best.pth, loaded by MACECalculator / the framework's
+    NequIPCalculator / sevenn's own model builder (float64), equal our evaluation of best.pt to 1e-9 on a
+    structure outside the training set; SevenNetCalculator (float32 only) to 1e-5. Our loaders read them
+    too, without running a pickle where the package allows it (MACE); mlip-train eval scores best.pt."""
+    directory = one_process[family][0]
+    best = potentials.load(directory / "best.pt")
+    assert main(["eval", str(directory / "best.pt"), str(files["validation"])]) == 0
+    atoms = labelled_alloys(2, seed=7)[1]  # the triclinic cell
+    atoms.calc = None
+    ours = ours_on(best, atoms)
+    if family == "mace":
+        from mace.calculators import MACECalculator
+
+        native = directory / "best.model"
+        calc = MACECalculator(model_paths=str(native), device="cpu", default_dtype="float64")
+        torch.set_default_dtype(torch.float32)  # (MACE's calculator sets it for the process)
+        assert max(max_relative_error(ours_on(potentials.MACE(native), atoms), ours).values()) < 1e-12
+        with pytest.raises(potentials.CheckpointError, match="a MACE model file, not a potentials checkpoint"):
+            potentials.load(native)
+    elif family in ("nequip", "allegro"):
+        native = directory / "best.ckpt"
+        calc = nequip_calculator(native)
+        assert max(max_relative_error(ours_on(potentials.NequIPFramework(native), atoms), ours).values()) < 1e-12
+    else:
+        from sevenn.calculator import SevenNetCalculator
+
+        native = directory / "checkpoint_best.pth"
+        model, predict = sevenn_own(native)
+        energy, forces, stress = predict([atoms])
+        theirs = {"energy": energy.item(), "forces": forces.detach().numpy(),
+                  "stress": -(-stress[0].detach().numpy())[[0, 1, 2, 1, 0, 0], [0, 1, 2, 2, 2, 1]]}
+        assert max(max_relative_error(ours, theirs).values()) < 1e-9
+        calc = SevenNetCalculator(model=str(native))
+        single = potentials.load_model(f"sevennet:{native}")
+        assert single.dtype == torch.float32
+        assert max(max_relative_error(ours_on(single, atoms), ours).values()) < 1e-5
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with default_dtype(torch.float64 if family in ("nequip", "allegro") else torch.get_default_dtype()):
+            atoms.calc = calc  # (the framework's calculator runs in its global dtype, float64)
+            theirs = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(), "stress": atoms.get_stress()}
+    tolerance = 1e-5 if family == "sevennet" else 1e-9
+    assert max(max_relative_error(ours, theirs).values()) < tolerance
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_resume_one_plus_two_epochs_equals_three(files, one_process, family):
+    """A run stopped after epoch 1 and resumed (resume: true, epochs 3) ends with the uninterrupted run's
+    weights, optimizer state, EMA and metrics, bit for bit (nequip with refit reference energies: the
+    resumed run rebuilds its per-type shifts before reading its state)."""
+    directory = files["root"] / f"resumed-{family}"
+    changes = {"model": {"reference_energies": "refit"}} if family == "nequip" else {}
+    straight = one_process[family][0]
+    if changes:
+        straight = files["root"] / f"straight-{family}"
+        train(validate(job(files, family, straight, **changes), SCHEMA, CHOICES))
+    train(validate(job(files, family, directory, epochs=1, **changes), SCHEMA, CHOICES))
+    train(validate(job(files, family, directory, resume=True, **changes), SCHEMA, CHOICES))
+    a, b = (torch.load(d / "last.pt", weights_only=True)["training"] for d in (straight, directory))
+    for part in ("model", "ema"):
+        for key in a[part]:
+            assert torch.equal(a[part][key], b[part][key]), (part, key)
+    for state_a, state_b in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
+        assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+    assert (straight / "metrics.csv").read_text().splitlines()[:4] != [] and \
+        [line.split(",")[:2] for line in (straight / "metrics.csv").read_text().splitlines()] == \
+        [line.split(",")[:2] for line in (directory / "metrics.csv").read_text().splitlines()]
+
+
+def test_freeze_keeps_the_matched_weights(files, capsys):
+    """model.freeze: every MACE weight but the readouts' stays as the file has it; the readouts train; the log
+    says how many are trained; best.pt and best.model hold the result."""
+    directory = files["root"] / "frozen"
+    frozen = ["node_embedding.*", "interactions.*", "products.*"]
+    train(validate(job(files, "mace", directory, epochs=1, model={"freeze": frozen}), SCHEMA, CHOICES))
+    start = potentials.MACE(files["mace"][1]).mace.state_dict()
+    end = potentials.MACE(directory / "best.model").mace.state_dict()
+    trained = {k for k in start if not torch.equal(start[k], end[k])}
+    assert trained and all(k.startswith("readouts.") for k in trained), sorted(trained)
+    readouts = sum(p.numel() for n, p in potentials.MACE(files["mace"][1]).named_weights() if n.startswith("readouts."))
+    total = sum(p.numel() for _, p in potentials.MACE(files["mace"][1]).named_weights())
+    assert f"{readouts} of {total} parameters trained (model.freeze {frozen})" in capsys.readouterr().out
+
+
+def test_refit_reference_energies_is_least_squares_of_the_residual(files, capsys):
+    """model.reference_energies: refit sets each element's reference energy (the nequip model's per-type
+    shifts, shared by both types in the file) to the file's plus the least-squares fit of the training set's
+    residual (EMT energy − the framework calculator's energy) to the element counts; the log shows both."""
+    from mlip_parallel.train.trainer import Trainer
+
+    path = files["nequip"][1]
+    frames = read(files["train"], ":")
+    calc = nequip_calculator(path)
+    residual = []
+    with default_dtype(torch.float64):  # the framework's global dtype, as its calculator runs
+        for atoms in frames:
+            energy = atoms.get_potential_energy()
+            atoms.calc = calc
+            residual.append(energy - atoms.get_potential_energy())
+    counts = np.array([[np.sum(a.numbers == 29), np.sum(a.numbers == 47)] for a in frames], dtype=float)
+    before = potentials.NequIPFramework(path).reference_energies()
+    expected = before + np.linalg.lstsq(counts, np.array(residual), rcond=None)[0]
+    trainer = Trainer(validate(job(files, "nequip", files["root"] / "refit", model={"reference_energies": "refit"}),
+                               SCHEMA, CHOICES))
+    assert np.allclose(trainer.model.reference_energies(), expected, rtol=1e-10, atol=1e-10)
+    assert before[0] == before[1] and expected[0] != expected[1]
+    assert f"Cu {expected[0]:.6g} (was {before[0]:.6g}), Ag {expected[1]:.6g}" in capsys.readouterr().out
+
+
+def test_multi_head_mace_written_under_e3nn_044_fine_tunes(files, tmp_path):
+    """MACE's two-head fixture (saved under e3nn 0.4.4, as every MACE foundation model): head "pbe" fine-tuned
+    for one epoch; its best.model (this environment's e3nn) in MACECalculator with that head equals best.pt."""
+    from mace.calculators import MACECalculator
+
+    config = job(files, "mace", tmp_path / "run", epochs=1, model={"mace": str(MACE_DIR / "mace-heads-f64.model"),
+                                                                  "head": "pbe"})
+    rows = train(validate(config, SCHEMA, CHOICES))
+    assert np.isfinite(rows[0]["train_loss"])
+    best = potentials.load(tmp_path / "run" / "best.pt")
+    assert best.head == "pbe"
+    atoms = labelled_alloys(2, seed=7)[1]
+    ours = ours_on(best, atoms)
+    atoms.calc = MACECalculator(model_paths=str(tmp_path / "run" / "best.model"), device="cpu",
+                                default_dtype="float64", head="pbe")
+    theirs = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(), "stress": atoms.get_stress()}
+    torch.set_default_dtype(torch.float32)
+    assert max(max_relative_error(ours, theirs).values()) < 1e-9
+
+
+# ------------------------------------------------------------------ bad input
+def test_bad_fine_tuning_input_is_one_line_and_writes_nothing(files, tmp_path, capsys):
+    """Each mistake: exit status 2, one line naming it, no output directory."""
+    silver_iron = tmp_path / "fe.extxyz"
+    frames = labelled_alloys(3, seed=3)
+    frames[1].numbers[0] = 26
+    write(silver_iron, frames)
+    compiled = tmp_path / "model.nequip.pth"
+    compiled.write_bytes(b"compiled")
+    cases = [
+        ({"data": {"train": str(silver_iron)}}, r"fe\.extxyz:1 \(training\): element\(s\) \['Fe'\] not known to MACE; "
+                                                r"it knows \['Cu', 'Ag'\]"),
+        ({"model": {"freeze": ["readout.*"]}}, r"model.freeze: pattern 'readout.\*' matches none of the MACE's weights; its "
+                                               r"parameter groups are .*readouts.0.\*"),
+        ({"model": {"nequip": str(compiled), "mace": None}}, r"model.nequip: .*a compiled nequip model .* pass the "
+                                                             r"\.nequip\.zip package or the \.ckpt checkpoint"),
+        ({"model": {"head": "omat"}}, r"model.mace: .*no head 'omat'; the model's heads are \['Default'\]"),
+        ({"model": {"name": "SchNet"}}, r"model.name describes a new model, but model.mace starts from a trained one"),
+        ({"parallel": "pipeline"}, r"parallel: pipeline does not split mace models into stages yet"),
+        ({"model": {"checkpoint": str(files["mace"][1]), "mace": None}},
+         r"model.checkpoint: .*a MACE model file, not a potentials checkpoint: name it with the key mace"),
+        ({"model": {"reference_energies": "estimated"}}, r"model.reference_energies must be one of \('keep', 'refit'\)"),
+    ]
+    for k, (changes, message) in enumerate(cases):
+        output = tmp_path / f"out{k}"
+        config = job(files, "mace", output, **changes)
+        config["model"] = {key: value for key, value in config["model"].items() if value is not None}
+        (tmp_path / "bad.yaml").write_text(yaml.safe_dump(config))
+        assert main([str(tmp_path / "bad.yaml")]) == 2, changes
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and re.search(message, err[0]), (message, err)
+        assert not output.exists(), changes
