@@ -39,6 +39,18 @@ from systems import (MACE_DIR, NEQUIP_DIR, labelled_alloys, max_relative_error, 
                      write_small_sevennet)
 
 SEED, EPOCHS, BATCH, LR, CLIP = 1, 3, 3, 0.003, 1.0
+
+
+@pytest.fixture(autouse=True)
+def restore_environment():
+    """``import mace`` (MACE's calculator, in some tests) sets TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD for the
+    process: keep it from leaking into later tests."""
+    import os
+
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)
 WEIGHTS = {"energy": 1.0, "forces": 10.0, "stress": 1.0}
 
 
@@ -275,7 +287,8 @@ def test_written_file_loads_in_the_packages_own_calculator(files, one_process, f
     """best.model / best.ckpt / checkpoint_best.pth, loaded by MACECalculator / the framework's
     NequIPCalculator / sevenn's own model builder (float64), equal our evaluation of best.pt to 1e-9 on a
     structure outside the training set; SevenNetCalculator (float32 only) to 1e-5. Our loaders read them
-    too, without running a pickle where the package allows it (MACE); mlip-train eval scores best.pt."""
+    too, without running a pickle where the package allows it (MACE); ``nequip-package build`` packages
+    best.ckpt; mlip-train eval scores best.pt."""
     directory = one_process[family][0]
     best = potentials.load(directory / "best.pt")
     assert main(["eval", str(directory / "best.pt"), str(files["validation"])]) == 0
@@ -295,6 +308,16 @@ def test_written_file_loads_in_the_packages_own_calculator(files, one_process, f
         native = directory / "best.ckpt"
         calc = nequip_calculator(native)
         assert max(max_relative_error(ours_on(potentials.NequIPFramework(native), atoms), ours).values()) < 1e-12
+        if family == "nequip":  # the framework's packager takes it (an example structure from data.train)
+            import subprocess
+            import sys
+            from pathlib import Path
+
+            packaged = directory / "best.nequip.zip"
+            run = subprocess.run([str(Path(sys.executable).parent / "nequip-package"), "build", str(native),
+                                  str(packaged)], capture_output=True, text=True)
+            assert run.returncode == 0, run.stderr[-2000:]
+            assert max(max_relative_error(ours_on(potentials.NequIPFramework(packaged), atoms), ours).values()) < 1e-12
     else:
         from sevenn.calculator import SevenNetCalculator
 
@@ -341,6 +364,18 @@ def test_resume_one_plus_two_epochs_equals_three(files, one_process, family):
         [line.split(",")[:2] for line in (directory / "metrics.csv").read_text().splitlines()]
 
 
+def test_fine_tuned_checkpoint_starts_another_run(files, one_process, tmp_path):
+    """model.checkpoint: the best.pt of a fine-tuned SevenNet starts a new run (its architecture rebuilt from the
+    checkpoint's JSON, no pickle), which writes a sevenn checkpoint again; its first epoch starts from the
+    weights of that best.pt."""
+    start = one_process["sevennet"][0] / "best.pt"
+    config = job(files, "sevennet", tmp_path / "run", epochs=1, model={"sevennet": None, "checkpoint": str(start)})
+    config["model"] = {k: v for k, v in config["model"].items() if v is not None}
+    rows = train(validate(config, SCHEMA, CHOICES))
+    assert np.isfinite(rows[0]["train_loss"]) and (tmp_path / "run" / "checkpoint_best.pth").exists()
+    assert isinstance(potentials.load(tmp_path / "run" / "best.pt"), potentials.SevenNet)
+
+
 def test_freeze_keeps_the_matched_weights(files, capsys):
     """model.freeze: every MACE weight but the readouts' stays as the file has it; the readouts train; the log
     says how many are trained; best.pt and best.model hold the result."""
@@ -356,10 +391,10 @@ def test_freeze_keeps_the_matched_weights(files, capsys):
     assert f"{readouts} of {total} parameters trained (model.freeze {frozen})" in capsys.readouterr().out
 
 
-def test_refit_reference_energies_is_least_squares_of_the_residual(files, capsys):
+def test_refit_reference_energies_is_least_squares_of_the_residual(files):
     """model.reference_energies: refit sets each element's reference energy (the nequip model's per-type
     shifts, shared by both types in the file) to the file's plus the least-squares fit of the training set's
-    residual (EMT energy − the framework calculator's energy) to the element counts; the log shows both."""
+    residual (EMT energy − the framework calculator's energy) to the element counts; the log's line shows both."""
     from mlip_parallel.train.trainer import Trainer
 
     path = files["nequip"][1]
@@ -378,7 +413,7 @@ def test_refit_reference_energies_is_least_squares_of_the_residual(files, capsys
                                SCHEMA, CHOICES))
     assert np.allclose(trainer.model.reference_energies(), expected, rtol=1e-10, atol=1e-10)
     assert before[0] == before[1] and expected[0] != expected[1]
-    assert f"Cu {expected[0]:.6g} (was {before[0]:.6g}), Ag {expected[1]:.6g}" in capsys.readouterr().out
+    assert f"Cu {expected[0]:.6g} (was {before[0]:.6g}), Ag {expected[1]:.6g}" in trainer.reference_note
 
 
 def test_multi_head_mace_written_under_e3nn_044_fine_tunes(files, tmp_path):

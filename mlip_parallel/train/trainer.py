@@ -406,13 +406,14 @@ class Trainer:
             raise ConfigError(f"model.freeze {section['freeze']} keeps every weight of the model fixed: nothing to train")
         for part, role in ((self.train_set, "training"), (self.validation, "validation"), (self.test, "test")):
             check_species(model, part, role, error=ConfigError)
+        self.reference_note = None  # the log's line on a starting model's reference energies
         if self.starting is None:
             if not self.resume:
                 fit_scale_shift(model, self.train_set)
         elif section["reference_energies"] == "refit":  # also on resume: the saved state may hold their shape
             self.refit_reference_energies()
-        elif self.root:
-            self.report_reference_energies("kept", model.reference_energies())
+        else:
+            self.reference_note = self.reference_energies_line("kept", model.reference_energies())
         o, sch = config["optimizer"], config["schedule"]
         self.optimizer = torch.optim.AdamW(self.strategy.parameters, lr=o["lr"], weight_decay=o["weight_decay"])
         if sch["name"] == "plateau":
@@ -433,10 +434,10 @@ class Trainer:
         self.last_written = f"{self.last_path} (epoch {self.first_epoch})" if self.resume else "none yet"
 
     # ------------------------------------------------------------------ reference energies
-    def report_reference_energies(self, what: str, energies, before=None) -> None:
-        """Print the per-element reference energies (rank 0's log)."""
+    def reference_energies_line(self, what: str, energies, before=None) -> str | None:
+        """The log's line of the per-element reference energies of the training set's elements (None: none)."""
         if energies is None:
-            return
+            return None
         from ase.data import chemical_symbols
 
         present = {chemical_symbols[int(z)] for s in self.train_set for z in s.numbers}
@@ -444,7 +445,7 @@ class Trainer:
                  for x, e, b in zip(self.model.species, energies, energies if before is None else before)
                  if x in present]
         shown = ", ".join(pairs[:12]) + (f", ... ({len(pairs)} elements)" if len(pairs) > 12 else "")
-        print(f"mlip-train: reference energies {what} (eV per atom, the training set's elements): {shown}", flush=True)
+        return f"mlip-train: reference energies {what} (eV per atom, the training set's elements): {shown}"
 
     def refit_reference_energies(self) -> None:
         """``model.reference_energies: refit``: add to each element's reference energy the least-squares fit of
@@ -471,9 +472,8 @@ class Trainer:
         for z, d in zip(present, delta):
             after[index[z]] += d
         model.set_reference_energies(after)
-        if self.root:
-            self.report_reference_energies(f"refit by least squares on {len(labelled)} training structures", after,
-                                           before)
+        self.reference_note = self.reference_energies_line(
+            f"refit by least squares on {len(labelled)} training structures", after, before)
 
     # ------------------------------------------------------------------ state
     @property
@@ -622,6 +622,8 @@ class Trainer:
                   f"{len(self.train_set)} training / {len(self.validation)} validation / {len(self.test)} test "
                   f"structures, {procs.size} rank(s) x {torch.get_num_threads()} thread(s), {procs.parallel} parallel{layout}",
                   flush=True)
+            if self.reference_note:
+                print(self.reference_note, flush=True)
         procs.barrier()  # the output directory exists before any rank writes into it
         batch_size, rows = config["batch_size"], self.rows
         for epoch in range(self.first_epoch, config["epochs"]):

@@ -1,0 +1,311 @@
+"""Fine-tuning other packages' models with mlip-train, measured side by side in one run:
+
+* ``step``: one training step (energy + force + stress loss, backward, AdamW) on a batch of ``--batch``
+  64-atom rattled fcc Cu structures labelled by ASE's EMT, ours (``training.batch_gradients``, the step of
+  mlip-train in one process: our graph, the package's modules through the adapter, our derivatives) against
+  the package's own code path (its batched graph and its model's own forces and stress, the same loss
+  and AdamW), alternating, median seconds per step; the ratio ours / theirs (target ≤ 1.1). Models: a
+  MACE-MP-0-small-shaped MACE (random weights; 128x0e, max_ell 3, correlation 3, two interactions,
+  r_max 6 Å, radial MLP [64, 64, 64], 89 elements; float64, as MACE fine-tunes) and SevenNet-0 (float32,
+  as sevenn trains);
+* ``data``: ``mlip-train`` with that MACE on ``--structures`` such structures, one process against
+  ``parallel: data`` on 2 ranks, alternately, seconds per epoch after the first (target ≥ 1.8×);
+* ``graph``: one training step of that MACE (float32) on one structure of ``--cells``³ × 4 atoms (8: 2,048)
+  with ``parallel: graph`` on 1 and 2 ranks: each rank's peak resident memory above its resident size
+  after start-up, the largest rank's against one process's (target ≤ 0.6), and the seconds of the step.
+
+    python benchmarks/finetune.py [step] [data] [graph] [--repeats 5] [--batch 4] [--pairs 2] [--epochs 3]
+                                  [--structures 16] [--cells 8]
+"""
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from common import ROOT, cu_emt_frames, launcher_command, train_command
+
+warnings.filterwarnings("ignore")
+sys.path.insert(0, str(ROOT))
+WEIGHTS = {"energy": 1.0, "forces": 10.0, "stress": 1.0}
+
+
+def write_mace_mp0_small(path, dtype) -> None:
+    """A MACE with MACE-MP-0 small's hyper-parameters and random weights, saved as MACE saves a model."""
+    import torch
+    from e3nn import o3
+
+    from potentials.adapters.mace import import_mace
+
+    import_mace()
+    from mace import modules
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    torch.manual_seed(0)
+    model = modules.ScaleShiftMACE(
+        r_max=6.0, num_bessel=10, num_polynomial_cutoff=5, max_ell=3,
+        interaction_cls=modules.interaction_classes["RealAgnosticResidualInteractionBlock"],
+        interaction_cls_first=modules.interaction_classes["RealAgnosticInteractionBlock"], num_interactions=2,
+        num_elements=89, hidden_irreps=o3.Irreps("128x0e"), MLP_irreps=o3.Irreps("16x0e"),
+        gate=torch.nn.functional.silu, atomic_energies=np.full(89, -3.0), avg_num_neighbors=61.0,
+        atomic_numbers=list(range(1, 90)), correlation=3, radial_MLP=[64, 64, 64], atomic_inter_scale=1.0,
+        atomic_inter_shift=0.0)
+    torch.set_default_dtype(before)
+    torch.save(model, path)
+
+
+def cu64(count):
+    """``count`` 64-atom fcc Cu cells (4 x 2 x 2 cubic cells, rattled), with EMT's labels."""
+    from ase.calculators.emt import EMT
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    from common import cu_crystal
+
+    frames = []
+    for k in range(count):
+        atoms = cu_crystal((4, 2, 2))
+        atoms.rattle(0.1, seed=k)
+        atoms.calc = EMT()
+        results = dict(energy=atoms.get_potential_energy(), forces=atoms.get_forces(), stress=atoms.get_stress())
+        atoms.calc = SinglePointCalculator(atoms, **results)
+        frames.append(atoms)
+    return frames
+
+
+def loss(energy, forces, stress, frames):
+    """mlip-train's loss of a batch (energy per atom, force components, stress components: MSEs)."""
+    import torch
+    from ase.stress import voigt_6_to_full_3x3_stress
+
+    atoms = torch.tensor([len(a) for a in frames], dtype=energy.dtype)
+    e = torch.tensor([a.get_potential_energy() for a in frames], dtype=energy.dtype)
+    f = torch.tensor(np.concatenate([a.get_forces() for a in frames]), dtype=forces.dtype)
+    s = torch.tensor(np.array([voigt_6_to_full_3x3_stress(a.get_stress()) for a in frames]), dtype=stress.dtype)
+    return (WEIGHTS["energy"] * (((energy - e) / atoms) ** 2).mean() + WEIGHTS["forces"] * ((forces - f) ** 2).mean()
+            + WEIGHTS["stress"] * ((stress - s) ** 2).mean())
+
+
+def mace_theirs(path, frames):
+    """MACE's own step: its batched graph (precomputed per structure, collated per step), its forward with
+    training=True, its forces and stress, the loss, backward, AdamW."""
+    import torch
+    from mace import data
+    from mace.tools import AtomicNumberTable, torch_geometric
+
+    model = torch.load(path, weights_only=False)
+    table = AtomicNumberTable(list(range(1, 90)))
+    torch.set_default_dtype(model.r_max.dtype)
+    graphs = [data.AtomicData.from_config(data.config_from_atoms(a), z_table=table, cutoff=float(model.r_max),
+                                          heads=model.heads) for a in frames]
+    torch.set_default_dtype(torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        batch = torch_geometric.batch.Batch.from_data_list(graphs).to_dict()
+        optimizer.zero_grad()
+        out = model(batch, training=True, compute_force=True, compute_stress=True)
+        loss(out["energy"], out["forces"], out["stress"], frames).backward()
+        optimizer.step()
+
+    return step
+
+
+def sevenn_theirs(frames):
+    """sevenn's own step on SevenNet-0: its calculator's graphs (precomputed, batched per step), its model's
+    forces and stress in training mode, the loss, backward, AdamW."""
+    import sevenn.util
+    import torch
+    from sevenn.atom_graph_data import AtomGraphData
+    from sevenn.train.dataload import unlabeled_atoms_to_graph
+    from torch_geometric.data import Batch
+
+    checkpoint = sevenn.util.load_checkpoint("7net-0")
+    model = checkpoint.build_model().train()
+    model.set_is_batch_data(True)
+    graphs = [AtomGraphData.from_numpy_dict(unlabeled_atoms_to_graph(a, checkpoint.config["cutoff"])) for a in frames]
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+    def step():
+        out = model(Batch.from_data_list(graphs))
+        optimizer.zero_grad()
+        s = -out["inferred_stress"]  # xx yy zz xy yz zx, ASE's negative
+        stress = torch.stack([torch.stack([s[:, 0], s[:, 3], s[:, 5]], -1), torch.stack([s[:, 3], s[:, 1], s[:, 4]], -1),
+                              torch.stack([s[:, 5], s[:, 4], s[:, 2]], -1)], 1)
+        loss(out["inferred_total_energy"].reshape(-1), out["inferred_force"], stress, frames).backward()
+        optimizer.step()
+
+    return step
+
+
+def ours(spec, frames, dtype):
+    """mlip-train's one-process step (``training.batch_gradients`` + AdamW) on the adapter of ``spec``."""
+    import torch
+
+    import potentials
+    from mlip_parallel.train.training import Batch, Counts, Structure, batch_gradients
+
+    model = potentials.load_model(spec, dtype=dtype).train()
+    params = potentials.base.select_weights(model)
+    structures = [Structure(a.numbers, a.positions, a.cell[:], a.pbc, a.get_potential_energy(), a.get_forces(),
+                            a.get_stress(voigt=False), f"cu:{k}") for k, a in enumerate(frames)]
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+
+    def step():
+        optimizer.zero_grad()
+        batch = Batch(structures, model, model.device)
+        batch_gradients(model, batch, Counts.of(structures), WEIGHTS, params)
+        optimizer.step()
+
+    return step
+
+
+def alternate(steps: dict, repeats: int) -> dict:
+    """Median seconds of each step function, called in turn ``repeats`` times after one warm-up call each."""
+    for step in steps.values():
+        step()
+    times = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def part_step(args, work):
+    import torch
+
+    torch.set_num_threads(1)
+    frames = cu64(args.batch)
+    path = work / "mace-mp0-small-f64.model"
+    write_mace_mp0_small(path, torch.float64)
+    print(f"one training step, {args.batch} x 64-atom Cu, energy + force + stress loss, AdamW, 1 thread; median of "
+          f"{args.repeats}, alternating")
+    for name, (theirs, spec, dtype) in {
+            "MACE-MP-0-small shape, float64": (lambda: mace_theirs(path, frames), f"mace:{path}", "float64"),
+            "SevenNet-0, float32": (lambda: sevenn_theirs(frames), "sevennet:7net-0", "float32")}.items():
+        seconds = alternate({"ours": ours(spec, frames, dtype), "theirs": theirs()}, args.repeats)
+        print(f"  {name}: ours {seconds['ours']:.3f} s, the package's own {seconds['theirs']:.3f} s per step: "
+              f"ratio {seconds['ours'] / seconds['theirs']:.2f}", flush=True)
+
+
+def epoch_seconds(directory) -> list:
+    with open(Path(directory) / "metrics.csv") as f:
+        return [float(row["seconds"]) for row in csv.DictReader(f)]
+
+
+def part_data(args, work):
+    import torch
+    import yaml
+    from ase.io import write
+
+    path = work / "mace-mp0-small-f64.model"
+    if not path.exists():
+        write_mace_mp0_small(path, torch.float64)
+    write(work / "cu64.extxyz", cu64(args.structures + 2))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    print(f"mlip-train, MACE-MP-0-small shape (float64), {args.structures} training structures of 64 atoms, batch 4, "
+          f"{args.epochs} epochs: seconds per epoch after the first")
+    for pair in range(args.pairs):
+        seconds = {}
+        for ranks in (1, 2):
+            job = work / f"data{ranks}.yaml"
+            directory = work / f"data{ranks}"
+            job.write_text(yaml.safe_dump({
+                "data": {"train": str(work / "cu64.extxyz"), "validation_fraction": 2 / (args.structures + 2)},
+                "model": {"mace": str(path)}, "loss": {f"{q}_weight": w for q, w in WEIGHTS.items()},
+                "schedule": {"name": "none"}, "epochs": args.epochs, "batch_size": 4, "parallel": "data",
+                "output": {"directory": str(directory), "overwrite": True}}))
+            subprocess.run(train_command(ranks, job), env=env, check=True, capture_output=True)
+            seconds[ranks] = float(np.mean(epoch_seconds(directory)[1:]))
+        print(f"  pair {pair + 1}: one process {seconds[1]:.2f} s, data parallel on 2 ranks {seconds[2]:.2f} s per "
+              f"epoch: {seconds[1] / seconds[2]:.2f}x", flush=True)
+
+
+WORKER = """
+import json, resource, sys, time
+sys.path.insert(0, {benchmarks!r})
+from common import status_mb
+from mlip_parallel.config import read_config
+from mlip_parallel.train.cli import CHOICES, SCHEMA, validate
+from mlip_parallel.train.trainer import Trainer
+trainer = Trainer(validate(read_config({job!r}), SCHEMA, CHOICES))
+start_mb = status_mb("VmRSS")
+start = time.perf_counter()
+rows = trainer.fit()
+peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print("RESULT", json.dumps({{"rank": trainer.procs.rank, "above_start_mb": peak_mb - start_mb, "peak_mb": peak_mb,
+                           "seconds": time.perf_counter() - start}}), flush=True)
+"""
+
+
+def part_graph(args, work):
+    import torch
+    import yaml
+    from ase.calculators.emt import EMT
+    from ase.calculators.singlepoint import SinglePointCalculator
+    from ase.io import write
+
+    from common import cu_crystal
+
+    path = work / "mace-mp0-small-f32.model"
+    write_mace_mp0_small(path, torch.float32)
+    big = cu_crystal(args.cells)
+    big.rattle(0.1, seed=1)
+    big.calc = EMT()
+    big.calc = SinglePointCalculator(big, energy=big.get_potential_energy(), forces=big.get_forces(),
+                                     stress=big.get_stress())
+    write(work / "big.extxyz", [big])
+    write(work / "small.extxyz", cu_emt_frames(1, 4))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    results = {}
+    for ranks in (1, 2):
+        job = work / f"graph{ranks}.yaml"
+        job.write_text(yaml.safe_dump({
+            "data": {"train": str(work / "big.extxyz"), "validation": str(work / "small.extxyz")},
+            "model": {"mace": str(path)}, "loss": {f"{q}_weight": w for q, w in WEIGHTS.items()},
+            "schedule": {"name": "none"}, "ema_decay": 0, "epochs": 1, "batch_size": 1, "parallel": "graph",
+            "output": {"directory": str(work / f"graph{ranks}"), "overwrite": True}}))
+        script = work / "worker.py"
+        script.write_text(WORKER.format(benchmarks=str(Path(__file__).parent), job=str(job)))
+        command = ([sys.executable] if ranks == 1 else launcher_command(ranks)) + [str(script)]
+        out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
+        results[ranks] = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines() if line.startswith("RESULT")]
+    one = results[1][0]
+    largest = max(r["above_start_mb"] for r in results[2])
+    two = max(r["seconds"] for r in results[2])
+    above = " / ".join(f"{r['above_start_mb']:.0f}" for r in results[2])
+    peaks = " / ".join(f"{r['peak_mb']:.0f}" for r in results[2])
+    print(f"graph parallel, one training step of the MACE-MP-0-small shape (float32) on {len(big)} Cu atoms "
+          f"(energy + force + stress loss): peak resident memory above start-up per rank")
+    print(f"  one process {one['above_start_mb']:.0f} MB ({one['peak_mb']:.0f} MB peak), {one['seconds']:.1f} s; "
+          f"2 ranks {above} MB ({peaks} MB peak), {two:.1f} s")
+    print(f"  largest rank / one process: {largest / one['above_start_mb']:.2f}; time one process / 2 ranks: "
+          f"{one['seconds'] / two:.2f}", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("parts", nargs="*", default=["step", "data", "graph"], choices=["step", "data", "graph"])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--structures", type=int, default=16)
+    parser.add_argument("--cells", type=int, default=8)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        for part in args.parts:
+            {"step": part_step, "data": part_data, "graph": part_graph}[part](args, Path(tmp))
+
+
+if __name__ == "__main__":
+    main()
