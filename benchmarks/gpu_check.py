@@ -4,7 +4,7 @@ and how fast? Prints one table.
     python benchmarks/gpu_check.py           # CUDA: needs torch with CUDA and a GPU
     python benchmarks/gpu_check.py --cpu     # the same checks with the CPU as the device (smaller sizes)
 
-1. the self-check (``mlip_parallel.check``: Lennard-Jones and SchNet, layerwise and wide, distributed vs one
+1. the self-check (``mlip_parallel.check``: Lennard-Jones, SchNet, PaiNN and NequIP, layerwise and wide, distributed vs one
    process) on 1, 2 and 4 ranks sharing the GPU(s), with the MPI backend (mpiexec; CUDA tensors
    host-staged unless MLIP_CUDA_AWARE_MPI=1) and the torch backend (torchrun; NCCL on GPUs, gloo on CPUs);
 2. SchNet, PaiNN, NequIP (random weights), SevenNet-0 and a MACE file on the device, float64 and float32, against a CPU

@@ -4,10 +4,12 @@ The MPI backend runs every contract; the torch.distributed backend (gloo here) r
 double-backward suites on 2–4 ranks, launched by torchrun without MPI and by mpiexec with
 MLIP_PARALLEL_BACKEND=torch, plus the self-check and the abort path."""
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import MPI_DIR, ROOT, assert_job_aborted, mpiexec_path
 
@@ -104,10 +106,18 @@ def test_exception_on_one_rank_aborts_all(mpirun, torchrun, launcher, process_gr
 
 
 def test_self_check_entry_point(mpirun):
+    """The self-check checks what README says: Lennard-Jones, SchNet, PaiNN and NequIP in both halo modes
+    (``--models`` chooses); the device-direct line only where a rank has a GPU."""
     rc, out, _ = mpirun(2, "-m", "mlip_parallel.check", "--repeat", "3")
     assert rc == 0, out
-    for text in ("2 rank(s)", "communication: MPICH", "device-direct", "rank 1: host", "largest force difference", "OK"):
+    for text in ("2 rank(s)", "communication: MPICH", "rank 1: host", "largest force difference", "OK"):
         assert text in out, out
+    for name in ("LennardJones", "SchNet", "PaiNN", "NequIP"):
+        for mode in ("layerwise", "wide"):
+            assert re.search(rf"{name} +{mode} *: max \|F_distributed - F_serial\| = ", out), (name, mode, out)
+    assert ("device-direct" in out) == torch.cuda.is_available(), out
+    rc, out, _ = mpirun(2, "-m", "mlip_parallel.check", "--repeat", "3", "--models", "PaiNN")
+    assert rc == 0 and "PaiNN" in out and "SchNet" not in out, out
 
 
 def test_self_check_under_torchrun_without_mpi(torchrun):
