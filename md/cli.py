@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from mlip_parallel.config import ConfigError, check_output_directory, config_parser, read_config, report_error, \
-    schema_help as config_help, validate as config_validate
+from mlip_parallel.config import ConfigError, check_output_directory, config_parser, read_config, read_job, \
+    report_error, schema_help as config_help, validate as config_validate
 from mlip_parallel.launch import end_job
 from potentials.errors import OutputError
 
@@ -79,6 +79,8 @@ SCHEMA = {
         "restart_every": (int, 0, "write OUTPUT/restart.npz every N steps and at the end (0: at the end only)"),
         "overwrite": (bool, False, "write over a non-empty output directory (refused otherwise, unless resume "
                                    "or restart_from continues a run there)"),
+        "progress": (bool, True, "report progress on stderr: a bar on a terminal, a line every 30 s in a log file "
+                                 "(step, rate, ETA); false (or --no-progress): none"),
     },
 }
 CHOICES = {"ensemble": ("nve", "langevin", "bussi", "nose-hoover", "npt"), "mode": ("layerwise", "wide"),
@@ -314,8 +316,8 @@ def simulate(config) -> list:
             print(f"mlip-md: {system.n_atoms} atoms on {backend.size} rank(s){via} x {threads} thread(s), "
                   f"{system.device}, {config['ensemble']}, steps {first_step} to {steps} of {config['timestep_fs']} fs")
             print(" ".join(f"{c:>14s}" for c in SCREEN_COLUMNS), flush=True)
-            from tqdm import tqdm
-            bar = tqdm(total=steps, initial=first_step, unit="step", file=sys.stderr, dynamic_ncols=True)
+            from mlip_parallel.progress import Progress
+            bar = Progress("mlip-md", steps, first_step, "step", None if out["progress"] else "off")
 
         def snapshot(step):  # collective: gathers in global id order; the frame on rank 0 (None elsewhere)
             positions, numbers, velocities, forces = (system.gather(k) for k in
@@ -378,7 +380,7 @@ def simulate(config) -> list:
                 if root:
                     files.frame(frame)
             if root:
-                bar.update(step - bar.n)
+                bar.update(step)
             system.timers["output"] += time.perf_counter() - output_start
         final = snapshot(steps)
         if root:
@@ -487,7 +489,7 @@ def plot_thermo(directory: Path) -> None:
 def main(argv=None) -> int:
     args = config_parser("mlip-md", __doc__.splitlines()[0], SCHEMA).parse_args(argv)
     try:
-        simulate(validate(read_config(args.config)))
+        simulate(read_job(args, SCHEMA, CHOICES))
     except ConfigError as exc:  # raised alike on every rank by prepare(), before any output and any collective
         report_error("mlip-md", exc)
         return 2

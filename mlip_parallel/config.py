@@ -42,8 +42,8 @@ def validate(config, schema: dict, choices: dict | None = None, path: str = "") 
     unknown = sorted(set(config) - set(schema))
     if unknown:
         close = difflib.get_close_matches(str(unknown[0]), list(schema), n=1)
-        hint = f"did you mean {path}{close[0]}? " if close else ""
-        raise ConfigError(f"unknown key {path}{unknown[0]!s} ({hint}known: {', '.join(schema)})")
+        hint = f"did you mean {path}{close[0]}?" if close else f"known: {', '.join(schema)}"
+        raise ConfigError(f"unknown key {path}{unknown[0]!s} ({hint})")
     out = {}
     for key, spec in schema.items():
         name = f"{path}{key}"
@@ -72,7 +72,9 @@ def read_config(path) -> dict:
     try:
         with open(path) as f:
             return yaml.safe_load(f)
-    except (OSError, yaml.YAMLError) as exc:
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {str(path)!r}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
         raise ConfigError(f"cannot read config {str(path)!r}: {exc}") from None
 
 
@@ -83,7 +85,17 @@ def config_parser(prog: str, description: str, schema: dict) -> argparse.Argumen
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="configuration keys (YAML):\n" + schema_help(schema).replace("``", ""))
     parser.add_argument("config", help="YAML configuration file")
+    parser.add_argument("--no-progress", action="store_true", help="no progress report (output.progress: false); "
+                        "by default a bar on a terminal, a line every so often in a log file")
     return parser
+
+
+def read_job(args, schema: dict, choices: dict) -> dict:
+    """The validated config of a CLI's ``args`` (``config_parser``): the YAML file, then ``--no-progress``."""
+    config = validate(read_config(args.config), schema, choices)
+    if args.no_progress:
+        config["output"]["progress"] = False
+    return config
 
 
 def launch_rank() -> int:

@@ -56,7 +56,9 @@ def mpirun():
     launcher = mpiexec_path()
     if launcher is None:
         pytest.fail("mpiexec not found: install the 'mpich' package (pip install -e .[test])")
-    return _launcher(lambda n: [launcher, "-n", str(n), sys.executable])
+    run = _launcher(lambda n: [launcher, "-n", str(n), sys.executable])
+    run.launcher = launcher  # (the mpiexec path, for tests that start it themselves)
+    return run
 
 
 @pytest.fixture
@@ -74,3 +76,15 @@ def assert_job_aborted(rc, out, seconds, message, limit=30):
     assert message in out, out
     assert "not reached" not in out
     assert seconds < limit, f"took {seconds:.1f} s"
+
+
+def assert_log_lines(out: str, progress: str, paths=()) -> None:
+    """Output that went to a file or a pipe (a batch job's log): no carriage return (no progress bar), no line
+    of the run's report wider than a screen (160 characters, not counting the job's own ``paths`` it names;
+    an error is one line, however long its message), and the progress as plain lines, ``progress`` among them."""
+    assert "\r" not in out, out[:2000]
+    lines = [line for line in out.splitlines() if ": error: " not in line]
+    for path in paths:
+        lines = [line.replace(str(path), "PATH") for line in lines]
+    assert max(len(line) for line in lines) <= 160, max(lines, key=len)
+    assert progress in out, out

@@ -11,7 +11,7 @@ import torch
 import yaml
 from ase.io import read
 
-from conftest import HANG_GUARD, ROOT
+from conftest import HANG_GUARD, ROOT, assert_log_lines
 from md.cli import ConfigError, build_model, prepare, schema_help, validate
 
 JOB = {
@@ -58,6 +58,64 @@ sys.exit(main([sys.argv[1]]))
 """
 
 
+def test_progress_is_a_bar_on_a_terminal_and_lines_in_a_log(mpirun, tmp_path):
+    """stderr_is_terminal: true for a terminal (a pseudo-terminal here), also for a rank of mpiexec whose
+    launcher writes to one (the rank itself writes into a pipe); false for a file. Progress then draws tqdm's
+    bar, writes a plain line per ``every_seconds`` (and at the end), or nothing ("off": mlip-md's
+    --no-progress, whose progress is otherwise a line in a log file)."""
+    import contextlib
+    import io
+    import os
+    import pty
+
+    from mlip_parallel.progress import Progress
+
+    probe = "from mlip_parallel.progress import stderr_is_terminal as t; import sys; print(t(sys.stderr))"
+    master, slave = pty.openpty()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    try:
+        for command in ([sys.executable, "-c", probe], [mpirun.launcher, "-n", "1", sys.executable, "-c", probe]):
+            run = subprocess.run(command, stdout=subprocess.PIPE, stderr=slave, text=True, env=env, timeout=120)
+            assert run.stdout.strip() == "True", (command, run.stdout)
+    finally:
+        os.close(master), os.close(slave)
+    with open(tmp_path / "log", "w") as log:
+        run = subprocess.run([mpirun.launcher, "-n", "1", sys.executable, "-c", probe], stdout=subprocess.PIPE,
+                             stderr=log, text=True, env=env, timeout=120)
+    assert run.stdout.strip() == "False", run.stdout
+
+    stream = io.StringIO()
+    progress = Progress("job", 10, 2, "step", mode="lines", every_seconds=0, stream=stream)
+    for n in range(3, 11):
+        progress.update(n, loss="0.5")
+    progress.close()
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 8 and re.fullmatch(r"job: step 10/10 \(100 %\), \S+ step/s, ETA 00:00:00, loss 0.5", lines[-1])
+    stream = io.StringIO()
+    progress = Progress("job", 10, 0, mode="lines", every_seconds=3600, stream=stream)
+    for n in range(1, 11):
+        progress.update(n)
+    assert stream.getvalue().count("\n") == 1 and "step 10/10" in stream.getvalue()  # only the end, within the hour
+    stream = io.StringIO()
+    Progress("job", 10, mode="off", stream=stream).update(10)
+    assert stream.getvalue() == ""
+    from md.cli import main
+
+    job = dict(JOB, ensemble="nve", barostat={}, steps=10, output={"directory": str(tmp_path / "md")})
+    (tmp_path / "md.yaml").write_text(yaml.safe_dump(job))
+    with open(tmp_path / "stderr", "w") as err, contextlib.redirect_stderr(err):  # a log file
+        assert main([str(tmp_path / "md.yaml"), "--no-progress"]) == 0
+        job["output"]["directory"] = str(tmp_path / "md2")
+        (tmp_path / "md.yaml").write_text(yaml.safe_dump(job))
+        assert main([str(tmp_path / "md.yaml")]) == 0
+    assert (tmp_path / "stderr").read_text().count("mlip-md: step 10/10 (100 %)") == 1  # the second run's
+    stream = io.StringIO()
+    bar = Progress("job", 10, mode="bar", stream=stream)
+    bar.update(5)
+    bar.close()
+    assert "\r" in stream.getvalue() and "5/10" in stream.getvalue()
+
+
 def test_mlip_md_job_under_mpiexec(mpirun, tmp_path):
     """One 2-rank launch: first bad configs (every rank exits 2, rank 0 alone prints one line, nothing is
     written), then NPT with load balancing and an ASE .traj trajectory (frames with step, time, energy,
@@ -76,6 +134,7 @@ def test_mlip_md_job_under_mpiexec(mpirun, tmp_path):
         assert out.count(message) == 1, (message, out)
     assert not (tmp_path / "bad" / "iron").exists() and not (tmp_path / "bad" / "t").exists()
     assert "108 atoms on 2 rank(s) (MPICH" in out and "x 1 thread(s)" in out and "done in" in out, out
+    assert_log_lines(out, "mlip-md: step 40/40 (100 %)", [tmp_path])
     assert "% of time" in out and all(f"\n{phase} " in out for phase in ("force", "halo", "neighbour", "integrate")), out
     assert re.search(r"steps 20 to 40 \(second half, 21 samples\)", out), out
     for quantity in ("temperature_K", "pressure_GPa", "epot_eV/atom", "etot_eV/atom", "volume_A3"):

@@ -17,7 +17,7 @@ from ase.calculators.singlepoint import SinglePointCalculator
 from ase.io import write
 
 import potentials
-from conftest import MPI_DIR, ROOT
+from conftest import MPI_DIR, ROOT, assert_log_lines
 from mlip_parallel.config import ConfigError
 from mlip_parallel.train.cli import CHOICES, SCHEMA, USER_MALLOC, main, train, validate
 from mlip_parallel.train.training import DataError
@@ -106,6 +106,7 @@ def test_two_ranks_equal_one_process(mpirun, torchrun, quick_data, tmp_path, par
     rc, out, _ = run(2, "-m", "mlip_parallel.train.cli", tmp_path / "job.yaml")
     assert rc == 0, out
     assert f"2 rank(s) x 1 thread(s), {parallel} parallel" in out, out
+    assert_log_lines(out, "mlip-train: epoch 3/3 (100 %)", [tmp_path])  # (output to a pipe: plain lines)
     whole = sum(p.numel() for p in potentials.load(serial / "last.pt").parameters())
     assert f"SchNet ['Cu'], {whole} parameters," in out, (whole, out)  # the model's count, not the ranks' sum
     if parallel == "pipeline":  # the warm-up ended and auto chose its schedule

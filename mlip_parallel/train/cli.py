@@ -22,10 +22,10 @@ import numpy as np
 
 from potentials.errors import OutputError
 
-from ..config import ConfigError, config_parser, read_config, report_error, validate
+from ..config import ConfigError, config_parser, read_job, report_error, validate
 from ..errors import MLIPError
 from ..launch import end_job
-from .outputs import format_errors
+from .outputs import format_errors, species_text
 
 SCHEMA = {
     "data": {
@@ -104,6 +104,8 @@ SCHEMA = {
     "output": {
         "directory": (str, "train_output", "output directory (refused when it is not empty, unless overwrite or resume)"),
         "overwrite": (bool, False, "write into a non-empty output directory"),
+        "progress": (bool, True, "report progress on stderr: a bar on a terminal, a line per epoch in a log file "
+                                 "(epoch, rate, ETA, validation errors); false (or --no-progress): none"),
     },
 }
 CHOICES = {"model.name": ("SchNet", "PaiNN", "NequIP"), "model.dtype": ("float32", "float64"),
@@ -161,16 +163,17 @@ def evaluate_model(model_path: str, data_path: str, batch_size: int = 8, progres
     check_species(model, structures, "evaluation", error=ConfigError)
     if progress:
         atoms = sum(len(s.numbers) for s in structures)
-        print(f"mlip-train eval: {type(model).__name__} {model.species} (cutoff {model.cutoff:g} Å) from {model_path}\n"
+        print(f"mlip-train eval: {type(model).__name__} {species_text(model.species)} (cutoff {model.cutoff:g} Å) from {model_path}\n"
               f"scoring every structure of {data_path}: {len(structures)} structures, {atoms} atoms", flush=True)
-    from tqdm import tqdm
+    from ..progress import Progress
 
     sums = np.zeros(9)
-    with tqdm(total=len(structures), unit="structure", file=sys.stderr, disable=not progress, leave=False) as bar:
-        for start in range(0, len(structures), batch_size):
-            chunk = structures[start:start + batch_size]
-            sums += error_sums(model, chunk, batch_size, model.device)
-            bar.update(len(chunk))
+    bar = Progress("mlip-train eval", len(structures), 0, "structure", None if progress else "off")
+    for start in range(0, len(structures), batch_size):
+        chunk = structures[start:start + batch_size]
+        sums += error_sums(model, chunk, batch_size, model.device)
+        bar.update(start + len(chunk))
+    bar.close()
     return error_table(sums)
 
 
@@ -192,7 +195,7 @@ def main(argv=None) -> int:
         return 0
     args = config_parser("mlip-train", __doc__.splitlines()[0], SCHEMA).parse_args(argv)
     try:
-        config = validate(read_config(args.config), SCHEMA, CHOICES)
+        config = read_job(args, SCHEMA, CHOICES)
         if config["keep_freed_memory"]:
             keep_freed_memory()
         from ..backend import get_backend, set_threads

@@ -45,3 +45,8 @@ def format_errors(errors: dict) -> str:
     for q, (unit, factor) in units.items():
         lines.append(f"{q:10s} {factor * errors[f'{q}_mae']:12.4g} {factor * errors[f'{q}_rmse']:12.4g}  {unit}")
     return "\n".join(lines)
+
+
+def species_text(species) -> str:
+    """A model's elements for a log line: the list, or their number where there are more than ten."""
+    return str(species) if species is None or len(species) <= 10 else f"({len(species)} elements)"

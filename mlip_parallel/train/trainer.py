@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import csv
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -593,7 +592,7 @@ class Trainer:
 
         from potentials.files import atomic_write, naming_errors
 
-        from .outputs import format_errors, plot_learning_curve, write_metrics
+        from .outputs import format_errors, plot_learning_curve, species_text, write_metrics
 
         config, procs, root = self.config, self.procs, self.root
         count = np.array([float(sum(p.numel() for p in self.strategy.parameters)),  # trained, of all weights:
@@ -609,16 +608,15 @@ class Trainer:
                     self.shards.mkdir(exist_ok=True)
                 with atomic_write(self.shards / "layout.json", "w") as f:
                     json.dump({"stages": self.pipeline.stages, "boundaries": self.pipeline.boundaries}, f)
-            from tqdm import tqdm
-            bar = tqdm(total=config["epochs"], initial=self.first_epoch, unit="epoch", file=sys.stderr,
-                       dynamic_ncols=True)
+            from ..progress import Progress
+            bar = Progress("mlip-train", config["epochs"], self.first_epoch, "epoch",
+                           None if config["output"]["progress"] else "off", every_seconds=0)
             layout = f", stages at blocks {self.pipeline.boundaries}" if self.pipeline is not None else ""
-            species = self.model.species if len(self.model.species) <= 10 else f"({len(self.model.species)} elements)"
             start = "" if self.starting is None else f" from {self.starting} {section[self.starting]}" + (
                 f" (head {self.model.head})" if self.starting == "mace" else "")
             trained = f"{int(count[0])} parameters" if count[0] == count[1] else \
                 f"{int(count[0])} of {int(count[1])} parameters trained (model.freeze {section['freeze']})"
-            print(f"mlip-train: {type(self.model).__name__}{start} {species}, {trained}, "
+            print(f"mlip-train: {type(self.model).__name__}{start} {species_text(self.model.species)}, {trained}, "
                   f"{len(self.train_set)} training / {len(self.validation)} validation / {len(self.test)} test "
                   f"structures, {procs.size} rank(s) x {torch.get_num_threads()} thread(s), {procs.parallel} parallel{layout}",
                   flush=True)
@@ -659,8 +657,7 @@ class Trainer:
             self.save(self.last_path, epoch + 1)
             self.last_written = f"{self.last_path} (epoch {epoch + 1})"
             if root:
-                bar.update(1)
-                bar.set_postfix(val_loss=f"{val_loss:.3g}", F_mae=f"{errors['forces_mae'] * 1e3:.1f} meV/A")
+                bar.update(epoch + 1, val_loss=f"{val_loss:.3g}", F_mae=f"{errors['forces_mae'] * 1e3:.1f} meV/A")
             procs.barrier()
         if root:
             bar.close()

@@ -42,13 +42,23 @@ class MACEModelError(MLIPError, ValueError):
 def import_mace():
     """Import mace-torch without letting it change the process: ``import mace`` sets
     TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 (every later ``torch.load`` without an explicit ``weights_only``
-    would run pickles); the variable is put back as it was."""
+    would run pickles); the variable is put back as it was. Its notice that cuEquivariance is not installed
+    (printed by every rank of a job; the adapters never use it) is left out of stdout; anything else it
+    prints is printed."""
+    import contextlib
+    import io
+
     before = os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
+    printed = io.StringIO()
     try:
-        import mace.modules
+        with contextlib.redirect_stdout(printed):
+            import mace.modules
     except ImportError as exc:
         raise ImportError(f"potentials.MACE needs mace-torch: {INSTALL} ({exc})") from None
     finally:
+        kept = [line for line in printed.getvalue().splitlines() if "cuequivariance" not in line.lower()]
+        if kept:
+            print("\n".join(kept), flush=True)
         if before is None:
             os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
         else:
