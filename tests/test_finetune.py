@@ -468,3 +468,20 @@ def test_bad_fine_tuning_input_is_one_line_and_writes_nothing(files, tmp_path, c
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and re.search(message, err[0]), (message, err)
         assert not output.exists(), changes
+
+
+def test_another_packages_file_as_a_checkpoint_is_named(files):
+    """A MACE, nequip (.ckpt, .nequip.zip) or SevenNet file, or a "mace:FILE" spec, given where a potentials
+    checkpoint is expected: one line that says what it is and which model key reads it (nothing unpickled)."""
+    cases = {files["mace"][1]: ("a MACE model file", "mace"),
+             NEQUIP_DIR / "nequip-zbl.ckpt": ("a nequip-framework checkpoint", "nequip"),
+             NEQUIP_DIR / "allegro.nequip.zip": (r"a nequip-framework package \(\.nequip\.zip\)", "nequip"),
+             files["sevennet"][1]: ("a SevenNet checkpoint", "sevennet")}
+    for path, (what, key) in cases.items():
+        with pytest.raises(potentials.CheckpointError, match=rf"{re.escape(str(path))}: {what}, not a potentials "
+                                                             rf"checkpoint: name it with the key {key} "):
+            potentials.load(path)
+    spec = f"mace:{files['mace'][1]}"
+    with pytest.raises(potentials.CheckpointError, match=rf"a mace model spec, not a checkpoint path: .*key mace "
+                                                         rf"\(model: \{{mace: {re.escape(str(files['mace'][1]))}\}}\)"):
+        potentials.load(spec)
