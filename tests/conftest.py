@@ -51,6 +51,16 @@ def _launcher(prefix):
 
 
 @pytest.fixture
+def restore_environment():
+    """The process's environment put back after the test: ``import mace`` (MACE's calculator, in some tests)
+    sets TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD for the process; keep it from leaking into later tests."""
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)
+
+
+@pytest.fixture
 def mpirun():
     """``mpiexec -n n python ARGS`` (see ``_launcher``)."""
     launcher = mpiexec_path()

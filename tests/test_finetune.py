@@ -42,15 +42,8 @@ SEED, EPOCHS, BATCH, LR, CLIP = 1, 3, 3, 0.003, 1.0
 
 
 @pytest.fixture(autouse=True)
-def restore_environment():
-    """``import mace`` (MACE's calculator, in some tests) sets TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD for the
-    process: keep it from leaking into later tests."""
-    import os
-
-    before = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(before)
+def keep_environment(restore_environment):
+    """(MACE's calculator, in some of these tests, changes the environment: conftest's restore_environment)"""
 WEIGHTS = {"energy": 1.0, "forces": 10.0, "stress": 1.0}
 
 

@@ -23,22 +23,13 @@ import potentials  # noqa: E402
 from md import MLIPCalculator  # noqa: E402
 from potentials.adapters.mace import MACEModelError, load_mace  # noqa: E402
 from potentials.adapters.pickled import codegen_tensors, read_module_tree, state_dict  # noqa: E402
-from systems import GEOMETRIES, MACE_DIR, MACE_FIXTURES, mace_errors, mace_fixture, run_md_comparison  # noqa: E402
+from systems import (GEOMETRIES, MACE_DIR, MACE_FIXTURES, mace_errors, mace_fixture, run_md_comparison,  # noqa: E402
+                     write_small_mace)
 
 
 @pytest.fixture(scope="module")
 def fixtures():
     return {name: mace_fixture(name) for name in MACE_FIXTURES}
-
-
-@pytest.fixture
-def restore_environment():
-    """``import mace`` (MACE's calculator, in some tests) sets TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD for the
-    process: keep it from leaking into later tests."""
-    before = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(before)
 
 
 @pytest.mark.parametrize("name", MACE_FIXTURES)
@@ -98,26 +89,14 @@ def test_loader_carries_every_saved_tensor(fixtures):
 def test_model_saved_under_current_e3nn(tmp_path, restore_environment):
     """A MACE model written in this environment (e3nn >= 0.6, whose generated code pickles differently)
     loads too, and equals the model it was saved from (MACE's calculator on it)."""
-    from e3nn import o3
-    from mace import modules
     from mace.calculators import MACECalculator
 
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    torch.manual_seed(4)
-    model = modules.ScaleShiftMACE(
-        r_max=4.0, num_bessel=6, num_polynomial_cutoff=5, max_ell=2,
-        interaction_cls=modules.interaction_classes["RealAgnosticResidualInteractionBlock"],
-        interaction_cls_first=modules.interaction_classes["RealAgnosticResidualInteractionBlock"],
-        num_interactions=2, num_elements=2, hidden_irreps=o3.Irreps("4x0e+4x1o"), MLP_irreps=o3.Irreps("8x0e"),
-        gate=torch.nn.functional.silu, atomic_energies=np.array([-3.1, -2.2]), avg_num_neighbors=12.0,
-        atomic_numbers=[29, 47], correlation=2, radial_MLP=[8, 8], atomic_inter_scale=1.2, atomic_inter_shift=0.1)
-    torch.set_default_dtype(default)
     path = tmp_path / "current.model"
-    torch.save(model, path)
+    write_small_mace(path, seed=4)
     atoms = GEOMETRIES["hcp_triclinic"]()
     ours = potentials.predict(potentials.MACE(path), atoms)
-    atoms.calc = MACECalculator(models=[model], device="cpu", default_dtype="float64")
+    default = torch.get_default_dtype()
+    atoms.calc = MACECalculator(model_paths=str(path), device="cpu", default_dtype="float64")
     reference = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(), "stress": atoms.get_stress()}
     torch.set_default_dtype(default)  # MACE's calculator sets it for the process
     assert max(mace_errors(ours, reference, atoms).values()) < 1e-9

@@ -618,8 +618,8 @@ class Trainer:
                 f"{int(count[0])} of {int(count[1])} parameters trained (model.freeze {section['freeze']})"
             print(f"mlip-train: {type(self.model).__name__}{start} {species_text(self.model.species)}, {trained}, "
                   f"{len(self.train_set)} training / {len(self.validation)} validation / {len(self.test)} test "
-                  f"structures, {procs.size} rank(s) x {torch.get_num_threads()} thread(s), {procs.parallel} parallel{layout}",
-                  flush=True)
+                  f"structures\nmlip-train: {procs.size} rank(s) x {torch.get_num_threads()} thread(s), "
+                  f"{procs.parallel} parallel{layout}", flush=True)
             if self.reference_note:
                 print(self.reference_note, flush=True)
         procs.barrier()  # the output directory exists before any rank writes into it
