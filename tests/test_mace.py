@@ -258,3 +258,18 @@ def test_md_and_lammps_deck_on_two_ranks_equal_one_process(mpirun, tmp_path):
     for name, fix in (("pair_style", "mlip_external"), ("fix", "ext")):
         text = (tmp_path / f"{name}.log").read_text()
         assert f"fix {fix} external: MACE (Cu Ag; cutoff 4.5 A, 2 layer(s))" in text, text[-2000:]
+
+
+def test_import_prints_no_cuequivariance_notice():
+    """mace-torch prints that cuEquivariance is missing on import, once per process (so once per rank of a
+    job); the adapters never use it, and import_mace leaves the notice out (anything else it would print)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = "from potentials.adapters.mace import import_mace; import_mace(); print('imported')"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert run.returncode == 0 and run.stdout.strip() == "imported", run.stdout + run.stderr
+    assert "cuequivariance" not in (run.stdout + run.stderr).lower()
