@@ -66,7 +66,7 @@ def model_class(name: str, where: str = "checkpoint"):
 def _config(model) -> str:
     """The JSON config a checkpoint of ``model`` stores (CheckpointError for a class it cannot hold)."""
     name = type(model).__name__
-    if name not in {**MODEL_CLASSES, **ADAPTER_CLASSES} or model_class(name) is not type(model):
+    if model_class(name) is not type(model):
         raise CheckpointError(f"cannot save {name}: checkpoints support {sorted({**MODEL_CLASSES, **ADAPTER_CLASSES})}")
     return json.dumps({"format": FORMAT, "version": VERSION, "class": name, "hyperparameters": model.hyperparameters,
                        "species": model.species, "cutoff": model.cutoff,
@@ -96,27 +96,15 @@ def load(path, map_location="cpu", parts=None):
             empty, archive = not f.read(1), zipfile.is_zipfile(f)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read checkpoint ({exc.strerror})") from None
-    foreign = _foreign(path) if archive else None
-    if foreign is not None:
-        what, key = foreign
-        raise CheckpointError(f"{path}: {what}, not a potentials checkpoint: name it with the key {key} "
-                              f"(model: {{{key}: FILE}} in mlip-md and mlip-train, {key}:FILE elsewhere)")
     if not archive:  # potentials.save writes torch's zip format; text, CSV or empty files are not checkpoints
         raise CheckpointError(f"{path}: not a checkpoint: truncated or corrupt, or not written by potentials.save "
                               f"({'an empty file' if empty else 'not a zip archive'})")
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True, mmap=parts is not None)
-    except pickle.UnpicklingError as exc:
-        objects = [line.strip() for line in str(exc).splitlines() if "GLOBAL" in line]
-        if objects:
-            raise CheckpointError(f"{path}: holds pickled Python objects, refused (only tensors and a JSON config "
-                                  f"are allowed): {objects[0]}") from None
-        raise CheckpointError(f"{path}: truncated or corrupt checkpoint (not a torch.save file)") from None
     except Exception as exc:  # torch.load raises many types for a damaged or foreign zip archive
-        raise CheckpointError(f"{path}: truncated or corrupt checkpoint ({type(exc).__name__}: "
-                              f"{(str(exc).splitlines() or [''])[0]})") from None
+        raise _refused(path, exc) from None
     if not isinstance(payload, dict) or not {"config", "state_dict"} <= set(payload):
-        raise CheckpointError(f"{path}: not an {FORMAT} checkpoint (expected keys 'config' and 'state_dict')")
+        raise _refused(path)
     try:
         config = json.loads(payload["config"])
     except (TypeError, json.JSONDecodeError) as exc:
@@ -148,6 +136,27 @@ def load(path, map_location="cpu", parts=None):
         raise CheckpointError(f"{path}: weights do not fit a {cls.__name__} with these hyper-parameters: "
                               f"{str(exc).splitlines()[0]}") from None
     return model.to(map_location).eval()
+
+
+def _refused(path, exc: Exception | None = None) -> CheckpointError:
+    """Why the zip archive ``path`` is not a potentials checkpoint — ``torch.load(weights_only=True)`` refused
+    it with ``exc``, or (None) it holds something else than {config, state_dict}: another package's model
+    file (named, with the model key that reads it), pickled objects, damage, or other data."""
+    foreign = _foreign(path)
+    if foreign is not None:
+        what, key = foreign
+        return CheckpointError(f"{path}: {what}, not a potentials checkpoint: name it with the key {key} "
+                               f"(model: {{{key}: FILE}} in mlip-md and mlip-train, {key}:FILE elsewhere)")
+    if exc is None:
+        return CheckpointError(f"{path}: not an {FORMAT} checkpoint (expected keys 'config' and 'state_dict')")
+    if isinstance(exc, pickle.UnpicklingError):
+        objects = [line.strip() for line in str(exc).splitlines() if "GLOBAL" in line]
+        if objects:
+            return CheckpointError(f"{path}: holds pickled Python objects, refused (only tensors and a JSON config "
+                                   f"are allowed): {objects[0]}")
+        return CheckpointError(f"{path}: truncated or corrupt checkpoint (not a torch.save file)")
+    return CheckpointError(f"{path}: truncated or corrupt checkpoint ({type(exc).__name__}: "
+                           f"{(str(exc).splitlines() or [''])[0]})")
 
 
 def _foreign(path):

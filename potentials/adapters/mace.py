@@ -220,9 +220,9 @@ def mace_architecture(cls, config) -> dict:
     return out
 
 
-def build_mace(architecture: dict, where: str) -> torch.nn.Module:
+def build_mace(architecture: dict, where: str, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
     """A MACE module of ``architecture`` (``mace_architecture``'s form) built by mace-torch's constructors in
-    float64, its weights those the constructors drew (load a state dict into it). The process's default
+    ``dtype``, its weights those the constructors drew (load a state dict into it). The process's default
     dtype and random state are left as they were."""
     import numpy as np
     from e3nn import o3
@@ -245,7 +245,7 @@ def build_mace(architecture: dict, where: str) -> torch.nn.Module:
         raise MACEModelError(f"{where}: not a MACE architecture this mace-torch builds ({type(exc).__name__}: "
                              f"{exc})") from None
     try:
-        with torch.random.fork_rng(devices=[]), default_dtype(torch.float64):
+        with torch.random.fork_rng(devices=[]), default_dtype(dtype):
             return cls(**config)
     except Exception as exc:  # mace's constructors raise many types for hyper-parameters they reject
         raise MACEModelError(f"{where}: mace-torch cannot build this {cls.__name__} ({type(exc).__name__}: "
@@ -275,12 +275,12 @@ def load_mace(path) -> tuple:
             raise
         raise MACEModelError(f"{path}: not a complete MACE model ({type(exc).__name__}: "
                              f"{(str(exc).splitlines() or [''])[0]})") from None
-    model = build_mace(architecture, path)
+    model = build_mace(architecture, path, dtype)  # in the file's dtype, as MACE built it
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as exc:
         raise MACEModelError(f"{path}: the saved weights do not fit the rebuilt {type(model).__name__}: "
-                             f"{' '.join(str(exc).splitlines())[:400]}") from None
+                             f"{' '.join(str(exc).split())[:400]}") from None
     return model.to(dtype).eval(), architecture
 
 
