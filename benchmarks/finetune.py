@@ -235,9 +235,9 @@ import json, resource, sys, time
 sys.path.insert(0, {benchmarks!r})
 from common import status_mb
 from mlip_parallel.config import read_config
-from mlip_parallel.train.cli import CHOICES, SCHEMA, validate
+from mlip_parallel.train.cli import RULES, SCHEMA, validate
 from mlip_parallel.train.trainer import Trainer
-trainer = Trainer(validate(read_config({job!r}), SCHEMA, CHOICES))
+trainer = Trainer(validate(read_config({job!r}), SCHEMA, RULES))
 start_mb = status_mb("VmRSS")
 start = time.perf_counter()
 rows = trainer.fit()

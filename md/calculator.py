@@ -1,9 +1,12 @@
 """ASE calculator over ``mlip_parallel.evaluate``: serial, or spatially decomposed under mpiexec."""
 from __future__ import annotations
 
+import math
+
 from ase.calculators.calculator import Calculator, all_changes
 
 import mlip_parallel
+from potentials.graph import MIN_DISTANCE
 from potentials.messages import memory_budget_bytes
 from mlip_parallel import MODES
 
@@ -14,24 +17,27 @@ class MLIPCalculator(Calculator):
     Launched with ``mpiexec -n P python script.py``, every rank builds the same Atoms and attaches its
     own calculator; each evaluation is split by space over the ranks and every rank gets the full
     results, so ASE optimizers and integrators run unchanged. Serial without MPI. ``mode``, ``grid``,
-    ``comm`` and ``memory_budget_gb`` are those of ``mlip_parallel.evaluate``. Stress is given when the cell has a volume.
+    ``comm``, ``memory_budget_gb`` and ``min_distance`` are those of ``mlip_parallel.evaluate``. Stress is given when
+    the cell has a volume.
     """
 
     implemented_properties = ["energy", "free_energy", "energies", "forces", "stress"]
 
     def __init__(self, model, mode: str = "layerwise", grid=None, comm=None, memory_budget_gb: float | None = None,
-                 **kwargs):
+                 min_distance: float = MIN_DISTANCE, **kwargs):
         super().__init__(**kwargs)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if memory_budget_gb is not None:
             memory_budget_bytes(memory_budget_gb, "cpu")  # a bad value raises here, not at the first step
         self.model, self.mode, self.grid, self.comm = model, mode, grid, comm
-        self.memory_budget_gb = memory_budget_gb
+        if not (math.isfinite(min_distance) and min_distance >= 0):
+            raise ValueError(f"min_distance must be a finite number >= 0 (Å), got {min_distance}")
+        self.memory_budget_gb, self.min_distance = memory_budget_gb, min_distance
 
     def calculate(self, atoms=None, properties=None, system_changes=all_changes):
         super().calculate(atoms, properties, system_changes)
         result = mlip_parallel.evaluate(self.model, self.atoms, mode=self.mode, grid=self.grid, comm=self.comm,
-                                        memory_budget_gb=self.memory_budget_gb)
+                                        memory_budget_gb=self.memory_budget_gb, min_distance=self.min_distance)
         result["free_energy"] = result["energy"]
         self.results = result

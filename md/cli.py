@@ -9,12 +9,14 @@ and prints a thermo table with a progress bar and a closing summary on rank 0.
 from __future__ import annotations
 
 import csv
+import math
 import sys
 import time
 from pathlib import Path
 
 from mlip_parallel.config import ConfigError, check_output_directory, config_parser, read_config, read_job, \
     report_error, schema_help as config_help, validate as config_validate
+from mlip_parallel.errors import MemoryLimitError, SimulationError
 from mlip_parallel.launch import end_job
 from potentials.errors import OutputError
 
@@ -40,6 +42,8 @@ SCHEMA = {
         "crystal": (str, "fcc", "built structure: ase.build.bulk crystal structure"),
         "a": (float, 3.61, "built structure: lattice constant, Å"),
         "repeat": (list, [10, 10, 10], "built structure: cubic cells per direction"),
+        "min_distance": (float, 0.5, "atoms closer than this (Å, periodic images included) are an error in the "
+                                     "structure, named with the pair (0: not checked)"),
     },
     "temperature_K": (float, 300.0, "initial Maxwell-Boltzmann temperature (seeded); 0 keeps the file's velocities"),
     "ensemble": (str, "nve", "nve, langevin (BAOAB), bussi (stochastic velocity rescaling), nose-hoover "
@@ -83,14 +87,18 @@ SCHEMA = {
                                  "(step, rate, ETA); false (or --no-progress): none"),
     },
 }
-CHOICES = {"ensemble": ("nve", "langevin", "bussi", "nose-hoover", "npt"), "mode": ("layerwise", "wide"),
-           "device": ("auto", "cpu", "cuda"),
-           "model.dtype": ("float32", "float64"), "output.trajectory_format": ("extxyz", "traj")}
+# allowed values (a tuple) or the range of a number (mlip_parallel.config.obeys); other numbers: finite, >= 0
+RULES = {"ensemble": ("nve", "langevin", "bussi", "nose-hoover", "npt"), "mode": ("layerwise", "wide"),
+         "device": ("auto", "cpu", "cuda"),
+         "model.dtype": ("float32", "float64"), "output.trajectory_format": ("extxyz", "traj"),
+         "structure.a": "> 0", "thermostat.tau_fs": "> 0", "thermostat.tdamp_fs": "> 0",
+         "barostat.pressure_GPa": "finite", "barostat.pdamp_fs": "> 0", "timestep_fs": "> 0",
+         "memory_budget_gb": "> 0"}
 
 
 def validate(config) -> dict:
     """Fill defaults and check every key and type; raise ConfigError naming the key."""
-    return config_validate(config, SCHEMA, CHOICES)
+    return config_validate(config, SCHEMA, RULES)
 
 
 def schema_help() -> str:
@@ -111,7 +119,7 @@ def build_model(section):
     if section["lennard_jones"] is not None:
         try:
             return potentials.LennardJones(**section["lennard_jones"])
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:
             raise ConfigError(f"model.lennard_jones: {exc}") from None
     key = given[0] if given else "checkpoint"
     spec = {"checkpoint": section["checkpoint"] or "cu-emt"}.get(key) or f"{key}:{section[key]}"
@@ -125,14 +133,8 @@ def build_integrator(config):
     from .integrators import MTK, Bussi, Langevin, NoseHoover, VelocityVerlet
 
     dt, t, b, ensemble = config["timestep_fs"], config["thermostat"], config["barostat"], config["ensemble"]
-    if dt <= 0:
-        raise ConfigError(f"timestep_fs must be > 0, got {dt}")
     if ensemble != "nve" and t["temperature_K"] <= 0:
         raise ConfigError(f"thermostat.temperature_K must be > 0 for ensemble {ensemble}, got {t['temperature_K']}")
-    for key, value in (("thermostat.tdamp_fs", t["tdamp_fs"]), ("thermostat.tau_fs", t["tau_fs"]),
-                       ("barostat.pdamp_fs", b["pdamp_fs"])):
-        if value <= 0:
-            raise ConfigError(f"{key} must be > 0, got {value}")
     if ensemble == "langevin":
         return Langevin(dt, t["temperature_K"], t["friction_per_fs"], seed=config["seed"])
     if ensemble == "bussi":
@@ -151,6 +153,9 @@ def build_atoms(config):
     from ase.md.velocitydistribution import thermalize_momenta
     from ase.parallel import DummyMPI
 
+    from potentials.errors import InvalidStructureError
+    from potentials.graph import check_min_distance, check_positions, complete_cell
+
     section = config["structure"]
     if section["file"] is not None:
         try:
@@ -159,16 +164,46 @@ def build_atoms(config):
             raise ConfigError(f"structure.file: cannot read {section['file']!r}: {exc}") from None
     else:
         repeat = section["repeat"]
-        if len(repeat) != 3 or not all(isinstance(r, int) and r > 0 for r in repeat):
+        if len(repeat) != 3 or not all(isinstance(r, int) and not isinstance(r, bool) and r > 0 for r in repeat):
             raise ConfigError(f"structure.repeat must be three positive integers, got {repeat}")
         try:
-            atoms = bulk(section["element"], section["crystal"], a=section["a"], cubic=True).repeat(repeat)
+            cell = bulk(section["element"], section["crystal"], a=section["a"], cubic=True)
         except (ValueError, KeyError) as exc:
             raise ConfigError(f"structure: cannot build {section['element']} {section['crystal']}: {exc}") from None
+        check_structure_fits(len(cell) * math.prod(repeat))
+        atoms = cell.repeat(repeat)
+    where = section["file"] or "the built structure"
+    try:
+        positions, cell = check_positions(atoms.positions), complete_cell(atoms.cell[:], atoms.pbc)
+    except InvalidStructureError as exc:
+        raise ConfigError(f"structure: {where}: {exc}") from None
+    try:
+        check_min_distance(positions, cell, atoms.pbc, section["min_distance"])
+    except InvalidStructureError as exc:
+        raise ConfigError(f"structure: {where}: {exc}; structure.min_distance sets the limit") from None
     if config["temperature_K"] > 0:
         thermalize_momenta(atoms, temperature_K=config["temperature_K"], rng=np.random.default_rng(config["seed"]),
                            comm=DummyMPI())  # every rank draws the same velocities
     return atoms
+
+
+HOST_BYTES_PER_ATOM = 2_000  # the start structure every rank holds (ASE's arrays, velocities, the copies made)
+
+
+def check_structure_fits(n_atoms: int) -> None:
+    """ConfigError when every rank of this node holding a start structure of ``n_atoms`` atoms would
+    take more than the node's memory (before it is built: ``structure.repeat`` can ask for billions)."""
+    from mlip_parallel.launch import ranks_on_node
+
+    try:
+        with open("/proc/meminfo") as f:
+            total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    except (OSError, StopIteration, ValueError):
+        return
+    need = n_atoms * HOST_BYTES_PER_ATOM * ranks_on_node()
+    if need > total:
+        raise ConfigError(f"structure.repeat: {n_atoms:,} atoms; every rank builds the start structure, "
+                          f"{need / 1e9:.3g} GB on this node, more than its {total / 1e9:.3g} GB")
 
 
 def check_species(model, numbers, section) -> None:
@@ -219,8 +254,6 @@ def prepare(config) -> dict:
     from .outputs import check_recorded
 
     out = config["output"]
-    if config["memory_budget_gb"] is not None and not config["memory_budget_gb"] > 0:
-        raise ConfigError(f"memory_budget_gb must be > 0 (GB), got {config['memory_budget_gb']}")
     restart, key = continued_restart(config)
     directory = Path(out["directory"])
     in_place = restart is not None and restart.resolve().parent == directory.resolve()
@@ -287,13 +320,20 @@ def simulate(config) -> list:
     def from_restart(path):
         return MDSystem.from_restart(model, path, integrator=integrator, **options)
 
-    # From here on every rank takes part in collectives: an error is not a config error any more (prepare
-    # checked the config and the restart file); uncaught, it ends the whole job through the abort hook.
-    if restart is not None:
-        system, first_step = from_restart(restart)
-    else:
-        system, first_step = MDSystem.from_atoms(model, start["atoms"], balance=config["balance_every"] > 0,
-                                                 **options), 0
+    # From here on every rank takes part in collectives. The memory pre-flight (before the first ghosts) and
+    # the first force call decide alike on every rank, before anything is written; after them an error
+    # raised alike everywhere (SimulationError) ends the run with one line, any other through the abort hook.
+    try:
+        if restart is not None:
+            system, first_step = from_restart(restart)
+        else:
+            system, first_step = MDSystem.from_atoms(model, start["atoms"], balance=config["balance_every"] > 0,
+                                                     **options), 0
+        system.compute_forces()
+    except MemoryLimitError as exc:
+        raise ConfigError(str(exc)) from None
+    except SimulationError as exc:
+        raise SimulationError(f"step {first_step if restart is not None else 0}: {exc}") from None
     out = config["output"]
     directory = Path(out["directory"])
     restart_path = directory / "restart.npz"
@@ -335,7 +375,6 @@ def simulate(config) -> list:
 
         rows, step = [], first_step
         stops = {steps} | {s for n in (every, traj_every, restart_every) if n for s in range(0, steps + 1, n)}
-        system.compute_forces()
         samples = [system.thermo(first_step, integrator.dt)]  # for the summary: every `stride` steps
         start_time = time.perf_counter()
         last_timers, last_step = dict(system.timers), step
@@ -392,6 +431,8 @@ def simulate(config) -> list:
             plot_thermo(directory)
     except OutputError as exc:
         raise OutputError(f"{exc}; last restart written: {last_restart}") from None
+    except SimulationError as exc:  # alike on every rank: thermo.csv and the trajectory end at the last row
+        raise SimulationError(f"{exc}; last restart written: {last_restart}") from None
     phases = np.array([system.timers[phase] for phase in PHASES])
     slowest, mean = backend.allreduce(phases, op="max"), backend.allreduce(phases) / backend.size
     if root:
@@ -489,12 +530,15 @@ def plot_thermo(directory: Path) -> None:
 def main(argv=None) -> int:
     args = config_parser("mlip-md", __doc__.splitlines()[0], SCHEMA).parse_args(argv)
     try:
-        simulate(read_job(args, SCHEMA, CHOICES))
+        simulate(read_job(args, SCHEMA, RULES))
     except ConfigError as exc:  # raised alike on every rank by prepare(), before any output and any collective
         report_error("mlip-md", exc)
         return 2
     except OutputError as exc:  # rank 0 could not write: one line, and the whole job ends
         end_job("mlip-md", exc)
+        return 1
+    except SimulationError as exc:  # the dynamics blew up, alike on every rank: one line, status 1
+        report_error("mlip-md", exc)
         return 1
     return 0
 

@@ -31,7 +31,9 @@ from ase import units
 
 from mlip_parallel import (MODES, DecompositionError, Domain, Grid, LostAtomsError, Subdomain, forward_decomposed,
                            get_backend)
+from mlip_parallel.errors import SimulationError
 from mlip_parallel.evaluate import ghost_reach, global_sums
+from mlip_parallel.preflight import check_rank_memory
 from potentials.errors import InvalidStructureError
 from potentials.files import atomic_write
 from potentials.messages import resolved_budget_gb
@@ -159,6 +161,10 @@ class MDSystem:
             Grid.uniform(self.dims, domain)
         self.thinnest = min(np.diff(grid.planes[d]).min() / np.linalg.norm(domain.inverse[:, d])
                             for d in range(3))  # Å: the smallest subdomain width, for the blow-up check
+        if self.rebuilds == 0:  # before the first ghosts: stop every rank when the fullest would not fit
+            budget = None if np.isinf(self.memory_budget_gb) else int(self.memory_budget_gb * 1e9)
+            check_rank_memory(self.backend, self.model, self.n_atoms, domain, self.dims,
+                              ghost_reach(self.model, self.mode), self.skin, self.mode == "layerwise", budget)
         self.sub = Subdomain(self.backend, domain, grid)
         host = self.sub.comm.exchange(host)
         count = int(self.backend.allreduce(len(host["ids"])))
@@ -189,10 +195,10 @@ class MDSystem:
         farthest, ghost_extra, jump, broken = self.backend.allreduce(
             np.append(np.where(finite, moved, 0.0), float(not finite)), op="max")
         if broken:
-            raise InvalidStructureError("non-finite positions during MD")
+            raise SimulationError("non-finite positions: the dynamics blew up (time step too large?)")
         if jump > self.thinnest:
-            raise InvalidStructureError(f"an atom moved {jump:.3g} A in one step, farther than the thinnest "
-                                        f"subdomain ({self.thinnest:.3g} A): unstable dynamics (time step too large?)")
+            raise SimulationError(f"an atom moved {jump:.3g} Å in one step, farther than the thinnest subdomain "
+                                  f"({self.thinnest:.3g} Å): the dynamics blew up (time step too large?)")
         if rebalance or farthest + ghost_extra > 0.5 * self.skin:
             self.rebuild(rebalance)
             return True

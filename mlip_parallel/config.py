@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 import os
 import sys
 from pathlib import Path
@@ -31,10 +32,44 @@ def schema_help(schema: dict, prefix: str = "") -> str:
     return "\n".join(lines)
 
 
-def validate(config, schema: dict, choices: dict | None = None, path: str = "") -> dict:
-    """Fill defaults and check every key and type (ints are accepted for floats, numbers must be >= 0,
-    ``choices[dotted.key]`` lists allowed values); raise ConfigError naming the key."""
-    choices = choices or {}
+def describe_rule(rule) -> str:
+    """A rule of ``validate``'s ``rules`` in words: "one of (...)", "> 0", "in [0, 1)", "finite"."""
+    if isinstance(rule, tuple):
+        return f"one of {rule}"
+    return "a finite number" if rule == "finite" else (f"in {rule}" if rule[0] in "[(" else rule)
+
+
+def obeys(value, rule) -> bool:
+    """Whether ``value`` obeys ``rule``: a tuple of allowed values, or for a number "finite", "> a",
+    ">= a", or an interval "[a, b)" (any of ``[(`` and ``)]``); numbers must always be finite (NaN and
+    inf obey no range: every comparison with NaN is false)."""
+    if isinstance(rule, tuple):
+        return value in rule
+    if not math.isfinite(value):
+        return False
+    if rule == "finite":
+        return True
+    if rule.startswith(">"):
+        bound = float(rule.lstrip(">= "))
+        return value >= bound if rule.startswith(">=") else value > bound
+    low, high = (float(x) for x in rule[1:-1].split(","))
+    return (value >= low if rule[0] == "[" else value > low) and (value <= high if rule[-1] == "]" else value < high)
+
+
+def check_number(name: str, value, rule: str = ">= 0") -> None:
+    """ConfigError naming ``name`` unless ``value`` is a finite number (not a bool) obeying ``rule``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    if not obeys(value, rule):
+        what = "a finite number" if rule == "finite" else f"a finite number {describe_rule(rule)}"
+        raise ConfigError(f"{name} must be {what}, got {value!r}")
+
+
+def validate(config, schema: dict, rules: dict | None = None, path: str = "") -> dict:
+    """Fill defaults and check every key and type (ints are accepted for floats); raise ConfigError
+    naming the key. ``rules[dotted.key]``: a tuple of allowed values, or a range of a number (``obeys``);
+    a number without a rule must be finite and >= 0."""
+    rules = rules or {}
     if config is None:
         config = {}
     if not isinstance(config, dict):
@@ -48,7 +83,7 @@ def validate(config, schema: dict, choices: dict | None = None, path: str = "") 
     for key, spec in schema.items():
         name = f"{path}{key}"
         if isinstance(spec, dict):
-            out[key] = validate(config.get(key), spec, choices, name + ".")
+            out[key] = validate(config.get(key), spec, rules, name + ".")
             continue
         types, default, _ = spec
         value = config.get(key, default)
@@ -57,10 +92,10 @@ def validate(config, schema: dict, choices: dict | None = None, path: str = "") 
                 value = float(value)
             if not isinstance(value, types) or (types is not bool and isinstance(value, bool)):
                 raise ConfigError(f"{name} must be {types.__name__}, got {value!r}")
-            if name in choices and value not in choices[name]:
-                raise ConfigError(f"{name} must be one of {choices[name]}, got {value!r}")
-            if types in (int, float) and value < 0:
-                raise ConfigError(f"{name} must be >= 0, got {value}")
+            if types in (int, float):
+                check_number(name, value, rules.get(name, ">= 0"))
+            elif name in rules and value not in rules[name]:
+                raise ConfigError(f"{name} must be {describe_rule(rules[name])}, got {value!r}")
         out[key] = value
     return out
 
@@ -90,9 +125,9 @@ def config_parser(prog: str, description: str, schema: dict) -> argparse.Argumen
     return parser
 
 
-def read_job(args, schema: dict, choices: dict) -> dict:
+def read_job(args, schema: dict, rules: dict) -> dict:
     """The validated config of a CLI's ``args`` (``config_parser``): the YAML file, then ``--no-progress``."""
-    config = validate(read_config(args.config), schema, choices)
+    config = validate(read_config(args.config), schema, rules)
     if args.no_progress:
         config["output"]["progress"] = False
     return config

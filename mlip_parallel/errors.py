@@ -10,8 +10,18 @@ class BackendError(MLIPError, RuntimeError):
     """No such communication backend, or the ranks cannot meet (e.g. no reachable rendezvous address)."""
 
 
+class MemoryLimitError(MLIPError, MemoryError):
+    """The estimated memory of a rank's atoms, ghosts and pairs exceeds what the rank has (raised on every
+    rank before they are built; ``mlip_parallel.preflight``)."""
+
+
+class SimulationError(MLIPError, RuntimeError):
+    """The run cannot go on: non-finite forces or positions, an atom jumping farther than a subdomain in one
+    step (raised alike on every rank)."""
+
+
 class LostAtomsError(MLIPError, RuntimeError):
     """Atoms went missing or were duplicated while moving between ranks."""
 
 
-__all__ = ["BackendError", "DecompositionError", "InvalidStructureError", "LostAtomsError", "MLIPError", "UnknownSpeciesError"]
+__all__ = ["BackendError", "DecompositionError", "InvalidStructureError", "LostAtomsError", "MemoryLimitError", "MLIPError", "SimulationError", "UnknownSpeciesError"]

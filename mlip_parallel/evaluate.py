@@ -6,16 +6,17 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from potentials.errors import InvalidStructureError
-from potentials.graph import AtomGraph, NoHalo, check_positions, edge_vectors, neighbour_pairs, strained_coordinates
+from potentials.graph import (MIN_DISTANCE, AtomGraph, NoHalo, check_positions, check_structure, edge_vectors,
+                              neighbour_pairs, strained_coordinates)
 from potentials.messages import memory_budget_bytes
 from potentials.predict import voigt_stress
 
 from .backend import get_backend, rank_device
 from .comm import FeatureHalo
 from .domain import Domain
-from .errors import LostAtomsError
+from .errors import LostAtomsError, SimulationError
 from .grid import Grid
+from .preflight import check_rank_memory
 from .subdomain import Subdomain
 
 MODES = ("layerwise", "wide")
@@ -23,12 +24,18 @@ MODES = ("layerwise", "wide")
 
 class Decomposition(Subdomain):
     """The ``Subdomain`` of this rank in a structure ``atoms`` that every rank holds alike (ghosts within
-    ``r_ghost`` Å; no skin, no candidates); ``owned`` [n_local] indices of its atoms in ``atoms``."""
+    ``r_ghost`` Å; no skin, no candidates); ``owned`` [n_local] indices of its atoms in ``atoms``. With
+    ``model``, the memory pre-flight runs first (``preflight.check_rank_memory``: MemoryLimitError on every
+    rank when the fullest rank would not fit; ``layerwise`` and ``budget_bytes`` as the evaluation runs)."""
 
-    def __init__(self, atoms, r_ghost: float, backend, grid=None):
+    def __init__(self, atoms, r_ghost: float, backend, grid=None, model=None, layerwise: bool = True,
+                 budget_bytes: int | None = None):
         positions = check_positions(atoms.positions)
         domain = Domain.from_positions(positions, atoms.cell, atoms.pbc)
         super().__init__(backend, domain, Grid.for_ranks(backend.size, domain, grid))
+        if model is not None:
+            check_rank_memory(backend, model, len(positions), domain, self.grid.dims, r_ghost, 0.0, layerwise,
+                              budget_bytes)
         wrapped, _ = domain.wrap(positions)
         self.owned = np.flatnonzero(self.grid.owner(domain.wrapped_fractional(wrapped)) == backend.rank)
         self.build(wrapped[self.owned], self.owned, np.asarray(atoms.numbers)[self.owned], r_ghost)
@@ -49,15 +56,14 @@ class GlobalSums(NamedTuple):
 
 def global_sums(backend, energies, dE_dstrain, forces=None) -> GlobalSums:
     """Sum this rank's owned energies [n_local] and dE/dstrain [3, 3] over all ranks (one device → host
-    copy of 10 numbers, one allreduce). With ``forces`` [n_local, 3], this rank first checks, in the same
-    copy, that they are finite (``InvalidStructureError`` otherwise)."""
+    copy of 10 numbers, one allreduce). With ``forces`` [n_local, 3], the same copy and allreduce count the
+    non-finite ones: SimulationError on every rank alike when there are any."""
     local = [dE_dstrain.detach().reshape(9).double(), energies.detach().sum().reshape(1).double()]
     if forces is not None:
-        local.append(torch.isfinite(forces).all().reshape(1).double())
-    local = torch.cat(local).cpu().numpy()
-    if forces is not None and not local[10]:
-        raise InvalidStructureError(f"rank {backend.rank}: non-finite forces")
-    totals = backend.allreduce(local[:10])
+        local.append((~torch.isfinite(forces)).any(dim=1).sum().reshape(1).double())
+    totals = backend.allreduce(torch.cat(local).cpu().numpy())
+    if forces is not None and totals[10]:
+        raise SimulationError(f"non-finite forces on {int(totals[10])} atom(s) (energy {totals[9]:.6g} eV)")
     return GlobalSums(float(totals[9]), totals[:9].reshape(3, 3))
 
 
@@ -109,7 +115,7 @@ def forward_decomposed(model, sub: Subdomain, mode: str = "layerwise", create_gr
 
 
 def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, stress: bool = True,
-             device=None, memory_budget_gb: float | None = None) -> dict:
+             device=None, memory_budget_gb: float | None = None, min_distance: float = MIN_DISTANCE) -> dict:
     """Energy, forces, per-atom energies and stress of ``atoms``, computed spatially decomposed.
 
     Every rank calls this with the same ``atoms``. ``mode``: "layerwise" (ghost shell = cutoff, ghost
@@ -119,6 +125,9 @@ def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, str
     puts each rank's model on ``cuda:<local rank>`` where CUDA exists, else CPU (the model is moved).
     ``memory_budget_gb``: the most one chunk of a block's per-edge temporaries may take on a rank
     (None: a share of the device's free memory); it bounds memory and leaves the results unchanged.
+    ``min_distance``: atoms closer than this (Å; 0: unchecked) are an error (``check_structure``).
+    Before any ghost exists, the memory pre-flight stops every rank with MemoryLimitError when the
+    fullest rank would not fit (``mlip_parallel.preflight``).
 
     Returns numpy float64 in the caller's atom order, identical on every rank: "energy" (eV),
     "energies" (N,), "forces" (N, 3) eV/Å, and "stress" (6,) eV/Å³ in ASE's Voigt order and sign when
@@ -130,8 +139,10 @@ def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, str
     device = torch.device(device) if device is not None else rank_device(backend)
     if model.device != device:
         model.to(device)
-    model.species_index(atoms.numbers)  # unknown elements raise here, on every rank alike
-    part = Decomposition(atoms, ghost_reach(model, mode), backend, grid)
+    model.species_index(atoms.numbers)  # unknown elements and bad structures raise here, on every rank alike
+    check_structure(atoms.positions, atoms.cell, atoms.pbc, min_distance)
+    budget = memory_budget_bytes(memory_budget_gb, device)
+    part = Decomposition(atoms, ghost_reach(model, mode), backend, grid, model, mode == "layerwise", budget)
     energies, forces, dE_dstrain = forward_decomposed(model, part, mode, memory_budget_gb=memory_budget_gb)
 
     parts = backend.allgather((part.owned, energies.detach().cpu().numpy(), forces.cpu().numpy(),

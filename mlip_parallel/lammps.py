@@ -59,7 +59,7 @@ import traceback
 from pathlib import Path
 from typing import NamedTuple
 
-from .config import report_error
+from .config import obeys, report_error
 from .errors import MLIPError
 
 PROG = "mlip-lammps"
@@ -322,6 +322,16 @@ class LammpsDecomposition:
         outside = np.maximum(np.maximum(lo - frac, frac - hi), 0.0) / np.linalg.norm(domain.inverse, axis=0)
         drift = outside.max(initial=0.0)
         drift = float(backend.allreduce(drift, op="max")) if backend.size > 1 else drift
+        if self.sub is None:  # before the first ghosts: stop every rank when the fullest would not fit
+            from .errors import MemoryLimitError
+            from .preflight import check_rank_memory
+
+            n_atoms = int(backend.allreduce(len(ids))) if backend.size > 1 else len(ids)
+            try:
+                check_rank_memory(backend, self.model, n_atoms, domain, grid.dims, ghost_reach(self.model, self.mode),
+                                  self.skin, self.mode == "layerwise")
+            except MemoryLimitError as exc:
+                raise LammpsBridgeError(str(exc)) from None
         self.sub = Subdomain(backend, domain, grid).build(
             positions, ids, numbers, ghost_reach(self.model, self.mode), self.skin + 2.0 * drift,
             self.model.cutoff + self.skin, layerwise=self.mode == "layerwise", device=self.model.device)
@@ -429,6 +439,7 @@ class Bridge:
         """Forces on LAMMPS's local atoms; the global energy and virial to LAMMPS (collective)."""
         import numpy as np
 
+        from .errors import SimulationError
         from .evaluate import forward_decomposed, global_sums
 
         lmp = self.lmp
@@ -454,11 +465,12 @@ class Bridge:
         self.decomposition.update(x - boxlo, tags, numbers, cell, pbc, lo, hi)
         energies, forces, dE_dstrain = forward_decomposed(self.model, self.decomposition.sub, self.mode,
                                                           memory_budget_gb=self.memory_budget_gb)
-        forces = forces.detach().cpu().numpy()
-        if not np.all(np.isfinite(forces)):
-            raise LammpsBridgeError(f"rank {self.backend.rank}: non-finite forces at step {step}", everywhere=False)
         # both global, the same on every rank (LAMMPS divides the virial by the number of ranks and sums)
-        self.energy, d = global_sums(self.backend, energies, dE_dstrain)
+        try:
+            self.energy, d = global_sums(self.backend, energies, dE_dstrain, forces=forces)
+        except SimulationError as exc:  # counted over every rank: all of them raise it
+            raise LammpsBridgeError(f"step {step}: {exc}") from None
+        forces = forces.detach().cpu().numpy()
         w = -0.5 * (d + d.T)  # LAMMPS's virial sum r_a f_b = -dE/dstrain, order xx yy zz xy xz yz
         self.virial = np.array([w[0, 0], w[1, 1], w[2, 2], w[0, 1], w[0, 2], w[1, 2]])
         self.forces = forces
@@ -714,10 +726,9 @@ def simulate(args, lammps_args) -> None:
         lines = path.read_text().splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise LammpsBridgeError(f"cannot read the deck {str(path)!r}: {exc}") from None
-    if args.skin < 0:
-        raise LammpsBridgeError(f"--skin must be >= 0, got {args.skin}")
-    if args.memory_budget_gb is not None and not args.memory_budget_gb > 0:
-        raise LammpsBridgeError(f"--memory-budget-gb must be > 0, got {args.memory_budget_gb}")
+    for option, value, rule in (("--skin", args.skin, ">= 0"), ("--memory-budget-gb", args.memory_budget_gb, "> 0")):
+        if value is not None and not obeys(value, rule):
+            raise LammpsBridgeError(f"{option} must be a finite number {rule}, got {value}")
     model_spec, elements = args.model or "cu-emt", args.elements
     deck_model = mace_deck_model(path, lines)
     if deck_model is not None:  # a MACE user's deck, run as it is: its pair style becomes our fix external

@@ -35,6 +35,17 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def ranks_on_node(environ=os.environ) -> int:
+    """How many ranks of this job share this node, from the launcher's environment (MPICH's hydra, Open
+    MPI, torchrun, Slurm); 1 where none says."""
+    for key in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        try:
+            return max(1, int(environ[key].split("(")[0]))
+        except (KeyError, ValueError):
+            continue
+    return 1
+
+
 def yield_when_oversubscribed(environ=os.environ, ranks: int | None = None) -> None:
     """Before MPI starts (the first ``from mpi4py import MPI``): where more ranks share this node than this
     process has CPUs (``ranks``, default the launcher's ``MPI_LOCALNRANKS``: MPICH's hydra), add

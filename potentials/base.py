@@ -67,6 +67,26 @@ class Potential(torch.nn.Module):
     def forward(self, graph: AtomGraph) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    # ------------------------------------------------------------------ memory estimate
+    # What one evaluation (energy, forces, stress) keeps beyond one chunk of the memory budget, per row (an
+    # owned or ghost atom) and per edge: the memory pre-flight (mlip_parallel.preflight) stops inputs that
+    # need many times what a rank has, so a factor of two either way is fine. This package's models run their
+    # edge steps in chunks and keep 14-16 KB per atom in all (benchmarks/memory_per_atom.py).
+    EVALUATION_BYTES_PER_ROW = 16_000
+    EVALUATION_BYTES_PER_EDGE = 0
+
+    def evaluation_bytes(self, rows: float, edges: float) -> float:
+        """Estimated bytes of one evaluation over ``rows`` atoms (owned + ghost) and ``edges`` edges."""
+        return self.EVALUATION_BYTES_PER_ROW * rows + self.EVALUATION_BYTES_PER_EDGE * edges
+
+    # Training runs every edge at once and keeps the tensors of both backward passes (SchNet F=64, 3 layers:
+    # ~450 float32 values per edge and layer in the forward alone).
+    TRAINING_BYTES_PER_EDGE = 4_000
+
+    def training_bytes(self, rows: float, edges: float) -> float:
+        """Estimated bytes of one training step's graph (energy + force loss, double backward)."""
+        return 2 * self.evaluation_bytes(rows, edges) + self.TRAINING_BYTES_PER_EDGE * edges
+
     # ------------------------------------------------------------------ training contract
     # What a trainer knows of a model, the same for this package's models and other packages' (adapters):
     # its weights by their package's names, its per-element reference energies, and how it writes itself

@@ -105,6 +105,47 @@ def check_positions(positions) -> np.ndarray:
     return positions
 
 
+MIN_DISTANCE = 0.5  # Å: closer atoms are a mistake in the structure (the shortest bond, H2's, is 0.74 Å)
+
+
+def check_structure(positions, cell, pbc, min_distance: float = MIN_DISTANCE) -> None:
+    """InvalidStructureError unless ``positions`` [N, 3] (Å) are finite, the ``cell`` [3, 3] has a real
+    vector along every periodic direction and a volume (``complete_cell``), and no two atoms (periodic
+    images included) are closer than ``min_distance`` Å (0: not checked); the error names the pair.
+
+    Memory stays O(N) whatever the input (all atoms on one point included): atoms are first binned in
+    cubes of side min_distance/√3, where two atoms in one cube are already too close; only when every
+    cube holds at most one atom (so each atom has a bounded number of neighbours within min_distance)
+    does a neighbour list look for the closest pair."""
+    check_min_distance(check_positions(positions), complete_cell(cell, pbc), pbc, min_distance)
+
+
+def check_min_distance(positions: np.ndarray, full_cell: np.ndarray, pbc, min_distance: float) -> None:
+    """The distance part of ``check_structure``: ``positions`` [N, 3] finite, ``full_cell`` complete."""
+    if not min_distance > 0 or len(positions) < 2:
+        return
+    full = full_cell
+    pbc = np.broadcast_to(np.asarray(pbc, dtype=bool), (3,))
+    fractional = positions @ np.linalg.inv(full)
+    wrapped = (fractional - np.where(pbc, np.floor(fractional), 0.0)) @ full
+    bins = np.floor(wrapped / (min_distance / np.sqrt(3.0))).astype(np.int64)
+    _, first, inverse, counts = np.unique(bins, axis=0, return_index=True, return_inverse=True, return_counts=True)
+    crowded = np.flatnonzero(counts > 1)
+    if crowded.size:
+        a, b = np.flatnonzero(inverse.ravel() == crowded[0])[:2]
+        i, j, d = np.array([a]), np.array([b]), np.linalg.norm(wrapped[[b]] - wrapped[[a]], axis=1)
+    else:
+        i, j, d = vesin.NeighborList(cutoff=float(min_distance), full_list=False).compute(
+            points=positions, box=full, periodic=pbc, quantities="ijd")
+        if not len(d):
+            return
+    k = int(np.argmin(d))
+    raise InvalidStructureError(
+        f"atoms {min(i[k], j[k])} and {max(i[k], j[k])} are {d[k]:.3g} Å apart (periodic images included), closer "
+        f"than {min_distance:g} Å: atoms on top of each other (check the structure's units, lattice constant and "
+        f"cell)")
+
+
 def neighbour_pairs(positions: torch.Tensor, cutoff: float) -> tuple:
     """(i, j) int64 [E] on ``positions``' device: pairs of rows of ``positions`` [N, 3] Å closer than
     ``cutoff`` (both directions), without periodic images (a rank's owned + ghost atoms hold them

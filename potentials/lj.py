@@ -1,6 +1,9 @@
 """Lennard-Jones pair potential, shifted to zero at the cutoff (ASE's ``LennardJones(smooth=False)``)."""
 from __future__ import annotations
 
+import math
+from numbers import Real
+
 import torch
 
 from .base import Potential
@@ -12,11 +15,14 @@ class LennardJones(Potential):
     between the two atoms of a pair. Element-agnostic; float64 by default (it is the reference)."""
 
     layers = 1
+    EVALUATION_BYTES_PER_ROW = 200
+    EVALUATION_BYTES_PER_EDGE = 300  # its pair terms over all edges at once, under autograd (float64)
 
     def __init__(self, epsilon: float = 1.0, sigma: float = 1.0, cutoff: float = 3.0):
         super().__init__(species=None)
-        if not (epsilon > 0 and sigma > 0 and cutoff > 0):
-            raise ValueError(f"epsilon, sigma and cutoff must be positive: {epsilon}, {sigma}, {cutoff}")
+        for name, value in (("epsilon", epsilon), ("sigma", sigma), ("cutoff", cutoff)):
+            if isinstance(value, bool) or not isinstance(value, Real) or not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         self.epsilon, self.sigma, self.cutoff = float(epsilon), float(sigma), float(cutoff)
         self.hyperparameters = dict(epsilon=self.epsilon, sigma=self.sigma, cutoff=self.cutoff)
         self.double()

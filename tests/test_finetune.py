@@ -33,7 +33,7 @@ warnings.filterwarnings("ignore", module="mace|e3nn|nequip|sevenn|lightning|torc
 import potentials  # noqa: E402
 from conftest import MPI_DIR  # noqa: E402
 from mlip_parallel.config import ConfigError  # noqa: E402
-from mlip_parallel.train.cli import CHOICES, SCHEMA, main, train, validate  # noqa: E402
+from mlip_parallel.train.cli import RULES, SCHEMA, main, train, validate  # noqa: E402
 from potentials.adapters.exchange import default_dtype  # noqa: E402
 from systems import (MACE_DIR, NEQUIP_DIR, labelled_alloys, max_relative_error, write_small_mace,  # noqa: E402
                      write_small_sevennet)
@@ -82,7 +82,7 @@ def one_process(files):
     runs = {}
     for family in FAMILIES:
         directory = files["root"] / f"one-{family}"
-        runs[family] = directory, train(validate(job(files, family, directory), SCHEMA, CHOICES))
+        runs[family] = directory, train(validate(job(files, family, directory), SCHEMA, RULES))
     return runs
 
 
@@ -343,9 +343,9 @@ def test_resume_one_plus_two_epochs_equals_three(files, one_process, family):
     straight = one_process[family][0]
     if changes:
         straight = files["root"] / f"straight-{family}"
-        train(validate(job(files, family, straight, **changes), SCHEMA, CHOICES))
-    train(validate(job(files, family, directory, epochs=1, **changes), SCHEMA, CHOICES))
-    train(validate(job(files, family, directory, resume=True, **changes), SCHEMA, CHOICES))
+        train(validate(job(files, family, straight, **changes), SCHEMA, RULES))
+    train(validate(job(files, family, directory, epochs=1, **changes), SCHEMA, RULES))
+    train(validate(job(files, family, directory, resume=True, **changes), SCHEMA, RULES))
     a, b = (torch.load(d / "last.pt", weights_only=True)["training"] for d in (straight, directory))
     for part in ("model", "ema"):
         for key in a[part]:
@@ -364,7 +364,7 @@ def test_fine_tuned_checkpoint_starts_another_run(files, one_process, tmp_path):
     start = one_process["sevennet"][0] / "best.pt"
     config = job(files, "sevennet", tmp_path / "run", epochs=1, model={"sevennet": None, "checkpoint": str(start)})
     config["model"] = {k: v for k, v in config["model"].items() if v is not None}
-    rows = train(validate(config, SCHEMA, CHOICES))
+    rows = train(validate(config, SCHEMA, RULES))
     assert np.isfinite(rows[0]["train_loss"]) and (tmp_path / "run" / "checkpoint_best.pth").exists()
     assert isinstance(potentials.load(tmp_path / "run" / "best.pt"), potentials.SevenNet)
 
@@ -374,7 +374,7 @@ def test_freeze_keeps_the_matched_weights(files, capsys):
     says how many are trained; best.pt and best.model hold the result."""
     directory = files["root"] / "frozen"
     frozen = ["node_embedding.*", "interactions.*", "products.*"]
-    train(validate(job(files, "mace", directory, epochs=1, model={"freeze": frozen}), SCHEMA, CHOICES))
+    train(validate(job(files, "mace", directory, epochs=1, model={"freeze": frozen}), SCHEMA, RULES))
     start = potentials.MACE(files["mace"][1]).mace.state_dict()
     end = potentials.MACE(directory / "best.model").mace.state_dict()
     trained = {k for k in start if not torch.equal(start[k], end[k])}
@@ -403,7 +403,7 @@ def test_refit_reference_energies_is_least_squares_of_the_residual(files):
     before = potentials.NequIPFramework(path).reference_energies()
     expected = before + np.linalg.lstsq(counts, np.array(residual), rcond=None)[0]
     trainer = Trainer(validate(job(files, "nequip", files["root"] / "refit", model={"reference_energies": "refit"}),
-                               SCHEMA, CHOICES))
+                               SCHEMA, RULES))
     assert np.allclose(trainer.model.reference_energies(), expected, rtol=1e-10, atol=1e-10)
     assert before[0] == before[1] and expected[0] != expected[1]
     assert f"Cu {expected[0]:.6g} (was {before[0]:.6g}), Ag {expected[1]:.6g}" in trainer.reference_note
@@ -416,7 +416,7 @@ def test_multi_head_mace_written_under_e3nn_044_fine_tunes(files, tmp_path):
 
     config = job(files, "mace", tmp_path / "run", epochs=1, model={"mace": str(MACE_DIR / "mace-heads-f64.model"),
                                                                   "head": "pbe"})
-    rows = train(validate(config, SCHEMA, CHOICES))
+    rows = train(validate(config, SCHEMA, RULES))
     assert np.isfinite(rows[0]["train_loss"])
     best = potentials.load(tmp_path / "run" / "best.pt")
     assert best.head == "pbe"

@@ -19,7 +19,7 @@ from ase.io import write
 import potentials
 from conftest import MPI_DIR, ROOT, assert_log_lines
 from mlip_parallel.config import ConfigError
-from mlip_parallel.train.cli import CHOICES, SCHEMA, USER_MALLOC, main, train, validate
+from mlip_parallel.train.cli import RULES, SCHEMA, USER_MALLOC, main, train, validate
 from mlip_parallel.train.training import DataError
 
 spec = importlib.util.spec_from_file_location("generate_cu_emt_data", ROOT / "examples" / "generate_cu_emt_data.py")
@@ -63,7 +63,7 @@ def trained_parameters(directory):
 
 def test_short_training_lowers_validation_force_error(quick_data, tmp_path):
     out = tmp_path / "run"
-    rows = train(validate(job(out, quick_data, epochs=8), SCHEMA, CHOICES))
+    rows = train(validate(job(out, quick_data, epochs=8), SCHEMA, RULES))
     assert rows[-1]["forces_mae"] < 0.9 * rows[0]["forces_mae"], [r["forces_mae"] for r in rows]
     for name in ("best.pt", "last.pt", "metrics.csv", "learning_curve.png"):
         assert (out / name).exists(), name
@@ -75,9 +75,9 @@ def test_short_training_lowers_validation_force_error(quick_data, tmp_path):
 
 def test_resume_two_plus_two_epochs_equals_four(quick_data, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train(validate(job(straight, quick_data, epochs=4), SCHEMA, CHOICES))
-    train(validate(job(resumed, quick_data, epochs=2), SCHEMA, CHOICES))
-    train(validate(job(resumed, quick_data, epochs=4, resume=True), SCHEMA, CHOICES))
+    train(validate(job(straight, quick_data, epochs=4), SCHEMA, RULES))
+    train(validate(job(resumed, quick_data, epochs=2), SCHEMA, RULES))
+    train(validate(job(resumed, quick_data, epochs=4, resume=True), SCHEMA, RULES))
     a, b = (torch.load(d / "last.pt", weights_only=True)["training"] for d in (straight, resumed))
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), key
@@ -98,7 +98,7 @@ def test_two_ranks_equal_one_process(mpirun, torchrun, quick_data, tmp_path, par
     torchrun: the halo over the torch.distributed backend, no MPI."""
     serial, distributed = tmp_path / "serial", tmp_path / "distributed"
     config = job(serial, quick_data, epochs=3, parallel="data", optimizer={"lr": 0.005, "gradient_clip": 1.0})
-    train(validate(config, SCHEMA, CHOICES))
+    train(validate(config, SCHEMA, RULES))
     config = dict(config, parallel=parallel, output={"directory": str(distributed)},
                   pipeline={"stages": 2, "microbatches": 4, "schedule": "auto"})  # 10 structures: 4 + 4 + 2
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
@@ -236,17 +236,17 @@ def test_bad_data_and_config_are_named(quick_data, tmp_path):
         (job(tmp_path / "j", quick_data, parallel="pipeline", pipeline={"stages": 3}), ConfigError,
          "pipeline.stages = 3: a stage holds at least one interaction block and the model has 2"),
         (job(tmp_path / "k", quick_data, parallel="pipeline", pipeline={"stages": 1, "microbatches": 0}), ConfigError,
-         "pipeline.microbatches must be at least 1, got 0"),
+         "pipeline.microbatches must be a finite number >= 1, got 0"),
     ]
     for config, error, message in cases:
         with pytest.raises(error, match=re.escape(message)):
-            train(validate(config, SCHEMA, CHOICES))
+            train(validate(config, SCHEMA, RULES))
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(job(tmp_path / "h", no_forces)))
     assert main([str(tmp_path / "bad.yaml")]) == 2
     # the missing label is counted, and the structure named by its index, not as file:line
     with pytest.raises(DataError, match=re.escape("structure 0 (counting from 0) has no forces")) as info:
         train(validate(dict(job(tmp_path / "m", no_forces), data={"train": str(no_forces), "validation": str(no_forces)}),
-                       SCHEMA, CHOICES))
+                       SCHEMA, RULES))
     assert "4 of these 4 structures lack forces" in str(info.value)
 
 
@@ -274,7 +274,7 @@ def test_nan_is_never_masked(quick_data, tmp_path):
     potentials.save(model, broken)
     config = job(tmp_path / "nan_run", quick_data, model={"checkpoint": str(broken), "dtype": "float64"})
     with pytest.raises(TrainingError, match=r"epoch 1: the loss is not finite; non-finite predictions for .*cu_quick"):
-        train(validate(config, SCHEMA, CHOICES))
+        train(validate(config, SCHEMA, RULES))
 
 
 def test_config_error_reported_once_under_mpiexec(mpirun, tmp_path):
@@ -293,9 +293,9 @@ def test_output_directory_not_overwritten_and_eval_header(quick_data, tmp_path, 
     used.mkdir()
     (used / "notes.txt").write_text("mine")
     with pytest.raises(ConfigError, match="is not empty"):
-        train(validate(job(used, quick_data), SCHEMA, CHOICES))
+        train(validate(job(used, quick_data), SCHEMA, RULES))
     assert (used / "notes.txt").read_text() == "mine" and not (used / "last.pt").exists()
-    train(validate(job(used, quick_data, epochs=1, output={"directory": str(used), "overwrite": True}), SCHEMA, CHOICES))
+    train(validate(job(used, quick_data, epochs=1, output={"directory": str(used), "overwrite": True}), SCHEMA, RULES))
     assert "output in" in capsys.readouterr().out
     assert main(["eval", "cu-emt", str(quick_data)]) == 0
     out = capsys.readouterr().out

@@ -108,10 +108,14 @@ SCHEMA = {
                                  "(epoch, rate, ETA, validation errors); false (or --no-progress): none"),
     },
 }
-CHOICES = {"model.name": ("SchNet", "PaiNN", "NequIP"), "model.dtype": ("float32", "float64"),
-           "model.reference_energies": ("keep", "refit"),
-           "schedule.name": ("plateau", "cosine", "none"), "parallel": ("data", "graph", "pipeline"),
-           "pipeline.schedule": ("auto", "gpipe", "1f1b")}
+# allowed values (a tuple) or the range of a number (mlip_parallel.config.obeys); other numbers: finite, >= 0
+RULES = {"model.name": ("SchNet", "PaiNN", "NequIP"), "model.dtype": ("float32", "float64"),
+         "model.reference_energies": ("keep", "refit"),
+         "schedule.name": ("plateau", "cosine", "none"), "parallel": ("data", "graph", "pipeline"),
+         "pipeline.schedule": ("auto", "gpipe", "1f1b"),
+         "data.validation_fraction": "[0, 1)", "data.test_fraction": "[0, 1)", "model.cutoff": "> 0",
+         "optimizer.lr": "> 0", "schedule.factor": "(0, 1)", "ema_decay": "[0, 1)", "epochs": ">= 1",
+         "batch_size": ">= 1", "pipeline.stages": ">= 1", "pipeline.microbatches": ">= 1"}
 
 
 def train(config) -> list:
@@ -195,7 +199,7 @@ def main(argv=None) -> int:
         return 0
     args = config_parser("mlip-train", __doc__.splitlines()[0], SCHEMA).parse_args(argv)
     try:
-        config = read_job(args, SCHEMA, CHOICES)
+        config = read_job(args, SCHEMA, RULES)
         if config["keep_freed_memory"]:
             keep_freed_memory()
         from ..backend import get_backend, set_threads

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ConfigError, check_output_directory
+from ..preflight import check_training_memory
 from .training import QUANTITIES
 
 
@@ -185,6 +186,8 @@ def load_data(config):
         raise ConfigError(f"need at least one training and one validation structure, got {len(train)} and "
                           f"{len(validation)} (set data.validation or a larger data.validation_fraction)")
     weights = {q: config["loss"][f"{q}_weight"] for q in QUANTITIES}
+    if not any(weights.values()):
+        raise ConfigError(f"loss: every weight is 0 ({', '.join(f'{q}_weight' for q in QUANTITIES)}): nothing to fit")
     for part in (train, validation, test):
         check_labels(part, weights)
     return train, validation, test, weights
@@ -208,8 +211,6 @@ def pipeline_trainer(config, procs, build, train_set, weights, resume_layout):
     if not 1 <= pc["stages"] <= layers:
         raise ConfigError(f"pipeline.stages = {pc['stages']}: a stage holds at least one interaction block and the "
                           f"model has {layers} (model.hyperparameters.layers)")
-    if pc["microbatches"] < 1:
-        raise ConfigError(f"pipeline.microbatches must be at least 1, got {pc['microbatches']}")
     if procs.size % pc["stages"]:
         raise ConfigError(f"pipeline.stages = {pc['stages']} must divide the {procs.size} rank(s)")
     sweeps = "energy" if weights["forces"] == 0 and weights["stress"] == 0 else "forces"
@@ -405,6 +406,10 @@ class Trainer:
             raise ConfigError(f"model.freeze {section['freeze']} keeps every weight of the model fixed: nothing to train")
         for part, role in ((self.train_set, "training"), (self.validation, "validation"), (self.test, "test")):
             check_species(model, part, role, error=ConfigError)
+        per_step = {"data": -(-config["batch_size"] // procs.size), "graph": 1,
+                    "pipeline": -(-config["batch_size"] // config["pipeline"]["microbatches"])}[procs.parallel]
+        check_training_memory(procs.backend, model, self.train_set + self.validation + self.test, per_step,
+                              procs.parallel == "graph")
         self.reference_note = None  # the log's line on a starting model's reference energies
         if self.starting is None:
             if not self.resume:

@@ -88,7 +88,16 @@ def read_structures(path) -> list[Structure]:
             positions = check_positions(atoms.positions)
             cell = complete_cell(atoms.cell[:], atoms.pbc)
         except MLIPError as exc:
-            raise DataError(f"{source}: {exc}") from None
+            raise DataError(f"{path}: structure {k} (counting from 0): {exc}") from None
+        for quantity, label in (("energy", energy), ("forces", forces), ("stress", stress)):
+            values = None if label is None else np.asarray(label, dtype=np.float64)
+            if values is not None and not np.all(np.isfinite(values)):
+                where = ""
+                if quantity == "forces" and values.ndim == 2:
+                    atom = int(np.flatnonzero(~np.all(np.isfinite(values), axis=1))[0])
+                    where = f" (atom {atom} first)"
+                raise DataError(f"{path}: structure {k} (counting from 0) has a non-finite {quantity} label"
+                                f"{where}: {values.ravel()[~np.isfinite(values.ravel())][0]}")
         out.append(Structure(np.asarray(atoms.numbers), positions, cell, atoms.pbc.copy(),
                              None if energy is None else float(energy),
                              None if forces is None else np.asarray(forces, dtype=np.float64),

@@ -301,6 +301,16 @@ class MACE(RebuiltOnCopy, Potential):
     for ``MACECalculator``."""
 
     PACKAGE_MODULE = "mace"
+    EVALUATION_BYTES_PER_ROW = 50_000
+
+    def evaluation_bytes(self, rows: float, edges: float) -> float:
+        """MACE runs each interaction's edge step over all edges at once: per edge its tensor product's
+        weights and output (``conv_tp``), about twice over under autograd (a MACE-MP-0-medium shape: ~75 KB
+        per edge, ~6 MB per atom)."""
+        itemsize = torch.finfo(self.dtype).bits // 8
+        per_edge = sum(2 * (block.conv_tp.weight_numel + block.conv_tp.irreps_out.dim) * itemsize
+                       for block in self.mace.interactions)
+        return self.EVALUATION_BYTES_PER_ROW * rows + per_edge * edges
 
     def __init__(self, path=None, head: str | None = None, dtype: torch.dtype | None = None,
                  architecture: dict | None = None):

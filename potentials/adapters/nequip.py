@@ -167,6 +167,7 @@ class NequIPFramework(RebuiltOnCopy, Potential):
     loader, ``nequip-package build`` and ``nequip-compile`` read."""
 
     PACKAGE_MODULE = "framework"
+    EVALUATION_BYTES_PER_EDGE = 2000  # its convolutions over all edges at once (a rough lower figure)
 
     def __init__(self, path=None, model_key: str = "sole_model", architecture: dict | None = None):
         from nequip.model.modify_utils import get_all_modifiers, modify

@@ -37,6 +37,7 @@ class SevenNet(RebuiltOnCopy, Potential):
     (``checkpoint_best.pth``) for ``SevenNetCalculator(model=...)``."""
 
     PACKAGE_MODULE = "sevenn"
+    EVALUATION_BYTES_PER_EDGE = 10000  # its convolutions over all edges of a segment (SevenNet-0: ~500 KB per atom)
 
     def __init__(self, checkpoint: str | None = "7net-0", config: dict | None = None):
         try:

@@ -12,12 +12,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from mlip_parallel.config import read_config  # noqa: E402
-from mlip_parallel.train.cli import CHOICES, SCHEMA, train, validate  # noqa: E402
+from mlip_parallel.train.cli import RULES, SCHEMA, train, validate  # noqa: E402
 
 torch.set_num_threads(1)
 with open(sys.argv[1]) as f:
     configs = json.load(f)
 for path in configs:
-    train(validate(read_config(path), SCHEMA, CHOICES))
+    train(validate(read_config(path), SCHEMA, RULES))
 if int(os.environ.get("RANK", os.environ.get("PMI_RANK", 0))) == 0:
     print(f"finetune runs done {len(configs)}", flush=True)

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import potentials  # noqa: E402
-from mlip_parallel.train.cli import CHOICES, SCHEMA, train, validate  # noqa: E402
+from mlip_parallel.train.cli import RULES, SCHEMA, train, validate  # noqa: E402
 from mlip_parallel.train.training import error_sums, error_table, read_structures, split  # noqa: E402
 
 torch.set_num_threads(1)
@@ -41,7 +41,7 @@ def job(directory, epochs, **changes):
               "output": {"directory": os.path.join(OUT, directory)}}
     for key, value in changes.items():
         config[key] = dict(config[key], **value) if isinstance(value, dict) else value
-    return validate(config, SCHEMA, CHOICES)
+    return validate(config, SCHEMA, RULES)
 
 
 def shards(directory, costs=False):

@@ -1,0 +1,161 @@
+"""The memory pre-flight: before a rank builds its ghosts and pair lists, estimate what they will take and
+stop every rank with one line when the fullest rank would not fit in the memory it has.
+
+The estimate reads only the atom count and the box (no neighbour search, which is what exhausts memory
+when the input is wrong: atoms 0.3 Å apart, a 100 Å cutoff in a 16 Å cell). Atoms are taken as spread
+evenly over the decomposed region along each dimension; along a periodic dimension a shell wider than the
+cell counts every image. A rank's rows are its owned atoms and the ghosts within the ghost reach + skin
+of its brick; the pairs searched are every row's neighbours within cutoff + skin (the pair search runs
+over all rows). Bytes: ``Potential.evaluation_bytes(rows, pairs)`` (the model's own estimate) plus one
+chunk of the memory budget. It is an estimate, good to a factor of about two on uniform structures: it
+stops inputs that would need many times the memory, and leaves the ones near the limit to run.
+"""
+from __future__ import annotations
+
+import math
+import os
+import resource
+import socket
+from typing import NamedTuple
+
+import numpy as np
+
+from .domain import Domain
+from .errors import MemoryLimitError
+
+
+SEARCH_BYTES_PER_PAIR = 128  # a searched pair: the search's and the candidates' indices, its vector while cut
+
+
+class RankLoad(NamedTuple):
+    """What the fullest rank would hold: ``rows`` owned + ghost atoms, ``pairs`` pairs the neighbour search
+    finds among them, ``edges`` the model's edges (into its receivers), ``bytes`` in all."""
+
+    rows: int
+    pairs: int
+    edges: int
+    bytes: int
+
+
+def covered(domain: Domain, width, reach: float) -> np.ndarray:
+    """[3] per dimension: the share of the region's atoms (periodic: of one period, images counted, so
+    it may exceed 1) within a slab of ``width`` (fractional, [3]) widened by ``reach`` Å on both sides."""
+    span = domain.hi - domain.lo
+    share = (np.asarray(width, dtype=np.float64) + 2 * domain.fractional_distance(reach)) / span
+    return np.where(domain.pbc, share, np.minimum(share, 1.0))
+
+
+def neighbours(n_atoms: int, domain: Domain, r: float) -> float:
+    """Atoms within ``r`` Å of an atom: those of the cube of side 2r around it, times the sphere's share
+    of the cube in the dimensions where the atoms extend beyond it (a layer: a disc's share of a square)."""
+    cube = covered(domain, np.zeros(3), r)
+    sphere = {0: math.pi / 6, 1: math.pi / 4}.get(int(np.sum(~domain.pbc & (cube >= 1.0))), 1.0)
+    return n_atoms * float(np.prod(cube)) * sphere
+
+
+def rank_load(model, n_atoms: int, domain: Domain, dims, r_ghost: float, skin: float = 0.0,
+              layerwise: bool = True, budget_bytes: int | None = None) -> RankLoad:
+    """The estimated load of one rank of a ``dims`` brick grid (uniform cut planes) over ``domain``
+    holding ``n_atoms``: ghosts within ``r_ghost`` + ``skin`` Å, pairs within ``model.cutoff`` + ``skin``
+    searched among all rows, edges within the cutoff into the owned atoms (``layerwise``) or every row."""
+    brick = (domain.hi - domain.lo) / np.asarray(dims, dtype=np.float64)
+    rows = n_atoms * float(np.prod(covered(domain, brick, r_ghost + skin)))
+    pairs = rows * neighbours(n_atoms, domain, model.cutoff + skin)
+    receivers = n_atoms / float(np.prod(dims)) if layerwise else rows
+    edges = receivers * neighbours(n_atoms, domain, model.cutoff)
+    total = model.evaluation_bytes(rows, edges) + SEARCH_BYTES_PER_PAIR * pairs + (budget_bytes or 0)
+    return RankLoad(int(rows), int(pairs), int(edges), int(total))
+
+
+def _cgroup_free() -> float:
+    """Bytes this process's cgroup (v2) may still take; inf when unlimited or unknown."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            path = next(line.split(":", 2)[2].strip() for line in f if line.startswith("0::"))
+        base = os.path.join("/sys/fs/cgroup", path.lstrip("/"))
+        limit = open(os.path.join(base, "memory.max")).read().strip()
+        if limit == "max":
+            return math.inf
+        return int(limit) - int(open(os.path.join(base, "memory.current")).read())
+    except (OSError, StopIteration, ValueError):
+        return math.inf
+
+
+def _address_space_free() -> float:
+    """Bytes left under this process's address-space limit (``ulimit -v``); inf when unlimited."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return math.inf
+    try:
+        with open("/proc/self/statm") as f:
+            used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        used = 0
+    return soft - used
+
+
+def rank_memory(device, ranks_here: int) -> float:
+    """Bytes this rank may use: a GPU's free memory, or on the host the available memory (and what the
+    cgroup still allows) shared by the ``ranks_here`` ranks of this node, at most this process's
+    address-space headroom."""
+    import torch
+
+    from potentials.messages import available_bytes
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return float(available_bytes(device))
+    shared = min(float(available_bytes(device)), _cgroup_free()) / max(1, ranks_here)
+    return min(shared, _address_space_free())
+
+
+def memory_everywhere(backend, device) -> float:
+    """The bytes a rank has (``rank_memory``), the smallest over the ranks (collective)."""
+    hosts = backend.allgather(socket.gethostname()) if backend.size > 1 else [socket.gethostname()]
+    here = rank_memory(device, hosts.count(socket.gethostname()))
+    return float(backend.allreduce(np.array([here]), op="min")[0]) if backend.size > 1 else here
+
+
+def check_rank_memory(backend, model, n_atoms: int, domain: Domain, dims, r_ghost: float, skin: float = 0.0,
+                      layerwise: bool = True, budget_bytes: int | None = None) -> RankLoad:
+    """Raise MemoryLimitError on every rank (collective) when the fullest rank's estimated load
+    (``rank_load``) exceeds the memory a rank has (``memory_everywhere``); else return the load."""
+    load = rank_load(model, n_atoms, domain, dims, r_ghost, skin, layerwise, budget_bytes)
+    have = memory_everywhere(backend, model.device)
+    if load.bytes > have:
+        raise MemoryLimitError(
+            f"not enough memory: the fullest of the {backend.size} rank(s) would hold about {load.rows:,} atoms with "
+            f"ghosts and search {load.pairs:.3g} pairs within the cutoff + skin ({model.cutoff + skin:g} Å), about "
+            f"{load.bytes / 1e9:.3g} GB, but a rank has {have / 1e9:.3g} GB; use more ranks, a smaller cutoff or skin, "
+            f"a smaller memory_budget_gb, or a machine with more memory{density(n_atoms, domain)}")
+    return load
+
+
+def check_training_memory(backend, model, structures, per_step: int, graph_parallel: bool) -> None:
+    """Raise MemoryLimitError on every rank (collective) when ``per_step`` copies of the largest training
+    structure's graph (``structures``: ``training.Structure``; split over the ranks when ``graph_parallel``)
+    would take more than a rank has: training keeps every edge's tensors for the force loss's double
+    backward (``Potential.training_bytes``)."""
+    from .grid import Grid
+
+    worst, name = 0.0, None
+    for s in structures:
+        domain = Domain.from_positions(s.positions, s.cell, s.pbc)
+        dims = Grid.for_ranks(backend.size, domain).dims if graph_parallel else (1, 1, 1)
+        load = rank_load(model, len(s.positions), domain, dims, model.cutoff)
+        need = model.training_bytes(load.rows, load.edges) + SEARCH_BYTES_PER_PAIR * load.pairs
+        if need > worst:
+            worst, name = need, s.source
+    have = memory_everywhere(backend, model.device)
+    if worst * per_step > have:
+        raise MemoryLimitError(
+            f"not enough memory: {name} ({model.cutoff:g} Å cutoff) needs about {worst / 1e9:.3g} GB to train on, "
+            f"{per_step} at a time per rank: {worst * per_step / 1e9:.3g} GB, but a rank has {have / 1e9:.3g} GB; use a "
+            f"smaller batch_size or cutoff, more ranks (parallel: graph splits each structure), or check the structure")
+
+
+def density(n_atoms: int, domain: Domain) -> str:
+    """", or check the structure: ... atoms/Å³" for a periodic box (a solid or liquid has 0.01-0.2)."""
+    if not domain.pbc.all():
+        return ""
+    return f"; or check the structure: {n_atoms / abs(float(np.linalg.det(domain.cell))):.3g} atoms/Å³"
