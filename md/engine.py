@@ -74,8 +74,8 @@ class MDSystem:
                  grid=None, comm=None, balance: bool = False, cuts=None, memory_budget_gb: float | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if skin < 0:
-            raise ValueError(f"skin must be >= 0, got {skin}")
+        if not 0 <= skin < np.inf:
+            raise ValueError(f"skin must be a finite number >= 0 (Å), got {skin}")
         self.model, self.mode, self.skin, self.grid_dims = model, mode, float(skin), grid
         self.backend, self.device = get_backend(comm), model.device
         self.memory_budget_gb = resolved_budget_gb(memory_budget_gb, self.device)  # fixed for the run

@@ -24,4 +24,5 @@ class LostAtomsError(MLIPError, RuntimeError):
     """Atoms went missing or were duplicated while moving between ranks."""
 
 
-__all__ = ["BackendError", "DecompositionError", "InvalidStructureError", "LostAtomsError", "MemoryLimitError", "MLIPError", "SimulationError", "UnknownSpeciesError"]
+__all__ = ["BackendError", "DecompositionError", "InvalidStructureError", "LostAtomsError", "MemoryLimitError", "MLIPError",
+           "SimulationError", "UnknownSpeciesError"]

@@ -1,6 +1,7 @@
 """Distributed evaluation of a potential over a spatial decomposition (docs/architecture.md §3)."""
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -140,6 +141,8 @@ def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, str
     if model.device != device:
         model.to(device)
     model.species_index(atoms.numbers)  # unknown elements and bad structures raise here, on every rank alike
+    if not 0 <= min_distance < math.inf:
+        raise ValueError(f"min_distance must be a finite number >= 0 (Å), got {min_distance}")
     check_structure(atoms.positions, atoms.cell, atoms.pbc, min_distance)
     budget = memory_budget_bytes(memory_budget_gb, device)
     part = Decomposition(atoms, ghost_reach(model, mode), backend, grid, model, mode == "layerwise", budget)

@@ -1,14 +1,16 @@
-"""The memory pre-flight: before a rank builds its ghosts and pair lists, estimate what they will take and
-stop every rank with one line when the fullest rank would not fit in the memory it has.
+"""The memory pre-flight: before a rank builds its ghosts and pair lists (or a trainer its model and graphs),
+estimate what they will take and stop every rank with one line when the fullest rank would not fit in the
+memory it has (``memory_everywhere``: the smallest over the ranks, so that all of them decide alike).
 
 The estimate reads only the atom count and the box (no neighbour search, which is what exhausts memory
 when the input is wrong: atoms 0.3 Å apart, a 100 Å cutoff in a 16 Å cell). Atoms are taken as spread
 evenly over the decomposed region along each dimension; along a periodic dimension a shell wider than the
 cell counts every image. A rank's rows are its owned atoms and the ghosts within the ghost reach + skin
 of its brick; the pairs searched are every row's neighbours within cutoff + skin (the pair search runs
-over all rows). Bytes: ``Potential.evaluation_bytes(rows, pairs)`` (the model's own estimate) plus one
-chunk of the memory budget. It is an estimate, good to a factor of about two on uniform structures: it
-stops inputs that would need many times the memory, and leaves the ones near the limit to run.
+over all rows); the edges are the receivers' neighbours within the cutoff. Bytes: the model's own
+estimate ``Potential.evaluation_bytes(rows, edges)`` (``training_bytes`` for training), the search's
+``SEARCH_BYTES_PER_PAIR`` and one chunk of the memory budget. It errs on the safe side by up to ~3×
+(benchmarks/preflight.py): it stops inputs that need many times the memory and lets the others run.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import math
 import os
 import resource
 import socket
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -72,11 +75,11 @@ def _cgroup_free() -> float:
     try:
         with open("/proc/self/cgroup") as f:
             path = next(line.split(":", 2)[2].strip() for line in f if line.startswith("0::"))
-        base = os.path.join("/sys/fs/cgroup", path.lstrip("/"))
-        limit = open(os.path.join(base, "memory.max")).read().strip()
+        base = Path("/sys/fs/cgroup") / path.lstrip("/")
+        limit = (base / "memory.max").read_text().strip()
         if limit == "max":
             return math.inf
-        return int(limit) - int(open(os.path.join(base, "memory.current")).read())
+        return int(limit) - int((base / "memory.current").read_text())
     except (OSError, StopIteration, ValueError):
         return math.inf
 
@@ -152,6 +155,53 @@ def check_training_memory(backend, model, structures, per_step: int, graph_paral
             f"not enough memory: {name} ({model.cutoff:g} Å cutoff) needs about {worst / 1e9:.3g} GB to train on, "
             f"{per_step} at a time per rank: {worst * per_step / 1e9:.3g} GB, but a rank has {have / 1e9:.3g} GB; use a "
             f"smaller batch_size or cutoff, more ranks (parallel: graph splits each structure), or check the structure")
+
+
+TRAINING_COPIES = 5  # a trained weight's bytes: the weight, its gradient, AdamW's two moments, the EMA's copy
+SMALL_MODEL = {"features": 256, "layers": 32}  # at most these: no check (at most ~10^8 weights)
+
+
+def extrapolated_weights(construct, features: int, layers: int) -> int | None:
+    """The weights of the model ``construct(features=F, layers=L)`` would build at F = ``features`` and
+    L = ``layers``, counted on small builds (F = 4, 8, 16; L = 1, 2) without building it: a layer's weights
+    are a quadratic in F (linear maps F → F; tensor products with one multiplicity from the edges) and
+    layers add alike. None when a fourth build (F = 32) does not follow the fit."""
+    count = {}
+    for f in (4, 8, 16, 32):
+        for depth in (1, 2):
+            if f == 32 and depth == 2:
+                continue
+            count[f, depth] = sum(p.numel() for p in construct(features=f, layers=depth).parameters())
+
+    def fit(values):  # the quadratic through (4, v0), (8, v1), (16, v2), evaluated at x
+        return lambda x: float(np.polyval(np.polyfit([4.0, 8.0, 16.0], values, 2), x))
+
+    per_layer = fit([count[f, 2] - count[f, 1] for f in (4, 8, 16)])
+    base = fit([2 * count[f, 1] - count[f, 2] for f in (4, 8, 16)])
+    if abs(base(32) + per_layer(32) - count[32, 1]) > 0.5 + 1e-9 * count[32, 1]:
+        return None
+    return int(round(base(features) + layers * per_layer(features)))
+
+
+def check_parameter_memory(backend, name: str, construct, hyperparameters: dict, defaults: dict, device,
+                           itemsize: int, stages: int = 1) -> None:
+    """Raise MemoryLimitError on every rank (collective) when a new ``name`` model of ``hyperparameters``
+    (``defaults``: its constructor's) wider or deeper than ``SMALL_MODEL`` would not fit a rank for training:
+    ``TRAINING_COPIES`` × its weights (``extrapolated_weights``) × ``itemsize``, split over ``stages``."""
+    size = {key: hyperparameters.get(key, defaults.get(key)) for key in SMALL_MODEL}
+    if any(not isinstance(v, int) for v in size.values()) or all(size[k] <= SMALL_MODEL[k] for k in SMALL_MODEL):
+        return
+    count = extrapolated_weights(construct, size["features"], size["layers"])
+    if count is None:
+        return
+    need = TRAINING_COPIES * count * itemsize / stages
+    have = memory_everywhere(backend, device)
+    if need > have:
+        raise MemoryLimitError(
+            f"not enough memory: a {name} of features {size['features']} and layers {size['layers']} has about "
+            f"{count:.3g} weights, {need / 1e9:.3g} GB per rank to train (weights, gradients, optimizer state, "
+            f"average), but a rank has {have / 1e9:.3g} GB; choose smaller model.hyperparameters, or parallel: "
+            f"pipeline over more stages")
 
 
 def density(n_atoms: int, domain: Domain) -> str:

@@ -71,7 +71,8 @@ class NequIP(BlockPotential):
                  layers: int = 3, radial: int = 8, radial_hidden: int = 32, avg_neighbors: float = 12.0,
                  *, parts=None, seed: int | None = None):
         super().__init__(species)
-        if not species or cutoff <= 0 or l_max < 0 or features < 1 or layers < 1 or avg_neighbors <= 0:
+        if not species or not 0 < cutoff < math.inf or l_max < 0 or features < 1 or layers < 1 \
+                or not 0 < avg_neighbors < math.inf:
             raise ValueError(f"invalid NequIP hyper-parameters: species={species}, cutoff={cutoff}, l_max={l_max}, "
                              f"features={features}, layers={layers}, avg_neighbors={avg_neighbors}")
         self.cutoff, self.l_max, self.features, self.layers = float(cutoff), int(l_max), int(features), int(layers)

@@ -1,6 +1,7 @@
 """PaiNN (Schütt, Unke, Gastegger 2021): scalar and vector node features, equivariant messages."""
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -56,7 +57,7 @@ class PaiNN(BlockPotential):
     def __init__(self, species: Sequence[str], cutoff: float, features: int = 64, layers: int = 3, rbf: int = 20,
                  *, parts=None, seed: int | None = None):
         super().__init__(species)
-        if not species or cutoff <= 0 or features < 1 or layers < 1 or rbf < 1:
+        if not species or not 0 < cutoff < math.inf or features < 1 or layers < 1 or rbf < 1:
             raise ValueError(f"invalid PaiNN hyper-parameters: species={species}, cutoff={cutoff}, "
                              f"features={features}, layers={layers}, rbf={rbf}")
         self.cutoff, self.features, self.layers = float(cutoff), int(features), int(layers)

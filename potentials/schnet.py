@@ -1,6 +1,7 @@
 """SchNet (Schütt et al., 2018) built from torch-geometric's interaction blocks, with a halo hook."""
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -29,7 +30,7 @@ class SchNet(BlockPotential):
         super().__init__(species)
         if not species:
             raise ValueError("SchNet needs a non-empty species list")
-        if cutoff <= 0 or features < 2 or layers < 1 or rbf < 2:
+        if not 0 < cutoff < math.inf or features < 2 or layers < 1 or rbf < 2:
             raise ValueError(f"invalid SchNet hyper-parameters: cutoff={cutoff}, features={features}, "
                              f"layers={layers}, rbf={rbf}")
         self.cutoff, self.features, self.layers = float(cutoff), int(features), int(layers)

