@@ -10,10 +10,11 @@ over the case's launches of --repeat calls per path, the paths' calls alternatin
 Models: SchNet (F=64, 3 layers, cutoff 5 Å, 4,000 and 16,384 atoms), PaiNN (F=64, 3 layers, cutoff 5 Å,
 2,048 atoms), NequIP (defaults, cutoff 4.5 Å, 500 and 864 atoms); the training step of the SchNet
 (force loss, create_graph, parameter gradients); and the external adapters through their own blocks
-(SevenNet-0 on 512 Si atoms, both paths: its convolutions' edge steps are chunked from outside; a
-MACE-MP-0-small-sized random MACE on 500 Cu atoms through mace-torch's own interactions, one path).
+(SevenNet-0 on 512 Si atoms, both paths: its convolutions' edge steps are chunked from outside; random
+MACE models of MACE-MP-0-small and -medium size, float32, with their interactions' edge steps in chunks
+(``potentials.adapters.mace.chunked_interaction``) against one pass and against MACE's own MACECalculator).
 
-    python benchmarks/memory_per_atom.py [--rounds 1] [--repeat 3] [--quick]
+    python benchmarks/memory_per_atom.py [--rounds 1] [--repeat 3] [--quick] [--cases MACE]
     python benchmarks/memory_per_atom.py --largest 64 [--ranks 2]   # SchNet on 4·64³ = 1,048,576 atoms
 
 ``--largest CELLS`` runs one bounded SchNet evaluation of 4·CELLS³ atoms on --ranks ranks
@@ -43,8 +44,12 @@ CASES = {
     "NequIP 864": ("nequip", 6, ("plain", "bounded")),
     "SchNet training 4,000": ("schnet", 10, ("training",)),
     "SevenNet-0 512 (Si)": ("sevennet", 4, ("plain", "bounded")),
-    "MACE (MP-0-small size) 500": ("mace", 5, ("adapter",)),
+    "MACE (MP-0-small size) 500": ("mace", 5, ("theirs", "plain", "bounded")),
+    "MACE (MP-0-small size) 1,372": ("mace", 7, ("theirs", "plain", "bounded")),
+    "MACE (MP-0-medium size) 256": ("mace-medium", 4, ("theirs", "plain", "bounded")),
+    "MACE (MP-0-medium size) 500": ("mace-medium", 5, ("theirs", "plain", "bounded")),
 }
+MACE_HIDDEN = {"mace": "128x0e", "mace-medium": "128x0e+128x1o"}
 QUICK = ("SchNet 4,000", "PaiNN 2,048", "NequIP 500")
 
 
@@ -63,7 +68,7 @@ def build(name, model_file=None):
         from potentials.adapters.sevennet import SevenNet
 
         return SevenNet("7net-0")
-    if name == "mace":
+    if name in MACE_HIDDEN:
         return potentials.MACE(model_file).to(torch.float32)
     raise ValueError(name)
 
@@ -76,13 +81,22 @@ def structure(name, cells):
     return cu_crystal(cells)
 
 
-def evaluation(model, path):
-    """A function of Atoms doing one energy + forces + stress evaluation along ``path``."""
-    import mlip_parallel
+def evaluation(model, path, model_file=None):
+    """A function of Atoms doing one energy + forces + stress evaluation along ``path`` ("theirs": MACE's own
+    MACECalculator on ``model_file``, float32)."""
     from potentials.predict import energy_forces
 
-    if path == "adapter":
-        return lambda atoms: mlip_parallel.evaluate(model, atoms)
+    if path == "theirs":
+        from mace.calculators import MACECalculator
+
+        calculator = MACECalculator(model_paths=model_file, device="cpu", default_dtype="float32")
+
+        def theirs(atoms):
+            atoms = atoms.copy()
+            calculator.reset()  # (else ASE returns the previous call's results for the same positions)
+            atoms.calc = calculator
+            return atoms.get_potential_energy(), atoms.get_forces(), atoms.get_stress()
+        return theirs
     if path == "training":
         def step(atoms):  # the force-matching step of mlip-train: create_graph, then parameter gradients
             model.zero_grad()
@@ -101,7 +115,7 @@ def worker(args):
     torch.set_num_threads(1)
     model = build(args.model, args.model_file)
     paths = args.time_paths.split(",")
-    calls = {path: evaluation(model, path) for path in paths}
+    calls = {path: evaluation(model, path, args.model_file) for path in paths}
     small = structure(args.model, 2)
     calls[args.path](small)  # warm-up: kernels, allocator pools
     atoms = structure(args.model, args.cells)
@@ -156,6 +170,7 @@ def main():
     parser.add_argument("--repeat", type=int, default=3, help="timed calls per path in each launch")
     parser.add_argument("--rounds", type=int, default=1, help="alternating launches per path")
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
+    parser.add_argument("--cases", help="only the cases whose label contains this text (e.g. MACE)")
     parser.add_argument("--largest", type=int, metavar="CELLS", help="the largest-system run (see above)")
     parser.add_argument("--ranks", type=int, default=2, help="ranks of the --largest run")
     parser.add_argument("--largest-worker", action="store_true", help=argparse.SUPPRESS)
@@ -173,19 +188,20 @@ def main():
               f"{sum(peaks) * 1024 / out['atoms']:.1f} KB per atom in all")
         return
     with tempfile.TemporaryDirectory() as tmp:
-        mace_file = None
-        labels = QUICK if args.quick else list(CASES)
-        if any(CASES[label][0] == "mace" for label in labels):
-            from mace_scaling import make_model
+        labels = [label for label in (QUICK if args.quick else CASES) if args.cases is None or args.cases in label]
+        mace_files = {}
+        for name, hidden in MACE_HIDDEN.items():
+            if any(CASES[label][0] == name for label in labels):
+                from mace_scaling import make_model
 
-            mace_file = str(Path(tmp) / "mace.model")
-            make_model(mace_file, "float32")
+                mace_files[name] = str(Path(tmp) / f"{name}.model")
+                make_model(mace_files[name], "float32", hidden)
         runs = {}
         for _ in range(args.rounds):
             for label in labels:
                 name, cells, paths = CASES[label]
                 for path in paths:
-                    extra = ["--model-file", mace_file] if name == "mace" else []
+                    extra = ["--model-file", mace_files[name]] if name in mace_files else []
                     runs.setdefault((label, path), []).append(launch(1, Path(__file__), [
                         "--model", name, "--cells", cells, "--path", path, "--time-paths", ",".join(paths),
                         "--repeat", args.repeat, *extra]))
@@ -203,10 +219,10 @@ def main():
             m = med[(label, path)]
             ratios = ""
             if path == "bounded":
-                plain = med[(label, "plain")]
-                ratios = f"{m['kb_per_atom'] / plain['kb_per_atom']:9.3f} {m['us_per_atom'] / plain['us_per_atom']:7.2f}"
+                other = med[(label, "theirs" if "theirs" in paths else "plain")]
+                ratios = f"{m['kb_per_atom'] / other['kb_per_atom']:9.3f} {m['us_per_atom'] / other['us_per_atom']:7.2f}"
             print(f"{label:28s} {path:9s} {m['atoms']:7.0f} {m['kb_per_atom']:9.1f} {m['us_per_atom']:9.1f} {ratios}")
-    print("ratios: bounded / plain, measured in the same run")
+    print("ratios: bounded / plain (MACE: bounded / theirs, MACECalculator), measured in the same run")
 
 
 if __name__ == "__main__":

@@ -87,19 +87,74 @@ def edge_sum(graph, features: Callable, message: Callable, nodes: Sequence[torch
     """
     sender, receiver = graph.edge_index
     rows = graph.receivers if rows is None else rows
-    budget, n_edges = graph.memory_budget, int(sender.shape[0])
-    if budget is not None and n_edges > MIN_CHUNK_EDGES:
+    if graph.memory_budget is not None:
         def edge_message(vec, *gathered):
             return message(features(vec), *gathered)
 
-        chunk = max(MIN_CHUNK_EDGES, int(budget // _bytes_per_edge(edge_message, graph.edge_vec, sender, nodes)))
-        if chunk < n_edges:
+        chunk = chunk_edges(edge_message, graph.edge_vec, sender, nodes, graph.memory_budget)
+        if chunk is not None:
             return _ChunkedEdgeSum.apply(edge_message, chunk, rows, sender, receiver, graph.edge_vec, *nodes)
     key = (features, torch.is_grad_enabled())  # features made without a graph never serve one with it
     feats = graph.edge_features_cache.get(key)
     if feats is None:
         feats = graph.edge_features_cache[key] = features(graph.edge_vec)
     return _scatter(message(feats, *(x[sender] for x in nodes)), receiver, rows)
+
+
+def chunk_edges(message: Callable, edge_data: torch.Tensor, sender: torch.Tensor, nodes: Sequence[torch.Tensor],
+                budget: int, min_edges: int | None = None) -> int | None:
+    """Edges per chunk whose saved tensors take at most ``budget`` bytes, but at least ``min_edges`` (None:
+    ``MIN_CHUNK_EDGES``); None when every edge fits in one (then one plain pass)."""
+    n_edges, least = int(sender.shape[0]), MIN_CHUNK_EDGES if min_edges is None else min(min_edges, MIN_CHUNK_EDGES)
+    if n_edges <= least:
+        return None
+    chunk = max(least, int(budget // _bytes_per_edge(message, edge_data, sender, nodes)))
+    return chunk if chunk < n_edges else None
+
+
+def chunked_edge_sum(message: Callable, edge_data: torch.Tensor, edge_index: torch.Tensor,
+                     nodes: Sequence[torch.Tensor], rows: int, budget: int, min_edges: int | None = None) -> torch.Tensor:
+    """[rows, D]: Σ over the edges e into row i of ``message(edge_data[e], *(x[sender_e] for x in nodes))``,
+    ``edge_data`` [E, ...] any per-edge tensor (``edge_sum``'s: the edge vectors), ``edge_index`` [2, E]
+    (sender, receiver), in chunks of ``chunk_edges`` edges (at least ``min_edges``: a message that is costly
+    per edge, as MACE's, runs well in smaller chunks), each recomputed in the backward: gradients reach
+    ``edge_data`` and ``nodes``, not the parameters ``message`` uses (evaluation only)."""
+    sender, receiver = edge_index
+    chunk = chunk_edges(message, edge_data, sender, nodes, budget, min_edges)
+    if chunk is None:
+        return _scatter(message(edge_data, *(x[sender] for x in nodes)), receiver, rows)
+    return _ChunkedEdgeSum.apply(message, chunk, rows, sender, receiver, edge_data, *nodes)
+
+
+MIN_CHUNK_ROWS = 128  # rows per chunk of ``chunked_rows``, whatever the budget
+PROBE_ROWS = 16  # rows whose saved tensors are counted to size the chunks (< MIN_CHUNK_ROWS)
+
+
+def chunked_rows(function: Callable, budget: int, *inputs: torch.Tensor | None) -> torch.Tensor:
+    """``function(*inputs)`` for a ``function`` that acts on each row alone (``inputs``: [n, ...] tensors, or None
+    passed through), in row chunks whose saved tensors take at most ``budget`` bytes (at least
+    ``MIN_CHUNK_ROWS`` rows; one call when all fit), each recomputed in the backward (torch.utils.checkpoint):
+    per-atom blocks that keep much per row (MACE's symmetric contractions) then hold one chunk's tensors."""
+    from torch.utils.checkpoint import checkpoint
+
+    n = next(x for x in inputs if x is not None).shape[0]
+    if n <= MIN_CHUNK_ROWS:
+        return function(*inputs)
+    saved = 0
+
+    def pack(t):
+        nonlocal saved
+        saved += t.numel() * t.element_size()
+        return t
+
+    probe = PROBE_ROWS
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        function(*(None if x is None else x[:probe].detach().requires_grad_(x.is_floating_point()) for x in inputs))
+    chunk = max(MIN_CHUNK_ROWS, int(budget // max(saved / probe, 1.0)))
+    if chunk >= n:
+        return function(*inputs)
+    return torch.cat([checkpoint(function, *(None if x is None else x[start:start + chunk] for x in inputs),
+                                 use_reentrant=False) for start in range(0, n, chunk)])
 
 
 def _scatter(messages: torch.Tensor, receiver: torch.Tensor, rows: int) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """MACE models (the e3nn 0.4.4 fixtures of tests/data/mace) through mlip_parallel.evaluate == MACE's own
 MACECalculator: every geometry × grid × model × head, layerwise (ghost features through MACE's exchange
 hook) and, where its shell stays small, wide; the ASE calculator once per model. Float64 to 1e-9
-relative, float32 to 1e-5. Run under mpiexec -n P or torchrun (the job's backend)."""
+relative, float32 to 1e-5. Every evaluation runs the interactions' edge steps in many chunks (61-edge
+chunks, a 1-byte budget); with the default grid it is also compared with one pass over all edges
+(``memory_budget_gb=inf``): float64 to 1e-12, float32 to 1e-5. Run under mpiexec -n P or torchrun."""
 import os
 import sys
 import warnings
@@ -13,9 +15,24 @@ import torch  # noqa: E402
 import mlip_parallel  # noqa: E402
 import potentials  # noqa: E402
 from md import MLIPCalculator  # noqa: E402
-from systems import MACE_FIXTURES, mace_errors, mace_fixture, shared_out  # noqa: E402
+from systems import MACE_FIXTURES, mace_errors, mace_fixture, max_relative_error, shared_out  # noqa: E402
+
+import potentials.messages as messages  # noqa: E402
 
 torch.set_num_threads(1)
+messages.PROBE_EDGES, messages.MIN_CHUNK_EDGES = 64, 61  # several chunks per block, the last one short
+TINY, PLAIN = 1e-9, float("inf")
+chunked_calls = 0
+_forward = messages._ChunkedEdgeSum.forward
+
+
+def counting_forward(ctx, *args):
+    global chunked_calls
+    chunked_calls += 1
+    return _forward(ctx, *args)
+
+
+messages._ChunkedEdgeSum.forward = staticmethod(counting_forward)
 world = mlip_parallel.get_backend()
 P = world.size
 GRIDS = {1: [None], 2: [None, (2, 1, 1), (1, 1, 2)], 3: [None, (3, 1, 1), (1, 3, 1), (1, 1, 3)],
@@ -32,8 +49,13 @@ for name in MACE_FIXTURES:
             reference = references[head]
             for grid in GRIDS if head == heads[0] else GRIDS[:1]:
                 for mode in ("layerwise", "wide") if geometry in WIDE and grid is None else ("layerwise",):
-                    result = mlip_parallel.evaluate(model, atoms, mode=mode, grid=grid)
+                    result = mlip_parallel.evaluate(model, atoms, mode=mode, grid=grid, memory_budget_gb=TINY)
                     errors = mace_errors(result, reference, atoms)
+                    if grid is None and mode == "layerwise":
+                        plain = mlip_parallel.evaluate(model, atoms, mode=mode, memory_budget_gb=PLAIN)
+                        errors["chunked vs plain"] = max(max_relative_error(result, plain).values())
+                        if errors["chunked vs plain"] > min(tolerance, 1e-5 if name.endswith("f32") else 1e-12):
+                            failures.append(f"{name} head={head} {geometry}: chunked vs plain {errors}")
                     cases += 1
                     worst[name] = max(worst.get(name, 0.0), max(errors.values()))
                     if max(errors.values()) > tolerance:
@@ -59,10 +81,13 @@ for name in MACE_FIXTURES:
 expected = len(MACE_FIXTURES) * (7 * len(GRIDS) + len(WIDE)) + 7 + len(WIDE)
 if cases != expected:
     failures.append(f"{cases} cases ran, expected {expected}")
+chunked_calls = int(world.allreduce(chunked_calls))
+if chunked_calls == 0:
+    failures.append("no chunked edge sum ran")
 failures = sorted({f for mine in world.allgather(failures) for f in mine})
 if world.rank == 0:
-    print(f"P={P}: MACE {cases} cases, {len(failures)} failures, {empty} (case, rank) with no atoms; "
-          f"communication: {world.library}")
+    print(f"P={P}: MACE {cases} cases, {len(failures)} failures, {empty} (case, rank) with no atoms, "
+          f"{chunked_calls} chunked edge sums; communication: {world.library}")
     for f in failures:
         print("FAIL", f)
 sys.exit(1 if failures else 0)
