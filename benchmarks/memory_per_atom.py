@@ -10,15 +10,19 @@ over the case's launches of --repeat calls per path, the paths' calls alternatin
 Models: SchNet (F=64, 3 layers, cutoff 5 Å, 4,000 and 16,384 atoms), PaiNN (F=64, 3 layers, cutoff 5 Å,
 2,048 atoms), NequIP (defaults, cutoff 4.5 Å, 500 and 864 atoms); the training step of the SchNet
 (force loss, create_graph, parameter gradients); and the external adapters through their own blocks
-(SevenNet-0 on 512 Si atoms, both paths: its convolutions' edge steps are chunked from outside; random
-MACE models of MACE-MP-0-small and -medium size, float32, with their interactions' edge steps in chunks
-(``potentials.adapters.mace.chunked_interaction``) against one pass and against MACE's own MACECalculator).
+against one pass and against the package's own ASE calculator: SevenNet-0 on 512 and 1,728 Si atoms
+(SevenNetCalculator; its convolutions' edge steps in chunks from outside), random MACE models of
+MACE-MP-0-small and -medium size, float32 (MACECalculator; ``adapters.mace.chunked_interaction``), the
+NequIP and Allegro models of benchmarks/nequip_scaling.py, float64, trained and packaged here
+(NequIPCalculator; ``adapters.nequip.chunked_convolutions``, Allegro in groups of atoms).
 
     python benchmarks/memory_per_atom.py [--rounds 1] [--repeat 3] [--quick] [--cases MACE]
     python benchmarks/memory_per_atom.py --largest 64 [--ranks 2]   # SchNet on 4·64³ = 1,048,576 atoms
+    python benchmarks/memory_per_atom.py --largest 30 --model mace-medium   # 108,000 atoms
 
-``--largest CELLS`` runs one bounded SchNet evaluation of 4·CELLS³ atoms on --ranks ranks
-(``mlip_parallel.evaluate``) and prints each rank's peak resident size and the wall time.
+``--largest CELLS`` runs one bounded evaluation of 4·CELLS³ atoms on --ranks ranks (``mlip_parallel.evaluate``;
+SchNet, or a random MACE of MACE-MP-0-small / -medium size) and prints each rank's peak resident size and
+the wall time.
 """
 import argparse
 import json
@@ -43,13 +47,19 @@ CASES = {
     "NequIP 500": ("nequip", 5, ("plain", "bounded")),
     "NequIP 864": ("nequip", 6, ("plain", "bounded")),
     "SchNet training 4,000": ("schnet", 10, ("training",)),
-    "SevenNet-0 512 (Si)": ("sevennet", 4, ("plain", "bounded")),
+    "SevenNet-0 512 (Si)": ("sevennet", 4, ("theirs", "plain", "bounded")),
+    "SevenNet-0 1,728 (Si)": ("sevennet", 6, ("theirs", "plain", "bounded")),
+    "NequIP (framework) 500": ("nequip-framework", 5, ("theirs", "plain", "bounded")),
+    "NequIP (framework) 864": ("nequip-framework", 6, ("theirs", "plain", "bounded")),
+    "Allegro 500": ("allegro", 5, ("theirs", "plain", "bounded")),
+    "Allegro 1,372": ("allegro", 7, ("theirs", "plain", "bounded")),
     "MACE (MP-0-small size) 500": ("mace", 5, ("theirs", "plain", "bounded")),
     "MACE (MP-0-small size) 1,372": ("mace", 7, ("theirs", "plain", "bounded")),
     "MACE (MP-0-medium size) 256": ("mace-medium", 4, ("theirs", "plain", "bounded")),
     "MACE (MP-0-medium size) 500": ("mace-medium", 5, ("theirs", "plain", "bounded")),
 }
 MACE_HIDDEN = {"mace": "128x0e", "mace-medium": "128x0e+128x1o"}
+FRAMEWORK = ("nequip-framework", "allegro")  # benchmarks/nequip_scaling.py's models, trained and packaged here
 QUICK = ("SchNet 4,000", "PaiNN 2,048", "NequIP 500")
 
 
@@ -70,7 +80,29 @@ def build(name, model_file=None):
         return SevenNet("7net-0")
     if name in MACE_HIDDEN:
         return potentials.MACE(model_file).to(torch.float32)
+    if name in FRAMEWORK:
+        return potentials.NequIPFramework(model_file)
     raise ValueError(name)
+
+
+def their_calculator(name, model_file):
+    """The package's own ASE calculator for the model ``build(name, model_file)`` is, and a function run before
+    each of its calls."""
+    import torch
+
+    if name == "sevennet":
+        from sevenn.calculator import SevenNetCalculator
+
+        return SevenNetCalculator("7net-0", device="cpu"), lambda: None
+    if name in FRAMEWORK:
+        from nequip.integrations.ase import NequIPCalculator
+
+        # the framework's calculator runs in its global dtype, float64, as after its set_global_state
+        return (NequIPCalculator._from_saved_model(model_file, device="cpu", chemical_species_to_atom_type_map=True),
+                lambda: torch.set_default_dtype(torch.float64))
+    from mace.calculators import MACECalculator
+
+    return MACECalculator(model_paths=model_file, device="cpu", default_dtype="float32"), lambda: None
 
 
 def structure(name, cells):
@@ -81,18 +113,17 @@ def structure(name, cells):
     return cu_crystal(cells)
 
 
-def evaluation(model, path, model_file=None):
-    """A function of Atoms doing one energy + forces + stress evaluation along ``path`` ("theirs": MACE's own
-    MACECalculator on ``model_file``, float32)."""
+def evaluation(name, model, path, model_file=None):
+    """A function of Atoms doing one energy + forces + stress evaluation along ``path`` ("theirs": the package's
+    own calculator, ``their_calculator``)."""
     from potentials.predict import energy_forces
 
     if path == "theirs":
-        from mace.calculators import MACECalculator
-
-        calculator = MACECalculator(model_paths=model_file, device="cpu", default_dtype="float32")
+        calculator, before = their_calculator(name, model_file)
 
         def theirs(atoms):
             atoms = atoms.copy()
+            before()
             calculator.reset()  # (else ASE returns the previous call's results for the same positions)
             atoms.calc = calculator
             return atoms.get_potential_energy(), atoms.get_forces(), atoms.get_stress()
@@ -110,12 +141,15 @@ def evaluation(model, path, model_file=None):
 def worker(args):
     """Memory: one call along ``args.path`` in this fresh process. Then time: every path of
     ``args.time_paths`` (this one among them), calls alternating, ``args.repeat`` rounds; the medians."""
+    import logging
+
     import torch
 
+    logging.disable(logging.INFO)  # the nequip framework's log lines
     torch.set_num_threads(1)
     model = build(args.model, args.model_file)
     paths = args.time_paths.split(",")
-    calls = {path: evaluation(model, path, args.model_file) for path in paths}
+    calls = {path: evaluation(args.model, model, path, args.model_file) for path in paths}
     small = structure(args.model, 2)
     calls[args.path](small)  # warm-up: kernels, allocator pools
     atoms = structure(args.model, args.cells)
@@ -136,14 +170,14 @@ def worker(args):
 
 
 def largest(args):
-    """One bounded SchNet evaluation of 4·cells³ atoms on this rank's share; rank 0 prints the peaks."""
+    """One bounded evaluation of 4·cells³ atoms (``args.model``) on this rank's share; rank 0 prints the peaks."""
     import torch
 
     import mlip_parallel
 
     torch.set_num_threads(1)
     backend = mlip_parallel.get_backend()
-    model = build("schnet")
+    model = build(args.model, args.model_file)
     mlip_parallel.evaluate(model, cu_crystal(2))  # warm-up
     atoms = cu_crystal(args.cells)
     base = trimmed_rss()
@@ -162,7 +196,8 @@ def largest(args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="schnet", help="the --largest run's model: schnet, mace (MP-0-small "
+                        "size) or mace-medium")
     parser.add_argument("--model-file", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--time-paths", help=argparse.SUPPRESS)
@@ -180,28 +215,47 @@ def main():
     if args.worker:
         return worker(args)
     if args.largest:
-        out = launch(args.ranks, Path(__file__), ["--largest-worker", "--cells", args.largest])
+        with tempfile.TemporaryDirectory() as tmp:
+            extra = []
+            if args.model in MACE_HIDDEN:
+                from mace_scaling import make_model
+
+                extra = ["--model-file", str(Path(tmp) / "largest.model")]
+                make_model(extra[1], "float32", MACE_HIDDEN[args.model])
+            out = launch(args.ranks, Path(__file__), ["--largest-worker", "--cells", args.largest, "--model",
+                                                      args.model, *extra])
         peaks = [p - b for p, b in zip(out["peak_rss_mb"], out["base_rss_mb"])]
-        print(f"SchNet F=64, 3 layers, cutoff 5 Å, {out['atoms']:,} atoms on {out['ranks']} ranks: "
+        title = {"schnet": "SchNet F=64, 3 layers, cutoff 5 Å", "mace": "MACE of MACE-MP-0-small size, float32",
+                 "mace-medium": "MACE of MACE-MP-0-medium size, float32"}[args.model]
+        print(f"{title}, {out['atoms']:,} atoms on {out['ranks']} ranks: "
               f"{out['seconds']:.0f} s; peak resident per rank {', '.join(f'{p / 1024:.2f}' for p in out['peak_rss_mb'])} GiB "
               f"({', '.join(f'{p / 1024:.2f}' for p in peaks)} GiB above the warmed-up process), "
               f"{sum(peaks) * 1024 / out['atoms']:.1f} KB per atom in all")
         return
     with tempfile.TemporaryDirectory() as tmp:
         labels = [label for label in (QUICK if args.quick else CASES) if args.cases is None or args.cases in label]
-        mace_files = {}
+        model_files, wanted = {}, {CASES[label][0] for label in labels}
         for name, hidden in MACE_HIDDEN.items():
-            if any(CASES[label][0] == name for label in labels):
+            if name in wanted:
                 from mace_scaling import make_model
 
-                mace_files[name] = str(Path(tmp) / f"{name}.model")
-                make_model(mace_files[name], "float32", hidden)
+                model_files[name] = str(Path(tmp) / f"{name}.model")
+                make_model(model_files[name], "float32", hidden)
+        for name in FRAMEWORK:
+            if name in wanted:
+                sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "data" / "nequip"))
+                from make_fixtures import train_and_package
+                from nequip_scaling import MODELS
+
+                short = name.split("-")[0]
+                train_and_package(short, MODELS[short], Path(tmp), Path(tmp))
+                model_files[name] = str(Path(tmp) / f"{short}.nequip.zip")
         runs = {}
         for _ in range(args.rounds):
             for label in labels:
                 name, cells, paths = CASES[label]
                 for path in paths:
-                    extra = ["--model-file", mace_files[name]] if name in mace_files else []
+                    extra = ["--model-file", model_files[name]] if name in model_files else []
                     runs.setdefault((label, path), []).append(launch(1, Path(__file__), [
                         "--model", name, "--cells", cells, "--path", path, "--time-paths", ",".join(paths),
                         "--repeat", args.repeat, *extra]))
@@ -222,7 +276,8 @@ def main():
                 other = med[(label, "theirs" if "theirs" in paths else "plain")]
                 ratios = f"{m['kb_per_atom'] / other['kb_per_atom']:9.3f} {m['us_per_atom'] / other['us_per_atom']:7.2f}"
             print(f"{label:28s} {path:9s} {m['atoms']:7.0f} {m['kb_per_atom']:9.1f} {m['us_per_atom']:9.1f} {ratios}")
-    print("ratios: bounded / plain (MACE: bounded / theirs, MACECalculator), measured in the same run")
+    print("ratios: bounded / theirs (the package's own calculator: MACECalculator, NequIPCalculator, "
+          "SevenNetCalculator), else bounded / plain, measured in the same run")
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import importlib.util
+import math
 import os
 import re
 import shlex
@@ -275,8 +276,9 @@ class LammpsDecomposition:
     the candidate pairs within cutoff + ``skin``, the user's skin (the ghost shell's is wider by twice the
     farthest excursion of an atom out of its subdomain). ``rebuilds`` counts the halo rebuilds."""
 
-    def __init__(self, model, backend, mode: str, skin: float):
+    def __init__(self, model, backend, mode: str, skin: float, budget_bytes: int | None = None):
         self.model, self.backend, self.mode, self.skin = model, backend, mode, float(skin)
+        self.budget_bytes = budget_bytes  # the evaluation's chunk budget (None: every edge at once), for the pre-flight
         self.sub, self.rebuilds = None, 0
 
     @property
@@ -329,7 +331,7 @@ class LammpsDecomposition:
             n_atoms = int(backend.allreduce(len(ids))) if backend.size > 1 else len(ids)
             try:
                 check_rank_memory(backend, self.model, n_atoms, domain, grid.dims, ghost_reach(self.model, self.mode),
-                                  self.skin, self.mode == "layerwise")
+                                  self.skin, self.mode == "layerwise", self.budget_bytes)
             except MemoryLimitError as exc:
                 raise LammpsBridgeError(str(exc)) from None
         self.sub = Subdomain(backend, domain, grid).build(
@@ -394,7 +396,8 @@ class Bridge:
                                         f"{self.ntypes} atom type(s): give one element per type")
             _check_model_knows(model, elements, "--elements")
         self.elements = elements
-        self.decomposition = LammpsDecomposition(model, self.backend, mode, skin)
+        budget = None if math.isinf(self.memory_budget_gb) else int(self.memory_budget_gb * 1e9)
+        self.decomposition = LammpsDecomposition(model, self.backend, mode, skin, budget)
         self.mode, self.calls, self.seconds = mode, 0, 0.0
         self._masses, self._type_numbers = None, None
         self.energy, self.forces, self.virial = 0.0, np.zeros((0, 3)), np.zeros(6)

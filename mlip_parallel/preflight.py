@@ -66,7 +66,8 @@ def rank_load(model, n_atoms: int, domain: Domain, dims, r_ghost: float, skin: f
     pairs = rows * neighbours(n_atoms, domain, model.cutoff + skin)
     receivers = n_atoms / float(np.prod(dims)) if layerwise else rows
     edges = receivers * neighbours(n_atoms, domain, model.cutoff)
-    total = model.evaluation_bytes(rows, edges) + SEARCH_BYTES_PER_PAIR * pairs + (budget_bytes or 0)
+    total = model.evaluation_bytes(rows, edges, chunked=budget_bytes is not None) + SEARCH_BYTES_PER_PAIR * pairs \
+        + (budget_bytes or 0)
     return RankLoad(int(rows), int(pairs), int(edges), int(total))
 
 

@@ -74,10 +74,14 @@ class Potential(torch.nn.Module):
     # edge steps in chunks and keep 14-16 KB per atom in all (benchmarks/memory_per_atom.py).
     EVALUATION_BYTES_PER_ROW = 16_000
     EVALUATION_BYTES_PER_EDGE = 0
+    # What running every edge of a block at once adds per edge (memory_budget_gb=inf): its per-edge temporaries.
+    PLAIN_BYTES_PER_EDGE = 4_000
 
-    def evaluation_bytes(self, rows: float, edges: float) -> float:
-        """Estimated bytes of one evaluation over ``rows`` atoms (owned + ghost) and ``edges`` edges."""
-        return self.EVALUATION_BYTES_PER_ROW * rows + self.EVALUATION_BYTES_PER_EDGE * edges
+    def evaluation_bytes(self, rows: float, edges: float, chunked: bool = True) -> float:
+        """Estimated bytes of one evaluation over ``rows`` atoms (owned + ghost) and ``edges`` edges, its edge
+        steps in chunks (``chunked``) or every edge at once."""
+        per_edge = self.EVALUATION_BYTES_PER_EDGE + (0 if chunked else self.PLAIN_BYTES_PER_EDGE)
+        return self.EVALUATION_BYTES_PER_ROW * rows + per_edge * edges
 
     # Training runs every edge at once and keeps the tensors of both backward passes (SchNet F=64, 3 layers:
     # ~450 float32 values per edge and layer in the forward alone).

@@ -17,6 +17,7 @@ class LennardJones(Potential):
     layers = 1
     EVALUATION_BYTES_PER_ROW = 200
     EVALUATION_BYTES_PER_EDGE = 300  # its pair terms over all edges at once, under autograd (float64)
+    PLAIN_BYTES_PER_EDGE = 0
 
     def __init__(self, epsilon: float = 1.0, sigma: float = 1.0, cutoff: float = 3.0):
         super().__init__(species=None)

@@ -72,7 +72,7 @@ def resolved_budget_gb(memory_budget_gb: float | None, device) -> float:
 
 
 def edge_sum(graph, features: Callable, message: Callable, nodes: Sequence[torch.Tensor],
-             rows: int | None = None) -> torch.Tensor:
+             rows: int | None = None, min_edges: int | None = None) -> torch.Tensor:
     """[rows, D] (rows None: graph.receivers): Σ over the edges e into row i of
     ``message(features(vec_e), *(x[sender_e] for x in nodes))``.
 
@@ -81,7 +81,8 @@ def edge_sum(graph, features: Callable, message: Callable, nodes: Sequence[torch
     reduction over edges). With ``graph.memory_budget`` None every edge is evaluated at once under plain
     autograd (differentiable twice, parameter gradients) and ``features`` once per graph, shared by every
     block that passes the same function; otherwise in chunks whose saved tensors take at most
-    ``graph.memory_budget`` bytes, but of at least ``MIN_CHUNK_EDGES`` (one pass when all edges fit),
+    ``graph.memory_budget`` bytes, but of at least ``min_edges`` (None: ``MIN_CHUNK_EDGES``; a message that
+    is costly per edge runs well in smaller chunks) (one pass when all edges fit),
     ``features`` recomputed per chunk. (The backward's transient temporaries come on top of the saved
     tensors: a chunk's peak is about 1.6–1.8× its budget.)
     """
@@ -91,7 +92,7 @@ def edge_sum(graph, features: Callable, message: Callable, nodes: Sequence[torch
         def edge_message(vec, *gathered):
             return message(features(vec), *gathered)
 
-        chunk = chunk_edges(edge_message, graph.edge_vec, sender, nodes, graph.memory_budget)
+        chunk = chunk_edges(edge_message, graph.edge_vec, sender, nodes, graph.memory_budget, min_edges)
         if chunk is not None:
             return _ChunkedEdgeSum.apply(edge_message, chunk, rows, sender, receiver, graph.edge_vec, *nodes)
     key = (features, torch.is_grad_enabled())  # features made without a graph never serve one with it
@@ -155,6 +156,58 @@ def chunked_rows(function: Callable, budget: int, *inputs: torch.Tensor | None) 
         return function(*inputs)
     return torch.cat([checkpoint(function, *(None if x is None else x[start:start + chunk] for x in inputs),
                                  use_reentrant=False) for start in range(0, n, chunk)])
+
+
+def chunked_local(function: Callable, edge_index: torch.Tensor, edge_data: torch.Tensor, rows: int, budget: int,
+                  min_edges: int | None = None) -> torch.Tensor:
+    """[rows, ...]: a strictly local model's per-row output (row i a function of the edges into i alone, as
+    Allegro's energies) for rows [0, rows), in groups of consecutive receivers whose edges' saved tensors take
+    at most ``budget`` bytes (at least ``min_edges`` edges; None: ``MIN_CHUNK_EDGES``), each group recomputed in the backward
+    (torch.utils.checkpoint): no per-edge tensor is kept for all edges at once.
+
+    edge_index [2, E] (sender, receiver), edge_data [E, ...] (gradients reach it). ``function(sub_index [2, e],
+    sub_data [e, ...], nodes [m]) -> [m, ...]`` runs one group: its edges relabelled into ``nodes`` (global
+    rows; the group's receivers first, in order, then the senders outside it), of which rows
+    [0, group size) are kept. Edges into rows ≥ ``rows`` are left out."""
+    from torch.utils.checkpoint import checkpoint
+
+    sender, receiver = edge_index
+    keep = receiver < rows
+    order = torch.nonzero(keep).squeeze(1)[torch.argsort(receiver[keep], stable=True)]
+    sorted_receivers = receiver[order]
+    n_edges = int(order.shape[0])
+    min_edges = MIN_CHUNK_EDGES if min_edges is None else min(min_edges, MIN_CHUNK_EDGES)
+    scratch = torch.empty(int(max(rows, int(sender.max()) + 1 if sender.numel() else 0)), dtype=torch.long,
+                          device=receiver.device)
+
+    def group(start: int, stop: int, data: torch.Tensor) -> torch.Tensor:
+        lo, hi = (int(torch.searchsorted(sorted_receivers, v)) for v in (start, stop))
+        picked = order[lo:hi]
+        senders = sender[picked]
+        outside = torch.unique(senders[(senders < start) | (senders >= stop)])
+        nodes = torch.cat([torch.arange(start, stop, device=receiver.device), outside])
+        scratch[nodes] = torch.arange(nodes.shape[0], device=receiver.device)
+        return function(scratch[edge_index[:, picked]], data[picked], nodes)[: stop - start]
+
+    if n_edges <= min_edges:
+        return group(0, rows, edge_data)
+    probe_rows = int(sorted_receivers[min(PROBE_EDGES, n_edges) - 1]) + 1  # rows holding about PROBE_EDGES edges
+    saved = 0
+
+    def pack(t):
+        nonlocal saved
+        saved += t.numel() * t.element_size()
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        group(0, probe_rows, edge_data.detach().requires_grad_(True))
+    probed = int(torch.searchsorted(sorted_receivers, probe_rows))
+    chunk = max(min_edges, int(budget // max(2 * saved / max(probed, 1), 1.0)))  # saved tensors and their gradients
+    if chunk >= n_edges:
+        return group(0, rows, edge_data)
+    bounds = sorted(set(sorted_receivers[::chunk].tolist()[1:]) | {0, rows})
+    return torch.cat([checkpoint(group, start, stop, edge_data, use_reentrant=False)
+                      for start, stop in zip(bounds[:-1], bounds[1:])])
 
 
 def _scatter(messages: torch.Tensor, receiver: torch.Tensor, rows: int) -> torch.Tensor:

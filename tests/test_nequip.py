@@ -116,3 +116,58 @@ def test_mlip_train_eval_scores_a_nequip_file(tmp_path):
     write(tmp_path / "labelled.traj", frames)
     errors = evaluate_model(f"nequip:{FILES[1]}", str(tmp_path / "labelled.traj"))
     assert errors["energy_mae"] < 1e-10 and errors["forces_mae"] < 1e-10 and errors["stress_mae"] < 1e-10, errors
+
+
+@pytest.mark.parametrize("name", NEQUIP_FIXTURES)
+def test_md_force_call_of_a_framework_model_is_memory_bounded(name):
+    """One MD force call on 500 Cu atoms keeps at most its chunk budget + 50 KB per atom in saved tensors
+    (measured 33 for NequIP: its per-atom features and edge embedding; 3 for Allegro, run in groups of
+    atoms), and one pass over all edges (training's path) several times more: the all-edges path cannot
+    come back into evaluation unnoticed."""
+    from ase.build import bulk
+
+    from md.engine import MDSystem
+    from test_md import peak_saved_bytes
+
+    model = potentials.NequIPFramework(NEQUIP_DIR / f"{name}.nequip.zip")
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat((5, 5, 5))
+    atoms.rattle(0.05, seed=0)
+    saved = {}
+    for budget in (None, float("inf")):
+        system = MDSystem.from_atoms(model, atoms, skin=1.0, memory_budget_gb=budget)
+        system.compute_forces()
+        saved[budget] = (peak_saved_bytes(system.compute_forces), system.memory_budget_gb)
+    bounded, budget_gb = saved[None]
+    assert bounded <= budget_gb * 1e9 + 50e3 * len(atoms), (bounded / len(atoms), budget_gb)
+    assert saved[float("inf")][0] > 3 * bounded, saved
+
+
+@pytest.mark.parametrize("name", NEQUIP_FIXTURES)
+def test_memory_bounded_path_in_many_chunks_equals_one_pass(name, monkeypatch):
+    """One process (predict and a serial evaluate), a 1-byte budget and 61-edge chunks: NequIP's convolutions
+    in many chunks per block, Allegro in many groups of atoms; == one pass over all edges to 1e-12 and ==
+    NequIPCalculator to 1e-9 (float64), on every geometry; chunks did run."""
+    import torch.utils.checkpoint
+
+    import potentials.messages as messages
+
+    monkeypatch.setattr(messages, "PROBE_EDGES", 64)
+    monkeypatch.setattr(messages, "MIN_CHUNK_EDGES", 61)
+    chunks = []
+    for owner, attribute in ((messages._ChunkedEdgeSum, "forward"), (torch.utils.checkpoint, "checkpoint")):
+        original = getattr(owner, attribute)
+        counted = (lambda f: lambda *a, **k: chunks.append(1) or f(*a, **k))(original)
+        monkeypatch.setattr(owner, attribute, staticmethod(counted) if owner is messages._ChunkedEdgeSum else counted)
+    path = NEQUIP_DIR / f"{name}.nequip.zip"
+    model = potentials.NequIPFramework(path)
+    for geometry, make in GEOMETRIES.items():
+        atoms = make()
+        reference = nequip_reference(path, atoms)
+        plain = potentials.predict(model, atoms, memory_budget_gb=float("inf"))
+        plain.pop("energies")
+        for result in (potentials.predict(model, atoms, memory_budget_gb=1e-9),
+                       mlip_parallel.evaluate(model, atoms, memory_budget_gb=1e-9, comm=mlip_parallel.SerialBackend())):
+            result = {k: v for k, v in result.items() if k != "energies"}
+            assert max(max_relative_error(result, plain).values()) < 1e-12, geometry
+            assert max(max_relative_error(result, reference).values()) < 1e-9, geometry
+    assert len(chunks) > 2 * len(GEOMETRIES), len(chunks)

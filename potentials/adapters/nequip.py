@@ -17,6 +17,7 @@ framework's (receiver, sender) pairs with our edge vectors.
 """
 from __future__ import annotations
 
+import functools
 import os
 import random
 import warnings
@@ -152,6 +153,74 @@ def build_framework_model(model_config: dict):
                                            f"{(str(exc).splitlines() or [''])[0]})") from None
 
 
+# Edges per chunk at least (potentials.messages' default is 2,048): a NequIP or Allegro edge carries several KB of
+# tensor-product weights and outputs (set by benchmarks/memory_per_atom.py).
+MIN_CHUNK_EDGES = 256
+_NOTED = set()
+
+
+@contextmanager
+def chunked_convolutions(framework, budget: int | None):
+    """Within it, the convolutions of ``framework``'s NequIP interaction blocks run their edge step — the radial
+    network ``edge_mlp`` on the edge embedding, the tensor product with the sender's features and the scatter
+    to the receivers — in chunks of at most ``budget`` bytes, recomputed in the backward
+    (``messages.chunked_edge_sum``), with the framework's own modules: ``edge_mlp`` hands its input through
+    and the block's ``tp_scatter`` applies it per chunk. The rest of the block's forward is the framework's.
+    None: nothing changes (training). A block with another tensor-product kernel (OpenEquivariance,
+    cuEquivariance) keeps its own forward; a one-time warning names it."""
+    patched, shared = [], {}
+    if budget is not None:
+        for block in framework.modules():
+            if _class_path(block) != "nequip.nn.interaction_block.InteractionBlock":
+                continue
+            kernel = _class_path(getattr(block, "tp_scatter", None))
+            if kernel == "nequip.nn._tp_scatter_base.TensorProductScatter" and \
+                    _class_path(getattr(block, "edge_mlp", None)) == "nequip.nn.mlp.ScalarMLPFunction":
+                block.edge_mlp.forward = _handed_through
+                block.tp_scatter.forward = functools.partial(chunked_tp_scatter, block, budget, shared)
+                patched += [block.edge_mlp, block.tp_scatter]
+            elif kernel not in _NOTED:
+                _NOTED.add(kernel)
+                warnings.warn(f"a nequip convolution with {kernel.rpartition('.')[2] or 'no tp_scatter'} runs its own "
+                              f"forward over all edges at once (its edge step is not memory-bounded)", stacklevel=3)
+    try:
+        yield
+    finally:
+        for module in patched:
+            del module.forward
+
+
+def _class_path(obj) -> str:
+    """``module.Class`` of ``obj``, the same for the installed framework's classes and a package's copies of
+    them (a .nequip.zip loads its own code, under a ``<torch_package_N>.`` prefix)."""
+    path = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    return path.split(">.", 1)[1] if path.startswith("<torch_package_") else path
+
+
+def _handed_through(edge_embedding: torch.Tensor) -> torch.Tensor:
+    return edge_embedding
+
+
+def chunked_tp_scatter(block, budget: int, shared: dict, x, edge_attr, edge_weight, edge_dst, edge_src):
+    """[x.size(0), irreps_mid]: ``TensorProductScatter.forward`` of ``block`` with ``edge_weight`` the edge
+    embedding [E, basis] (``edge_mlp`` handed it through): Σ over the edges into each row of
+    ``tp(x[src], edge_attr, edge_mlp(embedding))``, in chunks (``messages.chunked_edge_sum``). Every block of
+    one forward reads the same embedding and attributes: packed once."""
+    from ..messages import chunked_edge_sum
+
+    same = shared.get("pieces") is not None and all(a is b for a, b in zip(shared["pieces"], (edge_weight, edge_attr))) \
+        and shared["index"] == (edge_src.data_ptr(), edge_dst.data_ptr(), edge_dst.shape)
+    if not same:
+        shared.update(pieces=(edge_weight, edge_attr), index=(edge_src.data_ptr(), edge_dst.data_ptr(), edge_dst.shape),
+                      edge_data=torch.cat([edge_weight, edge_attr], dim=1), edge_index=torch.stack([edge_src, edge_dst]))
+    basis, mlp = edge_weight.shape[1], block.edge_mlp
+
+    def message(edge, x_j):  # [e, basis + attrs], [e, irreps_in] -> [e, irreps_mid]
+        return block.tp_scatter.tp(x_j, edge[:, basis:], type(mlp).forward(mlp, edge[:, :basis]))
+
+    return chunked_edge_sum(message, shared["edge_data"], shared["edge_index"], [x], x.size(0), budget, MIN_CHUNK_EDGES)
+
+
 class NequIPFramework(RebuiltOnCopy, Potential):
     """A trained NequIP or Allegro model of the nequip framework, from its ``.ckpt`` checkpoint or its
     ``.nequip.zip`` package (eager; compiled ``.nequip.pth`` / ``.pt2`` files are refused), or from an
@@ -167,7 +236,48 @@ class NequIPFramework(RebuiltOnCopy, Potential):
     loader, ``nequip-package build`` and ``nequip-compile`` read."""
 
     PACKAGE_MODULE = "framework"
-    EVALUATION_BYTES_PER_EDGE = 2000  # its convolutions over all edges at once (a rough lower figure)
+    # In chunks (NequIP's convolutions, Allegro's groups of atoms) the edge embedding and attributes are kept for all
+    # edges (~800 B per edge measured); every edge at once adds its tensor products' tensors, ``plain_bytes_per_edge``.
+    EVALUATION_BYTES_PER_EDGE = 1_000
+
+    def evaluation_bytes(self, rows: float, edges: float, chunked: bool = True) -> float:
+        per_edge = self.EVALUATION_BYTES_PER_EDGE + (0 if chunked else self.plain_bytes_per_edge())
+        return self.EVALUATION_BYTES_PER_ROW * rows + per_edge * edges
+
+    def training_bytes(self, rows: float, edges: float) -> float:
+        """Training runs every edge at once and keeps both backward passes' tensors."""
+        return 2 * self.evaluation_bytes(rows, edges, chunked=False)
+
+    def plain_bytes_per_edge(self) -> float:
+        """Bytes the framework's forward keeps per edge under autograd with every edge at once (saved tensors,
+        doubled for their gradients), measured once on 13 atoms of fcc: the difference between all pairs within
+        r_max and only the centre's pairs, so that weights and per-atom tensors cancel."""
+        if getattr(self, "_plain_bytes_per_edge", None) is None:
+            shell = torch.tensor([[a, b, 0.0] for a in (1, -1) for b in (1, -1)], dtype=torch.float64)
+            points = torch.cat([torch.zeros(1, 3, dtype=torch.float64), shell, shell[:, [2, 0, 1]], shell[:, [1, 2, 0]]])
+            points = points * 0.45 * self.cutoff
+            receiver, sender = torch.nonzero(torch.cdist(points, points) < self.cutoff).T
+            pairs = torch.stack([sender, receiver])[:, receiver != sender]
+            centre = pairs[:, (pairs[0] == 0) | (pairs[1] == 0)]
+
+            def saved_bytes(index) -> int:
+                saved = 0
+
+                def pack(t):
+                    nonlocal saved
+                    saved += t.numel() * t.element_size()
+                    return t
+
+                graph = AtomGraph(species=torch.zeros(len(points), dtype=torch.long, device=self.device),
+                                  edge_index=index.to(self.device), n_local=len(points),
+                                  edge_vec=(points[index[0]] - points[index[1]]).to(self.device).requires_grad_())
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    self(graph)
+                return saved
+
+            extra = saved_bytes(pairs) - saved_bytes(centre)
+            self._plain_bytes_per_edge = 2 * max(extra, 0) / (pairs.shape[1] - centre.shape[1])
+        return self._plain_bytes_per_edge
 
     def __init__(self, path=None, model_key: str = "sole_model", architecture: dict | None = None):
         from nequip.model.modify_utils import get_all_modifiers, modify
@@ -235,8 +345,30 @@ class NequIPFramework(RebuiltOnCopy, Potential):
         if self.pruner is not None:
             data = self.pruner(data)
         with default_dtype(torch.float64):  # the framework's global dtype, as its calculator runs
-            out = self.framework(data)
+            if self.is_allegro and graph.memory_budget is not None and graph.n_local:
+                return self._local_in_groups(data, graph.n_local + exchange.pad, graph.memory_budget)[exchange.pad:]
+            with chunked_convolutions(self.framework, graph.memory_budget):
+                out = self.framework(data)
         return exchange.owned(out[AtomicDataDict.PER_ATOM_ENERGY_KEY].reshape(-1), graph.n_local)
+
+    def _local_in_groups(self, data: dict, rows: int, budget: int) -> torch.Tensor:
+        """[rows] per-atom energies of a strictly local model (Allegro: each atom's energy a function of its own
+        edges) in groups of atoms whose edges' tensors take at most ``budget`` bytes, each group the framework's
+        own forward on its atoms' edges, recomputed in the backward (``messages.chunked_local``)."""
+        from nequip.data import AtomicDataDict
+
+        from ..messages import chunked_local
+
+        types = data[AtomicDataDict.ATOM_TYPE_KEY]
+        edge_index = data[AtomicDataDict.EDGE_INDEX_KEY].flip(0)  # back to (sender, receiver)
+
+        def group(sub_index, vectors, nodes):
+            out = self.framework({AtomicDataDict.EDGE_VECTORS_KEY: vectors,
+                                  AtomicDataDict.EDGE_INDEX_KEY: sub_index.flip(0),
+                                  AtomicDataDict.ATOM_TYPE_KEY: types[nodes]})
+            return out[AtomicDataDict.PER_ATOM_ENERGY_KEY].reshape(-1)
+
+        return chunked_local(group, edge_index, data[AtomicDataDict.EDGE_VECTORS_KEY], rows, budget, MIN_CHUNK_EDGES)
 
     # ------------------------------------------------------------------ training contract
     def _scale_shift(self):

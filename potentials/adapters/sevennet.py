@@ -22,6 +22,9 @@ from ..messages import edge_sum
 _SKIPPED_MODULES = ("reduce_total_enegy", "force_output")  # sevenn's own spelling
 _EDGE_EMBEDDING = "edge_embedding"
 _ONE_HOT = "onehot_idx_to_onehot"
+# Edges per chunk at least (potentials.messages' default is 2,048): a SevenNet-0 edge keeps ~50 KB of tensor-product
+# weights and outputs, so a 2,048-edge chunk alone took ~350 KB per atom at 512 atoms (benchmarks/memory_per_atom.py).
+MIN_CHUNK_EDGES = 256
 
 
 class SevenNet(RebuiltOnCopy, Potential):
@@ -37,7 +40,9 @@ class SevenNet(RebuiltOnCopy, Potential):
     (``checkpoint_best.pth``) for ``SevenNetCalculator(model=...)``."""
 
     PACKAGE_MODULE = "sevenn"
-    EVALUATION_BYTES_PER_EDGE = 10000  # its convolutions over all edges of a segment (SevenNet-0: ~500 KB per atom)
+    # its edge embedding, kept for all edges; every edge at once adds its convolutions' tensors (SevenNet-0: ~50 KB)
+    EVALUATION_BYTES_PER_EDGE = 2_000
+    PLAIN_BYTES_PER_EDGE = 50_000
 
     def __init__(self, checkpoint: str | None = "7net-0", config: dict | None = None):
         try:
@@ -95,7 +100,8 @@ class SevenNet(RebuiltOnCopy, Potential):
         def message(feats, x_j):
             return conv.convolution(x_j, feats[conv.key_filter], conv.weight_nn(feats[conv.key_weight_input]))
 
-        return edge_sum(graph, self.edge_features, message, [x], rows=graph.n_nodes).div(conv.denominator)
+        return edge_sum(graph, self.edge_features, message, [x], rows=graph.n_nodes,
+                        min_edges=MIN_CHUNK_EDGES).div(conv.denominator)
 
     # ------------------------------------------------------------------ training contract
     def named_weights(self):

@@ -1,7 +1,10 @@
 """NequIP (with ZBL) and Allegro models of the nequip framework (tests/data/nequip: checkpoint and package)
 through mlip_parallel.evaluate == the framework's own ASE calculator on one process: every geometry ×
 grid, layerwise (NequIP's ghost exchange slots over our halo; Allegro, strictly local, without) and
-wide; the ASE calculator once per model. Float64 to 1e-9 relative. Run under mpiexec -n P or torchrun."""
+wide; the ASE calculator once per model. Float64 to 1e-9 relative. Every evaluation runs memory-bounded in
+many chunks (a 1-byte budget, 61-edge chunks: NequIP's convolutions through chunked_tp_scatter, Allegro in
+groups of atoms through messages.chunked_local); with the default grid it is also compared with one pass over
+all edges (memory_budget_gb=inf) to 1e-12. Run under mpiexec -n P or torchrun."""
 import os
 import sys
 import warnings
@@ -12,13 +15,34 @@ import logging  # noqa: E402
 
 import torch  # noqa: E402
 
+import torch.utils.checkpoint  # noqa: E402
+
 import mlip_parallel  # noqa: E402
 import potentials  # noqa: E402
+import potentials.messages as messages  # noqa: E402
 from md import MLIPCalculator  # noqa: E402
 from systems import GEOMETRIES, NEQUIP_DIR, NEQUIP_FIXTURES, max_relative_error, nequip_reference  # noqa: E402
 
 logging.disable(logging.INFO)
 torch.set_num_threads(1)
+messages.PROBE_EDGES, messages.MIN_CHUNK_EDGES = 64, 61  # several chunks per block, the last one short
+TINY, PLAIN = 1e-9, float("inf")
+chunks = {"edge steps": 0, "atom groups": 0}  # chunked calls seen: NequIP's edge steps, Allegro's groups of atoms
+_edge_sum, _checkpoint = messages._ChunkedEdgeSum.forward, torch.utils.checkpoint.checkpoint
+
+
+def counting_edge_sum(ctx, *args):
+    chunks["edge steps"] += 1
+    return _edge_sum(ctx, *args)
+
+
+def counting_checkpoint(*args, **kwargs):
+    chunks["atom groups"] += 1
+    return _checkpoint(*args, **kwargs)
+
+
+messages._ChunkedEdgeSum.forward = staticmethod(counting_edge_sum)
+torch.utils.checkpoint.checkpoint = counting_checkpoint
 world = mlip_parallel.get_backend()
 P = world.size
 GRIDS = {1: [None], 2: [None, (2, 1, 1), (1, 1, 2)], 3: [None, (3, 1, 1), (1, 3, 1), (1, 1, 3)],
@@ -38,9 +62,15 @@ for name in NEQUIP_FIXTURES:
             grids = GRIDS if path == files[0] else GRIDS[:1]  # the checkpoint: the same model, checked once
             for grid in grids:
                 for mode in ("layerwise", "wide") if geometry in WIDE and grid is None else ("layerwise",):
-                    result = mlip_parallel.evaluate(model, atoms, mode=mode, grid=grid)
+                    result = mlip_parallel.evaluate(model, atoms, mode=mode, grid=grid, memory_budget_gb=TINY)
                     result.pop("energies")
                     errors = max_relative_error(result, references[geometry])
+                    if grid is None:
+                        plain = mlip_parallel.evaluate(model, atoms, mode=mode, memory_budget_gb=PLAIN)
+                        plain.pop("energies")
+                        chunked_error = max(max_relative_error(result, plain).values())
+                        if chunked_error > 1e-12:
+                            failures.append(f"{path.name} {geometry} {mode}: chunked vs plain {chunked_error:.2e}")
                     cases += 1
                     worst[name] = max(worst.get(name, 0.0), max(errors.values()))
                     if max(errors.values()) > 1e-9:
@@ -54,12 +84,16 @@ for name in NEQUIP_FIXTURES:
     if world.rank == 0:
         print(f"{name} ({model.layers} layer(s)): max rel err vs NequIPCalculator {worst[name]:.2e} (evaluate), "
               f"{max(errors.values()):.2e} (MLIPCalculator)", flush=True)
+seen = {k: sum(world.allgather(v)) for k, v in chunks.items()}
+if not all(seen.values()):
+    failures.append(f"the memory-bounded paths did not run in chunks: {seen}")
 expected = len(NEQUIP_FIXTURES) * (len(GEOMETRIES) * (len(GRIDS) + 1) + 2 * len(WIDE))
 if cases != expected:
     failures.append(f"{cases} cases ran, expected {expected}")
 failures = sorted({f for mine in world.allgather(failures) for f in mine})
 if world.rank == 0:
-    print(f"P={P}: nequip framework {cases} cases, {len(failures)} failures; communication: {world.library}")
+    print(f"P={P}: nequip framework {cases} cases, {len(failures)} failures; chunked calls {seen}; communication: "
+          f"{world.library}")
     for f in failures:
         print("FAIL", f)
 sys.exit(1 if failures else 0)
