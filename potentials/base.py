@@ -135,7 +135,8 @@ class RebuiltOnCopy:
     def __deepcopy__(self, memo):
         import copy
 
-        clone = type(self)(**copy.deepcopy(self.hyperparameters, memo)).to(self.dtype).to(self.device)
+        parts = {"parts": self.parts, "seed": self.seed} if hasattr(self, "parts") else {}  # a pipeline stage's
+        clone = type(self)(**copy.deepcopy(self.hyperparameters, memo), **parts).to(self.dtype).to(self.device)
         clone.load_state_dict(self.state_dict())
         for (_, mine), (_, theirs) in zip(self.named_parameters(), clone.named_parameters()):
             theirs.requires_grad_(mine.requires_grad)

@@ -379,8 +379,8 @@ def labelled_alloys(count: int, seed: int) -> list:
 
 
 def write_small_mace(path, seed: int = 0, interaction: str = "RealAgnosticResidualInteractionBlock",
-                     first: str | None = None) -> None:
-    """A small random MACE (ScaleShiftMACE, Cu/Ag, L = 1 features, two interactions of class ``interaction``,
+                     first: str | None = None, interactions: int = 2) -> None:
+    """A small random MACE (ScaleShiftMACE, Cu/Ag, L = 1 features, ``interactions`` interactions of class ``interaction``,
     the first ``first`` where given, float64) written as MACE's training writes one (``torch.save`` of the
     module), under this environment's e3nn."""
     from e3nn import o3
@@ -395,7 +395,7 @@ def write_small_mace(path, seed: int = 0, interaction: str = "RealAgnosticResidu
                 r_max=4.5, num_bessel=6, num_polynomial_cutoff=5, max_ell=2,
                 interaction_cls=modules.interaction_classes[interaction],
                 interaction_cls_first=modules.interaction_classes[first or interaction],
-                num_interactions=2, num_elements=2, hidden_irreps=o3.Irreps("4x0e+4x1o"), MLP_irreps=o3.Irreps("8x0e"),
+                num_interactions=interactions, num_elements=2, hidden_irreps=o3.Irreps("4x0e+4x1o"), MLP_irreps=o3.Irreps("8x0e"),
                 gate=torch.nn.functional.silu, atomic_energies=np.array([-3.1, -2.2]), avg_num_neighbors=12.0,
                 atomic_numbers=[29, 47], correlation=2, radial_MLP=[8, 8], atomic_inter_scale=1.2,
                 atomic_inter_shift=0.1)

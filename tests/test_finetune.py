@@ -54,9 +54,10 @@ def files(tmp_path_factory):
     write(root / "train.extxyz", labelled_alloys(9, seed=0))
     write(root / "validation.extxyz", labelled_alloys(3, seed=1))
     write_small_mace(root / "small.model")
+    write_small_mace(root / "small3.model", seed=3, interactions=3)  # three blocks: three pipeline stages
     write_small_sevennet(root / "small-sevennet.pth")
     return {"root": root, "train": root / "train.extxyz", "validation": root / "validation.extxyz",
-            "mace": ("mace", root / "small.model"), "nequip": ("nequip", NEQUIP_DIR / "nequip-zbl.ckpt"),
+            "mace": ("mace", root / "small.model"), "mace3": ("mace", root / "small3.model"), "nequip": ("nequip", NEQUIP_DIR / "nequip-zbl.ckpt"),
             "allegro": ("nequip", NEQUIP_DIR / "allegro.nequip.zip"),
             "sevennet": ("sevennet", root / "small-sevennet.pth")}
 
@@ -87,7 +88,25 @@ def one_process(files):
 
 
 def trained_weights(directory) -> dict:
-    return torch.load(directory / "last.pt", weights_only=True)["training"]["model"]
+    """The trained (not averaged) weights: last.pt's training state, or the union of the pipeline stages' shards."""
+    shards = sorted((directory / "pipeline").glob("stage*.pt"))
+    if not shards:
+        return torch.load(directory / "last.pt", weights_only=True)["training"]["model"]
+    merged = {}
+    for shard in shards:
+        merged.update(torch.load(shard, weights_only=True)["training"]["model"])
+    return merged
+
+
+def assert_same_weights(weights, reference, tolerance, what) -> None:
+    assert set(weights) == set(reference), (what, set(weights) ^ set(reference))
+    for key, value in reference.items():
+        if value.numel() == 0 or not value.is_floating_point():
+            assert torch.equal(weights[key], value), (what, key)
+            continue
+        scale = max(float(value.abs().max()), 1e-12)
+        error = float((weights[key] - value).abs().max()) / scale
+        assert error <= tolerance, (what, key, error)
 
 
 # ------------------------------------------------------------------ the packages' own code paths
@@ -230,10 +249,16 @@ def test_one_process_equals_the_packages_own_training(files, one_process, family
     assert max(abs(a - b) / abs(b) for a, b in zip(ours, theirs)) < 1e-8, (ours, theirs)
 
 
-def test_data_and_graph_parallel_equal_one_process(files, one_process, mpirun, torchrun):
+def test_data_graph_and_pipeline_parallel_equal_one_process(files, one_process, mpirun, torchrun):
     """Every family, data and graph parallel on 2 ranks (torchrun: the torch.distributed backend, no MPI) and
     3 ranks (mpiexec; the clusters leave a rank without atoms): the trained weights after 3 epochs (9 steps,
-    gradient clipping) equal one process's to 1e-10 relative, float64."""
+    gradient clipping) equal one process's to 1e-10 relative, float64. MACE also in pipeline stages, each
+    holding only its parts: 2 stages (1F1B, 3 micro-batches) on 2 ranks and 3 stages of a three-interaction
+    MACE (schedule auto) on 3 ranks == one process to 1e-10; a 2-stage run resumed after its first epoch ==
+    the uninterrupted one bit for bit; its best.model (assembled from the stages) loads in MACECalculator and
+    equals our evaluation of its best.pt to 1e-9."""
+    from mace.calculators import MACECalculator
+
     from mlip_parallel.domain import Domain
     from mlip_parallel.grid import Grid
 
@@ -242,6 +267,12 @@ def test_data_and_graph_parallel_equal_one_process(files, one_process, mpirun, t
     domain = Domain.from_positions(clusters.positions, clusters.cell, clusters.pbc)
     owners = Grid.for_ranks(3, domain).owner(domain.wrapped_fractional(domain.wrap(clusters.positions)[0]))
     assert sorted(set(owners.tolist())) == [0, 2], owners  # the middle rank of 3 owns none of the clusters' atoms
+    mace3 = root / "one-mace3"
+    train(validate(job(files, "mace3", mace3), SCHEMA, RULES))
+    pipelines = {2: {"pipeline": ("mace", {"stages": 2, "microbatches": 3, "schedule": "1f1b", "boundaries": [0, 1, 2]}),
+                     "pipeline-resumed": ("mace", {"stages": 2, "microbatches": 3, "schedule": "1f1b",
+                                                   "boundaries": [0, 1, 2]})},
+                 3: {"pipeline": ("mace3", {"stages": 3, "microbatches": 3})}}
     for ranks, launcher in ((2, torchrun), (3, mpirun)):
         configs = []
         for family in FAMILIES:
@@ -250,22 +281,34 @@ def test_data_and_graph_parallel_equal_one_process(files, one_process, mpirun, t
                 path.write_text(yaml.safe_dump(job(files, family, root / f"{ranks}-{family}-{parallel}",
                                                    parallel=parallel)))
                 configs.append(str(path))
+        for name, (family, pipeline) in pipelines[ranks].items():
+            directory = root / f"{ranks}-{family}-{name}"
+            config = job(files, family, directory, parallel="pipeline", pipeline=pipeline)
+            stops = [1, EPOCHS] if name == "pipeline-resumed" else [EPOCHS]  # killed after epoch 1, resumed
+            for k, epochs in enumerate(stops):
+                path = root / f"{ranks}-{family}-{name}-{k}.yaml"
+                path.write_text(yaml.safe_dump(dict(config, epochs=epochs, resume=k > 0)))
+                configs.append(str(path))
         (root / f"jobs{ranks}.json").write_text(json.dumps(configs))
         rc, out, _ = launcher(ranks, MPI_DIR / "finetune.py", root / f"jobs{ranks}.json")
         assert rc == 0 and f"finetune runs done {len(configs)}" in out, out
         assert f"{ranks} rank(s) x 1 thread(s), graph parallel" in out, out
+        assert f"{ranks} rank(s) x 1 thread(s), pipeline parallel, stages at blocks" in out, out
         for family in FAMILIES:
             reference = trained_weights(one_process[family][0])
             for parallel in ("data", "graph"):
-                weights = trained_weights(root / f"{ranks}-{family}-{parallel}")
-                assert set(weights) == set(reference)
-                for key, value in reference.items():
-                    if value.numel() == 0 or not value.is_floating_point():
-                        assert torch.equal(weights[key], value), (ranks, family, parallel, key)
-                        continue
-                    scale = max(float(value.abs().max()), 1e-12)
-                    error = float((weights[key] - value).abs().max()) / scale
-                    assert error < 1e-10, (ranks, family, parallel, key, error)
+                assert_same_weights(trained_weights(root / f"{ranks}-{family}-{parallel}"), reference, 1e-10,
+                                    (ranks, family, parallel))
+    for ranks, family, reference in ((2, "mace", one_process["mace"][0]), (3, "mace3", mace3)):
+        directory = root / f"{ranks}-{family}-pipeline"
+        assert_same_weights(trained_weights(directory), trained_weights(reference), 1e-10, (ranks, "pipeline"))
+    pipelined = root / "2-mace-pipeline"
+    assert_same_weights(trained_weights(root / "2-mace-pipeline-resumed"), trained_weights(pipelined), 0.0, "resumed")
+    atoms = read(files["validation"], 0)
+    ours = ours_on(potentials.load(pipelined / "best.pt"), atoms)
+    atoms.calc = MACECalculator(model_paths=str(pipelined / "best.model"), device="cpu", default_dtype="float64")
+    theirs = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(), "stress": atoms.get_stress()}
+    assert max(max_relative_error(ours, theirs).values()) < 1e-9
 
 
 # ------------------------------------------------------------------ the files written back
@@ -447,7 +490,8 @@ def test_bad_fine_tuning_input_is_one_line_and_writes_nothing(files, tmp_path, c
                                                              r"\.nequip\.zip package or the \.ckpt checkpoint"),
         ({"model": {"head": "omat"}}, r"model.mace: .*no head 'omat'; the model's heads are \['Default'\]"),
         ({"model": {"name": "SchNet"}}, r"model.name describes a new model, but model.mace starts from a trained one"),
-        ({"parallel": "pipeline"}, r"parallel: pipeline does not split mace models into stages yet"),
+        ({"parallel": "pipeline", "model": {"nequip": str(NEQUIP_DIR / "nequip-zbl.ckpt"), "mace": None}},
+         r"parallel: pipeline does not split nequip models into stages yet"),
         ({"model": {"checkpoint": str(files["mace"][1]), "mace": None}},
          r"model.checkpoint: .*a MACE model file, not a potentials checkpoint: name it with the key mace"),
         ({"model": {"reference_energies": "estimated"}}, r"model.reference_energies must be one of \('keep', 'refit'\)"),

@@ -336,3 +336,43 @@ def test_md_force_call_of_a_mace_model_is_memory_bounded():
     bounded, budget_gb = saved[None]
     assert bounded <= budget_gb * 1e9 + 100e3 * len(atoms), (bounded / len(atoms), budget_gb)
     assert saved[float("inf")][0] > 3 * bounded, saved
+
+
+@pytest.mark.parametrize("name", MACE_FIXTURES)
+def test_parts_chained_equal_maces_forward(fixtures, name):
+    """As pipeline parts (embed, block k with its readout, readout with scale/shift and E0s), chained in one
+    process: == MACE's own forward (every head, float64; the ZBL fixture's pair energy travels in the energy
+    column) to 1e-12 relative. A stage (``parts``) holds exactly its parts' weights and the shared buffers,
+    the stages together hold the whole state, a deep copy (an EMA's) keeps its parts, and a stage alone
+    neither evaluates nor writes a .model file."""
+    import copy
+
+    from potentials.base import BlockPotential, stage_parts
+    from potentials.predict import energy_forces
+
+    path, heads, geometries = fixtures[name]
+    for head in heads:
+        model = potentials.MACE(path, head=head).double()
+        chained = potentials.MACE(path, head=head).double()
+        chained.forward = lambda graph, chained=chained: BlockPotential.forward(chained, graph)
+        for geometry in ("sheared", "slab", "clusters"):
+            atoms = geometries[geometry][0]
+            mine = dict(zip(("energies", "forces", "strain"), energy_forces(chained, atoms, memory_budget_gb=float("inf"))))
+            theirs = dict(zip(("energies", "forces", "strain"), energy_forces(model, atoms, memory_budget_gb=float("inf"))))
+            errors = max_relative_error({k: v.detach().numpy() for k, v in mine.items()},
+                                        {k: v.detach().numpy() for k, v in theirs.items()})
+            assert max(errors.values()) < 1e-12, (head, geometry, errors)
+    whole = model.state_dict()
+    stages = [potentials.MACE(path, head=head, parts=stage_parts(model.layers, [0, 1, model.layers], s)) for s in (0, 1)]
+    held = {}
+    for stage in stages:
+        state = stage.state_dict()
+        assert {stage.part_of(k) for k in state} == set(stage.parts) | {None}, stage.parts
+        held.update(state)
+        assert copy.deepcopy(stage).parts == stage.parts
+        with pytest.raises(RuntimeError, match="holds only the parts"):
+            potentials.predict(stage, geometries["slab"][0])
+    assert set(held) == set(whole) and all(torch.equal(held[k].double(), whole[k].double()) for k in whole)
+    with pytest.raises(MACEModelError, match="a pipeline stage"):
+        stages[0].save_native("never.model")
+    assert sum(p.numel() for s in stages for p in s.parameters()) == sum(p.numel() for p in model.parameters())

@@ -129,7 +129,7 @@ def build_model(section, species, seed, parts=None):
             if key == "checkpoint":
                 model = potentials.load(section["checkpoint"], parts=parts)
             else:
-                model = potentials.load_model(f"{key}:{section[key]}", head=section["head"])
+                model = potentials.load_model(f"{key}:{section[key]}", head=section["head"], parts=parts)
         except (potentials.MLIPError, ImportError) as exc:
             raise ConfigError(f"model.{key}: {exc}") from None
         return (model if dtype is None else model.to(dtype)).train()
@@ -395,9 +395,9 @@ class Trainer:
             check_output_directory(self.directory, config["output"]["overwrite"])
         section = config["model"]
         self.starting = starting_model(section)  # (the config alone: before any process group exists)
-        if self.starting in ("mace", "nequip", "sevennet") and config["parallel"] == "pipeline":
+        if self.starting in ("nequip", "sevennet") and config["parallel"] == "pipeline":
             raise ConfigError(f"parallel: pipeline does not split {self.starting} models into stages yet (SchNet, "
-                              f"PaiNN and NequIP only): fine-tune them with parallel: data or graph")
+                              f"PaiNN, NequIP and MACE only): fine-tune them with parallel: data or graph")
         self.procs = procs = Processes(config["parallel"])
         self.root = procs.rank == 0
         self.train_set, self.validation, self.test, self.weights = load_data(config)
@@ -413,6 +413,7 @@ class Trainer:
             select_weights(model, section["freeze"], require_match=False)  # checked below, over every stage
             return model
 
+        self.build = build
         if self.starting is None:  # a new model: its size comes from the config alone (a starting model's: its file)
             check_new_model_size(section, species, config, procs, device)
         self.pipeline = None
@@ -495,7 +496,14 @@ class Trainer:
         labelled = [s for s in self.train_set if s.energy is not None]
         if not labelled:
             raise ConfigError("model.reference_energies: refit needs training structures with energies")
-        residuals = np.array([s.energy for s in labelled]) - self.strategy.energies(model, labelled)
+        if self.pipeline is None:
+            predicted = self.strategy.energies(model, labelled)
+        else:  # a stage holds only its parts: the starting model, whole, predicts on rank 0 (once, before training)
+            from .training import predicted_energies
+
+            predicted = self.procs.bcast(predicted_energies(self.build(), labelled, self.config["batch_size"],
+                                                            self.device) if self.root else None)
+        residuals = np.array([s.energy for s in labelled]) - predicted
         present = sorted({int(z) for s in labelled for z in s.numbers})
         delta = fit_reference_energies(labelled, present, residuals)
         after = before.copy()
@@ -586,6 +594,10 @@ class Trainer:
             with atomic_write(self.shard(epoch)) as f:
                 torch.save({"training": self.training_state(epoch)}, f)
         self.pipeline.save_merged(path, self.evaluation_model, extra={"epoch": epoch})
+        native = self.model.native_file("best") if path == self.directory / "best.pt" else None
+        if native is not None and self.root:  # the package's own format, from the merged whole model (on the host)
+            potentials.load(path, map_location="cpu").save_native(self.directory / native,
+                                                                  data=self.config["data"]["train"])
         if self.pipeline.replica == 0 and last:
             for old in self.shards.glob(f"stage{self.pipeline.stage.stage}.epoch*.pt"):
                 if old != self.shard(epoch):

@@ -17,7 +17,8 @@ from ..errors import MLIPError
 PREFIXES = ("sevennet:", "mace:", "nequip:")
 
 
-def load_model(spec: str, dtype: str | None = None, head: str | None = None, checkpoint_dtype: str | None = None):
+def load_model(spec: str, dtype: str | None = None, head: str | None = None, checkpoint_dtype: str | None = None,
+               parts=None):
     """The model named by ``spec``: "sevennet:NAME" (a name sevenn knows, e.g. 7net-0, or a checkpoint
     path), "mace:PATH" (a MACE .model file; read without running the pickle — naming it here is the
     user's choice to read a pickle), "nequip:PATH" (a nequip-framework .ckpt or .nequip.zip, loaded by the
@@ -25,7 +26,8 @@ def load_model(spec: str, dtype: str | None = None, head: str | None = None, che
     bundled name ("cu-emt").
     ``dtype`` "float32"/"float64", or None: the file's own (for a potentials checkpoint,
     ``checkpoint_dtype`` if given: the MD tools run checkpoints in float64).
-    ``head``: a multi-head MACE model's head. Raises an ``MLIPError`` (the message names the spec's
+    ``head``: a multi-head MACE model's head. ``parts``: only these parts of a model that splits into pipeline
+    stages (a potentials checkpoint of a block model, a MACE file). Raises an ``MLIPError`` (the message names the spec's
     problem) or ImportError (the package the adapter needs is not installed)."""
     import torch
 
@@ -36,6 +38,9 @@ def load_model(spec: str, dtype: str | None = None, head: str | None = None, che
         raise ValueError(f"dtype must be float32 or float64, got {dtype!r}")
     if head is not None and not spec.startswith("mace:"):
         raise ModelSpecError(f"{spec}: a head is chosen only for MACE models (mace:PATH)")
+    if parts is not None and spec.startswith(("sevennet:", "nequip:")):
+        raise ModelSpecError(f"{spec}: this model does not split into pipeline stages (MACE models and potentials "
+                             f"checkpoints do)")
     if spec.startswith("sevennet:"):
         from .sevennet import SevenNet
 
@@ -44,7 +49,7 @@ def load_model(spec: str, dtype: str | None = None, head: str | None = None, che
     if spec.startswith("mace:"):
         from .mace import MACE
 
-        return MACE(spec[len("mace:"):], head=head, dtype=dtypes[dtype])
+        return MACE(spec[len("mace:"):], head=head, dtype=dtypes[dtype], parts=parts)
     if spec.startswith("nequip:"):
         from .nequip import NequIPFramework
 
@@ -52,7 +57,7 @@ def load_model(spec: str, dtype: str | None = None, head: str | None = None, che
         return model if dtype is None else model.to(dtypes[dtype])
     from ..checkpoint import load
 
-    model = load(spec)
+    model = load(spec, parts=parts)
     return model if dtype is None else model.to(dtypes[dtype])
 
 

@@ -27,7 +27,7 @@ import zipfile
 import torch
 from ase.data import chemical_symbols
 
-from ..base import Potential, RebuiltOnCopy
+from ..base import EMBED, READOUT, BlockPotential, RebuiltOnCopy, all_parts
 from ..errors import MLIPError
 from ..graph import AtomGraph
 from .exchange import GhostExchange, default_dtype
@@ -287,7 +287,7 @@ def load_mace(path) -> tuple:
     return model.to(dtype).eval(), architecture
 
 
-class MACE(RebuiltOnCopy, Potential):
+class MACE(RebuiltOnCopy, BlockPotential):
     """A trained MACE model (mace-torch's ``ScaleShiftMACE`` or ``MACE``) from its ``.model`` file.
 
     ``path``: the file MACE's training writes (``torch.save(model)``), under any e3nn MACE has used;
@@ -297,6 +297,13 @@ class MACE(RebuiltOnCopy, Potential):
     multi-head model (None: MACE's calculator's choice — the only head, else the one named "default").
     ``dtype``: None keeps the file's. Cutoff = the model's r_max, layers = its interactions. Needs
     mace-torch.
+
+    As a ``BlockPotential`` (pipeline stages): "embed" is the node embedding (with the pair repulsion's
+    per-atom energy, where the model has one), "block.k" interaction k, product k and, but for the last, readout
+    k; "readout" the last readout and the scale/shift. Between stages travels [n, features + 1]: the node
+    features and, last, the per-atom energy summed so far. The E0s, radial and angular bases are shared by
+    every part. ``parts``: the parts this model holds (a stage's; the file is read whole, the others then
+    dropped); ``seed`` is unused (the weights are the file's) but kept as every block model keeps one.
 
     Trainable through the ``Potential`` contract: its weights are mace-torch's parameters (named as in the
     MACE module: "interactions.0.linear.weight", ...), its reference energies the head's E0s, and
@@ -316,6 +323,8 @@ class MACE(RebuiltOnCopy, Potential):
         itemsize = torch.finfo(self.dtype).bits // 8
         per_row, per_edge = self.EVALUATION_BYTES_PER_ROW, 0
         for block in self.mace.interactions:
+            if isinstance(block, torch.nn.Identity):  # a part another pipeline stage holds
+                continue
             sh, features = block.edge_attrs_irreps.dim, block.edge_feats_irreps.dim
             channels = o3.Irreps(str(block.hidden_irreps))[0].mul
             per_row += (0.2 if chunked else 1.2) * channels * sh * sh * itemsize
@@ -329,7 +338,7 @@ class MACE(RebuiltOnCopy, Potential):
         return 2 * self.evaluation_bytes(rows, edges, chunked=False)
 
     def __init__(self, path=None, head: str | None = None, dtype: torch.dtype | None = None,
-                 architecture: dict | None = None):
+                 architecture: dict | None = None, parts=None, seed: int = 0):
         if (path is None) == (architecture is None):
             raise TypeError("MACE takes a model file (path) or an architecture, one of the two")
         if architecture is not None:
@@ -358,6 +367,96 @@ class MACE(RebuiltOnCopy, Potential):
         self.cutoff = float(model.r_max)
         self.layers = int(model.num_interactions)
         self.hyperparameters = {"architecture": architecture, "head": head}
+        # the width of h entering block k (k = layers: the readout), known while every part is here
+        self._widths = [model.node_embedding.linear.irreps_out.dim + 1] + \
+            [product.linear.irreps_out.dim + 1 for product in model.products]
+        self._init_parts(parts, seed)
+        if not self.complete:
+            self._drop_parts_not_held()
+
+    # ------------------------------------------------------------------ pipeline parts
+    def part_prefixes(self, part: str) -> list:
+        kind, _, k = part.partition(".")
+        last = len(self.mace.readouts) - 1
+        if kind == EMBED:
+            return ["mace.node_embedding"]
+        if kind == READOUT:
+            return [f"mace.readouts.{last}"] + (["mace.scale_shift"] if hasattr(self.mace, "scale_shift") else [])
+        own_readout = [f"mace.readouts.{k}"] if last == self.layers - 1 and int(k) < last else []
+        return [f"mace.interactions.{k}", f"mace.products.{k}", *own_readout]
+
+    def _drop_parts_not_held(self) -> None:
+        """Replace the modules of the parts this model does not hold by empty ones (their state with them)."""
+        for part in set(all_parts(self.layers)) - set(self.parts):
+            for prefix in self.part_prefixes(part):
+                owner, _, name = prefix.removeprefix("mace.").rpartition(".")
+                container = self.mace.get_submodule(owner) if owner else self.mace
+                if name.isdigit():
+                    container[int(name)] = torch.nn.Identity()
+                else:
+                    setattr(container, name, torch.nn.Identity())
+
+    def feature_width(self, k: int) -> int:
+        return self._widths[k]
+
+    def context(self, graph: AtomGraph) -> dict:
+        """What every part reads: the ghost exchange, one-hot species, edge vectors, MACE's spherical harmonics
+        and radial features (with its cutoff), each row's head (as ``ScaleShiftMACE.forward`` with
+        ``lammps_mliap`` prepares them)."""
+        if hasattr(self.mace, "joint_embedding"):
+            raise MACEModelError("a MACE model with a joint embedding of extra features does not split into parts")
+        exchange, species = GhostExchange.for_graph(graph)
+        with default_dtype(self.dtype):
+            node_attrs = torch.nn.functional.one_hot(species, len(self.species)).to(self.dtype)
+            vectors = graph.edge_vec.to(self.dtype)
+            lengths = torch.linalg.vector_norm(vectors, dim=1, keepdim=True)
+            edge_index = graph.edge_index + exchange.pad
+            edge_feats, cutoff = self.mace.radial_embedding(lengths, node_attrs, edge_index, self.mace.atomic_numbers)
+            return {"exchange": exchange, "node_attrs": node_attrs, "lengths": lengths, "edge_index": edge_index,
+                    "edge_attrs": self.mace.spherical_harmonics(vectors), "edge_feats": edge_feats, "cutoff": cutoff,
+                    "heads": self._head_index.expand(exchange.nlocal), "rows": torch.arange(exchange.nlocal,
+                                                                                            device=species.device)}
+
+    def embed(self, graph: AtomGraph, ctx) -> torch.Tensor:
+        """[ntotal, C + 1]: the node embedding of every row, and the pair repulsion's per-atom energy (zero where
+        the model has none; on ghost rows)."""
+        exchange = ctx["exchange"]
+        with default_dtype(self.dtype):
+            feats = self.mace.node_embedding(ctx["node_attrs"])
+            energy = feats.new_zeros(exchange.ntotal)
+            if hasattr(self.mace, "pair_repulsion"):
+                pair = self.mace.pair_repulsion_fn(ctx["lengths"], ctx["node_attrs"], ctx["edge_index"],
+                                                   self.mace.atomic_numbers)
+                energy = torch.cat([pair[: exchange.nlocal], energy[exchange.nlocal:]])
+        return torch.cat([feats, energy[:, None]], dim=1)
+
+    def block(self, k: int, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
+        """[nlocal, C_k+1 + 1]: interaction k (its ghost rows refreshed by MACE's own exchange hook), product k and,
+        when block k holds one, readout k added to the energy column."""
+        exchange, k = ctx["exchange"], int(k)
+        nlocal = exchange.nlocal
+        feats, energy = h[:, :-1], h[: nlocal, -1]
+        attrs = ctx["node_attrs"]
+        with default_dtype(self.dtype):
+            feats, sc = self.mace.interactions[k](
+                node_attrs=attrs if k == 0 else attrs[:nlocal], node_feats=feats, edge_attrs=ctx["edge_attrs"],
+                edge_feats=ctx["edge_feats"], edge_index=ctx["edge_index"], cutoff=ctx["cutoff"], first_layer=k == 0,
+                lammps_class=exchange, lammps_natoms=(nlocal, exchange.ntotal - nlocal))
+            feats = self.mace.products[k](node_feats=feats, sc=sc, node_attrs=attrs[:nlocal])
+            if f"mace.readouts.{k}" in self.part_prefixes(f"block.{k}"):
+                energy = energy + self.mace.readouts[k](feats, ctx["heads"])[ctx["rows"], ctx["heads"]]
+        return torch.cat([feats, energy[:, None]], dim=1)
+
+    def readout_energies(self, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
+        """[n_local] float64: the last readout added, MACE's scale/shift (ScaleShiftMACE), plus the E0s."""
+        feats, energy = h[:, :-1], h[:, -1]
+        heads, rows = ctx["heads"], ctx["rows"]
+        with default_dtype(self.dtype):
+            energy = energy + self.mace.readouts[-1](feats, heads)[rows, heads]
+            if hasattr(self.mace, "scale_shift"):
+                energy = self.mace.scale_shift(energy, heads)
+            e0 = self.mace.atomic_energies_fn(ctx["node_attrs"])[rows, heads]
+        return ctx["exchange"].owned(e0.double() + energy.double(), graph.n_local)
 
     def _e0s(self) -> torch.Tensor:
         """This head's E0s [len(species)], a view of MACE's ``atomic_energies`` buffer."""
@@ -381,11 +480,16 @@ class MACE(RebuiltOnCopy, Potential):
 
         from ..files import atomic_write
 
+        if not self.complete:
+            raise MACEModelError(f"this MACE holds only the parts {sorted(self.parts)} (a pipeline stage); its .model "
+                                 f"file is written from the whole model")
         module = self.mace if self.mace.r_max.device.type == "cpu" else copy.deepcopy(self.mace).cpu()
         with atomic_write(path) as f:
             torch.save(module, f)
 
     def forward(self, graph: AtomGraph) -> torch.Tensor:
+        if not self.complete:
+            return super().forward(graph)  # (raises: a stage's parts alone do not evaluate)
         exchange, species = GhostExchange.for_graph(graph)
         data = {
             "vectors": graph.edge_vec.to(self.dtype, copy=True),  # MACE calls requires_grad_ on it
