@@ -19,9 +19,9 @@ from common import adapter_scaling_parser, adapter_worker, ours_against_theirs  
 warnings.filterwarnings("ignore")
 
 
-def make_model(path, dtype, hidden="128x0e"):
+def make_model(path, dtype, hidden="128x0e", interactions=2):
     """Write a random MACE-MP-0-small-sized model to ``path`` (torch.save, as MACE's training does);
-    ``hidden="128x0e+128x1o"``: the MP-0-medium size."""
+    ``hidden="128x0e+128x1o"``: the MP-0-medium size; ``interactions``: its interaction blocks (MP-0: 2)."""
     import numpy as np
     import torch
     from e3nn import o3
@@ -32,7 +32,7 @@ def make_model(path, dtype, hidden="128x0e"):
     block = modules.interaction_classes["RealAgnosticResidualInteractionBlock"]
     model = modules.ScaleShiftMACE(
         r_max=6.0, num_bessel=8, num_polynomial_cutoff=5, max_ell=3, interaction_cls=block,
-        interaction_cls_first=block, num_interactions=2, num_elements=89, hidden_irreps=o3.Irreps(hidden),
+        interaction_cls_first=block, num_interactions=interactions, num_elements=89, hidden_irreps=o3.Irreps(hidden),
         MLP_irreps=o3.Irreps("16x0e"), gate=torch.nn.functional.silu, atomic_energies=-np.linspace(1, 5, 89),
         avg_num_neighbors=60.0, atomic_numbers=list(range(1, 90)), correlation=3, radial_MLP=[64, 64, 64],
         atomic_inter_scale=1.0, atomic_inter_shift=0.0)

@@ -254,7 +254,7 @@ def test_data_graph_and_pipeline_parallel_equal_one_process(files, one_process, 
     3 ranks (mpiexec; the clusters leave a rank without atoms): the trained weights after 3 epochs (9 steps,
     gradient clipping) equal one process's to 1e-10 relative, float64. MACE also in pipeline stages, each
     holding only its parts: 2 stages (1F1B, 3 micro-batches) on 2 ranks and 3 stages of a three-interaction
-    MACE (schedule auto) on 3 ranks == one process to 1e-10; a 2-stage run resumed after its first epoch ==
+    MACE (schedule auto, reference energies refit) on 3 ranks == one process to 1e-10; a 2-stage run resumed after its first epoch ==
     the uninterrupted one bit for bit; its best.model (assembled from the stages) loads in MACECalculator and
     equals our evaluation of its best.pt to 1e-9."""
     from mace.calculators import MACECalculator
@@ -267,8 +267,9 @@ def test_data_graph_and_pipeline_parallel_equal_one_process(files, one_process, 
     domain = Domain.from_positions(clusters.positions, clusters.cell, clusters.pbc)
     owners = Grid.for_ranks(3, domain).owner(domain.wrapped_fractional(domain.wrap(clusters.positions)[0]))
     assert sorted(set(owners.tolist())) == [0, 2], owners  # the middle rank of 3 owns none of the clusters' atoms
-    mace3 = root / "one-mace3"
-    train(validate(job(files, "mace3", mace3), SCHEMA, RULES))
+    mace3 = root / "one-mace3"  # (its reference energies refit first: under pipeline, by the whole model on rank 0)
+    refit = {"reference_energies": "refit"}
+    train(validate(job(files, "mace3", mace3, model=refit), SCHEMA, RULES))
     pipelines = {2: {"pipeline": ("mace", {"stages": 2, "microbatches": 3, "schedule": "1f1b", "boundaries": [0, 1, 2]}),
                      "pipeline-resumed": ("mace", {"stages": 2, "microbatches": 3, "schedule": "1f1b",
                                                    "boundaries": [0, 1, 2]})},
@@ -283,7 +284,8 @@ def test_data_graph_and_pipeline_parallel_equal_one_process(files, one_process, 
                 configs.append(str(path))
         for name, (family, pipeline) in pipelines[ranks].items():
             directory = root / f"{ranks}-{family}-{name}"
-            config = job(files, family, directory, parallel="pipeline", pipeline=pipeline)
+            config = job(files, family, directory, parallel="pipeline", pipeline=pipeline,
+                         **({"model": refit} if family == "mace3" else {}))
             stops = [1, EPOCHS] if name == "pipeline-resumed" else [EPOCHS]  # killed after epoch 1, resumed
             for k, epochs in enumerate(stops):
                 path = root / f"{ranks}-{family}-{name}-{k}.yaml"
