@@ -111,7 +111,10 @@ class Potential(torch.nn.Module):
         return None if shift is None else shift.shift.detach().cpu().double().numpy().copy()
 
     def set_reference_energies(self, energies) -> None:
-        """Replace the reference energies by ``energies`` [len(species)] (eV per atom)."""
+        """Replace the reference energies by ``energies`` [len(species)] (eV per atom); a pipeline stage that
+        does not hold them (no readout) leaves them."""
+        if getattr(self, "scale_shift", None) is None:
+            return
         with torch.no_grad():
             self.scale_shift.shift.copy_(torch.as_tensor(np.asarray(energies, dtype=np.float64)))
 

@@ -254,7 +254,8 @@ def test_data_graph_and_pipeline_parallel_equal_one_process(files, one_process, 
     3 ranks (mpiexec; the clusters leave a rank without atoms): the trained weights after 3 epochs (9 steps,
     gradient clipping) equal one process's to 1e-10 relative, float64. MACE also in pipeline stages, each
     holding only its parts: 2 stages (1F1B, 3 micro-batches) on 2 ranks and 3 stages of a three-interaction
-    MACE (schedule auto, reference energies refit) on 3 ranks == one process to 1e-10; a 2-stage run resumed after its first epoch ==
+    MACE (schedule auto, reference energies refit) on 3 ranks, and SevenNet in 2 stages (schedule auto; its radial
+    coefficients, read by every block, held by both stages, their gradients summed) == one process to 1e-10; a 2-stage run resumed after its first epoch ==
     the uninterrupted one bit for bit; its best.model (assembled from the stages) loads in MACECalculator and
     equals our evaluation of its best.pt to 1e-9."""
     from mace.calculators import MACECalculator
@@ -270,10 +271,10 @@ def test_data_graph_and_pipeline_parallel_equal_one_process(files, one_process, 
     mace3 = root / "one-mace3"  # (its reference energies refit first: under pipeline, by the whole model on rank 0)
     refit = {"reference_energies": "refit"}
     train(validate(job(files, "mace3", mace3, model=refit), SCHEMA, RULES))
-    pipelines = {2: {"pipeline": ("mace", {"stages": 2, "microbatches": 3, "schedule": "1f1b", "boundaries": [0, 1, 2]}),
-                     "pipeline-resumed": ("mace", {"stages": 2, "microbatches": 3, "schedule": "1f1b",
-                                                   "boundaries": [0, 1, 2]})},
-                 3: {"pipeline": ("mace3", {"stages": 3, "microbatches": 3})}}
+    one_f_one_b = {"stages": 2, "microbatches": 3, "schedule": "1f1b", "boundaries": [0, 1, 2]}
+    pipelines = {2: [("mace", "pipeline", one_f_one_b), ("mace", "pipeline-resumed", one_f_one_b),
+                     ("sevennet", "pipeline", {"stages": 2, "microbatches": 3})],
+                 3: [("mace3", "pipeline", {"stages": 3, "microbatches": 3})]}
     for ranks, launcher in ((2, torchrun), (3, mpirun)):
         configs = []
         for family in FAMILIES:
@@ -282,7 +283,7 @@ def test_data_graph_and_pipeline_parallel_equal_one_process(files, one_process, 
                 path.write_text(yaml.safe_dump(job(files, family, root / f"{ranks}-{family}-{parallel}",
                                                    parallel=parallel)))
                 configs.append(str(path))
-        for name, (family, pipeline) in pipelines[ranks].items():
+        for family, name, pipeline in pipelines[ranks]:
             directory = root / f"{ranks}-{family}-{name}"
             config = job(files, family, directory, parallel="pipeline", pipeline=pipeline,
                          **({"model": refit} if family == "mace3" else {}))
@@ -301,9 +302,16 @@ def test_data_graph_and_pipeline_parallel_equal_one_process(files, one_process, 
             for parallel in ("data", "graph"):
                 assert_same_weights(trained_weights(root / f"{ranks}-{family}-{parallel}"), reference, 1e-10,
                                     (ranks, family, parallel))
-    for ranks, family, reference in ((2, "mace", one_process["mace"][0]), (3, "mace3", mace3)):
+    for ranks, family, reference in ((2, "mace", one_process["mace"][0]), (3, "mace3", mace3),
+                                     (2, "sevennet", one_process["sevennet"][0])):
         directory = root / f"{ranks}-{family}-pipeline"
-        assert_same_weights(trained_weights(directory), trained_weights(reference), 1e-10, (ranks, "pipeline"))
+        assert_same_weights(trained_weights(directory), trained_weights(reference), 1e-10, (ranks, family, "pipeline"))
+    sevennet = root / "2-sevennet-pipeline"  # its checkpoint_best.pth, assembled from the stages, built by sevenn
+    atoms = read(files["validation"], 1)
+    energy, forces, stress = sevenn_own(sevennet / "checkpoint_best.pth")[1]([atoms])
+    theirs = {"energy": energy.item(), "forces": forces.detach().numpy(),
+              "stress": -(-stress[0].detach().numpy())[[0, 1, 2, 1, 0, 0], [0, 1, 2, 2, 2, 1]]}
+    assert max(max_relative_error(ours_on(potentials.load(sevennet / "best.pt"), atoms), theirs).values()) < 1e-9
     pipelined = root / "2-mace-pipeline"
     assert_same_weights(trained_weights(root / "2-mace-pipeline-resumed"), trained_weights(pipelined), 0.0, "resumed")
     atoms = read(files["validation"], 0)

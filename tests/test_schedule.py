@@ -393,20 +393,3 @@ def test_warm_up_costs_are_medians_at_a_common_machine_speed():
     assert seconds["only_cold"] == pytest.approx(7.0 * 8.0 / 24.0)  # nothing later timed it: the cold step's, rescaled
     assert held == {"F": 10.0, "B1": 20.0, "WB": 5.0}
 
-
-def test_a_stage_refuses_weights_that_belong_to_no_part():
-    """A trainable weight outside every part (every stage would train its own copy on its own blocks'
-    gradients) is named when the stage is set up, with the way out."""
-    import pytest
-    import torch
-
-    import potentials
-    from mlip_parallel.train.pipeline import PipelineError, PipelineStage
-
-    model = potentials.SchNet(["Cu"], cutoff=4.0, features=8, layers=2, parts=potentials.stage_parts(2, [0, 1, 2], 0), seed=0)
-    PipelineStage(model, 0, 2, [0, 1, 2], (None, 1))
-    model.shared_scale = torch.nn.Parameter(torch.ones(3))
-    with pytest.raises(PipelineError, match=r"the weights \['shared_scale'\] belong to no part .* freeze them"):
-        PipelineStage(model, 0, 2, [0, 1, 2], (None, 1))
-    model.shared_scale.requires_grad_(False)
-    PipelineStage(model, 0, 2, [0, 1, 2], (None, 1))

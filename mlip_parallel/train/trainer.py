@@ -395,9 +395,9 @@ class Trainer:
             check_output_directory(self.directory, config["output"]["overwrite"])
         section = config["model"]
         self.starting = starting_model(section)  # (the config alone: before any process group exists)
-        if self.starting in ("nequip", "sevennet") and config["parallel"] == "pipeline":
-            raise ConfigError(f"parallel: pipeline does not split {self.starting} models into stages yet (SchNet, "
-                              f"PaiNN, NequIP and MACE only): fine-tune them with parallel: data or graph")
+        if self.starting == "nequip" and config["parallel"] == "pipeline":
+            raise ConfigError("parallel: pipeline does not split nequip models into stages yet (SchNet, PaiNN, NequIP, "
+                              "MACE and SevenNet only): fine-tune them with parallel: data or graph")
         self.procs = procs = Processes(config["parallel"])
         self.root = procs.rank == 0
         self.train_set, self.validation, self.test, self.weights = load_data(config)
@@ -445,7 +445,10 @@ class Trainer:
         elif section["reference_energies"] == "refit":  # also on resume: the saved state may hold their shape
             self.refit_reference_energies()
         else:
-            self.reference_note = self.reference_energies_line("kept", model.reference_energies())
+            energies = model.reference_energies()
+            if energies is None and self.pipeline is not None and self.root:  # held by another stage (SevenNet's)
+                energies = self.build().reference_energies()
+            self.reference_note = self.reference_energies_line("kept", energies)
         o, sch = config["optimizer"], config["schedule"]
         self.optimizer = torch.optim.AdamW(self.strategy.parameters, lr=o["lr"], weight_decay=o["weight_decay"])
         if sch["name"] == "plateau":
@@ -489,20 +492,22 @@ class Trainer:
         from .training import fit_reference_energies
 
         model = self.model
-        before = model.reference_energies()
+        labelled = [s for s in self.train_set if s.energy is not None]
+        if self.pipeline is None:
+            before = model.reference_energies()
+            predicted = self.strategy.energies(model, labelled) if before is not None and labelled else None
+        else:  # a stage holds only its parts: the starting model, whole, on rank 0 (once, before training)
+            from .training import predicted_energies
+
+            whole = self.build() if self.root else None
+            before, predicted = self.procs.bcast((whole.reference_energies(), predicted_energies(
+                whole, labelled, self.config["batch_size"], self.device) if labelled else None) if self.root else None)
+            del whole
         if before is None:
             raise ConfigError(f"model.reference_energies: refit: this {type(model).__name__} has no per-element "
                               f"reference energies")
-        labelled = [s for s in self.train_set if s.energy is not None]
         if not labelled:
             raise ConfigError("model.reference_energies: refit needs training structures with energies")
-        if self.pipeline is None:
-            predicted = self.strategy.energies(model, labelled)
-        else:  # a stage holds only its parts: the starting model, whole, predicts on rank 0 (once, before training)
-            from .training import predicted_energies
-
-            predicted = self.procs.bcast(predicted_energies(self.build(), labelled, self.config["batch_size"],
-                                                            self.device) if self.root else None)
         residuals = np.array([s.energy for s in labelled]) - predicted
         present = sorted({int(z) for s in labelled for z in s.numbers})
         delta = fit_reference_energies(labelled, present, residuals)
@@ -510,7 +515,7 @@ class Trainer:
         index = {atomic_numbers[x]: k for k, x in enumerate(model.species)}
         for z, d in zip(present, delta):
             after[index[z]] += d
-        model.set_reference_energies(after)
+        model.set_reference_energies(after)  # (a pipeline stage that does not hold them leaves them)
         self.reference_note = self.reference_energies_line(
             f"refit by least squares on {len(labelled)} training structures", after, before)
 

@@ -38,13 +38,13 @@ def load_model(spec: str, dtype: str | None = None, head: str | None = None, che
         raise ValueError(f"dtype must be float32 or float64, got {dtype!r}")
     if head is not None and not spec.startswith("mace:"):
         raise ModelSpecError(f"{spec}: a head is chosen only for MACE models (mace:PATH)")
-    if parts is not None and spec.startswith(("sevennet:", "nequip:")):
-        raise ModelSpecError(f"{spec}: this model does not split into pipeline stages (MACE models and potentials "
-                             f"checkpoints do)")
+    if parts is not None and spec.startswith("nequip:"):
+        raise ModelSpecError(f"{spec}: this model does not split into pipeline stages (MACE and SevenNet models and "
+                             f"potentials checkpoints do)")
     if spec.startswith("sevennet:"):
         from .sevennet import SevenNet
 
-        model = SevenNet(spec[len("sevennet:"):])
+        model = SevenNet(spec[len("sevennet:"):], parts=parts)
         return model if dtype is None else model.to(dtypes[dtype])
     if spec.startswith("mace:"):
         from .mace import MACE

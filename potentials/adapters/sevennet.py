@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from ase.data import chemical_symbols
 
-from ..base import Potential, RebuiltOnCopy
+from ..base import EMBED, READOUT, BlockPotential, RebuiltOnCopy, all_parts, block_part
 from ..graph import AtomGraph
 from ..messages import edge_sum
 
@@ -27,7 +27,7 @@ _ONE_HOT = "onehot_idx_to_onehot"
 MIN_CHUNK_EDGES = 256
 
 
-class SevenNet(RebuiltOnCopy, Potential):
+class SevenNet(RebuiltOnCopy, BlockPotential):
     """A pretrained SevenNet model. ``checkpoint``: a name sevenn knows offline ("7net-0", shipped
     inside the sevenn package) or a path to a sevenn checkpoint; or ``config``, a checkpoint's model
     config in ``plain.encode``'s JSON form (as a potentials checkpoint of a fine-tuned SevenNet stores it):
@@ -37,14 +37,22 @@ class SevenNet(RebuiltOnCopy, Potential):
     Trainable through the ``Potential`` contract: its weights are the parameters sevenn itself trains (its
     per-element shift and scale and the convolutions' neighbour denominators only where its config trains
     them), its reference energies the per-element shifts, and ``save_native`` writes a sevenn checkpoint
-    (``checkpoint_best.pth``) for ``SevenNetCalculator(model=...)``."""
+    (``checkpoint_best.pth``) for ``SevenNetCalculator(model=...)``.
+
+    As a ``BlockPotential`` (pipeline stages): "embed" is sevenn's linear from the one-hot species to the node
+    features, "block.t" its modules of layer t ("{t}_..."), "readout" those after the last layer (the
+    reductions to the energy and the per-element rescale); the node features travel between stages. The
+    one-hot embedding (no weights) and the edge embedding are shared by every part: the edge embedding's
+    trained radial coefficients are held by every stage, their gradient summed over the stages.
+    ``parts``: the parts this model holds (a stage's; the checkpoint is read whole, the others then
+    dropped); ``seed`` is unused (the weights are the checkpoint's)."""
 
     PACKAGE_MODULE = "sevenn"
     # its edge embedding, kept for all edges; every edge at once adds its convolutions' tensors (SevenNet-0: ~50 KB)
     EVALUATION_BYTES_PER_EDGE = 2_000
     PLAIN_BYTES_PER_EDGE = 50_000
 
-    def __init__(self, checkpoint: str | None = "7net-0", config: dict | None = None):
+    def __init__(self, checkpoint: str | None = "7net-0", config: dict | None = None, parts=None, seed: int = 0):
         try:
             import sevenn.util
             from sevenn.model_build import build_E3_equivariant_model
@@ -70,15 +78,60 @@ class SevenNet(RebuiltOnCopy, Potential):
         self.layers = int(config["num_convolution_layer"])
         self.hyperparameters = {"config": encode(config)}
         self.requires_grad_(False)
+        # sevenn's modules by part: embed (before layer 0), block t ("{t}_..."), readout (after the last layer)
+        self.part_modules = {part: [] for part in all_parts(self.layers)}
+        for name in model._modules:
+            if name in (*_SKIPPED_MODULES, _EDGE_EMBEDDING, _ONE_HOT):
+                continue
+            layer = name.split("_", 1)[0]
+            part = block_part(int(layer)) if layer.isdigit() else EMBED if not self.part_modules[block_part(0)] else READOUT
+            self.part_modules[part].append(name)
+        self._widths = self._feature_widths()
+        self._init_parts(parts, seed)
+        for part in set(self.part_modules) - set(self.parts):
+            for name in self.part_modules[part]:
+                model._modules[name] = torch.nn.Identity()
 
-    def forward(self, graph: AtomGraph) -> torch.Tensor:
+    def _feature_widths(self) -> list:
+        """The width of the node features entering block k (k = layers: the readout), from one small pass."""
+        graph = AtomGraph(species=torch.zeros(2, dtype=torch.long), edge_index=torch.tensor([[0, 1], [1, 0]]),
+                          edge_vec=torch.tensor([[0.5, 0.0, 0.0], [-0.5, 0.0, 0.0]], dtype=torch.float64), n_local=2)
+        widths = []
+        with torch.no_grad():
+            ctx = self.context(graph)
+            h = self._run(self.part_modules[EMBED], dict(ctx), graph)["x"]
+            for k in range(self.layers):
+                widths.append(h.shape[1])
+                h = self._run(self.part_modules[block_part(k)], dict(ctx, x=h), graph)["x"]
+        return widths + [h.shape[1]]
+
+    def part_prefixes(self, part: str) -> list:
+        return [f"sevenn.{name}" for name in self.part_modules[part]]
+
+    def feature_width(self, k: int) -> int:
+        return self._widths[k]
+
+    def context(self, graph: AtomGraph) -> dict:
+        """sevenn's data before its first weights: the one-hot species (as node features and attributes), the
+        edges (sevenn's (receiver, sender) order) and their vectors."""
         data = {"x": graph.species, "edge_index": graph.edge_index.flip(0),  # sevenn: (receiver, sender)
                 "edge_vec": graph.edge_vec.to(self.dtype)}
-        for name, module in self.sevenn._modules.items():
-            if name in _SKIPPED_MODULES:
-                continue
-            if name == _EDGE_EMBEDDING:
-                continue  # each convolution's edge step computes it (self.edge_features)
+        return self._run([_ONE_HOT], data, graph)
+
+    def embed(self, graph: AtomGraph, ctx) -> torch.Tensor:
+        return self._run(self.part_modules[EMBED], dict(ctx), graph)["x"]
+
+    def block(self, k: int, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
+        return self._run(self.part_modules[block_part(k)], dict(ctx, x=h), graph)["x"]
+
+    def readout_energies(self, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
+        return self._run(self.part_modules[READOUT], dict(ctx, x=h), graph)["atomic_energy"].squeeze(-1)[: graph.n_local]
+
+    def _run(self, names, data: dict, graph: AtomGraph) -> dict:
+        """sevenn's modules ``names`` in order on ``data``: each convolution as ``_convolve``, the halo on ``x``
+        after each ``{t}_self_interaction_1``, t ≥ 1, sevenn's float32 one-hot cast to the model's dtype."""
+        for name in names:
+            module = self.sevenn._modules[name]
             if name.endswith("_convolution"):
                 data[module.key_x] = self._convolve(module, data[module.key_x], graph)
                 continue
@@ -88,7 +141,7 @@ class SevenNet(RebuiltOnCopy, Potential):
                         for k, v in data.items()}
             if name.endswith("_self_interaction_1") and not name.startswith("0_"):
                 data["x"] = graph.halo(data["x"])
-        return data["atomic_energy"].squeeze(-1)[: graph.n_local]
+        return data
 
     def edge_features(self, vec: torch.Tensor) -> dict:
         """sevenn's edge embedding (radial basis × cutoff, spherical harmonics) of edge vectors [e, 3]."""
@@ -118,9 +171,14 @@ class SevenNet(RebuiltOnCopy, Potential):
         return shift
 
     def reference_energies(self):
+        """The per-element shifts; None on a pipeline stage without the readout, which holds them."""
+        if READOUT not in self.parts:
+            return None
         return self._shift().detach().cpu().double().numpy().copy()
 
     def set_reference_energies(self, energies) -> None:
+        if READOUT not in self.parts:  # a pipeline stage without the readout: nothing of them here
+            return
         with torch.no_grad():
             self._shift().copy_(torch.as_tensor(energies))
 
@@ -137,7 +195,12 @@ class SevenNet(RebuiltOnCopy, Potential):
 
         import sevenn
 
+        from ..errors import MLIPError
         from ..files import atomic_write
+
+        if not self.complete:
+            raise MLIPError(f"this SevenNet holds only the parts {sorted(self.parts)} (a pipeline stage); its "
+                            f"checkpoint is written from the whole model")
 
         state = {k: v.detach().cpu() for k, v in self.sevenn.state_dict().items()}
         rescale = self.sevenn._modules["rescale_atomic_energy"]

@@ -65,15 +65,14 @@ class PipelineStage:
         if model.parts != expected:
             raise PipelineError(f"stage {stage} must hold exactly the parts {sorted(expected)}, "
                                 f"the model holds {sorted(model.parts)}")
-        shared = [name for name, p in model.named_parameters() if p.requires_grad and model.part_of(name) is None]
-        if shared:  # every stage would train its own copy on its own blocks' gradients alone
-            raise PipelineError(f"the weights {shared} belong to no part of the model (every stage reads them); they "
-                                f"cannot be trained in pipeline stages: freeze them (model.freeze)")
         self.model, self.stage, self.stages, self.recompute = model, stage, stages, recompute
         self.first, self.last = stage == 0, stage == stages - 1
         self.blocks = range(boundaries[stage], boundaries[stage + 1])
         self.prev, self.next = peers
         self.parameters = [p for p in model.parameters() if p.requires_grad]
+        # trained weights of no part (SevenNet's radial coefficients, read by every block): every stage holds a copy,
+        # whose gradient the trainer sums over all stages, so that the copies stay equal
+        self.shared = [p for name, p in model.named_parameters() if p.requires_grad and model.part_of(name) is None]
         self.net = model  # the module the sweeps run: the trained model, or e.g. its EMA in ``evaluate``
         self.evaluating = False
         self.state: dict = {}

@@ -356,11 +356,17 @@ class PipelineTrainer:
             self._warm_up.append(measured)
             if len(self._warm_up) == WARM_UP_STEPS[self.schedule == "auto"]:
                 self._measure_costs(self._warm_up)
+        shared = {id(p) for p in self.stage.shared}
         if self.replicas > 1:
             def all_reduce(flat):
                 dist.all_reduce(flat, group=self.replica_group)
                 return flat
-            sum_gradients(self.parameters, all_reduce)
+            sum_gradients([p for p in self.parameters if id(p) not in shared], all_reduce)
+        if shared:  # a weight every stage holds: its gradient summed over every stage and replica
+            def all_reduce_everywhere(flat):
+                dist.all_reduce(flat)
+                return flat
+            sum_gradients(self.stage.shared, all_reduce_everywhere)
         total = torch.tensor([loss], dtype=torch.float64)
         dist.all_reduce(total)
         return float(total[0])
@@ -384,7 +390,8 @@ class PipelineTrainer:
             self.stale = current
         if clip_norm > 0:  # the whole model's norm: this stage's, squared and summed over the stages
             import torch.distributed as dist
-            grads = [p.grad for p in self.parameters if p.grad is not None]
+            shared = {id(p) for p in self.stage.shared} if not self.stage.first else set()  # counted on stage 0 only
+            grads = [p.grad for p in self.parameters if p.grad is not None and id(p) not in shared]
             square = (torch.nn.utils.get_total_norm(grads).to(torch.float64) ** 2 if grads
                       else torch.zeros((), dtype=torch.float64)).reshape(1)
             dist.all_reduce(square)  # every replica holds the same gradients: divide their copies out
