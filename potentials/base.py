@@ -140,7 +140,10 @@ class RebuiltOnCopy:
 
         parts = {"parts": self.parts, "seed": self.seed} if hasattr(self, "parts") else {}  # a pipeline stage's
         clone = type(self)(**copy.deepcopy(self.hyperparameters, memo), **parts).to(self.dtype).to(self.device)
-        clone.load_state_dict(self.state_dict())
+        state, rebuilt = self.state_dict(), clone.state_dict()
+        # a model loaded with its package's own copy of e3nn's generated code (a .nequip.zip) keeps that code's
+        # constants as entries; the rebuilt code makes its own
+        clone.load_state_dict({k: v for k, v in state.items() if k in rebuilt or "._tensor_constant" not in k})
         for (_, mine), (_, theirs) in zip(self.named_parameters(), clone.named_parameters()):
             theirs.requires_grad_(mine.requires_grad)
         return clone.train(self.training)

@@ -254,8 +254,9 @@ def test_data_graph_and_pipeline_parallel_equal_one_process(files, one_process, 
     3 ranks (mpiexec; the clusters leave a rank without atoms): the trained weights after 3 epochs (9 steps,
     gradient clipping) equal one process's to 1e-10 relative, float64. MACE also in pipeline stages, each
     holding only its parts: 2 stages (1F1B, 3 micro-batches) on 2 ranks and 3 stages of a three-interaction
-    MACE (schedule auto, reference energies refit) on 3 ranks, and SevenNet in 2 stages (schedule auto; its radial
-    coefficients, read by every block, held by both stages, their gradients summed) == one process to 1e-10; a 2-stage run resumed after its first epoch ==
+    MACE (schedule auto, reference energies refit) on 3 ranks, SevenNet in 2 stages (schedule auto; its radial
+    coefficients, read by every block, held by both stages, their gradients summed) and the nequip framework's
+    NequIP in 3 stages (its type embedding's node attributes travelling beside the features) == one process to 1e-10; a 2-stage run resumed after its first epoch ==
     the uninterrupted one bit for bit; its best.model (assembled from the stages) loads in MACECalculator and
     equals our evaluation of its best.pt to 1e-9."""
     from mace.calculators import MACECalculator
@@ -274,7 +275,8 @@ def test_data_graph_and_pipeline_parallel_equal_one_process(files, one_process, 
     one_f_one_b = {"stages": 2, "microbatches": 3, "schedule": "1f1b", "boundaries": [0, 1, 2]}
     pipelines = {2: [("mace", "pipeline", one_f_one_b), ("mace", "pipeline-resumed", one_f_one_b),
                      ("sevennet", "pipeline", {"stages": 2, "microbatches": 3})],
-                 3: [("mace3", "pipeline", {"stages": 3, "microbatches": 3})]}
+                 3: [("mace3", "pipeline", {"stages": 3, "microbatches": 3}),
+                     ("nequip", "pipeline", {"stages": 3, "microbatches": 3, "schedule": "1f1b"})]}
     for ranks, launcher in ((2, torchrun), (3, mpirun)):
         configs = []
         for family in FAMILIES:
@@ -303,7 +305,7 @@ def test_data_graph_and_pipeline_parallel_equal_one_process(files, one_process, 
                 assert_same_weights(trained_weights(root / f"{ranks}-{family}-{parallel}"), reference, 1e-10,
                                     (ranks, family, parallel))
     for ranks, family, reference in ((2, "mace", one_process["mace"][0]), (3, "mace3", mace3),
-                                     (2, "sevennet", one_process["sevennet"][0])):
+                                     (2, "sevennet", one_process["sevennet"][0]), (3, "nequip", one_process["nequip"][0])):
         directory = root / f"{ranks}-{family}-pipeline"
         assert_same_weights(trained_weights(directory), trained_weights(reference), 1e-10, (ranks, family, "pipeline"))
     sevennet = root / "2-sevennet-pipeline"  # its checkpoint_best.pth, assembled from the stages, built by sevenn
@@ -500,8 +502,9 @@ def test_bad_fine_tuning_input_is_one_line_and_writes_nothing(files, tmp_path, c
                                                              r"\.nequip\.zip package or the \.ckpt checkpoint"),
         ({"model": {"head": "omat"}}, r"model.mace: .*no head 'omat'; the model's heads are \['Default'\]"),
         ({"model": {"name": "SchNet"}}, r"model.name describes a new model, but model.mace starts from a trained one"),
-        ({"parallel": "pipeline", "model": {"nequip": str(NEQUIP_DIR / "nequip-zbl.ckpt"), "mace": None}},
-         r"parallel: pipeline does not split nequip models into stages yet"),
+        ({"parallel": "pipeline", "model": {"nequip": str(NEQUIP_DIR / "allegro.ckpt"), "mace": None}},
+         r"model.nequip: .*allegro.ckpt: an Allegro model is one block \(strictly local\): it does not split into "
+         r"pipeline stages"),
         ({"model": {"checkpoint": str(files["mace"][1]), "mace": None}},
          r"model.checkpoint: .*a MACE model file, not a potentials checkpoint: name it with the key mace"),
         ({"model": {"reference_energies": "estimated"}}, r"model.reference_energies must be one of \('keep', 'refit'\)"),

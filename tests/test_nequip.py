@@ -171,3 +171,39 @@ def test_memory_bounded_path_in_many_chunks_equals_one_pass(name, monkeypatch):
             assert max(max_relative_error(result, plain).values()) < 1e-12, geometry
             assert max(max_relative_error(result, reference).values()) < 1e-9, geometry
     assert len(chunks) > 2 * len(GEOMETRIES), len(chunks)
+
+
+@pytest.mark.parametrize("path", [NEQUIP_DIR / "nequip-zbl.ckpt", NEQUIP_DIR / "nequip-zbl.nequip.zip"], ids=lambda p: p.name)
+def test_parts_chained_equal_the_frameworks_forward(path):
+    """NequIP as pipeline parts (embed: the type embedding; block k: layer k; readout: energy readout, per-type
+    shifts, ZBL), chained: == the framework's forward to 1e-12 on three geometries (float64). Stages hold exactly
+    their parts and together the whole state; a stage's deep copy (an EMA's) keeps its parts; a stage alone
+    neither evaluates nor writes a checkpoint. Allegro (one block) does not split."""
+    import copy
+
+    from potentials.base import BlockPotential, stage_parts
+    from potentials.predict import energy_forces
+
+    model = potentials.NequIPFramework(path)
+    chained = potentials.NequIPFramework(path)
+    chained.forward = lambda graph: BlockPotential.forward(chained, graph)
+    for geometry in ("sheared", "slab", "clusters"):
+        atoms = GEOMETRIES[geometry]()
+        mine = [t.detach().numpy() for t in energy_forces(chained, atoms, memory_budget_gb=float("inf"))]
+        theirs = [t.detach().numpy() for t in energy_forces(model, atoms, memory_budget_gb=float("inf"))]
+        errors = max_relative_error(dict(zip("efs", mine)), dict(zip("efs", theirs)))
+        assert max(errors.values()) < 1e-12, (geometry, errors)
+    stages = [potentials.NequIPFramework(path, parts=stage_parts(model.layers, [0, 1, model.layers], s)) for s in (0, 1)]
+    held = {}
+    for stage in stages:
+        state = stage.state_dict()
+        assert {stage.part_of(k) for k in state} == set(stage.parts) | {None}
+        held.update(state)
+        assert copy.deepcopy(stage).parts == stage.parts
+        with pytest.raises(RuntimeError, match="holds only the parts"):
+            potentials.predict(stage, GEOMETRIES["slab"]())
+    assert set(held) == set(model.state_dict())
+    with pytest.raises(NequIPFrameworkError, match="a pipeline stage"):
+        stages[0].save_native("never.ckpt")
+    with pytest.raises(NequIPFrameworkError, match="an Allegro model is one block"):
+        potentials.NequIPFramework(NEQUIP_DIR / "allegro.ckpt", parts=stage_parts(1, [0, 1], 0) - {"readout"})

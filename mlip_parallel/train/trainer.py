@@ -395,9 +395,6 @@ class Trainer:
             check_output_directory(self.directory, config["output"]["overwrite"])
         section = config["model"]
         self.starting = starting_model(section)  # (the config alone: before any process group exists)
-        if self.starting == "nequip" and config["parallel"] == "pipeline":
-            raise ConfigError("parallel: pipeline does not split nequip models into stages yet (SchNet, PaiNN, NequIP, "
-                              "MACE and SevenNet only): fine-tune them with parallel: data or graph")
         self.procs = procs = Processes(config["parallel"])
         self.root = procs.rank == 0
         self.train_set, self.validation, self.test, self.weights = load_data(config)

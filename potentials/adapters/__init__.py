@@ -38,9 +38,6 @@ def load_model(spec: str, dtype: str | None = None, head: str | None = None, che
         raise ValueError(f"dtype must be float32 or float64, got {dtype!r}")
     if head is not None and not spec.startswith("mace:"):
         raise ModelSpecError(f"{spec}: a head is chosen only for MACE models (mace:PATH)")
-    if parts is not None and spec.startswith("nequip:"):
-        raise ModelSpecError(f"{spec}: this model does not split into pipeline stages (MACE and SevenNet models and "
-                             f"potentials checkpoints do)")
     if spec.startswith("sevennet:"):
         from .sevennet import SevenNet
 
@@ -53,7 +50,7 @@ def load_model(spec: str, dtype: str | None = None, head: str | None = None, che
     if spec.startswith("nequip:"):
         from .nequip import NequIPFramework
 
-        model = NequIPFramework(spec[len("nequip:"):])
+        model = NequIPFramework(spec[len("nequip:"):], parts=parts)
         return model if dtype is None else model.to(dtypes[dtype])
     from ..checkpoint import load
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from ase.data import atomic_numbers
 
-from ..base import Potential, RebuiltOnCopy
+from ..base import EMBED, READOUT, BlockPotential, RebuiltOnCopy, all_parts, block_part
 from ..errors import MLIPError
 from ..graph import AtomGraph
 from .exchange import GhostExchange, default_dtype
@@ -221,7 +221,7 @@ def chunked_tp_scatter(block, budget: int, shared: dict, x, edge_attr, edge_weig
     return chunked_edge_sum(message, shared["edge_data"], shared["edge_index"], [x], x.size(0), budget, MIN_CHUNK_EDGES)
 
 
-class NequIPFramework(RebuiltOnCopy, Potential):
+class NequIPFramework(RebuiltOnCopy, BlockPotential):
     """A trained NequIP or Allegro model of the nequip framework, from its ``.ckpt`` checkpoint or its
     ``.nequip.zip`` package (eager; compiled ``.nequip.pth`` / ``.pt2`` files are refused), or from an
     ``architecture`` (``framework_architecture``'s JSON, as a potentials checkpoint of a fine-tuned model
@@ -272,14 +272,15 @@ class NequIPFramework(RebuiltOnCopy, Potential):
                                   edge_index=index.to(self.device), n_local=len(points),
                                   edge_vec=(points[index[0]] - points[index[1]]).to(self.device).requires_grad_())
                 with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    self(graph)
+                    self._held_parts(graph)
                 return saved
 
             extra = saved_bytes(pairs) - saved_bytes(centre)
             self._plain_bytes_per_edge = 2 * max(extra, 0) / (pairs.shape[1] - centre.shape[1])
         return self._plain_bytes_per_edge
 
-    def __init__(self, path=None, model_key: str = "sole_model", architecture: dict | None = None):
+    def __init__(self, path=None, model_key: str = "sole_model", architecture: dict | None = None, parts=None,
+                 seed: int = 0):
         from nequip.model.modify_utils import get_all_modifiers, modify
 
         if (path is None) == (architecture is None):
@@ -325,8 +326,116 @@ class NequIPFramework(RebuiltOnCopy, Potential):
 
             self.pruner = NeighborListPruneTransform(r_max=self.cutoff, per_edge_type_cutoff=metadata[
                 "per_edge_type_cutoff"], type_names=names)
+        self._split_into_parts(parts, seed, where)
 
-    def forward(self, graph: AtomGraph) -> torch.Tensor:
+    # ------------------------------------------------------------------ pipeline parts (NequIP)
+    def _split_into_parts(self, parts, seed: int, where) -> None:
+        """The framework's sequential network by part: "embed" its type embedding, "block.k" its ``layer{k}_convnet``,
+        "readout" the modules after the last (energy readout, per-type scale/shift, pair potential, sums); the
+        parameter-free modules before the first layer (spherical harmonics, radial basis) run in ``context``.
+        Between stages travel the node features and the type embedding's node attributes (which every layer's
+        self-connection reads) side by side. Allegro, strictly local, is one block: it does not split."""
+        network = self.network
+        self.network_path = next(name for name, module in self.named_modules() if module is network)
+        names = list(network._modules)
+        layers = [f"layer{k}_convnet" for k in range(self.layers)]
+        if self.is_allegro or not set(layers) <= set(names):
+            self.part_modules = None
+            if parts is not None and set(parts) != set(all_parts(self.layers)):
+                why = "an Allegro model is one block (strictly local)" if self.is_allegro else \
+                    "its network has no layerK_convnet modules"
+                raise NequIPFrameworkError(f"{where}: {why}: it does not split into pipeline stages; fine-tune it with "
+                                           f"parallel: data or graph")
+            self._init_parts(None, seed)
+            return
+        first, last = names.index(layers[0]), names.index(layers[-1])
+        before = names[:first]
+        self.part_modules = {EMBED: [n for n in before if any(True for _ in self.network._modules[n].parameters())],
+                             **{block_part(k): [name] for k, name in enumerate(layers)}, READOUT: names[last + 1:]}
+        self.context_modules = [n for n in before if n not in self.part_modules[EMBED]]
+        from nequip.data import AtomicDataDict
+
+        self._attrs_width = self.network._modules[self.part_modules[EMBED][-1]].irreps_out[
+            AtomicDataDict.NODE_ATTRS_KEY].dim
+        self._widths = [self.network._modules[name].irreps_in[AtomicDataDict.NODE_FEATURES_KEY].dim + self._attrs_width
+                        for name in layers] + [self.network._modules[layers[-1]].irreps_out[
+                            AtomicDataDict.NODE_FEATURES_KEY].dim + self._attrs_width]
+        self._init_parts(parts, seed)
+        for part in set(all_parts(self.layers)) - set(self.parts):
+            for name in self.part_modules[part]:
+                self.network._modules[name] = torch.nn.Identity()
+
+    @property
+    def network(self):
+        """The framework's sequential network (its modules in order), inside the force output it may wrap."""
+        return getattr(self.framework.model, "func", self.framework.model)
+
+    def _held_parts(self, graph: AtomGraph):
+        """The whole model's forward, or a pipeline stage's parts on ``graph`` (its first block fed zeros)."""
+        if self.complete:
+            return self(graph)
+        ctx = self.context(graph)
+        blocks = sorted(int(p.split(".")[1]) for p in self.parts if p.startswith("block."))
+        h = self.embed(graph, ctx) if EMBED in self.parts else \
+            torch.zeros(graph.n_nodes, self.feature_width(blocks[0]), dtype=torch.float64, device=self.device)
+        for k in blocks:
+            h = self.block(k, h, graph, ctx)
+        return self.readout_energies(h, graph, ctx) if READOUT in self.parts else h
+
+    def part_prefixes(self, part: str) -> list:
+        if self.part_modules is None:
+            return [] if part != READOUT else ["framework"]  # (one part holds everything: never split)
+        return [f"{self.network_path}.{name}" for name in self.part_modules[part]]
+
+    def feature_width(self, k: int) -> int:
+        return self._widths[k]
+
+    def context(self, graph: AtomGraph) -> dict:
+        """The framework's data (as ``forward`` prepares it) after its parameter-free modules before the first
+        layer: spherical harmonics and radial embedding of the edges."""
+        data, exchange = self._data(graph)
+        with default_dtype(torch.float64):
+            return {"data": self._run(self.context_modules, data), "exchange": exchange}
+
+    def embed(self, graph: AtomGraph, ctx) -> torch.Tensor:
+        from nequip.data import AtomicDataDict
+
+        with default_dtype(torch.float64):
+            data = self._run(self.part_modules[EMBED], dict(ctx["data"]))
+        return torch.cat([data[AtomicDataDict.NODE_FEATURES_KEY], data[AtomicDataDict.NODE_ATTRS_KEY]], dim=1)
+
+    def block(self, k: int, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
+        from nequip.data import AtomicDataDict
+
+        data = self._with_features(ctx, h)
+        attrs = data[AtomicDataDict.NODE_ATTRS_KEY]
+        with default_dtype(torch.float64):
+            feats = self._run(self.part_modules[block_part(k)], data)[AtomicDataDict.NODE_FEATURES_KEY]
+        return torch.cat([feats, attrs[: feats.shape[0]]], dim=1)
+
+    def readout_energies(self, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
+        from nequip.data import AtomicDataDict
+
+        with default_dtype(torch.float64):
+            out = self._run(self.part_modules[READOUT], self._with_features(ctx, h))
+        return ctx["exchange"].owned(out[AtomicDataDict.PER_ATOM_ENERGY_KEY].reshape(-1), graph.n_local)
+
+    def _with_features(self, ctx, h) -> dict:
+        from nequip.data import AtomicDataDict
+
+        data = dict(ctx["data"])
+        data[AtomicDataDict.NODE_FEATURES_KEY] = h[:, : h.shape[1] - self._attrs_width]
+        data[AtomicDataDict.NODE_ATTRS_KEY] = h[:, h.shape[1] - self._attrs_width:]
+        return data
+
+    def _run(self, names, data: dict) -> dict:
+        for name in names:
+            data = self.network._modules[name](data)
+        return data
+
+    def _data(self, graph: AtomGraph) -> tuple:
+        """(the framework's input data for ``graph``: edge vectors, (receiver, sender) edges, atom types and the
+        ghost exchange, per-edge-type cutoffs applied; the exchange)."""
         from nequip.data import AtomicDataDict
 
         if self.exchanges and not self.exchange_filled and graph.receivers < graph.n_nodes:
@@ -342,8 +451,14 @@ class NequIPFramework(RebuiltOnCopy, Potential):
             AtomicDataDict.NUM_LOCAL_GHOST_NODES_KEY: torch.tensor([exchange.nlocal, exchange.ntotal - exchange.nlocal],
                                                                    device=types.device),
         }
-        if self.pruner is not None:
-            data = self.pruner(data)
+        return (self.pruner(data) if self.pruner is not None else data), exchange
+
+    def forward(self, graph: AtomGraph) -> torch.Tensor:
+        from nequip.data import AtomicDataDict
+
+        if not self.complete:
+            return super().forward(graph)  # (raises: a stage's parts alone do not evaluate)
+        data, exchange = self._data(graph)
         with default_dtype(torch.float64):  # the framework's global dtype, as its calculator runs
             if self.is_allegro and graph.memory_budget is not None and graph.n_local:
                 return self._local_in_groups(data, graph.n_local + exchange.pad, graph.memory_budget)[exchange.pad:]
@@ -379,12 +494,20 @@ class NequIPFramework(RebuiltOnCopy, Potential):
                                    "reference energies to keep or refit")
 
     def reference_energies(self):
+        """The per-type shifts; None on a pipeline stage without the readout, which holds them."""
+        if READOUT not in self.parts:
+            return None
         shifts = self._scale_shift().shifts.detach().reshape(-1).cpu().double().numpy()
         return np.broadcast_to(shifts, (len(self.species),)).copy()
 
     def set_reference_energies(self, energies) -> None:
         """Set the per-type shifts; a model that shares one shift among its types (the framework's shortcut)
-        gets one per type, in its architecture too (its ``per_type_energy_shifts`` then a dict by type)."""
+        gets one per type, in its architecture too (its ``per_type_energy_shifts`` then a dict by type; also on a
+        pipeline stage without the readout, whose architecture the assembled checkpoint takes)."""
+        if READOUT not in self.parts:
+            self.hyperparameters["architecture"]["model"]["per_type_energy_shifts"] = dict(
+                zip(self.species, np.asarray(energies, dtype=float).tolist()))
+            return
         module = self._scale_shift()
         values = torch.as_tensor(np.asarray(energies, dtype=np.float64), dtype=module.shifts.dtype,
                                  device=module.shifts.device).reshape(-1, 1)
@@ -415,6 +538,9 @@ class NequIPFramework(RebuiltOnCopy, Potential):
 
         from ..files import atomic_write
 
+        if not self.complete:
+            raise NequIPFrameworkError(f"this model holds only the parts {sorted(self.parts)} (a pipeline stage); its "
+                                       f"checkpoint is written from the whole model")
         architecture = self.hyperparameters["architecture"]
         module_config = json.loads(json.dumps(architecture["training_module"]))
         target = module_config.pop("_target_", "nequip.train.NequIPLightningModule")
