@@ -55,8 +55,12 @@ def worker(args):
     weights = {"energy": 1.0, "forces": 10.0, "stress": 1.0}
 
     def build(parts=None):
-        if args.mace_file:
-            return potentials.MACE(args.mace_file, parts=parts)
+        if args.mace_file:  # its trained weights, as mlip-train selects them (an adapter is built frozen)
+            from potentials.base import select_weights
+
+            model = potentials.MACE(args.mace_file, parts=parts).train()
+            select_weights(model)
+            return model
         return potentials.PaiNN(["Cu"], cutoff=4.5, features=args.features, layers=args.blocks, parts=parts, seed=0)
 
     if args.stages > 1:
@@ -73,8 +77,8 @@ def worker(args):
 
         def step():
             batch = Batch(structures, model, model.device)
-            batch_gradients(model, batch, Counts.of(structures), weights, model.parameters())  # mlip-train's step
-            torch.nn.utils.clip_grad_norm_(list(model.parameters()), 10.0)
+            batch_gradients(model, batch, Counts.of(structures), weights, trained)  # mlip-train's step
+            torch.nn.utils.clip_grad_norm_(trained, 10.0)
             optimizer.step()
             optimizer.zero_grad()
     else:
@@ -84,7 +88,8 @@ def worker(args):
 
         def step():
             trainer.step(structures, weights, optimizer, clip_norm=10.0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-4)
     ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.99), use_buffers=False)
     import time
 
