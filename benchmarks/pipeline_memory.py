@@ -16,15 +16,17 @@
   torch tensors each process holds at the end of training (counted over the live tensors' storages;
   this CPU build of torch keeps no allocator statistics), on CUDA also torch's peak allocated bytes.
 
-* ``--mace``: another package's model in stages: a random MACE of MACE-MP-0-medium channels
-  (128x0e+128x1o, max_ell 3, correlation 3, r_max 6 Å, float32) with four interactions, each stage
-  reading only its parts of the .model file; AdamW + EMA, energy + force + stress loss, 1F1B: every
-  stage's peak as a fraction of the one-process peak at S = 2 and 4, and the seconds per step after a
-  warm-up step at S = 2 against one process (2 ranks on the 2 cores; S = 4 oversubscribes them).
+* ``--mace`` / ``--sevennet``: another package's model in stages: a random MACE of MACE-MP-0-medium
+  channels (128x0e+128x1o, max_ell 3, correlation 3, r_max 6 Å, float32) with four interactions, or
+  SevenNet-0 (five layers), each stage keeping only its parts of the file; AdamW + EMA, energy + force +
+  stress loss, 1F1B: every stage's peak as a fraction of the one-process peak at S = 2 and 4, and the
+  seconds per step after a warm-up step at S = 2 against one process (2 ranks on the 2 cores; S = 4
+  oversubscribes them).
 
     python benchmarks/pipeline_memory.py [--features 768] [--blocks 8] [--budget-gib 3]
     python benchmarks/pipeline_memory.py --train [--features 768] [--blocks 8]
     python benchmarks/pipeline_memory.py --mace [--structures 4]
+    python benchmarks/pipeline_memory.py --sevennet
 
 Peak memory is the process's resident high-water mark (VmHWM) over building the model and two
 optimizer steps, minus its resident size after the imports and the process-group set-up (VmRSS).
@@ -55,10 +57,11 @@ def worker(args):
     weights = {"energy": 1.0, "forces": 10.0, "stress": 1.0}
 
     def build(parts=None):
-        if args.mace_file:  # its trained weights, as mlip-train selects them (an adapter is built frozen)
+        if args.mace_file or args.sevennet:  # its trained weights, as mlip-train selects them (adapters are frozen)
             from potentials.base import select_weights
 
-            model = potentials.MACE(args.mace_file, parts=parts).train()
+            model = (potentials.MACE(args.mace_file, parts=parts) if args.mace_file else
+                     potentials.SevenNet("7net-0", parts=parts)).train()
             select_weights(model)
             return model
         return potentials.PaiNN(["Cu"], cutoff=4.5, features=args.features, layers=args.blocks, parts=parts, seed=0)
@@ -101,14 +104,15 @@ def worker(args):
         seconds.append(time.perf_counter() - start)
     peak = status_mb("VmHWM") - base
     held = sum(p.numel() for p in model.parameters())
-    result = {"peak_mb": [peak], "held": [held], "parts": [len(model.parts)], "finite": [bool(all(
+    shared = sum(p.numel() for name, p in model.named_parameters() if model.part_of(name) is None)  # on every stage
+    result = {"peak_mb": [peak], "held": [held], "shared": shared, "parts": [len(model.parts)], "finite": [bool(all(
         torch.isfinite(p).all() for p in model.parameters()))], "step_seconds": sum(seconds[1:]) / max(1, len(seconds) - 1)}
     if args.stages > 1:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (peak, held, len(model.parts), result["finite"][0]))
         result = {"peak_mb": [g[0] for g in gathered], "held": [g[1] for g in gathered],
                   "parts": [g[2] for g in gathered], "finite": [g[3] for g in gathered],
-                  "step_seconds": result["step_seconds"]}
+                  "step_seconds": result["step_seconds"], "shared": shared}
         if dist.get_rank() != 0:
             return
     print(json.dumps(result))
@@ -127,20 +131,23 @@ def run(stages, features, blocks, structures, extra=()):
                                      "--structures", structures, *extra])
 
 
-def mace_regime(structures) -> None:
-    """The --mace figures (see the module's docstring)."""
+def adapter_regime(kind, structures) -> None:
+    """The --mace / --sevennet figures (see the module's docstring)."""
     import tempfile
     from pathlib import Path
 
     from mace_scaling import make_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = str(Path(tmp) / "mace-medium-4.model")
-        make_model(path, "float32", "128x0e+128x1o", interactions=4)
-        extra = ["--mace-file", path, "--steps", 3]
-        results = {s: run(s, 0, 4, structures, extra) for s in (1, 2, 4)}
+        if kind == "mace":
+            path = str(Path(tmp) / "mace-medium-4.model")
+            make_model(path, "float32", "128x0e+128x1o", interactions=4)
+            extra, blocks, title = ["--mace-file", path], 4, "MACE, MP-0-medium channels, 4 interactions"
+        else:
+            extra, blocks, title = ["--sevennet"], 5, "SevenNet-0, 5 interaction layers"
+        results = {s: run(s, 0, blocks, structures, extra + ["--steps", 3]) for s in (1, 2, 4)}
     one = results[1]
-    print(f"MACE, MP-0-medium channels, 4 interactions, {one['held'][0] / 1e6:.2f} M parameters (float32); AdamW + EMA, "
+    print(f"{title}, {one['held'][0] / 1e6:.2f} M parameters (float32); AdamW + EMA, "
           f"energy+force+stress loss, {structures} x 32-atom Cu, 1F1B, M={MICROBATCHES}")
     print(f"{'run':6s} {'largest stage peak MB':>22s} {'fraction of 1 process':>22s} {'s per step':>11s}  per stage: "
           f"peak MB / M parameters held")
@@ -148,7 +155,8 @@ def mace_regime(structures) -> None:
         worst = max(r["peak_mb"])
         detail = ", ".join(f"{p:.0f}/{h / 1e6:.2f}M" for p, h in zip(r["peak_mb"], r["held"]))
         print(f"{f'S={stages}':6s} {worst:22.0f} {worst / one['peak_mb'][0]:22.2f} {r['step_seconds']:11.2f}  {detail}")
-        assert sum(r["held"]) == one["held"][0] and all(r["finite"]), r  # the stages hold the model exactly once
+        # the stages hold the model exactly once, but for the weights of no part, which every stage holds
+        assert sum(r["held"]) - (stages - 1) * r["shared"] == one["held"][0] and all(r["finite"]), r
     print(f"step time, one process / 2 stages: {one['step_seconds'] / results[2]['step_seconds']:.2f}x")
 
 
@@ -277,6 +285,7 @@ def main():
     parser.add_argument("--structures", type=int, default=4, help="32-atom Cu structures per global batch")
     parser.add_argument("--budget-gib", type=float, default=3.0, help="per-rank memory budget for the largest model")
     parser.add_argument("--mace", action="store_true", help="a MACE of MP-0-medium channels in stages (see above)")
+    parser.add_argument("--sevennet", action="store_true", help="SevenNet-0 in stages (see above)")
     parser.add_argument("--mace-file", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -289,8 +298,8 @@ def main():
     if args.train:
         train_regime(args.features, args.blocks)
         return
-    if args.mace:
-        mace_regime(args.structures)
+    if args.mace or args.sevennet:
+        adapter_regime("mace" if args.mace else "sevennet", args.structures)
         return
     total = painn_parameters(args.features, args.blocks)
     print(f"PaiNN features={args.features}, {args.blocks} blocks: {total / 1e6:.1f} M parameters (float32); "
