@@ -35,6 +35,7 @@ from conftest import MPI_DIR  # noqa: E402
 from mlip_parallel.config import ConfigError  # noqa: E402
 from mlip_parallel.train.cli import RULES, SCHEMA, main, train, validate  # noqa: E402
 from potentials.adapters.exchange import default_dtype  # noqa: E402
+from test_training import trained_parameters  # noqa: E402  (last.pt's state, or the pipeline stages' shards)
 from systems import (MACE_DIR, NEQUIP_DIR, labelled_alloys, max_relative_error, write_small_mace,  # noqa: E402
                      write_small_sevennet)
 
@@ -85,17 +86,6 @@ def one_process(files):
         directory = files["root"] / f"one-{family}"
         runs[family] = directory, train(validate(job(files, family, directory), SCHEMA, RULES))
     return runs
-
-
-def trained_weights(directory) -> dict:
-    """The trained (not averaged) weights: last.pt's training state, or the union of the pipeline stages' shards."""
-    shards = sorted((directory / "pipeline").glob("stage*.pt"))
-    if not shards:
-        return torch.load(directory / "last.pt", weights_only=True)["training"]["model"]
-    merged = {}
-    for shard in shards:
-        merged.update(torch.load(shard, weights_only=True)["training"]["model"])
-    return merged
 
 
 def assert_same_weights(weights, reference, tolerance, what) -> None:
@@ -300,14 +290,15 @@ def test_data_graph_and_pipeline_parallel_equal_one_process(files, one_process, 
         assert f"{ranks} rank(s) x 1 thread(s), graph parallel" in out, out
         assert f"{ranks} rank(s) x 1 thread(s), pipeline parallel, stages at blocks" in out, out
         for family in FAMILIES:
-            reference = trained_weights(one_process[family][0])
+            reference = trained_parameters(one_process[family][0])
             for parallel in ("data", "graph"):
-                assert_same_weights(trained_weights(root / f"{ranks}-{family}-{parallel}"), reference, 1e-10,
+                assert_same_weights(trained_parameters(root / f"{ranks}-{family}-{parallel}"), reference, 1e-10,
                                     (ranks, family, parallel))
     for ranks, family, reference in ((2, "mace", one_process["mace"][0]), (3, "mace3", mace3),
-                                     (2, "sevennet", one_process["sevennet"][0]), (3, "nequip", one_process["nequip"][0])):
-        directory = root / f"{ranks}-{family}-pipeline"
-        assert_same_weights(trained_weights(directory), trained_weights(reference), 1e-10, (ranks, family, "pipeline"))
+                                     (2, "sevennet", one_process["sevennet"][0]),
+                                     (3, "nequip", one_process["nequip"][0])):
+        assert_same_weights(trained_parameters(root / f"{ranks}-{family}-pipeline"), trained_parameters(reference),
+                            1e-10, (ranks, family, "pipeline"))
     sevennet = root / "2-sevennet-pipeline"  # its checkpoint_best.pth, assembled from the stages, built by sevenn
     atoms = read(files["validation"], 1)
     energy, forces, stress = sevenn_own(sevennet / "checkpoint_best.pth")[1]([atoms])
@@ -315,7 +306,8 @@ def test_data_graph_and_pipeline_parallel_equal_one_process(files, one_process, 
               "stress": -(-stress[0].detach().numpy())[[0, 1, 2, 1, 0, 0], [0, 1, 2, 2, 2, 1]]}
     assert max(max_relative_error(ours_on(potentials.load(sevennet / "best.pt"), atoms), theirs).values()) < 1e-9
     pipelined = root / "2-mace-pipeline"
-    assert_same_weights(trained_weights(root / "2-mace-pipeline-resumed"), trained_weights(pipelined), 0.0, "resumed")
+    assert_same_weights(trained_parameters(root / "2-mace-pipeline-resumed"), trained_parameters(pipelined), 0.0,
+                        "resumed")
     atoms = read(files["validation"], 0)
     ours = ours_on(potentials.load(pipelined / "best.pt"), atoms)
     atoms.calc = MACECalculator(model_paths=str(pipelined / "best.model"), device="cpu", default_dtype="float64")

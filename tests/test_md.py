@@ -225,6 +225,19 @@ def test_steps_between_rebuilds_keep_atoms_on_the_device(monkeypatch, integrator
         assert isinstance(value, torch.Tensor) and value.device == model.device
 
 
+def md_force_call_saved_bytes(model, atoms) -> dict:
+    """{memory_budget_gb given: (peak saved-tensor bytes of one MD force call after a first one, the budget the
+    MD system resolved)} for the automatic budget (None) and one pass over all edges (inf)."""
+    from md.engine import MDSystem
+
+    saved = {}
+    for budget in (None, float("inf")):
+        system = MDSystem.from_atoms(model, atoms, skin=1.0, memory_budget_gb=budget)
+        system.compute_forces()
+        saved[budget] = (peak_saved_bytes(system.compute_forces), system.memory_budget_gb)
+    return saved
+
+
 def peak_saved_bytes(call) -> int:
     """The most bytes autograd held in saved tensors at once while ``call()`` ran (forward and backward;
     a tensor saved twice counts twice, so this bounds the true figure from above)."""
