@@ -247,8 +247,9 @@ def test_data_graph_and_pipeline_parallel_equal_one_process(files, one_process, 
     MACE (schedule auto, reference energies refit) on 3 ranks, SevenNet in 2 stages (schedule auto; its radial
     coefficients, read by every block, held by both stages, their gradients summed) and the nequip framework's
     NequIP in 3 stages (its type embedding's node attributes travelling beside the features) == one process to 1e-10; a 2-stage run resumed after its first epoch ==
-    the uninterrupted one bit for bit; its best.model (assembled from the stages) loads in MACECalculator and
-    equals our evaluation of its best.pt to 1e-9."""
+    the uninterrupted one bit for bit; the files in the packages' formats, assembled from the stages (best.model,
+    checkpoint_best.pth, best.ckpt), equal our evaluation of best.pt in MACECalculator, sevenn's own model and
+    NequIPCalculator to 1e-9."""
     from mace.calculators import MACECalculator
 
     from mlip_parallel.domain import Domain
@@ -305,6 +306,12 @@ def test_data_graph_and_pipeline_parallel_equal_one_process(files, one_process, 
     theirs = {"energy": energy.item(), "forces": forces.detach().numpy(),
               "stress": -(-stress[0].detach().numpy())[[0, 1, 2, 1, 0, 0], [0, 1, 2, 2, 2, 1]]}
     assert max(max_relative_error(ours_on(potentials.load(sevennet / "best.pt"), atoms), theirs).values()) < 1e-9
+    nequip = root / "3-nequip-pipeline"  # its best.ckpt, assembled from the stages, read by the framework's calculator
+    atoms = read(files["validation"], 1)
+    atoms.calc = nequip_calculator(nequip / "best.ckpt")
+    with default_dtype(torch.float64):  # (the framework's calculator runs in its global dtype, float64)
+        theirs = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(), "stress": atoms.get_stress()}
+    assert max(max_relative_error(ours_on(potentials.load(nequip / "best.pt"), atoms), theirs).values()) < 1e-9
     pipelined = root / "2-mace-pipeline"
     assert_same_weights(trained_parameters(root / "2-mace-pipeline-resumed"), trained_parameters(pipelined), 0.0,
                         "resumed")
