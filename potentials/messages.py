@@ -13,6 +13,10 @@ The chunked function returns gradients for its tensor inputs only (edge vectors 
 node features → earlier layers), not for the parameters ``message`` uses, and it cannot be
 differentiated twice: it serves evaluation (energy, forces, stress, MD). Training (``create_graph``,
 parameter gradients) takes the plain path: ``AtomGraph.memory_budget`` None.
+
+For other packages' blocks: ``chunked_edge_sum`` (the same over any per-edge tensor, MACE's and NequIP's
+edge steps), ``chunked_rows`` (a per-atom function in checkpointed row chunks, MACE's products) and
+``chunked_local`` (a strictly local model, Allegro, in checkpointed groups of receiver atoms).
 """
 from __future__ import annotations
 
