@@ -286,6 +286,14 @@ class BlockPotential(Potential):
         kind, _, k = part.partition(".")
         return [path.format(k=k) for path in self.PART_MODULES[kind]]
 
+    def _drop_parts_not_held(self) -> None:
+        """Replace the modules of the parts this model does not hold by empty ones, their state with them (a model
+        read whole from another package's file, then cut to a pipeline stage's parts)."""
+        for part in set(all_parts(self.layers)) - set(self.parts):
+            for prefix in self.part_prefixes(part):
+                owner, _, name = prefix.rpartition(".")
+                setattr(self.get_submodule(owner) if owner else self, name, torch.nn.Identity())
+
     def part_of(self, key: str) -> str | None:
         """The part a state-dict or parameter name belongs to (None: a module shared by every part)."""
         for part in all_parts(self.layers):

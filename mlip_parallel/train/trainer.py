@@ -443,8 +443,8 @@ class Trainer:
             self.refit_reference_energies()
         else:
             energies = model.reference_energies()
-            if energies is None and self.pipeline is not None and self.root:  # held by another stage (SevenNet's)
-                energies = self.build().reference_energies()
+            if self.pipeline is not None:  # the stage that holds them (the readout's, for most models)
+                energies = next((e for e in procs.allgather(energies) if e is not None), None)
             self.reference_note = self.reference_energies_line("kept", energies)
         o, sch = config["optimizer"], config["schedule"]
         self.optimizer = torch.optim.AdamW(self.strategy.parameters, lr=o["lr"], weight_decay=o["weight_decay"])

@@ -27,7 +27,7 @@ import zipfile
 import torch
 from ase.data import chemical_symbols
 
-from ..base import EMBED, READOUT, BlockPotential, RebuiltOnCopy, all_parts
+from ..base import EMBED, READOUT, BlockPotential, RebuiltOnCopy
 from ..errors import MLIPError
 from ..graph import AtomGraph
 from .exchange import GhostExchange, default_dtype
@@ -371,8 +371,7 @@ class MACE(RebuiltOnCopy, BlockPotential):
         self._widths = [model.node_embedding.linear.irreps_out.dim + 1] + \
             [product.linear.irreps_out.dim + 1 for product in model.products]
         self._init_parts(parts, seed)
-        if not self.complete:
-            self._drop_parts_not_held()
+        self._drop_parts_not_held()
 
     # ------------------------------------------------------------------ pipeline parts
     def part_prefixes(self, part: str) -> list:
@@ -384,17 +383,6 @@ class MACE(RebuiltOnCopy, BlockPotential):
             return [f"mace.readouts.{last}"] + (["mace.scale_shift"] if hasattr(self.mace, "scale_shift") else [])
         own_readout = [f"mace.readouts.{k}"] if last == self.layers - 1 and int(k) < last else []
         return [f"mace.interactions.{k}", f"mace.products.{k}", *own_readout]
-
-    def _drop_parts_not_held(self) -> None:
-        """Replace the modules of the parts this model does not hold by empty ones (their state with them)."""
-        for part in set(all_parts(self.layers)) - set(self.parts):
-            for prefix in self.part_prefixes(part):
-                owner, _, name = prefix.removeprefix("mace.").rpartition(".")
-                container = self.mace.get_submodule(owner) if owner else self.mace
-                if name.isdigit():
-                    container[int(name)] = torch.nn.Identity()
-                else:
-                    setattr(container, name, torch.nn.Identity())
 
     def feature_width(self, k: int) -> int:
         return self._widths[k]

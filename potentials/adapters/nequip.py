@@ -350,20 +350,17 @@ class NequIPFramework(RebuiltOnCopy, BlockPotential):
             return
         first, last = names.index(layers[0]), names.index(layers[-1])
         before = names[:first]
-        self.part_modules = {EMBED: [n for n in before if any(True for _ in self.network._modules[n].parameters())],
+        self.part_modules = {EMBED: [n for n in before if any(True for _ in network._modules[n].parameters())],
                              **{block_part(k): [name] for k, name in enumerate(layers)}, READOUT: names[last + 1:]}
         self.context_modules = [n for n in before if n not in self.part_modules[EMBED]]
         from nequip.data import AtomicDataDict
 
-        self._attrs_width = self.network._modules[self.part_modules[EMBED][-1]].irreps_out[
-            AtomicDataDict.NODE_ATTRS_KEY].dim
-        self._widths = [self.network._modules[name].irreps_in[AtomicDataDict.NODE_FEATURES_KEY].dim + self._attrs_width
-                        for name in layers] + [self.network._modules[layers[-1]].irreps_out[
+        self._attrs_width = network._modules[self.part_modules[EMBED][-1]].irreps_out[AtomicDataDict.NODE_ATTRS_KEY].dim
+        self._widths = [network._modules[name].irreps_in[AtomicDataDict.NODE_FEATURES_KEY].dim + self._attrs_width
+                        for name in layers] + [network._modules[layers[-1]].irreps_out[
                             AtomicDataDict.NODE_FEATURES_KEY].dim + self._attrs_width]
         self._init_parts(parts, seed)
-        for part in set(all_parts(self.layers)) - set(self.parts):
-            for name in self.part_modules[part]:
-                self.network._modules[name] = torch.nn.Identity()
+        self._drop_parts_not_held()
 
     @property
     def network(self):
@@ -383,8 +380,8 @@ class NequIPFramework(RebuiltOnCopy, BlockPotential):
         return self.readout_energies(h, graph, ctx) if READOUT in self.parts else h
 
     def part_prefixes(self, part: str) -> list:
-        if self.part_modules is None:
-            return [] if part != READOUT else ["framework"]  # (one part holds everything: never split)
+        if self.part_modules is None:  # (Allegro: never split, every model whole)
+            return []
         return [f"{self.network_path}.{name}" for name in self.part_modules[part]]
 
     def feature_width(self, k: int) -> int:

@@ -88,9 +88,7 @@ class SevenNet(RebuiltOnCopy, BlockPotential):
             self.part_modules[part].append(name)
         self._widths = self._feature_widths()
         self._init_parts(parts, seed)
-        for part in set(self.part_modules) - set(self.parts):
-            for name in self.part_modules[part]:
-                model._modules[name] = torch.nn.Identity()
+        self._drop_parts_not_held()
 
     def _feature_widths(self) -> list:
         """The width of the node features entering block k (k = layers: the readout), from one small pass."""
