@@ -135,6 +135,33 @@ def max_relative_error(result: dict, reference: dict) -> dict:
     return errors
 
 
+def in_many_chunks(setattr=setattr) -> dict:
+    """Make every memory-bounded path run in many small chunks (edge counts probed on 64 edges, chunks of 61
+    edges: several per block, the last one short) and count them: the returned {"edge sums": chunked edge sums
+    run (``messages._ChunkedEdgeSum``), "checkpoints": checkpointed chunks (row chunks, groups of atoms)} grows
+    as they run. ``setattr``: pytest's ``monkeypatch.setattr`` to undo it after a test."""
+    import torch.utils.checkpoint
+
+    import potentials.messages as messages
+
+    counts = {"edge sums": 0, "checkpoints": 0}
+    edge_sum, checkpoint = messages._ChunkedEdgeSum.forward, torch.utils.checkpoint.checkpoint
+
+    def counted_edge_sum(ctx, *args):
+        counts["edge sums"] += 1
+        return edge_sum(ctx, *args)
+
+    def counted_checkpoint(*args, **kwargs):
+        counts["checkpoints"] += 1
+        return checkpoint(*args, **kwargs)
+
+    setattr(messages, "PROBE_EDGES", 64)
+    setattr(messages, "MIN_CHUNK_EDGES", 61)
+    setattr(messages._ChunkedEdgeSum, "forward", staticmethod(counted_edge_sum))
+    setattr(torch.utils.checkpoint, "checkpoint", counted_checkpoint)
+    return counts
+
+
 def shared_out(owned: list, n_atoms: int) -> bool:
     """Every rank's owned-atom count ``owned`` covers the ``n_atoms`` atoms once, and on several ranks no
     rank holds them all (structures of more than 8 atoms): each rank evaluated only its share."""

@@ -23,8 +23,8 @@ import potentials  # noqa: E402
 from md import MLIPCalculator  # noqa: E402
 from potentials.adapters.mace import MACEModelError, load_mace  # noqa: E402
 from potentials.adapters.pickled import codegen_tensors, read_module_tree, state_dict  # noqa: E402
-from systems import (GEOMETRIES, MACE_DIR, MACE_FIXTURES, mace_errors, mace_fixture, max_relative_error,  # noqa: E402
-                     run_md_comparison, write_small_mace)
+from systems import (GEOMETRIES, MACE_DIR, MACE_FIXTURES, in_many_chunks, mace_errors, mace_fixture,  # noqa: E402
+                     max_relative_error, run_md_comparison, write_small_mace)
 
 
 @pytest.fixture(scope="module")
@@ -286,15 +286,9 @@ def test_every_interaction_class_runs_its_edge_step_in_chunks(tmp_path, monkeypa
     through predict (a triclinic cell) and a decomposed evaluate (a slab); the chunked path ran for each class, and the
     MACECalculator of one model agrees with the chunked path to 1e-9. (The e3nn 0.4.4 fixtures run chunked
     against MACECalculator on 1-4 ranks in tests/mpi/mace_models.py.)"""
-    import potentials.messages as messages
     from mace.calculators import MACECalculator
 
-    monkeypatch.setattr(messages, "PROBE_EDGES", 64)
-    monkeypatch.setattr(messages, "MIN_CHUNK_EDGES", 61)
-    calls = []
-    forward = messages._ChunkedEdgeSum.forward
-    monkeypatch.setattr(messages._ChunkedEdgeSum, "forward",
-                        staticmethod(lambda ctx, *args: calls.append(1) or forward(ctx, *args)))
+    chunks = in_many_chunks(monkeypatch.setattr)
     for interaction in INTERACTIONS:
         path = tmp_path / f"{interaction}.model"
         write_small_mace(path, seed=2, interaction=interaction, first="RealAgnosticInteractionBlock")
@@ -302,10 +296,10 @@ def test_every_interaction_class_runs_its_edge_step_in_chunks(tmp_path, monkeypa
         assert [type(b).__name__ for b in model.mace.interactions][1] == interaction
         for geometry, evaluation in (("hcp_triclinic", potentials.predict), ("slab", mlip_parallel.evaluate)):
             atoms = GEOMETRIES[geometry]()
-            before = len(calls)
+            before = chunks["edge sums"]
             chunked = evaluation(model, atoms, memory_budget_gb=1e-9)
             plain = evaluation(model, atoms, memory_budget_gb=float("inf"))
-            assert len(calls) > before, (interaction, geometry)
+            assert chunks["edge sums"] > before, (interaction, geometry)
             assert max(max_relative_error(chunked, plain).values()) < 1e-12, (interaction, geometry)
     atoms = GEOMETRIES["hcp_triclinic"]()
     chunked = potentials.predict(model, atoms, memory_budget_gb=1e-9)

@@ -13,7 +13,7 @@ import mlip_parallel  # noqa: E402
 import potentials  # noqa: E402
 from md import MLIPCalculator  # noqa: E402
 from potentials.adapters.sevennet import SevenNet  # noqa: E402
-from systems import max_relative_error, oxide_triclinic, sevennet_reference  # noqa: E402
+from systems import in_many_chunks, max_relative_error, oxide_triclinic, sevennet_reference  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -40,20 +40,13 @@ def test_sevennet_memory_bounded_path_matches_sevenn(sevennet, monkeypatch):
     """The convolutions' edge steps in chunks of 61 edges (many per layer, ghost and image edges among
     them) against sevenn's calculator and against one pass over all edges, serial and decomposed
     (layerwise; wide mode's 25 Å shell is slow in such small chunks, and its path is model-agnostic)."""
-    import potentials.messages as messages
-
     atoms = oxide_triclinic()
     reference = sevennet_reference(atoms)
-    monkeypatch.setattr(messages, "PROBE_EDGES", 64)
-    monkeypatch.setattr(messages, "MIN_CHUNK_EDGES", 61)
-    calls = []
-    forward = messages._ChunkedEdgeSum.forward
-    monkeypatch.setattr(messages._ChunkedEdgeSum, "forward",
-                        staticmethod(lambda ctx, *args: calls.append(1) or forward(ctx, *args)))
+    chunks = in_many_chunks(monkeypatch.setattr)
     plain = potentials.predict(sevennet, atoms, memory_budget_gb=float("inf"))
-    assert not calls
+    assert chunks["edge sums"] == 0
     chunked = potentials.predict(sevennet, atoms, memory_budget_gb=1e-9)
-    assert len(calls) == sevennet.layers
+    assert chunks["edge sums"] == sevennet.layers
     assert max(max_relative_error(chunked, plain).values()) < 1e-6
     chunked.pop("energies")
     assert max(max_relative_error(chunked, reference).values()) < 1e-5

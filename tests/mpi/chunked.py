@@ -15,26 +15,13 @@ import torch  # noqa: E402
 
 import mlip_parallel  # noqa: E402
 import potentials  # noqa: E402
-import potentials.messages as messages  # noqa: E402
-from systems import GEOMETRIES, SPECIES, max_relative_error, schnet  # noqa: E402
+from systems import GEOMETRIES, SPECIES, in_many_chunks, max_relative_error, schnet  # noqa: E402
 
 torch.set_num_threads(1)
 world = mlip_parallel.get_backend()
 P = world.size
-messages.PROBE_EDGES, messages.MIN_CHUNK_EDGES = 64, 61  # several chunks per block, the last one short
+chunks = in_many_chunks()
 TINY, PLAIN = 1e-9, float("inf")
-
-chunked_calls = 0
-_forward = messages._ChunkedEdgeSum.forward
-
-
-def counting_forward(ctx, *args):
-    global chunked_calls
-    chunked_calls += 1
-    return _forward(ctx, *args)
-
-
-messages._ChunkedEdgeSum.forward = staticmethod(counting_forward)
 
 
 def small(cls, dtype):
@@ -76,7 +63,7 @@ for name, build in GEOMETRIES.items():
             if world.rank == 0:
                 print(f"{name:14s} {label:9s} {how:9s} chunked vs plain max rel err {worst:.2e}", flush=True)
 
-chunked_calls = int(world.allreduce(chunked_calls))
+chunked_calls = int(world.allreduce(chunks["edge sums"]))
 failures = sorted({f for mine in world.allgather(failures) for f in mine})
 if world.rank == 0:
     print(f"P={P}: {cases} cases, {len(failures)} failures, {chunked_calls} chunked edge sums, "

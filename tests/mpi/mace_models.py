@@ -15,24 +15,12 @@ import torch  # noqa: E402
 import mlip_parallel  # noqa: E402
 import potentials  # noqa: E402
 from md import MLIPCalculator  # noqa: E402
-from systems import MACE_FIXTURES, mace_errors, mace_fixture, max_relative_error, shared_out  # noqa: E402
-
-import potentials.messages as messages  # noqa: E402
+from systems import (MACE_FIXTURES, in_many_chunks, mace_errors, mace_fixture, max_relative_error,  # noqa: E402
+                     shared_out)
 
 torch.set_num_threads(1)
-messages.PROBE_EDGES, messages.MIN_CHUNK_EDGES = 64, 61  # several chunks per block, the last one short
+chunks = in_many_chunks()
 TINY, PLAIN = 1e-9, float("inf")
-chunked_calls = 0
-_forward = messages._ChunkedEdgeSum.forward
-
-
-def counting_forward(ctx, *args):
-    global chunked_calls
-    chunked_calls += 1
-    return _forward(ctx, *args)
-
-
-messages._ChunkedEdgeSum.forward = staticmethod(counting_forward)
 world = mlip_parallel.get_backend()
 P = world.size
 GRIDS = {1: [None], 2: [None, (2, 1, 1), (1, 1, 2)], 3: [None, (3, 1, 1), (1, 3, 1), (1, 1, 3)],
@@ -81,7 +69,7 @@ for name in MACE_FIXTURES:
 expected = len(MACE_FIXTURES) * (7 * len(GRIDS) + len(WIDE)) + 7 + len(WIDE)
 if cases != expected:
     failures.append(f"{cases} cases ran, expected {expected}")
-chunked_calls = int(world.allreduce(chunked_calls))
+chunked_calls = int(world.allreduce(chunks["edge sums"]))
 if chunked_calls == 0:
     failures.append("no chunked edge sum ran")
 failures = sorted({f for mine in world.allgather(failures) for f in mine})

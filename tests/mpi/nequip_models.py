@@ -15,34 +15,16 @@ import logging  # noqa: E402
 
 import torch  # noqa: E402
 
-import torch.utils.checkpoint  # noqa: E402
-
 import mlip_parallel  # noqa: E402
 import potentials  # noqa: E402
-import potentials.messages as messages  # noqa: E402
 from md import MLIPCalculator  # noqa: E402
-from systems import GEOMETRIES, NEQUIP_DIR, NEQUIP_FIXTURES, max_relative_error, nequip_reference  # noqa: E402
+from systems import (GEOMETRIES, NEQUIP_DIR, NEQUIP_FIXTURES, in_many_chunks, max_relative_error,  # noqa: E402
+                     nequip_reference)
 
 logging.disable(logging.INFO)
 torch.set_num_threads(1)
-messages.PROBE_EDGES, messages.MIN_CHUNK_EDGES = 64, 61  # several chunks per block, the last one short
+chunks = in_many_chunks()  # chunked calls seen: NequIP's edge sums, Allegro's groups of atoms (checkpoints)
 TINY, PLAIN = 1e-9, float("inf")
-chunks = {"edge steps": 0, "atom groups": 0}  # chunked calls seen: NequIP's edge steps, Allegro's groups of atoms
-_edge_sum, _checkpoint = messages._ChunkedEdgeSum.forward, torch.utils.checkpoint.checkpoint
-
-
-def counting_edge_sum(ctx, *args):
-    chunks["edge steps"] += 1
-    return _edge_sum(ctx, *args)
-
-
-def counting_checkpoint(*args, **kwargs):
-    chunks["atom groups"] += 1
-    return _checkpoint(*args, **kwargs)
-
-
-messages._ChunkedEdgeSum.forward = staticmethod(counting_edge_sum)
-torch.utils.checkpoint.checkpoint = counting_checkpoint
 world = mlip_parallel.get_backend()
 P = world.size
 GRIDS = {1: [None], 2: [None, (2, 1, 1), (1, 1, 2)], 3: [None, (3, 1, 1), (1, 3, 1), (1, 1, 3)],
