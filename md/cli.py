@@ -32,9 +32,14 @@ SCHEMA = {
         "nequip": (str, None, "a NequIP or Allegro model of the nequip framework: its .ckpt checkpoint or "
                               ".nequip.zip package (loaded by the framework, which unpickles it; needs the "
                               "nequip extra)"),
+        "fairchem": (str, None, "a fairchem UMA or eSEN checkpoint (the file fairchem's load_predict_unit reads; "
+                                "read without running the pickle's code; needs the fairchem extra)"),
         "head": (str, None, "mace: the head of a multi-head model (default: the only head, else 'default')"),
+        "task": (str, None, "fairchem: the task (omat, omol, oc20, odac, omc; as FAIRChemCalculator's task_name)"),
+        "charge": (int, None, "fairchem, task omol: the system's total charge (default 0)"),
+        "spin": (int, None, "fairchem, task omol: the system's spin multiplicity (default 1)"),
         "dtype": (str, None, "float32 or float64 (default: float64 for checkpoints, the file's own for MACE and "
-                             "nequip, float32 for SevenNet)"),
+                             "nequip, float32 for SevenNet and fairchem)"),
     },
     "structure": {
         "file": (str, None, "any ASE-readable structure file"),
@@ -105,7 +110,7 @@ def schema_help() -> str:
     return config_help(SCHEMA)
 
 
-MODEL_KEYS = ("lennard_jones", "checkpoint", "sevennet", "mace", "nequip")
+MODEL_KEYS = ("lennard_jones", "checkpoint", "sevennet", "mace", "nequip", "fairchem")
 
 
 def build_model(section):
@@ -116,6 +121,9 @@ def build_model(section):
         raise ConfigError(f"model takes one of {', '.join(MODEL_KEYS)} (got {given})")
     if section["head"] is not None and given != ["mace"]:
         raise ConfigError("model.head chooses the head of a MACE model (model.mace)")
+    for key in ("task", "charge", "spin"):
+        if section[key] is not None and given != ["fairchem"]:
+            raise ConfigError(f"model.{key} is set for a fairchem model (model.fairchem)")
     if section["lennard_jones"] is not None:
         try:
             return potentials.LennardJones(**section["lennard_jones"])
@@ -124,7 +132,8 @@ def build_model(section):
     key = given[0] if given else "checkpoint"
     spec = {"checkpoint": section["checkpoint"] or "cu-emt"}.get(key) or f"{key}:{section[key]}"
     try:
-        return potentials.load_model(spec, section["dtype"], section["head"], checkpoint_dtype="float64")
+        return potentials.load_model(spec, section["dtype"], section["head"], checkpoint_dtype="float64",
+                                     task=section["task"], charge=section["charge"], spin=section["spin"])
     except (potentials.MLIPError, ImportError) as exc:
         raise ConfigError(f"model.{key}: {exc}") from None
 
@@ -215,7 +224,7 @@ def check_species(model, numbers, section) -> None:
         model.species_index(numbers)
     except UnknownSpeciesError as exc:
         name = next((section[k] for k in MODEL_KEYS[1:] if section[k]), "cu-emt, the default")
-        raise ConfigError(f"structure: {exc} (model: {name}); set model.checkpoint, model.sevennet, model.mace, "
+        raise ConfigError(f"structure: {exc} (model: {name}); set model.checkpoint, model.sevennet, model.mace, model.fairchem, "
                           f"model.nequip or model.lennard_jones for these elements") from None
 
 

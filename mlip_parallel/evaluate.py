@@ -68,6 +68,17 @@ def global_sums(backend, energies, dE_dstrain, forces=None) -> GlobalSums:
     return GlobalSums(float(totals[9]), totals[:9].reshape(3, 3))
 
 
+class RankTotal:
+    """``AtomGraph.total`` over a decomposition: one allreduce (host-staged float64; exact for counts < 2^53)."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        summed = self.backend.allreduce(x.detach().double().cpu().numpy())
+        return torch.as_tensor(summed, device=x.device).to(x.dtype)
+
+
 def forward_decomposed(model, sub: Subdomain, mode: str = "layerwise", create_graph: bool = False,
                        memory_budget_gb: float | None = None):
     """Differentiable evaluation of this rank's share ``sub`` (collective: every rank calls it together;
@@ -108,6 +119,7 @@ def forward_decomposed(model, sub: Subdomain, mode: str = "layerwise", create_gr
         halo=FeatureHalo(halo) if mode == "layerwise" else NoHalo(),
         n_receivers=halo.n_local if mode == "layerwise" else None,
         memory_budget=None if create_graph else memory_budget_bytes(memory_budget_gb, device),
+        total=RankTotal(halo.backend),
     )
     energies = model(graph).to(torch.float64)
     # Every rank differentiates the same op sequence, so the reverse exchanges run in lock-step.

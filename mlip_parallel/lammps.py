@@ -1,8 +1,8 @@
 """mlip-lammps: run an unmodified LAMMPS input deck with a model of this package, no compilation.
 
     mpiexec -n P mlip-lammps -in in.deck
-                             --model cu-emt|CHECKPOINT|sevennet:7net-0|mace:FILE.model|nequip:FILE|lj:EPS,SIGMA,CUTOFF
-                             [--elements Cu Ag] [--mode layerwise|wide] [--skin 1.0] [--add-fix] [--head NAME]
+                             --model cu-emt|CHECKPOINT|sevennet:7net-0|mace:FILE.model|nequip:FILE|fairchem:FILE|lj:EPS,SIGMA,CUTOFF
+                             [--elements Cu Ag] [--mode layerwise|wide] [--skin 1.0] [--add-fix] [--head NAME] [--task omat]
                              [--memory-budget-gb GB]
                              [any LAMMPS command-line option: -var NAME VALUE, -log FILE, -screen none, ...]
 
@@ -152,14 +152,18 @@ def _lammps_error_types():
 
 
 # -------------------------------------------------------------------------------------------- model
-def load_model(spec: str, dtype: str | None = None, head: str | None = None):
-    """``cu-emt`` / a checkpoint path, ``sevennet:NAME``, ``mace:PATH``, ``nequip:PATH`` (``potentials.load_model``), or
-    ``lj:EPS,SIGMA,CUTOFF`` (Lennard-Jones, eV and Å, energy shifted to zero at the cutoff).
-    LammpsBridgeError on a bad spec."""
+def load_model(spec: str, dtype: str | None = None, head: str | None = None, task: str | None = None,
+               charge: int | None = None, spin: int | None = None):
+    """``cu-emt`` / a checkpoint path, ``sevennet:NAME``, ``mace:PATH``, ``nequip:PATH``, ``fairchem:PATH``
+    (``potentials.load_model``; ``task``, ``charge``, ``spin`` for fairchem), or ``lj:EPS,SIGMA,CUTOFF``
+    (Lennard-Jones, eV and Å, energy shifted to zero at the cutoff). LammpsBridgeError on a bad spec."""
     import potentials
 
     if head is not None and not spec.startswith("mace:"):
         raise LammpsBridgeError(f"--head chooses the head of a MACE model (--model mace:FILE), not of {spec}")
+    for option, value in (("--task", task), ("--charge", charge), ("--spin", spin)):
+        if value is not None and not spec.startswith("fairchem:"):
+            raise LammpsBridgeError(f"{option} is for a fairchem model (--model fairchem:FILE), not for {spec}")
     if spec.startswith("lj:"):
         try:
             epsilon, sigma, cutoff = (float(v) for v in spec[3:].split(","))
@@ -168,7 +172,7 @@ def load_model(spec: str, dtype: str | None = None, head: str | None = None):
             raise LammpsBridgeError(f"--model {spec}: expected lj:EPSILON,SIGMA,CUTOFF with positive numbers "
                                     f"(eV, Å, Å) ({exc})") from None
     try:
-        return potentials.load_model(spec, dtype, head, checkpoint_dtype="float64")
+        return potentials.load_model(spec, dtype, head, checkpoint_dtype="float64", task=task, charge=charge, spin=spin)
     except (potentials.MLIPError, ImportError) as exc:
         raise LammpsBridgeError(f"--model {spec}: {exc}") from None
 
@@ -700,10 +704,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model",
                         help="cu-emt (bundled), a checkpoint path, sevennet:NAME (e.g. sevennet:7net-0, needs the "
                              "sevenn extra), mace:FILE.model (the mace extra), nequip:FILE.ckpt|FILE.nequip.zip "
-                             "(the nequip extra) or lj:EPSILON,SIGMA,CUTOFF (eV, "
+                             "(the nequip extra), fairchem:FILE (a UMA or eSEN checkpoint; the fairchem extra) "
+                             "or lj:EPSILON,SIGMA,CUTOFF (eV, "
                              "Å, Å); default: the deck's own 'pair_style mace' / 'pair_style mliap unified' model, "
                              "else cu-emt")
     parser.add_argument("--head", help="the head of a multi-head MACE model (default: the only head, else 'default')")
+    parser.add_argument("--task", help="a fairchem model's task (omat, omol, oc20, odac, omc; default: the "
+                                       "checkpoint's only one)")
+    parser.add_argument("--charge", type=int, help="fairchem, task omol: the system's total charge (default 0)")
+    parser.add_argument("--spin", type=int, help="fairchem, task omol: the spin multiplicity (default 1)")
     parser.add_argument("--elements", nargs="+", metavar="SYMBOL",
                         help="element of each atom type, in type order (default: from the types' masses)")
     parser.add_argument("--mode", default="layerwise", choices=("layerwise", "wide"),
@@ -714,7 +723,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "the device's free memory, at most 2 GiB on a GPU, 8 MiB on a CPU)")
     parser.add_argument("--dtype", choices=("float32", "float64"),
                         help="the model's dtype (default: float64 for checkpoints, a MACE or nequip file's own, "
-                             "float32 for SevenNet)")
+                             "float32 for SevenNet and fairchem)")
     parser.add_argument("--add-fix", action="store_true",
                         help=f"the deck has no fix external: add 'fix {ADDED_FIX_ID} all external pf/callback 1 1' "
                              f"right after the box is defined")
@@ -749,7 +758,7 @@ def simulate(args, lammps_args) -> None:
                                 f"one after the box is defined (the model's forces enter LAMMPS through it), or "
                                 f"run with --add-fix")
     lammps = lammps_class()
-    model = load_model(model_spec, args.dtype, args.head)
+    model = load_model(model_spec, args.dtype, args.head, args.task, args.charge, args.spin)
     elements = element_numbers(elements, model) if elements else None
 
     from mpi4py import MPI

@@ -28,6 +28,11 @@ class NoHalo:
         return g
 
 
+def _whole(x: torch.Tensor) -> torch.Tensor:
+    """``AtomGraph.total`` of a graph holding the whole structure: its own sums are the totals."""
+    return x
+
+
 @dataclass
 class AtomGraph:
     """Input of every model.
@@ -48,6 +53,10 @@ class AtomGraph:
     memory_budget: bytes one chunk of a block's per-edge temporaries may take (``messages.edge_sum``);
                 None: every edge at once under plain autograd (needed for a second derivative or
                 parameter gradients, i.e. training).
+    total:      ``total(x)``: the sum of ``x`` (a tensor of per-rank partial sums, e.g. the element counts of
+                the owned rows) over every rank holding a part of the structure, the same on each (collective:
+                every rank calls it alike); no gradient. For a model whose parameters depend on the whole
+                system (fairchem's experts routed by composition). The identity for a graph that holds all.
     """
 
     species: torch.Tensor
@@ -57,6 +66,7 @@ class AtomGraph:
     halo: Callable[[torch.Tensor], torch.Tensor] = field(default_factory=NoHalo)
     n_receivers: int | None = None
     memory_budget: int | None = None
+    total: Callable[[torch.Tensor], torch.Tensor] = field(default_factory=lambda: _whole, repr=False, compare=False)
     # per-edge features computed once on all edges and shared by the blocks (messages.edge_sum, plain path)
     edge_features_cache: dict = field(default_factory=dict, repr=False, compare=False)
 

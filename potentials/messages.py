@@ -76,9 +76,11 @@ def resolved_budget_gb(memory_budget_gb: float | None, device) -> float:
 
 
 def edge_sum(graph, features: Callable, message: Callable, nodes: Sequence[torch.Tensor],
-             rows: int | None = None, min_edges: int | None = None) -> torch.Tensor:
+             rows: int | None = None, min_edges: int | None = None,
+             receiver_nodes: Sequence[torch.Tensor] = ()) -> torch.Tensor:
     """[rows, D] (rows None: graph.receivers): Σ over the edges e into row i of
-    ``message(features(vec_e), *(x[sender_e] for x in nodes))``.
+    ``message(features(vec_e), *(x[sender_e] for x in nodes), *(y[receiver_e] for y in receiver_nodes))``
+    (``receiver_nodes``: node tensors a message also reads at its receiver, e.g. fairchem's edge step).
 
     features(vec [e, 3] float64) -> tuple of per-edge tensors (radial basis, envelope, …), a function of the
     edge vectors alone; message(feats, *gathered [e, ...]) -> [e, D] acts on each edge alone (no
@@ -96,24 +98,29 @@ def edge_sum(graph, features: Callable, message: Callable, nodes: Sequence[torch
         def edge_message(vec, *gathered):
             return message(features(vec), *gathered)
 
-        chunk = chunk_edges(edge_message, graph.edge_vec, sender, nodes, graph.memory_budget, min_edges)
+        chunk = chunk_edges(edge_message, graph.edge_vec, sender, nodes, graph.memory_budget, min_edges,
+                            receiver, receiver_nodes)
         if chunk is not None:
-            return _ChunkedEdgeSum.apply(edge_message, chunk, rows, sender, receiver, graph.edge_vec, *nodes)
+            return _ChunkedEdgeSum.apply(edge_message, chunk, rows, len(nodes), sender, receiver, graph.edge_vec,
+                                         *nodes, *receiver_nodes)
     key = (features, torch.is_grad_enabled())  # features made without a graph never serve one with it
     feats = graph.edge_features_cache.get(key)
     if feats is None:
         feats = graph.edge_features_cache[key] = features(graph.edge_vec)
-    return _scatter(message(feats, *(x[sender] for x in nodes)), receiver, rows)
+    return _scatter(message(feats, *(x[sender] for x in nodes), *(y[receiver] for y in receiver_nodes)), receiver,
+                    rows)
 
 
 def chunk_edges(message: Callable, edge_data: torch.Tensor, sender: torch.Tensor, nodes: Sequence[torch.Tensor],
-                budget: int, min_edges: int | None = None) -> int | None:
+                budget: int, min_edges: int | None = None, receiver: torch.Tensor | None = None,
+                receiver_nodes: Sequence[torch.Tensor] = ()) -> int | None:
     """Edges per chunk whose saved tensors take at most ``budget`` bytes, but at least ``min_edges`` (None:
     ``MIN_CHUNK_EDGES``); None when every edge fits in one (then one plain pass)."""
     n_edges, least = int(sender.shape[0]), MIN_CHUNK_EDGES if min_edges is None else min(min_edges, MIN_CHUNK_EDGES)
     if n_edges <= least:
         return None
-    chunk = max(least, int(budget // _bytes_per_edge(message, edge_data, sender, nodes)))
+    gathered = [(x, sender) for x in nodes] + [(y, receiver) for y in receiver_nodes]
+    chunk = max(least, int(budget // _bytes_per_edge(message, edge_data, gathered)))
     return chunk if chunk < n_edges else None
 
 
@@ -128,7 +135,7 @@ def chunked_edge_sum(message: Callable, edge_data: torch.Tensor, edge_index: tor
     chunk = chunk_edges(message, edge_data, sender, nodes, budget, min_edges)
     if chunk is None:
         return _scatter(message(edge_data, *(x[sender] for x in nodes)), receiver, rows)
-    return _ChunkedEdgeSum.apply(message, chunk, rows, sender, receiver, edge_data, *nodes)
+    return _ChunkedEdgeSum.apply(message, chunk, rows, len(nodes), sender, receiver, edge_data, *nodes)
 
 
 MIN_CHUNK_ROWS = 128  # rows per chunk of ``chunked_rows``, whatever the budget
@@ -219,9 +226,10 @@ def _scatter(messages: torch.Tensor, receiver: torch.Tensor, rows: int) -> torch
     return out.index_add(0, receiver, messages)
 
 
-def _bytes_per_edge(message, edge_vec, sender, nodes) -> float:
+def _bytes_per_edge(message, edge_vec, gathered) -> float:
     """Bytes autograd keeps per edge for ``message`` (saved tensors, gathered inputs, output, and their
-    gradients in the backward), measured on the first ``PROBE_EDGES`` edges."""
+    gradients in the backward), measured on the first ``PROBE_EDGES`` edges. ``gathered``: (node tensor, the
+    edges' rows in it) pairs, in the order ``message`` takes them."""
     saved = 0
 
     def pack(t):
@@ -229,43 +237,47 @@ def _bytes_per_edge(message, edge_vec, sender, nodes) -> float:
         saved += t.numel() * t.element_size()
         return t
 
-    probe = slice(0, min(PROBE_EDGES, int(sender.shape[0])))
+    probe = slice(0, min(PROBE_EDGES, int(edge_vec.shape[0])))
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         vec = edge_vec[probe].detach().requires_grad_(True)
-        gathered = [x[sender[probe]].detach().requires_grad_(True) for x in nodes]
+        gathered = [x[rows[probe]].detach().requires_grad_(x.is_floating_point()) for x, rows in gathered]
         out = message(vec, *gathered)
     inputs = vec.numel() * vec.element_size() + sum(g.numel() * g.element_size() for g in gathered)
     return (saved + 2 * out.numel() * out.element_size() + 2 * inputs) / max(1, probe.stop)
 
 
 class _ChunkedEdgeSum(torch.autograd.Function):
-    """``edge_sum`` in chunks of ``chunk`` edges, recomputing each chunk in the backward."""
+    """``edge_sum`` in chunks of ``chunk`` edges, recomputing each chunk in the backward. The first ``n_sender`` node
+    tensors are read at each edge's sender, the others at its receiver."""
 
     @staticmethod
-    def forward(ctx, message, chunk, rows, sender, receiver, edge_vec, *nodes):
+    def forward(ctx, message, chunk, rows, n_sender, sender, receiver, edge_vec, *nodes):
         out = None
         for start in range(0, sender.shape[0], chunk):
             part = slice(start, start + chunk)
-            m = message(edge_vec[part], *(x[sender[part]] for x in nodes))
+            at = (sender[part], receiver[part])
+            m = message(edge_vec[part], *(x[at[k >= n_sender]] for k, x in enumerate(nodes)))
             if out is None:
                 out = m.new_zeros((rows, *m.shape[1:]))
             out.index_add_(0, receiver[part], m)
-        ctx.message, ctx.chunk = message, chunk
+        ctx.message, ctx.chunk, ctx.n_sender = message, chunk, n_sender
         ctx.save_for_backward(sender, receiver, edge_vec, *nodes)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         sender, receiver, edge_vec, *nodes = ctx.saved_tensors
-        need_vec = ctx.needs_input_grad[5]
-        need_nodes = ctx.needs_input_grad[6:]
+        need_vec = ctx.needs_input_grad[6]
+        need_nodes = ctx.needs_input_grad[7:]
         grad_vec = torch.zeros_like(edge_vec) if need_vec else None
         grad_nodes = [torch.zeros_like(x) if need else None for x, need in zip(nodes, need_nodes)]
         for start in range(0, sender.shape[0], ctx.chunk):
             part = slice(start, start + ctx.chunk)
+            at = (sender[part], receiver[part])
             with torch.enable_grad():
                 vec = edge_vec[part].detach().requires_grad_(need_vec)
-                gathered = [x.detach()[sender[part]].requires_grad_(need) for x, need in zip(nodes, need_nodes)]
+                gathered = [x.detach()[at[k >= ctx.n_sender]].requires_grad_(need)
+                            for k, (x, need) in enumerate(zip(nodes, need_nodes))]
                 m = ctx.message(vec, *gathered)
                 wanted = [t for t in (vec, *gathered) if t.requires_grad]
                 grads = iter(torch.autograd.grad(m, wanted, grad_out[receiver[part]], allow_unused=True)
@@ -278,6 +290,5 @@ class _ChunkedEdgeSum(torch.autograd.Function):
                 if need:
                     g = next(grads)
                     if g is not None:
-                        grad_nodes[k].index_add_(0, sender[part], g)
-        return (None, None, None, None, None, grad_vec, *grad_nodes)
-
+                        grad_nodes[k].index_add_(0, at[k >= ctx.n_sender], g)
+        return (None, None, None, None, None, None, grad_vec, *grad_nodes)

@@ -152,17 +152,20 @@ def keep_freed_memory() -> bool:
 
 
 def evaluate_model(model_path: str, data_path: str, batch_size: int = 8, progress: bool = False,
-                   head: str | None = None) -> dict:
+                   head: str | None = None, task: str | None = None, charge: int | None = None,
+                   spin: int | None = None) -> dict:
     """MAE/RMSE of a model (a checkpoint, a bundled model name, or any ``potentials.load_model`` spec:
-    ``mace:FILE.model``, ``nequip:FILE``, ``sevennet:NAME``) on every structure of a labelled file (one process);
-    ``progress`` prints a header and a progress bar."""
+    ``mace:FILE.model``, ``nequip:FILE``, ``sevennet:NAME``, ``fairchem:FILE`` with its ``task``) on every structure
+    of a labelled file (one process); ``progress`` prints a header and a progress bar."""
     import potentials
     from .training import check_species, error_sums, error_table, read_structures
 
     try:
-        model = potentials.load_model(model_path, head=head)
+        model = potentials.load_model(model_path, head=head, task=task, charge=charge, spin=spin)
     except (potentials.MLIPError, ImportError) as exc:
         raise ConfigError(str(exc)) from None
+    if model.WHOLE_STRUCTURE:  # it reads the structure's composition: one structure per graph
+        batch_size = 1
     structures = read_structures(data_path)
     check_species(model, structures, "evaluation", error=ConfigError)
     if progress:
@@ -187,12 +190,17 @@ def main(argv=None) -> int:
         parser = argparse.ArgumentParser(prog="mlip-train eval", description="errors of a model on every structure "
                                          "of a labelled file")
         parser.add_argument("model", help="checkpoint path (best.pt), bundled model name (cu-emt), "
-                                          "mace:FILE.model, nequip:FILE.ckpt|FILE.nequip.zip or sevennet:NAME")
+                                          "mace:FILE.model, nequip:FILE.ckpt|FILE.nequip.zip, sevennet:NAME or "
+                                          "fairchem:FILE")
         parser.add_argument("data", help="ASE-readable file with energy/forces/stress")
         parser.add_argument("--head", help="the head of a multi-head MACE model")
+        parser.add_argument("--task", help="a fairchem model's task (omat, omol, oc20, odac, omc)")
+        parser.add_argument("--charge", type=int, help="fairchem, task omol: every structure's total charge")
+        parser.add_argument("--spin", type=int, help="fairchem, task omol: every structure's spin multiplicity")
         args = parser.parse_args(argv[1:])
         try:
-            print(format_errors(evaluate_model(args.model, args.data, progress=True, head=args.head)))
+            print(format_errors(evaluate_model(args.model, args.data, progress=True, head=args.head, task=args.task,
+                                               charge=args.charge, spin=args.spin)))
         except MLIPError as exc:
             report_error("mlip-train", exc)
             return 2

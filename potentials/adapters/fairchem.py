@@ -1,0 +1,400 @@
+"""Adapter: a fairchem (fairchem-core) UMA or eSEN checkpoint as a potentials model (``pip install -e .[fairchem]``).
+
+The checkpoint is the file a user downloads and fairchem's ``load_predict_unit`` reads: an
+``MLIPInferenceCheckpoint`` (``model_config``, ``model_state_dict``, ``ema_state_dict``, ``tasks_config``). It is
+read without running its pickle (``pickled.read_module_tree``); the model is built by fairchem's own constructors
+from its config (only fairchem's backbones and energy heads are accepted: a config naming other code is refused) and
+given the EMA weights, as inference uses them.
+
+The forward is the backbone's (``eSCNMDBackbone.forward``) written over our graph, with fairchem's own modules
+for every step: the charge/spin/task embedding, the atom embedding, the edge-degree embedding, and per block
+``norm_1``, the edge step (``Edgewise.forward_chunk``: Wigner rotation, SO(2) convolutions, gate), ``norm_2`` and
+``atom_wise``; then the final norm and the energy head's ``energy_block``. The halo goes where fairchem's own graph
+parallelism gathers: on the node embeddings entering each block's edge step, so ghosts lie within one cutoff. Both
+edge steps (the edge-degree embedding's and each block's) run as ``messages.edge_sum``: in chunks recomputed in the
+backward within the memory budget (fairchem's own activation checkpointing, with the project's automatic budget).
+
+What is not local is made global exactly: the mixture-of-experts coefficients (UMA) come from the whole system's
+composition (``AtomGraph.total`` of the owned atoms' element counts, then the backbone's own
+``set_MOLE_coefficients`` on that composition, so UMA-S-1.2's atom-count-dependent routing is its own); charge,
+spin and task are per-system constants; the task's normaliser and element references are applied as
+``MLIPPredictUnit`` applies them (energy × rmsd + mean, plus each atom's reference energy); the
+``max_neighbors`` truncation is fairchem's rule (``get_max_neighbors_mask``) applied per receiver, which holds
+all its edges.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import numpy as np
+import torch
+from ase.data import chemical_symbols
+
+from ..base import Potential
+from ..errors import MLIPError
+from ..graph import AtomGraph
+from ..messages import edge_sum
+from .exchange import default_dtype
+
+# fairchem-core versions whose internals (block modules, Wigner helpers, MOLE globals) this adapter was proved on
+KNOWN_VERSIONS = ("2.24",)
+HYDRA_MODEL = "fairchem.core.models.base.HydraModel"
+BACKBONES = {"escnmd_backbone": "eSCNMDBackbone", "fairchem.core.models.uma.escn_md.eSCNMDBackbone": "eSCNMDBackbone",
+             "escnmd_moe_backbone": "eSCNMDMoeBackbone",
+             "fairchem.core.models.uma.escn_moe.eSCNMDMoeBackbone": "eSCNMDMoeBackbone"}
+ENERGY_HEAD = "fairchem.core.models.uma.escn_md.MLP_EFS_Head"
+HEAD_WRAPPERS = ("fairchem.core.models.uma.escn_moe.DatasetSpecificMoEWrapper",
+                 "fairchem.core.models.uma.escn_moe.DatasetSpecificSingleHeadWrapper")
+CHARGED_TASKS = ("omol",)   # the tasks whose embedding reads the system's charge and spin multiplicity
+DEFAULT_SPIN = {"omol": 1}  # FAIRChemCalculator's defaults (validate_uma_atoms_data): charge 0, spin 1 for omol
+# fairchem's degeneracy tolerance of the max_neighbors cut (Å², on squared distances: get_max_neighbors_mask)
+DEGENERACY_TOLERANCE = 0.01
+
+
+class FAIRChemModelError(MLIPError, ValueError):
+    """A fairchem checkpoint that cannot be run: not fairchem's, a task it does not have, an architecture or
+    fairchem version this adapter does not know, charge/spin where the task takes none."""
+
+
+def fairchem_version() -> str:
+    """The installed fairchem-core's version; ImportError naming the extra when it is not installed, and
+    FAIRChemModelError for a version outside ``KNOWN_VERSIONS`` (its internals may differ: never a wrong answer)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("fairchem-core")
+    except PackageNotFoundError:
+        raise ImportError("fairchem models need fairchem-core: pip install -e .[fairchem]") from None
+    if ".".join(found.split(".")[:2]) not in KNOWN_VERSIONS:
+        raise FAIRChemModelError(f"fairchem-core {found} is installed; this adapter knows fairchem-core "
+                                 f"{', '.join(v + '.x' for v in KNOWN_VERSIONS)} (it runs fairchem's internal modules): "
+                                 f"pip install -e .[fairchem]")
+    return found
+
+
+def read_checkpoint(path) -> dict:
+    """{"model_config", "ema_state_dict", "tasks_config"} of a fairchem inference checkpoint, read without running its
+    pickle. FAIRChemModelError when the file is not one (PickleFileError: not a torch archive at all)."""
+    from .pickled import Pickled, read_module_tree
+
+    tree = read_module_tree(path)
+    kind = type(tree).path if isinstance(tree, Pickled) else type(tree).__name__
+    if not kind.endswith("MLIPInferenceCheckpoint"):
+        raise FAIRChemModelError(f"{path} is not a fairchem checkpoint (an MLIPInferenceCheckpoint, as fairchem's "
+                                 f"load_predict_unit reads): it holds a {kind}")
+    fields = tree._fields()
+    missing = [k for k in ("model_config", "ema_state_dict", "tasks_config") if not fields.get(k)]
+    if missing:
+        raise FAIRChemModelError(f"{path}: the fairchem checkpoint has no {', '.join(missing)}")
+    for key in ("model_config", "tasks_config"):
+        _plain(fields[key], f"{path}: {key}")
+    return {k: fields[k] for k in ("model_config", "ema_state_dict", "tasks_config")}
+
+
+def _plain(value, where: str) -> None:
+    """FAIRChemModelError unless ``value`` is plain data (dicts, lists, numbers, strings, tensors)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _plain(v, f"{where}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for k, v in enumerate(value):
+            _plain(v, f"{where}[{k}]")
+    elif not (value is None or isinstance(value, (bool, int, float, str, torch.Tensor))):
+        raise FAIRChemModelError(f"{where} is a {type(value).__name__}, not plain configuration data")
+
+
+def _floats(value, where: str) -> np.ndarray:
+    """A config's numbers (a float, a list, a tensor, or hydra's {"_target_": "torch.DoubleTensor", "_args_": [list]})."""
+    if isinstance(value, dict):
+        if value.get("_target_") not in ("torch.DoubleTensor", "torch.FloatTensor", "torch.Tensor", "torch.tensor") \
+                or len(value.get("_args_", ())) != 1:
+            raise FAIRChemModelError(f"{where}: numbers written as {value.get('_target_')!r}, which this adapter does "
+                                     f"not read")
+        value = value["_args_"][0]
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().double().numpy()
+    return np.asarray(value, dtype=np.float64)
+
+
+class TaskOutputs:
+    """What ``MLIPPredictUnit`` applies to a task's raw energy: energy × ``rmsd`` + ``mean`` + Σ references[Z_i]."""
+
+    def __init__(self, tasks_config: list, task: str | None, where: str):
+        energy = {}
+        for config in tasks_config:
+            if config.get("property") == "energy":
+                for dataset in config.get("datasets") or ():
+                    energy[dataset] = config
+        known = sorted(energy)
+        if task is None:
+            if len(known) != 1:
+                raise FAIRChemModelError(f"{where}: name a task (task: ...); the checkpoint's tasks are {known}")
+            task = known[0]
+        if task not in energy:
+            raise FAIRChemModelError(f"{where}: no task {task!r}; the checkpoint's tasks are {known}")
+        self.task = task
+        self.mean, self.rmsd = self._normaliser(energy[task], where)
+        refs = (energy[task].get("element_references") or {}).get("element_references")
+        self.references = None if refs is None else _floats(refs, f"{where}: {task} element references")
+        for config in tasks_config:  # forces and stress are derivatives of the energy: the same scale, no offset
+            if config.get("property") in ("forces", "stress") and task in (config.get("datasets") or ()):
+                mean, rmsd = self._normaliser(config, where)
+                if mean != 0.0 or rmsd != self.rmsd:
+                    raise FAIRChemModelError(
+                        f"{where}: the {config['name']} task's normaliser (mean {mean}, rmsd {rmsd}) is not the energy's "
+                        f"scale (rmsd {self.rmsd}, no offset): its {config['property']} are not derivatives of the energy")
+
+    @staticmethod
+    def _normaliser(config: dict, where: str) -> tuple:
+        normaliser = config.get("normalizer") or {}
+        mean = float(_floats(normaliser.get("mean", 0.0), where))
+        rmsd = float(_floats(normaliser.get("rmsd", normaliser.get("std", 1.0)), where))
+        return mean, rmsd
+
+
+def _check_config(config: dict, where: str) -> dict:
+    """The model config with the inference settings MLIPPredictUnit applies; FAIRChemModelError for a config naming
+    code other than fairchem's backbones and energy heads, or an architecture this adapter does not run."""
+    if not isinstance(config, dict) or config.get("_target_") != HYDRA_MODEL:
+        raise FAIRChemModelError(f"{where}: the model config builds {config.get('_target_') if isinstance(config, dict) else config!r}, "
+                                 f"not fairchem's {HYDRA_MODEL}")
+    if config.get("finetune_config") is not None:
+        raise FAIRChemModelError(f"{where}: the model config loads another checkpoint (finetune_config); run the "
+                                 f"checkpoint fairchem wrote after fine-tuning")
+    backbone = dict(config.get("backbone") or {})
+    if backbone.get("model") not in BACKBONES:
+        raise FAIRChemModelError(f"{where}: backbone {backbone.get('model')!r}: this adapter runs fairchem's UMA and eSEN "
+                                 f"backbones ({', '.join(sorted(set(BACKBONES.values())))})")
+    if backbone.get("direct_forces", True):
+        raise FAIRChemModelError(f"{where}: a direct-force model (forces not the energy's gradient) cannot run "
+                                 f"decomposed; this adapter runs conservative models")
+    if backbone.get("charge_balanced_channels") or backbone.get("spin_balanced_channels"):
+        raise FAIRChemModelError(f"{where}: charge/spin-balanced channels are not supported")
+    heads = config.get("heads") or {}
+    for name, head in heads.items():
+        module = head.get("module")
+        if module in HEAD_WRAPPERS:
+            if head.get("head_cls") != ENERGY_HEAD or (head.get("head_kwargs") or {}).get("reduce", "sum") != "sum":
+                raise FAIRChemModelError(f"{where}: head {name} wraps {head.get('head_cls')!r}; this adapter runs "
+                                         f"{ENERGY_HEAD} summing atom energies")
+        elif module != ENERGY_HEAD or head.get("reduce", "sum") != "sum":
+            raise FAIRChemModelError(f"{where}: head {name} is {module!r}; this adapter runs {ENERGY_HEAD} (summing "
+                                     f"atom energies), bare or in {' / '.join(w.rsplit('.', 1)[1] for w in HEAD_WRAPPERS)}")
+    if len(heads) != 1:
+        raise FAIRChemModelError(f"{where}: {len(heads)} heads; this adapter runs models with one energy head")
+    backbone.update(always_use_pbc=False, activation_checkpointing=False, execution_mode="general", otf_graph=True)
+    return dict(config, backbone=backbone)
+
+
+class FAIRChem(Potential):
+    """A fairchem UMA or eSEN model (``checkpoint``: the file ``load_predict_unit`` reads) on one ``task`` (as
+    FAIRChemCalculator's ``task_name``: omat, omol, oc20, odac, omc; None when the checkpoint has one). ``charge``
+    (e) and ``spin`` (multiplicity) of the system for the omol task (defaults 0 and 1, as FAIRChemCalculator's);
+    refused for the others. ``dtype``: float32 (fairchem's default precision) or float64; the weights are the
+    checkpoint's EMA weights. Evaluation only (``named_weights`` is empty)."""
+
+    # node features [(lmax+1)^2, C] for every block's input, norms and residuals (UMA-S: C=128, 9 × 128 floats)
+    EVALUATION_BYTES_PER_ROW = 60_000
+    EVALUATION_BYTES_PER_EDGE = 200  # edge vectors and indices (the edge steps run in chunks)
+    PLAIN_BYTES_PER_EDGE = 60_000    # every edge at once: Wigner matrices and both SO(2) convolutions' tensors
+    WHOLE_STRUCTURE = True
+
+    def __init__(self, checkpoint: str, task: str | None = None, charge: int | None = None, spin: int | None = None,
+                 dtype: torch.dtype | None = None):
+        fairchem_version()
+        dtype = torch.float32 if dtype is None else dtype
+        saved = read_checkpoint(checkpoint)
+        config = _check_config(saved["model_config"], str(checkpoint))
+        outputs = TaskOutputs(saved["tasks_config"], task, str(checkpoint))
+        if outputs.task not in CHARGED_TASKS and (charge is not None or spin is not None):
+            raise FAIRChemModelError(f"charge and spin are read by the {', '.join(CHARGED_TASKS)} task; task "
+                                     f"{outputs.task!r} takes none")
+        charge = 0 if charge is None else charge
+        spin = DEFAULT_SPIN.get(outputs.task, 0) if spin is None else spin
+        for name, value, low in (("charge", charge, -100), ("spin", spin, 0)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= value <= 100:
+                raise FAIRChemModelError(f"{name} must be an integer in [{low}, 100] (fairchem's range), got {value!r}")
+        elements = int(config["backbone"].get("max_num_elements", 100))
+        super().__init__([chemical_symbols[z] for z in range(1, min(elements, len(chemical_symbols)))])
+
+        model = self._build(config, saved["ema_state_dict"], dtype, str(checkpoint))
+        self.backbone = model.backbone
+        self.head = next(iter(model.output_heads.values()))
+        self.register_buffer("numbers", torch.arange(1, len(self.species) + 1), persistent=False)
+        self.task = self.dataset = outputs.task
+        self.charge, self.spin = int(charge), int(spin)
+        self.cutoff = float(self.backbone.cutoff)
+        self.layers = int(self.backbone.num_layers) + 1  # the edge-degree embedding reads one cutoff more
+        self.max_neighbors = int(self.backbone.max_neighbors)
+        self.experts = int(getattr(self.backbone, "num_experts", 0) or 0)
+        self.rmsd, self.mean = outputs.rmsd, outputs.mean
+        refs = np.zeros(len(self.species) + 1) if outputs.references is None else outputs.references
+        refs = np.concatenate([refs, np.zeros(max(0, len(self.species) + 1 - len(refs)))])
+        self.element_references = torch.as_tensor(refs, dtype=torch.float64)  # eV, by atomic number (kept float64)
+        self.hyperparameters = {"checkpoint": str(checkpoint), "task": self.task, "charge": self.charge,
+                                "spin": self.spin}
+        self.requires_grad_(False)
+        self.eval()
+        self.to(dtype)
+
+    @staticmethod
+    def _build(config: dict, ema_state: dict, dtype: torch.dtype, where: str):
+        """fairchem's HydraModel from ``config`` with the EMA weights, built in ``dtype`` (as MLIPPredictUnit builds it:
+        constants in the default dtype); its compat rules (UMA 1.1's model id) applied first."""
+        import contextlib
+        import io
+        import logging
+
+        from fairchem.core.models.base import HydraModel
+        from fairchem.core.models.uma.compat import apply_uma_compat_fixups
+        from fairchem.core.units.mlip_unit.utils import load_state_dict, match_state_dict
+
+        holder = types.SimpleNamespace(model_config=config)
+        try:
+            apply_uma_compat_fixups(holder, checkpoint_location=where)
+        except RuntimeError as exc:
+            raise FAIRChemModelError(str(exc)) from None
+        kwargs = {k: v for k, v in holder.model_config.items() if k != "_target_"}
+        level = logging.root.manager.disable
+        logging.disable(logging.WARNING)  # fairchem's notices (deprecated config spellings) stay out of the user's output
+        try:
+            with default_dtype(dtype), contextlib.redirect_stdout(io.StringIO()):
+                model = HydraModel(**kwargs)
+                averaged = torch.optim.swa_utils.AveragedModel(model)
+                state = dict(ema_state)
+                mine = averaged.state_dict()
+                n_averaged = state.pop("n_averaged", mine["n_averaged"])
+                del mine["n_averaged"]
+                matched = match_state_dict(mine, state)
+                matched["n_averaged"] = n_averaged
+                load_state_dict(averaged, matched, strict=True)
+        except (RuntimeError, KeyError, TypeError, ValueError, AssertionError) as exc:
+            raise FAIRChemModelError(f"{where}: fairchem could not build the model from its config and weights: "
+                                     f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        finally:
+            logging.disable(level)
+        return averaged.module
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, graph: AtomGraph) -> torch.Tensor:
+        bb, dtype, n = self.backbone, self.dtype, graph.n_nodes
+        numbers = self.numbers[graph.species]
+        graph = self._neighbours(graph)
+        device = numbers.device
+        system = bb.csd_embedding(charge=torch.tensor([self.charge], device=device),
+                                  spin=torch.tensor([self.spin], device=device), dataset=[self.dataset])
+        if self.experts or self.mean:  # the whole system's composition (collective: every rank alike)
+            counts = torch.bincount(numbers[: graph.n_local], minlength=len(self.species) + 1).to(torch.float64)
+            counts = graph.total(counts).round().to(torch.long)
+            self._route_experts(graph, counts, system)
+            atoms = int(counts.sum())
+
+        x = torch.zeros(n, bb.sph_feature_size, bb.sphere_channels, dtype=dtype, device=device)
+        x[:, 0, :] = bb.sphere_embedding(numbers) + system
+        sources, targets = bb.source_embedding(numbers), bb.target_embedding(numbers)
+        embedding = bb.edge_degree_embedding
+        zeros = x.new_zeros(1, *x.shape[1:])
+
+        def degree(vec, source, target):  # per edge: fairchem's edge-degree embedding of one edge
+            x_edge, _, wigner_inv = self._edge_features(vec, source, target)
+            scatter = torch.arange(vec.shape[0], device=vec.device)
+            return embedding.forward_chunk(zeros.expand(vec.shape[0], *zeros.shape[1:]), x_edge, scatter, wigner_inv)
+
+        x = x[: graph.receivers] + self._edge_step(graph, degree, [sources], [targets], x)
+        for block in bb.blocks:
+            residual = x
+            y = block.norm_1(x)
+            y[:, 0, :] = y[:, 0, :] + system
+            y = graph.halo(y)  # the node embeddings entering the edge step: ghost rows from their owners
+
+            def convolve(vec, source, x_j, target, x_i, block=block):  # per edge: fairchem's edge step of one edge
+                x_edge, wigner, wigner_inv = self._edge_features(vec, source, target)
+                e = vec.shape[0]
+                local = torch.arange(2 * e, device=vec.device).view(2, e)
+                return block.edge_wise.forward_chunk(torch.cat([x_j, x_i]), e, x_edge, local, wigner, wigner_inv,
+                                                     local[0])
+
+            x = residual + self._edge_step(graph, convolve, [sources, y], [targets, y], y)
+            x = x + block.atom_wise(block.norm_2(x))
+        x = bb.norm(x)
+        energies = self._energies(x[: graph.n_local, 0, :], numbers[: graph.n_local])
+        return energies + self.mean / atoms if self.mean else energies
+
+    def _edge_step(self, graph: AtomGraph, message, at_sender, at_receiver, reads: torch.Tensor) -> torch.Tensor:
+        """[graph.receivers, (lmax+1)^2, C]: Σ over the edges into each row of ``message``, in chunks within the
+        memory budget. A rank without edges still differentiates through ``reads`` (its halo's lock-step)."""
+        if graph.edge_index.shape[1] == 0:
+            out = reads.new_zeros(graph.receivers, *reads.shape[1:])
+            return out + 0.0 * reads.sum()
+        return edge_sum(graph, _vectors, message, at_sender, rows=graph.receivers, receiver_nodes=at_receiver,
+                        min_edges=256)
+
+    def _edge_features(self, vec: torch.Tensor, source: torch.Tensor, target: torch.Tensor) -> tuple:
+        """fairchem's per-edge inputs of edges ``vec`` [e, 3] (r_sender - r_receiver): x_edge (distance expansion,
+        sender and receiver embeddings), the Wigner rotations and the inverse with the envelope fused in."""
+        bb = self.backbone
+        vec = vec.to(self.dtype)
+        distance = torch.linalg.norm(vec, dim=-1)
+        wigner, wigner_inv = bb._get_rotmat_and_wigner(vec)
+        index = bb.coefficient_index if bb.mmax != bb.lmax else None
+        wigner, wigner_inv = bb.backend.prepare_wigner(wigner, wigner_inv, bb.mappingReduced, index)
+        envelope = bb.envelope(distance / bb.cutoff).reshape(-1, 1)
+        if wigner_inv.ndim == 3:
+            envelope = envelope.unsqueeze(-1)
+        x_edge = torch.cat((bb.distance_expansion(distance), source, target), dim=1)
+        return x_edge, wigner, wigner_inv * envelope
+
+    def _neighbours(self, graph: AtomGraph) -> AtomGraph:
+        """``graph`` with fairchem's ``max_neighbors`` cut: a receiver with more neighbours keeps those whose squared
+        distance is at most its (max_neighbors + 1)-th smallest + 0.01 Å² (``get_max_neighbors_mask``, not strict)."""
+        sender, receiver = graph.edge_index
+        if receiver.numel() == 0 or self.max_neighbors <= 0:
+            return graph
+        counts = torch.bincount(receiver, minlength=graph.n_nodes)
+        if int(counts.max()) <= self.max_neighbors:
+            return graph
+        d2 = (graph.edge_vec.detach().to(self.dtype) ** 2).sum(dim=1)
+        order = torch.argsort(d2, stable=True)
+        order = order[torch.argsort(receiver[order], stable=True)]  # by receiver, then by distance
+        start = torch.cumsum(counts, 0) - counts
+        threshold = torch.full((graph.n_nodes,), float("inf"), dtype=d2.dtype, device=d2.device)
+        cut = torch.nonzero(counts > self.max_neighbors).squeeze(1)
+        threshold[cut] = d2[order[start[cut] + self.max_neighbors]] + DEGENERACY_TOLERANCE
+        keep = d2 <= threshold[receiver]
+        return dataclasses.replace(graph, edge_index=graph.edge_index[:, keep], edge_vec=graph.edge_vec[keep],
+                                   edge_features_cache={})
+
+    def _route_experts(self, graph: AtomGraph, counts: torch.Tensor, system: torch.Tensor) -> None:
+        """Set the backbone's mixture-of-experts coefficients from the whole system's composition (``counts`` [Z]:
+        atoms of each atomic number, over every rank), through its own ``set_MOLE_coefficients`` on that
+        composition, and its per-edge sizes (one system: every edge of this rank)."""
+        bb = self.backbone
+        if not self.experts:
+            return
+        composition = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
+        bb.set_MOLE_coefficients(atomic_numbers_full=composition, batch_full=torch.zeros_like(composition),
+                                 csd_mixed_emb=system)
+        rows = torch.zeros(graph.n_nodes, dtype=torch.long, device=counts.device)
+        bb.set_MOLE_sizes(nsystems=1, batch_full=rows, edge_index=graph.edge_index)
+
+    def _energies(self, scalars: torch.Tensor, numbers: torch.Tensor) -> torch.Tensor:
+        """Per-atom energies [n_local] float64 (eV) from the final scalar features [n_local, C]: the head's energy
+        block (its task's expert, for a dataset-specific mixture-of-experts head), × rmsd, + the atom's element
+        reference (the task's mean is added by the caller, shared out over the system's atoms)."""
+        head = self.head
+        if hasattr(head, "global_mole_tensors"):  # DatasetSpecificMoEWrapper: one expert per dataset
+            mix = torch.zeros(1, len(head.dataset_name_to_exp), dtype=scalars.dtype, device=scalars.device)
+            mix[0, head.dataset_name_to_exp[self.dataset]] = 1.0
+            head.global_mole_tensors.expert_mixing_coefficients = mix
+            head.global_mole_tensors.mole_sizes = torch.tensor([scalars.shape[0]], dtype=torch.int)
+        if scalars.shape[0] == 0:  # no owned atom: still differentiate through what came before (halo lock-step)
+            return scalars.sum().to(torch.float64) * 0.0 + scalars.new_zeros(0, dtype=torch.float64)
+        block = (head.head if hasattr(head, "head") else head).energy_block
+        raw = block(scalars).view(-1).to(torch.float64)
+        return raw * self.rmsd + self.element_references.to(raw.device)[numbers]
+
+
+def _vectors(vec: torch.Tensor) -> torch.Tensor:
+    """The per-edge input of fairchem's edge steps: the edge vectors themselves (features computed per chunk)."""
+    return vec
