@@ -14,7 +14,9 @@ against one pass and against the package's own ASE calculator: SevenNet-0 on 512
 (SevenNetCalculator; its convolutions' edge steps in chunks from outside), random MACE models of
 MACE-MP-0-small and -medium size, float32 (MACECalculator; ``adapters.mace.chunked_interaction``), the
 NequIP and Allegro models of benchmarks/nequip_scaling.py, float64, trained and packaged here
-(NequIPCalculator; ``adapters.nequip.chunked_convolutions``, Allegro in groups of atoms).
+(NequIPCalculator; ``adapters.nequip.chunked_convolutions``, Allegro in groups of atoms), and a UMA-S-shaped
+fairchem model, float32, on 256 and 500 atoms (FAIRChemCalculator with its own activation checkpointing;
+benchmarks/fairchem_scaling.py).
 
     python benchmarks/memory_per_atom.py [--rounds 1] [--repeat 3] [--quick] [--cases MACE]
     python benchmarks/memory_per_atom.py --largest 64 [--ranks 2]   # SchNet on 4·64³ = 1,048,576 atoms
@@ -57,6 +59,8 @@ CASES = {
     "MACE (MP-0-small size) 1,372": ("mace", 7, ("theirs", "plain", "bounded")),
     "MACE (MP-0-medium size) 256": ("mace-medium", 4, ("theirs", "plain", "bounded")),
     "MACE (MP-0-medium size) 500": ("mace-medium", 5, ("theirs", "plain", "bounded")),
+    "UMA-S-shaped 256": ("fairchem", 4, ("theirs", "plain", "bounded")),
+    "UMA-S-shaped 500": ("fairchem", 5, ("theirs", "plain", "bounded")),
 }
 MACE_HIDDEN = {"mace": "128x0e", "mace-medium": "128x0e+128x1o"}
 FRAMEWORK = ("nequip-framework", "allegro")  # benchmarks/nequip_scaling.py's models, trained and packaged here
@@ -82,6 +86,8 @@ def build(name, model_file=None):
         return potentials.MACE(model_file).to(torch.float32)
     if name in FRAMEWORK:
         return potentials.NequIPFramework(model_file)
+    if name == "fairchem":
+        return potentials.FAIRChem(model_file, task="omat")
     raise ValueError(name)
 
 
@@ -100,6 +106,10 @@ def their_calculator(name, model_file):
         # the framework's calculator runs in its global dtype, float64, as after its set_global_state
         return (NequIPCalculator._from_saved_model(model_file, device="cpu", chemical_species_to_atom_type_map=True),
                 lambda: torch.set_default_dtype(torch.float64))
+    if name == "fairchem":
+        from fairchem_scaling import fairchem_calculator
+
+        return fairchem_calculator(argparse.Namespace(model=model_file)), lambda: None
     from mace.calculators import MACECalculator
 
     return MACECalculator(model_paths=model_file, device="cpu", default_dtype="float32"), lambda: None
@@ -250,6 +260,10 @@ def main():
                 short = name.split("-")[0]
                 train_and_package(short, MODELS[short], Path(tmp), Path(tmp))
                 model_files[name] = str(Path(tmp) / f"{short}.nequip.zip")
+        if "fairchem" in wanted:
+            from fairchem_scaling import make_model as make_fairchem_model
+
+            model_files["fairchem"] = str(make_fairchem_model(tmp))
         runs = {}
         for _ in range(args.rounds):
             for label in labels:
@@ -277,7 +291,8 @@ def main():
                 ratios = f"{m['kb_per_atom'] / other['kb_per_atom']:9.3f} {m['us_per_atom'] / other['us_per_atom']:7.2f}"
             print(f"{label:28s} {path:9s} {m['atoms']:7.0f} {m['kb_per_atom']:9.1f} {m['us_per_atom']:9.1f} {ratios}")
     print("ratios: bounded / theirs (the package's own calculator: MACECalculator, NequIPCalculator, "
-          "SevenNetCalculator), else bounded / plain, measured in the same run")
+          "SevenNetCalculator, FAIRChemCalculator with its activation checkpointing), else bounded / plain, measured "
+          "in the same run")
 
 
 if __name__ == "__main__":

@@ -458,3 +458,48 @@ def write_small_sevennet(path, seed: int = 0) -> None:
                 if p.requires_grad:
                     p.add_(0.2 * torch.randn_like(p))
     torch.save({"config": config, "model_state_dict": model.state_dict()}, path)
+
+
+# ------------------------------------------------------------------ fairchem fixtures (tests/data/fairchem)
+FAIRCHEM_DIR = Path(__file__).parent / "data" / "fairchem"
+# fixture -> the options it runs with (see make_fixtures.py): uma-dense's omol task with a charge and a spin
+FAIRCHEM_FIXTURES = {"uma-moe": {"task": "omat"}, "uma-dense": {"task": "omol", "charge": 1, "spin": 2},
+                     "esen": {"task": "omat"}}
+_FAIRCHEM_UNITS: dict = {}
+
+
+def fairchem_model(name: str, dtype=torch.float64, **changes):
+    """The fixture ``name`` as our model, with its options (``changes`` replace them)."""
+    return potentials.FAIRChem(str(FAIRCHEM_DIR / f"{name}.pt"), dtype=dtype, **{**FAIRCHEM_FIXTURES[name], **changes})
+
+
+def fairchem_reference(name: str, atoms, dtype=torch.float64, merge_mole: bool = False, **changes) -> dict:
+    """fairchem's own FAIRChemCalculator on ``atoms`` (energy, forces, and stress where the cell has a volume) with
+    the fixture's task, charge and spin (``changes`` replace them), fairchem's inference settings in ``dtype``
+    (no compilation; ``merge_mole``: experts merged for this composition, as fairchem's fast presets do)."""
+    import logging
+
+    from fairchem.core.calculate.ase_calculator import FAIRChemCalculator
+    from fairchem.core.units.mlip_unit import load_predict_unit
+    from fairchem.core.units.mlip_unit.api.inference import InferenceSettings
+
+    options = {**FAIRCHEM_FIXTURES[name], **changes}
+    level = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        key = (name, dtype, merge_mole)
+        if key not in _FAIRCHEM_UNITS or merge_mole:  # a merged model serves one composition
+            settings = InferenceSettings(base_precision_dtype=dtype, merge_mole=merge_mole, compile=False, tf32=False)
+            _FAIRCHEM_UNITS[key] = load_predict_unit(str(FAIRCHEM_DIR / f"{name}.pt"), inference_settings=settings,
+                                                     device="cpu")
+        atoms = atoms.copy()
+        for key_ in ("charge", "spin"):
+            if key_ in options:
+                atoms.info[key_] = options[key_]
+        atoms.calc = FAIRChemCalculator(_FAIRCHEM_UNITS[key], task_name=options["task"])
+        result = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces()}
+        if atoms.cell.rank == 3:
+            result["stress"] = atoms.get_stress()
+    finally:
+        logging.disable(level)
+    return result

@@ -194,3 +194,19 @@ def test_nequip_framework_distributed_equals_its_calculator(mpirun, torchrun, la
     assert f"P={ranks}: nequip framework" in out and " 0 failures" in out, out
     if backend == "torch":
         assert "communication: torch.distributed gloo" in out, out
+
+
+@pytest.mark.parametrize("launcher, ranks, backend", [("mpiexec", 2, None), ("torchrun", 3, "torch"), ("mpiexec", 4, None)])
+def test_fairchem_distributed_equals_fairchem_calculator(mpirun, torchrun, launcher, ranks, backend):
+    """fairchem's UMA-S-shaped (experts), UMA-S-1.2 (omol, charge and spin, max_neighbors cutting every metal's
+    edges) and eSEN fixtures through evaluate on 2-4 ranks, both backends, every geometry (every grid for the
+    first; empty ranks included) == FAIRChemCalculator (tests/mpi/fairchem_models.py)."""
+    pytest.importorskip("fairchem.core", reason="the fairchem adapter needs the fairchem extra (see README: Install)")
+    run = torchrun if launcher == "torchrun" else mpirun
+    rc, out, _ = run(ranks, MPI_DIR / "fairchem_models.py", backend=backend)
+    assert rc == 0, out
+    assert f"P={ranks}: fairchem" in out and " 0 failures" in out, out
+    if ranks >= 3:
+        assert " 0 (case, rank) with no atoms" not in out, out
+    if backend == "torch":
+        assert "communication: torch.distributed gloo" in out, out

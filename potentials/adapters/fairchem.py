@@ -73,6 +73,42 @@ def fairchem_version() -> str:
     return found
 
 
+# what fairchem's import prints itself, from C, on a machine without a CUDA driver (NVIDIA Warp, a dependency)
+IMPORT_NOISE = ("Warp CUDA warning: Could not find or load the NVIDIA CUDA driver",)
+
+
+def import_fairchem() -> None:
+    """Import the fairchem modules the adapter uses (once; ~4 s), keeping what they print at import out of the user's
+    output: the process's stdout and stderr (file descriptors, where C code writes) are captured meanwhile and
+    written back without the lines of ``IMPORT_NOISE``."""
+    import os
+    import sys
+    import tempfile
+
+    if "fairchem.core.models.base" in sys.modules:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    with tempfile.TemporaryFile(mode="w+b") as captured:
+        try:
+            for fd in saved:
+                os.dup2(captured.fileno(), fd)
+            import fairchem.core.models.base  # noqa: F401
+            import fairchem.core.models.uma.escn_moe  # noqa: F401
+            import fairchem.core.units.mlip_unit.utils  # noqa: F401
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, copy in saved.items():
+                os.dup2(copy, fd)
+                os.close(copy)
+            captured.seek(0)
+            kept = [line for line in captured.read().decode(errors="replace").splitlines(keepends=True)
+                    if not line.startswith(IMPORT_NOISE)]
+            sys.stderr.write("".join(kept))
+
+
 def read_checkpoint(path) -> dict:
     """{"model_config", "ema_state_dict", "tasks_config"} of a fairchem inference checkpoint, read without running its
     pickle. FAIRChemModelError when the file is not one (PickleFileError: not a torch archive at all)."""
@@ -194,8 +230,9 @@ class FAIRChem(Potential):
     refused for the others. ``dtype``: float32 (fairchem's default precision) or float64; the weights are the
     checkpoint's EMA weights. Evaluation only (``named_weights`` is empty)."""
 
-    # node features [(lmax+1)^2, C] for every block's input, norms and residuals (UMA-S: C=128, 9 × 128 floats)
-    EVALUATION_BYTES_PER_ROW = 60_000
+    # per row: node features [(lmax+1)^2, C] kept for the backward, FEATURE_COPIES per block (its input, norms,
+    # residual, halo, atom-wise step) and a few more (set per model in __init__; 11.5 copies measured for 3 blocks)
+    FEATURE_COPIES_PER_BLOCK, FEATURE_COPIES = 4, 4
     EVALUATION_BYTES_PER_EDGE = 200  # edge vectors and indices (the edge steps run in chunks)
     PLAIN_BYTES_PER_EDGE = 60_000    # every edge at once: Wigner matrices and both SO(2) convolutions' tensors
     WHOLE_STRUCTURE = True
@@ -234,6 +271,9 @@ class FAIRChem(Potential):
         self.element_references = torch.as_tensor(refs, dtype=torch.float64)  # eV, by atomic number (kept float64)
         self.hyperparameters = {"checkpoint": str(checkpoint), "task": self.task, "charge": self.charge,
                                 "spin": self.spin}
+        feature_bytes = self.backbone.sph_feature_size * self.backbone.sphere_channels * dtype.itemsize
+        self.EVALUATION_BYTES_PER_ROW = feature_bytes * (self.FEATURE_COPIES_PER_BLOCK * (self.layers - 1)
+                                                         + self.FEATURE_COPIES)
         self.requires_grad_(False)
         self.eval()
         self.to(dtype)
@@ -246,6 +286,7 @@ class FAIRChem(Potential):
         import io
         import logging
 
+        import_fairchem()
         from fairchem.core.models.base import HydraModel
         from fairchem.core.models.uma.compat import apply_uma_compat_fixups
         from fairchem.core.units.mlip_unit.utils import load_state_dict, match_state_dict
@@ -292,6 +333,9 @@ class FAIRChem(Potential):
 
         x = torch.zeros(n, bb.sph_feature_size, bb.sphere_channels, dtype=dtype, device=device)
         x[:, 0, :] = bb.sphere_embedding(numbers) + system
+        # the features depend on the positions on every rank, even one without edges, so that every rank's backward
+        # runs the same halo exchanges (lock-step): the weights do not require gradients
+        x = x + 0.0 * graph.edge_vec.sum().to(dtype)
         sources, targets = bb.source_embedding(numbers), bb.target_embedding(numbers)
         embedding = bb.edge_degree_embedding
         zeros = x.new_zeros(1, *x.shape[1:])

@@ -73,7 +73,7 @@ def tasks(datasets, rmsd: float, mean: float, seed: int, prefixed: bool = True) 
     return out
 
 
-def write(name: str, model_config: dict, tasks_config: list, seed: int) -> None:
+def write(name: str, model_config: dict, tasks_config: list, seed: int, directory: Path = HERE) -> Path:
     import hydra
 
     from fairchem.core.units.mlip_unit.api.inference import MLIPInferenceCheckpoint
@@ -89,8 +89,23 @@ def write(name: str, model_config: dict, tasks_config: list, seed: int) -> None:
             p.add_(0.02 * torch.randn_like(p))
     checkpoint = MLIPInferenceCheckpoint(model_config=model_config, model_state_dict=model.state_dict(),
                                          ema_state_dict=ema.state_dict(), tasks_config=tasks_config)
-    torch.save(checkpoint, HERE / f"{name}.pt")
+    torch.save(checkpoint, Path(directory) / f"{name}.pt")
     print(f"{name}.pt: {sum(p.numel() for p in model.parameters())} parameters")
+    return Path(directory) / f"{name}.pt"
+
+
+def uma_s_sized(directory: Path) -> Path:
+    """A random model of UMA-S's published shape (sphere and hidden channels 128, lmax = mmax = 2, 4 layers, 32
+    experts, cutoff 6 Å; float32 weights), tasks omat, omol, oc20: the benchmarks' model."""
+    config = {"_target_": "fairchem.core.models.base.HydraModel", "pass_through_head_outputs": True,
+              "model_id": "UMA-S-1.1",
+              "backbone": moe(sphere_channels=128, hidden_channels=128, edge_channels=128, num_distance_basis=64,
+                              num_layers=4, num_experts=32, cutoff=6.0),
+              "heads": {"energyandforcehead": {
+                  "module": "fairchem.core.models.uma.escn_moe.DatasetSpecificMoEWrapper",
+                  "head_cls": "fairchem.core.models.uma.escn_md.MLP_EFS_Head",
+                  "dataset_mapping": {d: d for d in DATASETS}, "head_kwargs": {"wrap_property": False}}}}
+    return write("uma-s-sized", config, tasks(DATASETS, rmsd=1.0, mean=0.0, seed=4), seed=4, directory=directory)
 
 
 def main() -> None:

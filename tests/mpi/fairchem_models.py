@@ -1,0 +1,97 @@
+"""fairchem models (the random-weight fixtures of tests/data/fairchem) through mlip_parallel.evaluate == fairchem's
+own FAIRChemCalculator on the same checkpoint: every geometry × grid for the UMA-S-shaped model (experts routed by
+composition), every geometry for the UMA-S-1.2 one (omol task with a charge and a spin; max_neighbors cuts every
+metal's edges) and the eSEN one, layerwise and, where its shell stays small, wide; float32 once; the ASE calculator
+once per model. Float64 to 1e-9 relative, float32 to 1e-5. Every evaluation runs the edge steps in many chunks
+(500-edge chunks, a 1-byte budget: several per block on every rank); with the default grid it is also compared with one pass over all edges
+(``memory_budget_gb=inf``) to 1e-12. Run under mpiexec -n P or torchrun."""
+import os
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import torch  # noqa: E402
+
+import mlip_parallel  # noqa: E402
+import potentials.messages as messages  # noqa: E402
+from md import MLIPCalculator  # noqa: E402
+from systems import (FAIRCHEM_FIXTURES, GEOMETRIES, fairchem_model, fairchem_reference, in_many_chunks,  # noqa: E402
+                     max_relative_error, shared_out)
+
+torch.set_num_threads(1)
+chunks = in_many_chunks()
+messages.MIN_CHUNK_EDGES = 500  # fairchem's edge step costs much per chunk: 500-edge chunks, still several per block
+TINY, PLAIN = 1e-9, float("inf")
+world = mlip_parallel.get_backend()
+P = world.size
+GRIDS = {1: [None], 2: [None, (2, 1, 1), (1, 1, 2)], 3: [None, (3, 1, 1), (1, 3, 1), (1, 1, 3)],
+         4: [None, (1, 1, 4), (2, 2, 1), (4, 1, 1), (1, 2, 2)]}[P]
+WIDE = ("clusters", "small_cell")  # wide mode's shell ((layers + 1) × cutoff) stays affordable here
+
+
+def errors(result, reference):
+    return max_relative_error({k: result[k] for k in reference}, reference)
+
+
+def reference_of(name, atoms, **options):
+    """FAIRChemCalculator's result, computed on rank 0 and sent to every rank."""
+    return world.bcast(fairchem_reference(name, atoms, **options) if world.rank == 0 else None)
+
+
+failures, cases, empty, worst = [], 0, 0, {}
+for name in FAIRCHEM_FIXTURES:
+    model = fairchem_model(name)
+    for geometry, build in GEOMETRIES.items():
+        atoms = build()
+        reference = reference_of(name, atoms)
+        for grid in GRIDS if name == "uma-moe" else GRIDS[:1]:
+            for mode in ("layerwise", "wide") if geometry in WIDE and grid is None else ("layerwise",):
+                result = mlip_parallel.evaluate(model, atoms, mode=mode, grid=grid, memory_budget_gb=TINY)
+                error = errors(result, reference)
+                if grid is None and mode == "layerwise":
+                    plain = mlip_parallel.evaluate(model, atoms, mode=mode, memory_budget_gb=PLAIN)
+                    error["chunked vs plain"] = max(max_relative_error(result, plain).values())
+                    if error["chunked vs plain"] > 1e-12:
+                        failures.append(f"{name} {geometry}: chunked vs plain {error}")
+                cases += 1
+                worst[name] = max(worst.get(name, 0.0), max(error.values()))
+                if max(error.values()) > 1e-9:
+                    failures.append(f"{name} {geometry} grid={grid} {mode}: {error}")
+                if grid is not None:
+                    owned = world.allgather(len(mlip_parallel.Decomposition(atoms, model.cutoff, world, grid).owned))
+                    empty += sum(n == 0 for n in owned)
+                    if not shared_out(owned, len(atoms)):
+                        failures.append(f"{geometry} grid={grid}: owned atoms per rank {owned}")
+    atoms = GEOMETRIES["hcp_triclinic"]()
+    atoms.calc = MLIPCalculator(model)
+    via = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(), "stress": atoms.get_stress()}
+    error = errors(via, reference_of(name, atoms))
+    if max(error.values()) > 1e-9:
+        failures.append(f"{name} MLIPCalculator hcp_triclinic: {error}")
+    if world.rank == 0:
+        print(f"{name}: max rel err vs FAIRChemCalculator {worst[name]:.2e} (evaluate), "
+              f"{max(error.values()):.2e} (MLIPCalculator)", flush=True)
+
+single = fairchem_model("uma-moe", dtype=torch.float32)
+for geometry in ("sheared", "slab"):
+    atoms = GEOMETRIES[geometry]()
+    error = errors(mlip_parallel.evaluate(single, atoms, memory_budget_gb=TINY),
+                   reference_of("uma-moe", atoms, dtype=torch.float32))
+    cases += 1
+    if max(error.values()) > 1e-5:
+        failures.append(f"uma-moe float32 {geometry}: {error}")
+
+expected = 7 * len(GRIDS) + len(WIDE) + 2 * (7 + len(WIDE)) + 2
+if cases != expected:
+    failures.append(f"{cases} cases ran, expected {expected}")
+chunked_calls = int(world.allreduce(chunks["edge sums"]))
+if chunked_calls == 0:
+    failures.append("no chunked edge sum ran")
+failures = sorted({f for mine in world.allgather(failures) for f in mine})
+if world.rank == 0:
+    print(f"P={P}: fairchem {cases} cases, {len(failures)} failures, {empty} (case, rank) with no atoms, "
+          f"{chunked_calls} chunked edge sums; communication: {world.library}")
+    for f in failures:
+        print("FAIL", f)
+sys.exit(1 if failures else 0)

