@@ -236,6 +236,9 @@ class FAIRChem(Potential):
     EVALUATION_BYTES_PER_EDGE = 200  # edge vectors and indices (the edge steps run in chunks)
     PLAIN_BYTES_PER_EDGE = 60_000    # every edge at once: Wigner matrices and both SO(2) convolutions' tensors
     WHOLE_STRUCTURE = True
+    # edges per chunk at least, whatever the budget: at UMA-S's size 1,024-edge chunks ran 5 % faster than 256-edge ones
+    # (benchmarks/fairchem_scaling.py), their ~25 MB small beside the per-atom state of a system worth splitting
+    MIN_CHUNK_EDGES = 1024
 
     def __init__(self, checkpoint: str, task: str | None = None, charge: int | None = None, spin: int | None = None,
                  dtype: torch.dtype | None = None):
@@ -256,6 +259,7 @@ class FAIRChem(Potential):
         super().__init__([chemical_symbols[z] for z in range(1, min(elements, len(chemical_symbols)))])
 
         model = self._build(config, saved["ema_state_dict"], dtype, str(checkpoint))
+        _mix_experts_once(model.backbone)
         self.backbone = model.backbone
         self.head = next(iter(model.output_heads.values()))
         self.register_buffer("numbers", torch.arange(1, len(self.species) + 1), persistent=False)
@@ -372,7 +376,7 @@ class FAIRChem(Potential):
             out = reads.new_zeros(graph.receivers, *reads.shape[1:])
             return out + 0.0 * reads.sum()
         return edge_sum(graph, _vectors, message, at_sender, rows=graph.receivers, receiver_nodes=at_receiver,
-                        min_edges=256)
+                        min_edges=self.MIN_CHUNK_EDGES)
 
     def _edge_features(self, vec: torch.Tensor, source: torch.Tensor, target: torch.Tensor) -> tuple:
         """fairchem's per-edge inputs of edges ``vec`` [e, 3] (r_sender - r_receiver): x_edge (distance expansion,
@@ -437,6 +441,31 @@ class FAIRChem(Potential):
         block = (head.head if hasattr(head, "head") else head).energy_block
         raw = block(scalars).view(-1).to(torch.float64)
         return raw * self.rmsd + self.element_references.to(raw.device)[numbers]
+
+
+def _mix_experts_once(backbone) -> None:
+    """Make each mixture-of-experts linear layer of ``backbone`` (fairchem's ``MOLE``) mix its experts' weights once per
+    set of coefficients instead of at every call: with one structure its forward is the linear map of the mixed
+    weights (the same einsum, then ``linear_with_folded_batch``), and the edge steps call it once per chunk, forward
+    and backward (the mixing costs as much as a 256-edge chunk's work at UMA-S's size). The mixed weights are kept
+    beside the coefficients tensor they came from and made again when the backbone sets new ones (every forward)."""
+    from fairchem.core.models.uma.nn.matmul import linear_with_folded_batch
+    from fairchem.core.models.uma.nn.mole import MOLE
+
+    def forward(self, x):
+        coefficients = self.global_mole_tensors.expert_mixing_coefficients
+        if coefficients.shape[0] != 1:  # several structures at once: fairchem's own forward
+            return MOLE.forward(self, x)
+        mixed = self.__dict__.get("_mixed")
+        if mixed is None or mixed[0] is not coefficients or mixed[1].dtype != self.weights.dtype:
+            with torch.autocast(device_type=self.weights.device.type, enabled=False):
+                weights = torch.einsum("eoi, be->boi", self.weights, coefficients)
+            mixed = self.__dict__["_mixed"] = (coefficients, weights)
+        return linear_with_folded_batch(x, mixed[1][0], bias=self.bias)
+
+    for module in backbone.modules():
+        if type(module) is MOLE:
+            module.forward = types.MethodType(forward, module)
 
 
 def _vectors(vec: torch.Tensor) -> torch.Tensor:

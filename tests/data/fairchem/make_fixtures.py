@@ -43,8 +43,9 @@ def backbone(model: str, **changes) -> dict:
 
 
 def moe(**changes) -> dict:
-    return backbone("fairchem.core.models.uma.escn_moe.eSCNMDMoeBackbone", num_experts=4,
-                    use_composition_embedding=True, moe_layer_type="pytorch", model_version=1.1, **changes)
+    return backbone("fairchem.core.models.uma.escn_moe.eSCNMDMoeBackbone", **{
+        "num_experts": 4, "use_composition_embedding": True, "moe_layer_type": "pytorch", "model_version": 1.1,
+        **changes})
 
 
 def tasks(datasets, rmsd: float, mean: float, seed: int, prefixed: bool = True) -> list:
