@@ -63,7 +63,7 @@ def main():
         flags = ["--cells", args.cells, "--repeat", args.repeat, "--model", path]
         ours_against_theirs(__file__, flags, args.rounds, "FAIRChemCalculator", "UMA-S-shaped fairchem model (float32)")
     if not args.no_memory:
-        subprocess.run([sys.executable, str(HERE / "memory_per_atom.py"), "--cases", "UMA"], check=True)
+        subprocess.run([sys.executable, str(HERE / "memory_per_atom.py"), "--cases", "UMA", "--repeat", "1"], check=True)
 
 
 if __name__ == "__main__":

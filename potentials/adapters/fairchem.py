@@ -228,7 +228,7 @@ class FAIRChem(Potential):
     FAIRChemCalculator's ``task_name``: omat, omol, oc20, odac, omc; None when the checkpoint has one). ``charge``
     (e) and ``spin`` (multiplicity) of the system for the omol task (defaults 0 and 1, as FAIRChemCalculator's);
     refused for the others. ``dtype``: float32 (fairchem's default precision) or float64; the weights are the
-    checkpoint's EMA weights. Evaluation only (``named_weights`` is empty)."""
+    checkpoint's EMA weights. Evaluation only: not trainable here yet (``named_weights`` is empty)."""
 
     # per row: node features [(lmax+1)^2, C] kept for the backward, FEATURE_COPIES per block (its input, norms,
     # residual, halo, atom-wise step) and a few more (set per model in __init__; 11.5 copies measured for 3 blocks)
@@ -320,6 +320,9 @@ class FAIRChem(Potential):
         finally:
             logging.disable(level)
         return averaged.module
+
+    def named_weights(self):
+        return []
 
     # ------------------------------------------------------------------ forward
     def forward(self, graph: AtomGraph) -> torch.Tensor:
