@@ -210,8 +210,9 @@ def test_configs_naming_other_code_are_refused_without_running(tmp_path):
 
 def test_key_in_the_tools_and_nothing_printed(tmp_path):
     """``fairchem:FILE`` with a task through load_model and mlip-train eval (data labelled by FAIRChemCalculator:
-    rounding-level errors); a fresh process that loads a model prints nothing (fairchem's import notices kept out)
-    and ``import potentials`` does not import fairchem."""
+    rounding-level errors); a fresh process that loads a model prints nothing (fairchem's import notices kept out),
+    ``import potentials`` does not import fairchem, and loading leaves the process's environment variables, warning
+    filters, random state and default dtype as they were."""
     from ase.calculators.singlepoint import SinglePointCalculator
     from ase.io import write
 
@@ -230,8 +231,13 @@ def test_key_in_the_tools_and_nothing_printed(tmp_path):
     other = evaluate_model(f"fairchem:{path}", str(tmp_path / "labelled.traj"), task="omat")
     assert other["energy_mae"] > 1e-2
 
-    code = ("import sys, potentials; assert 'fairchem' not in sys.modules; "
-            f"m = potentials.load_model('fairchem:{path}', task='omol'); assert m.spin == 1")
+    # (torch's own first import of dynamo, which any checkpoint read may trigger, sets an inductor cache directory and
+    # a sympy warning filter: it is imported before the comparison)
+    code = ("import os, sys, warnings, torch, torch._dynamo, potentials; assert 'fairchem' not in sys.modules; "
+            "before = (dict(os.environ), list(warnings.filters), torch.random.get_rng_state(), torch.get_default_dtype()); "
+            f"m = potentials.load_model('fairchem:{path}', task='omol', dtype='float64'); assert m.spin == 1; "
+            "after = (dict(os.environ), list(warnings.filters), torch.random.get_rng_state(), torch.get_default_dtype()); "
+            "assert before[:2] == after[:2] and torch.equal(before[2], after[2]) and before[3] == after[3]")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout == "" and done.stderr == "", (done.stdout, done.stderr)
 

@@ -24,6 +24,7 @@ all its edges.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import types
 
@@ -107,6 +108,23 @@ def import_fairchem() -> None:
             kept = [line for line in captured.read().decode(errors="replace").splitlines(keepends=True)
                     if not line.startswith(IMPORT_NOISE)]
             sys.stderr.write("".join(kept))
+
+
+@contextlib.contextmanager
+def process_kept():
+    """Inside, fairchem may set what it sets for a process (an inductor cache directory in the environment, warning
+    filters, draws from torch's global random generator); after, they are as they were."""
+    import os
+    import warnings
+
+    environment, filters = dict(os.environ), list(warnings.filters)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+        warnings.filters[:] = filters
 
 
 def read_checkpoint(path) -> dict:
@@ -285,8 +303,13 @@ class FAIRChem(Potential):
     @staticmethod
     def _build(config: dict, ema_state: dict, dtype: torch.dtype, where: str):
         """fairchem's HydraModel from ``config`` with the EMA weights, built in ``dtype`` (as MLIPPredictUnit builds it:
-        constants in the default dtype); its compat rules (UMA 1.1's model id) applied first."""
-        import contextlib
+        constants in the default dtype); its compat rules (UMA 1.1's model id) applied first. The process is left as
+        it was (``process_kept``)."""
+        with process_kept():
+            return FAIRChem._build_model(config, ema_state, dtype, where)
+
+    @staticmethod
+    def _build_model(config: dict, ema_state: dict, dtype: torch.dtype, where: str):
         import io
         import logging
 
