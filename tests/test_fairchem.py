@@ -256,9 +256,10 @@ def test_md_and_lammps_on_two_ranks_equal_one_process(mpirun, tmp_path):
 
 
 def test_md_force_call_is_memory_bounded():
-    """One MD force call on 256 Cu atoms keeps at most its chunk budget + 100 KB per atom in saved tensors (measured
-    81: the node features of every block, owned and ghost rows, in float64), and one pass over all edges (training's
-    path) ten times more (measured 2.4 MB per atom): the all-edges path cannot come back into evaluation unnoticed."""
+    """One MD force call on 256 Cu atoms keeps at most its chunk budget + 160 KB per atom in saved tensors (measured
+    119: the node features of every block, owned and ghost rows, in float64, and one chunk of at least 1,024 edges,
+    more than the automatic budget at this size), and one pass over all edges (training's path) ten times more
+    (measured 2.4 MB per atom): the all-edges path cannot come back into evaluation unnoticed."""
     from ase.build import bulk
 
     from test_md import md_force_call_saved_bytes
@@ -267,5 +268,5 @@ def test_md_force_call_is_memory_bounded():
     atoms.rattle(0.05, seed=0)
     saved = md_force_call_saved_bytes(fairchem_model("uma-moe", task="omat"), atoms)
     bounded, budget_gb = saved[None]
-    assert bounded <= budget_gb * 1e9 + 100e3 * len(atoms), (bounded / len(atoms), budget_gb)
+    assert bounded <= budget_gb * 1e9 + 160e3 * len(atoms), (bounded / len(atoms), budget_gb)
     assert saved[float("inf")][0] > 10 * bounded, saved
