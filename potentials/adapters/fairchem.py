@@ -85,6 +85,7 @@ def import_fairchem() -> None:
     import os
     import sys
     import tempfile
+    import warnings
 
     if "fairchem.core.models.base" in sys.modules:
         return
@@ -95,9 +96,11 @@ def import_fairchem() -> None:
         try:
             for fd in saved:
                 os.dup2(captured.fileno(), fd)
-            import fairchem.core.models.base  # noqa: F401
-            import fairchem.core.models.uma.escn_moe  # noqa: F401
-            import fairchem.core.units.mlip_unit.utils  # noqa: F401
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                import fairchem.core.models.base  # noqa: F401
+                import fairchem.core.models.uma.escn_moe  # noqa: F401
+                import fairchem.core.units.mlip_unit.utils  # noqa: F401
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -312,6 +315,7 @@ class FAIRChem(Potential):
     def _build_model(config: dict, ema_state: dict, dtype: torch.dtype, where: str):
         import io
         import logging
+        import warnings
 
         import_fairchem()
         from fairchem.core.models.base import HydraModel
@@ -327,7 +331,10 @@ class FAIRChem(Potential):
         level = logging.root.manager.disable
         logging.disable(logging.WARNING)  # fairchem's notices (deprecated config spellings) stay out of the user's output
         try:
-            with default_dtype(dtype), contextlib.redirect_stdout(io.StringIO()):
+            # fairchem's construction warnings (deprecated config spellings; torch.load of its own constants under a
+            # process-wide TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD, which importing mace sets) are not the user's to read
+            with default_dtype(dtype), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
                 model = HydraModel(**kwargs)
                 averaged = torch.optim.swa_utils.AveragedModel(model)
                 state = dict(ema_state)
