@@ -162,6 +162,26 @@ def in_many_chunks(setattr=setattr) -> dict:
     return counts
 
 
+def finish_adapter_run(world, title: str, failures: list, cases: int, expected: int, empty: int, chunks: dict):
+    """The end of an adapter's MPI script (tests/mpi/*_models.py): the number of cases and of chunked edge sums
+    checked, every rank's failures gathered; rank 0 prints "P=…: TITLE N cases, K failures, E (case, rank) with no
+    atoms, C chunked edge sums; communication: …" and each failure. Exits the process with 1 on a failure."""
+    import sys
+
+    if cases != expected:
+        failures.append(f"{cases} cases ran, expected {expected}")
+    chunked_calls = int(world.allreduce(chunks["edge sums"]))
+    if chunked_calls == 0:
+        failures.append("no chunked edge sum ran")
+    failures = sorted({f for mine in world.allgather(failures) for f in mine})
+    if world.rank == 0:
+        print(f"P={world.size}: {title} {cases} cases, {len(failures)} failures, {empty} (case, rank) with no atoms, "
+              f"{chunked_calls} chunked edge sums; communication: {world.library}")
+        for f in failures:
+            print("FAIL", f)
+    sys.exit(1 if failures else 0)
+
+
 def shared_out(owned: list, n_atoms: int) -> bool:
     """Every rank's owned-atom count ``owned`` covers the ``n_atoms`` atoms once, and on several ranks no
     rank holds them all (structures of more than 8 atoms): each rank evaluated only its share."""

@@ -16,8 +16,8 @@ import torch  # noqa: E402
 import mlip_parallel  # noqa: E402
 import potentials.messages as messages  # noqa: E402
 from md import MLIPCalculator  # noqa: E402
-from systems import (FAIRCHEM_FIXTURES, GEOMETRIES, fairchem_model, fairchem_reference, in_many_chunks,  # noqa: E402
-                     max_relative_error, shared_out)
+from systems import (FAIRCHEM_FIXTURES, GEOMETRIES, fairchem_model, fairchem_reference, finish_adapter_run,  # noqa: E402
+                     in_many_chunks, max_relative_error, shared_out)
 
 torch.set_num_threads(1)
 chunks = in_many_chunks()
@@ -87,15 +87,4 @@ for geometry in ("sheared", "slab"):
         failures.append(f"uma-moe float32 {geometry}: {error}")
 
 expected = 7 * len(GRIDS) + len(WIDE) + 2 * (7 + len(WIDE)) + 2
-if cases != expected:
-    failures.append(f"{cases} cases ran, expected {expected}")
-chunked_calls = int(world.allreduce(chunks["edge sums"]))
-if chunked_calls == 0:
-    failures.append("no chunked edge sum ran")
-failures = sorted({f for mine in world.allgather(failures) for f in mine})
-if world.rank == 0:
-    print(f"P={P}: fairchem {cases} cases, {len(failures)} failures, {empty} (case, rank) with no atoms, "
-          f"{chunked_calls} chunked edge sums; communication: {world.library}")
-    for f in failures:
-        print("FAIL", f)
-sys.exit(1 if failures else 0)
+finish_adapter_run(world, "fairchem", failures, cases, expected, empty, chunks)

@@ -15,8 +15,8 @@ import torch  # noqa: E402
 import mlip_parallel  # noqa: E402
 import potentials  # noqa: E402
 from md import MLIPCalculator  # noqa: E402
-from systems import (MACE_FIXTURES, in_many_chunks, mace_errors, mace_fixture, max_relative_error,  # noqa: E402
-                     shared_out)
+from systems import (MACE_FIXTURES, finish_adapter_run, in_many_chunks, mace_errors, mace_fixture,  # noqa: E402
+                     max_relative_error, shared_out)
 
 torch.set_num_threads(1)
 chunks = in_many_chunks()
@@ -67,15 +67,4 @@ for name in MACE_FIXTURES:
 
 # per model: 7 geometries x grids + 3 wide cases for its first head; the two-head model's second: 7 + 3
 expected = len(MACE_FIXTURES) * (7 * len(GRIDS) + len(WIDE)) + 7 + len(WIDE)
-if cases != expected:
-    failures.append(f"{cases} cases ran, expected {expected}")
-chunked_calls = int(world.allreduce(chunks["edge sums"]))
-if chunked_calls == 0:
-    failures.append("no chunked edge sum ran")
-failures = sorted({f for mine in world.allgather(failures) for f in mine})
-if world.rank == 0:
-    print(f"P={P}: MACE {cases} cases, {len(failures)} failures, {empty} (case, rank) with no atoms, "
-          f"{chunked_calls} chunked edge sums; communication: {world.library}")
-    for f in failures:
-        print("FAIL", f)
-sys.exit(1 if failures else 0)
+finish_adapter_run(world, "MACE", failures, cases, expected, empty, chunks)
