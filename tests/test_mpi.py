@@ -172,10 +172,16 @@ def test_mace_distributed_equals_mace_calculator(mpirun, torchrun, launcher, ran
     """The e3nn 0.4.4 MACE fixtures through evaluate on 2-4 ranks, both backends, every geometry and grid
     (empty ranks included) == MACECalculator (tests/mpi/mace_models.py)."""
     pytest.importorskip("mace", reason="the MACE adapter needs mace-torch (see README: Install)")
-    run = torchrun if launcher == "torchrun" else mpirun
-    rc, out, _ = run(ranks, MPI_DIR / "mace_models.py", backend=backend)
+    check_adapter_run(torchrun if launcher == "torchrun" else mpirun, ranks, backend, "mace_models.py", "MACE")
+
+
+def check_adapter_run(run, ranks, backend, script, title):
+    """Launch an adapter's MPI script (ending in ``systems.finish_adapter_run``) on ``ranks`` ranks: it passes, its
+    summary line names ``title`` with no failure, ranks without atoms occurred from 3 ranks on, and ``backend``
+    "torch" communicated through torch.distributed."""
+    rc, out, _ = run(ranks, MPI_DIR / script, backend=backend)
     assert rc == 0, out
-    assert f"P={ranks}: MACE" in out and " 0 failures" in out, out
+    assert f"P={ranks}: {title}" in out and " 0 failures" in out, out
     if ranks >= 3:
         assert " 0 (case, rank) with no atoms" not in out, out
     if backend == "torch":
@@ -202,11 +208,4 @@ def test_fairchem_distributed_equals_fairchem_calculator(mpirun, torchrun, launc
     edges) and eSEN fixtures through evaluate on 2-4 ranks, both backends, every geometry (every grid for the
     first; empty ranks included) == FAIRChemCalculator (tests/mpi/fairchem_models.py)."""
     pytest.importorskip("fairchem.core", reason="the fairchem adapter needs the fairchem extra (see README: Install)")
-    run = torchrun if launcher == "torchrun" else mpirun
-    rc, out, _ = run(ranks, MPI_DIR / "fairchem_models.py", backend=backend)
-    assert rc == 0, out
-    assert f"P={ranks}: fairchem" in out and " 0 failures" in out, out
-    if ranks >= 3:
-        assert " 0 (case, rank) with no atoms" not in out, out
-    if backend == "torch":
-        assert "communication: torch.distributed gloo" in out, out
+    check_adapter_run(torchrun if launcher == "torchrun" else mpirun, ranks, backend, "fairchem_models.py", "fairchem")

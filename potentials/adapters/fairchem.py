@@ -279,7 +279,8 @@ class FAIRChem(Potential):
         elements = int(config["backbone"].get("max_num_elements", 100))
         super().__init__([chemical_symbols[z] for z in range(1, min(elements, len(chemical_symbols)))])
 
-        model = self._build(config, saved["ema_state_dict"], dtype, str(checkpoint))
+        with process_kept():
+            model = self._build(config, saved["ema_state_dict"], dtype, str(checkpoint))
         _mix_experts_once(model.backbone)
         self.backbone = model.backbone
         self.head = next(iter(model.output_heads.values()))
@@ -306,13 +307,8 @@ class FAIRChem(Potential):
     @staticmethod
     def _build(config: dict, ema_state: dict, dtype: torch.dtype, where: str):
         """fairchem's HydraModel from ``config`` with the EMA weights, built in ``dtype`` (as MLIPPredictUnit builds it:
-        constants in the default dtype); its compat rules (UMA 1.1's model id) applied first. The process is left as
-        it was (``process_kept``)."""
-        with process_kept():
-            return FAIRChem._build_model(config, ema_state, dtype, where)
-
-    @staticmethod
-    def _build_model(config: dict, ema_state: dict, dtype: torch.dtype, where: str):
+        constants in the default dtype); its compat rules (UMA 1.1's model id) applied first. Called within
+        ``process_kept``: fairchem's import and construction set things for the process."""
         import io
         import logging
         import warnings
