@@ -7,7 +7,10 @@
   --structures 18``: 16 training structures, two global batches per epoch, micro-batches of one
   108-atom structure (the regime where what a micro-batch pays whatever its size shows);
 * the model: SchNet, 8 blocks, F=64, cutoff 4.5 Å, float32; energy + force + stress loss; global batch
-  8, M=8 micro-batches, AdamW, EMA;
+  8, M=8 micro-batches, AdamW, EMA. ``--model mace``: fine-tuning a random MACE of MACE-MP-0-medium
+  channels (128x0e+128x1o, max_ell 3, correlation 3, r_max 6 Å, float32) with four interactions, written
+  to a .model file first; ``--model sevennet``: fine-tuning SevenNet-0 (five layers, float32). Both with
+  ``--atoms 32`` (32-atom Cu cells) at a size this 2-core host trains in minutes;
 * each run: ``--epochs`` epochs, one torch thread per rank; the table gives each run's seconds per
   epoch after the first (the first holds the start-up), and per pair of runs the ratio;
 * the pipeline's two ranks each on a CPU of its own (``mlip-train`` pins them: ``backend.bind_to_cores``);
@@ -25,6 +28,7 @@
 
     python benchmarks/pipeline_epoch.py [--pairs 3] [--epochs 3] [--atoms 256] [--structures 80] [--no-side-by-side]
                                         [--allocator kept|glibc|both] [--also 1f1b|gpipe|unbound]
+    python benchmarks/pipeline_epoch.py --model mace --atoms 32 --structures 20 --pairs 1 --no-side-by-side
 """
 import argparse
 import csv
@@ -40,10 +44,27 @@ import yaml
 from common import ROOT, cu_emt_frames, train_command
 
 
-def config(data, directory, epochs, parallel, keep_freed_memory, schedule="auto"):
+MODELS = {"schnet": "SchNet 8 blocks F=64", "mace": "MACE of MP-0-medium channels, 4 interactions (fine-tuned)",
+          "sevennet": "SevenNet-0, 5 layers (fine-tuned)"}
+
+
+def model_section(model, tmp) -> dict:
+    """mlip-train's model section for ``--model`` (a MACE file written to ``tmp`` first)."""
+    if model == "mace":
+        from mace_scaling import make_model
+
+        path = tmp / "mace-medium-4.model"
+        if not path.exists():
+            make_model(str(path), "float32", "128x0e+128x1o", interactions=4)
+        return {"mace": str(path)}
+    if model == "sevennet":
+        return {"sevennet": "7net-0"}
+    return {"name": "SchNet", "cutoff": 4.5, "hyperparameters": {"features": 64, "layers": 8}, "dtype": "float32"}
+
+
+def config(data, directory, epochs, parallel, keep_freed_memory, schedule="auto", model=None):
     return {"keep_freed_memory": keep_freed_memory, "data": {"train": str(data), "validation_fraction": 0.1},
-            "model": {"name": "SchNet", "cutoff": 4.5, "hyperparameters": {"features": 64, "layers": 8},
-                      "dtype": "float32"},
+            "model": model or model_section("schnet", None),
             "loss": {"energy_weight": 1.0, "forces_weight": 10.0, "stress_weight": 1.0},
             "schedule": {"name": "none"}, "epochs": epochs, "batch_size": 8, "seed": 0, "parallel": parallel,
             "pipeline": {"stages": 2, "microbatches": 8, "schedule": schedule},
@@ -80,7 +101,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=3, help="alternating (one process, pipeline) pairs of runs")
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--atoms", type=int, choices=(108, 256), default=256, help="atoms per structure")
+    parser.add_argument("--atoms", type=int, choices=(32, 108, 256), default=256, help="atoms per structure")
+    parser.add_argument("--model", choices=tuple(MODELS), default="schnet", help="the model trained (see above)")
     parser.add_argument("--structures", type=int, default=80, help="structures in the data set (10 %% validation)")
     parser.add_argument("--side-by-side", action=argparse.BooleanOptionalAction, default=True,
                         help="also run two one-process runs at once per pair (this machine's ceiling for two ranks)")
@@ -110,9 +132,9 @@ def compare(tmp, args, allocator, env):
     for name, parallel, schedule in runs + ([("also", "pipeline", also)] if args.also else []):
         jobs[name] = tmp / f"{name}.yaml"
         jobs[name].write_text(yaml.safe_dump(config(tmp / "cu.extxyz", tmp / name, args.epochs, parallel,
-                                                    allocator == "kept", schedule)))
+                                                    allocator == "kept", schedule, model_section(args.model, tmp))))
     train = args.structures - round(0.1 * args.structures)
-    print(f"mlip-train, SchNet 8 blocks F=64, {train} training / {args.structures - train} validation structures "
+    print(f"mlip-train, {MODELS[args.model]}, {train} training / {args.structures - train} validation structures "
           f"of {args.atoms} Cu atoms, batch 8, M=8, {args.epochs} epochs; allocator: {allocator}")
     print(f"{'pair':>4s} {'one process s/epoch':>20s} {'S=2 s/epoch':>12s} {'speed-up':>8s}"
           + (f" {'side by side s/epoch':>21s} {'ceiling':>7s}" if args.side_by_side else "")

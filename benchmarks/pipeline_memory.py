@@ -25,7 +25,7 @@
 
     python benchmarks/pipeline_memory.py [--features 768] [--blocks 8] [--budget-gib 3]
     python benchmarks/pipeline_memory.py --train [--features 768] [--blocks 8]
-    python benchmarks/pipeline_memory.py --mace [--structures 4]
+    python benchmarks/pipeline_memory.py --mace [--structures 4] [--microbatches 4]
     python benchmarks/pipeline_memory.py --sevennet
 
 Peak memory is the process's resident high-water mark (VmHWM) over building the model and two
@@ -42,7 +42,6 @@ import sys
 
 from common import ROOT, cu_structures, launch, reset_hwm, status_mb
 
-MICROBATCHES = 4
 
 
 def worker(args):
@@ -85,7 +84,7 @@ def worker(args):
             optimizer.step()
             optimizer.zero_grad()
     else:
-        trainer = PipelineTrainer(build, args.stages, MICROBATCHES, "1f1b",
+        trainer = PipelineTrainer(build, args.stages, args.microbatches, "1f1b",
                                   boundaries=[args.blocks * s // args.stages for s in range(args.stages + 1)])
         model = trainer.model
 
@@ -126,12 +125,12 @@ def painn_parameters(features, blocks, rbf=20):
     return f + blocks * block + readout
 
 
-def run(stages, features, blocks, structures, extra=()):
+def run(stages, features, blocks, structures, extra=(), microbatches=4):
     return launch(stages, __file__, ["--stages", stages, "--features", features, "--blocks", blocks,
-                                     "--structures", structures, *extra])
+                                     "--structures", structures, "--microbatches", microbatches, *extra])
 
 
-def adapter_regime(kind, structures) -> None:
+def adapter_regime(kind, structures, microbatches) -> None:
     """The --mace / --sevennet figures (see the module's docstring)."""
     import tempfile
     from pathlib import Path
@@ -145,10 +144,10 @@ def adapter_regime(kind, structures) -> None:
             extra, blocks, title = ["--mace-file", path], 4, "MACE, MP-0-medium channels, 4 interactions"
         else:
             extra, blocks, title = ["--sevennet"], 5, "SevenNet-0, 5 interaction layers"
-        results = {s: run(s, 0, blocks, structures, extra + ["--steps", 3]) for s in (1, 2, 4)}
+        results = {s: run(s, 0, blocks, structures, extra + ["--steps", 3], microbatches) for s in (1, 2, 4)}
     one = results[1]
     print(f"{title}, {one['held'][0] / 1e6:.2f} M parameters (float32); AdamW + EMA, "
-          f"energy+force+stress loss, {structures} x 32-atom Cu, 1F1B, M={MICROBATCHES}")
+          f"energy+force+stress loss, {structures} x 32-atom Cu, 1F1B, M={microbatches}")
     print(f"{'run':6s} {'largest stage peak MB':>22s} {'fraction of 1 process':>22s} {'s per step':>11s}  per stage: "
           f"peak MB / M parameters held")
     for stages, r in results.items():
@@ -283,6 +282,7 @@ def main():
     parser.add_argument("--features", type=int, default=768)
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--structures", type=int, default=4, help="32-atom Cu structures per global batch")
+    parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per global batch (pipeline runs)")
     parser.add_argument("--budget-gib", type=float, default=3.0, help="per-rank memory budget for the largest model")
     parser.add_argument("--mace", action="store_true", help="a MACE of MP-0-medium channels in stages (see above)")
     parser.add_argument("--sevennet", action="store_true", help="SevenNet-0 in stages (see above)")
@@ -299,12 +299,12 @@ def main():
         train_regime(args.features, args.blocks)
         return
     if args.mace or args.sevennet:
-        adapter_regime("mace" if args.mace else "sevennet", args.structures)
+        adapter_regime("mace" if args.mace else "sevennet", args.structures, args.microbatches)
         return
     total = painn_parameters(args.features, args.blocks)
     print(f"PaiNN features={args.features}, {args.blocks} blocks: {total / 1e6:.1f} M parameters (float32); "
-          f"AdamW + EMA, energy+force+stress loss, {args.structures} x 32-atom Cu, 1F1B, M={MICROBATCHES}")
-    results = {s: run(s, args.features, args.blocks, args.structures) for s in (1, 2, 4)}
+          f"AdamW + EMA, energy+force+stress loss, {args.structures} x 32-atom Cu, 1F1B, M={args.microbatches}")
+    results = {s: run(s, args.features, args.blocks, args.structures, microbatches=args.microbatches) for s in (1, 2, 4)}
     one = results[1]["peak_mb"][0]
     print(f"{'run':10s} {'largest stage peak MB':>22s} {'fraction of 1 process':>22s}  per stage: peak MB / M parameters held")
     for stages, r in results.items():
@@ -322,7 +322,7 @@ def main():
 
         def fits(features):
             if features not in peaks:
-                peaks[features] = run(stages, features, args.blocks, args.structures)
+                peaks[features] = run(stages, features, args.blocks, args.structures, microbatches=args.microbatches)
             r = peaks[features]
             return max(r["peak_mb"]) <= budget and all(r["finite"])
 

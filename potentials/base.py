@@ -203,12 +203,12 @@ def block_part(k: int) -> str:
     return f"block.{k}"
 
 
-def all_parts(layers: int) -> tuple:
-    """Every part of a block model with ``layers`` blocks, in the order data flows through them."""
-    return (EMBED, *(block_part(k) for k in range(layers)), READOUT)
+def all_parts(blocks: int) -> tuple:
+    """Every part of a block model with ``blocks`` blocks, in the order data flows through them."""
+    return (EMBED, *(block_part(k) for k in range(blocks)), READOUT)
 
 
-def stage_parts(layers: int, boundaries, stage: int) -> frozenset:
+def stage_parts(blocks: int, boundaries, stage: int) -> frozenset:
     """The parts pipeline stage ``stage`` holds: blocks [boundaries[stage], boundaries[stage + 1]), plus
     the embedding on the first stage and the readout on the last (``boundaries``: [S + 1] block indices)."""
     parts = {block_part(k) for k in range(boundaries[stage], boundaries[stage + 1])}
@@ -230,7 +230,7 @@ def part_seed(seed: int, part: str) -> int:
 class BlockPotential(Potential):
     """A message-passing model written as parts, so that it can also run as pipeline stages.
 
-    Parts: ``"embed"``, ``"block.k"`` for k < ``layers``, ``"readout"`` (readout and scale/shift). A
+    Parts: ``"embed"``, ``"block.k"`` for k < ``n_blocks``, ``"readout"`` (readout and scale/shift). A
     model may hold only some of them (``parts``; a pipeline stage holds its own): the others are never
     built. Each part's initial weights come from its own seed (``part_seed(seed, part)``), so a stage
     and the whole model built with the same ``seed`` agree; ``seed=None`` draws it from torch's global
@@ -240,20 +240,33 @@ class BlockPotential(Potential):
     ``context(graph)``: edge features every part may read (each stage recomputes them from its own
     geometry); ``embed(graph, ctx)`` → h; ``block(k, h, graph, ctx)`` → h (block k > 0 refreshes ghost
     rows with ``graph.halo`` first); ``readout_energies(h, graph, ctx)`` → per-atom energies [n_local].
-    h entering block k (k = ``layers``: the readout) is one tensor [n, ``feature_width(k)``]: what
-    travels between stages. ``PART_MODULES`` maps "embed" / "block" / "readout" to the attribute paths
+    h entering block k (k = ``n_blocks``: the readout) is one tensor [rows, ``feature_width(k)``]: what
+    travels between stages. Its rows are the graph's nodes, or its edges (in the graph's order) where
+    ``state_per_edge`` (Allegro: the state between its layers is per edge); ``state_rows`` counts them.
+    ``n_blocks`` is ``layers`` (the message-passing steps), except for a strictly local model whose layers
+    pass nothing between atoms (Allegro: one layer for the halo, each of its own layers a block). ``PART_MODULES`` maps "embed" / "block" / "readout" to the attribute paths
     of each part's modules ("{k}" stands for the block index). ``forward`` chains all parts.
     """
 
     PART_MODULES: dict
+    state_per_edge = False
+
+    @property
+    def n_blocks(self) -> int:
+        """The parts "block.k" number k < n_blocks: the message-passing layers unless a model says otherwise."""
+        return self.layers
+
+    def state_rows(self, nodes: int, edges: int) -> int:
+        """Rows of h between parts for a graph of ``nodes`` nodes and ``edges`` edges."""
+        return edges if self.state_per_edge else nodes
 
     def _init_parts(self, parts, seed) -> None:
         """Record which parts this model holds (None: all) and the seed they are built from."""
-        names = all_parts(self.layers)
+        names = all_parts(self.n_blocks)
         parts = frozenset(names if parts is None else parts)
         unknown = sorted(parts - set(names))
         if unknown:
-            raise ValueError(f"unknown parts {unknown} of a {self.layers}-block model; parts are {list(names)}")
+            raise ValueError(f"unknown parts {unknown} of a {self.n_blocks}-block model; parts are {list(names)}")
         self.parts = parts
         self.seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else int(seed)
 
@@ -268,12 +281,12 @@ class BlockPotential(Potential):
     def _build_blocks(self, factory) -> torch.nn.ModuleDict:
         """The held blocks {str(k): factory(k)} (state-dict keys as a ModuleList's: "name.k.…")."""
         return torch.nn.ModuleDict({str(k): self._build(block_part(k), lambda k=k: factory(k))
-                                    for k in range(self.layers) if block_part(k) in self.parts})
+                                    for k in range(self.n_blocks) if block_part(k) in self.parts})
 
     @property
     def complete(self) -> bool:
         """True when the model holds every part (``forward`` needs them all)."""
-        return len(self.parts) == self.layers + 2
+        return len(self.parts) == self.n_blocks + 2
 
     def forward(self, graph: AtomGraph) -> torch.Tensor:
         if not self.complete:
@@ -281,7 +294,7 @@ class BlockPotential(Potential):
                                "stage); evaluating it needs all of them")
         ctx = self.context(graph)
         h = self.embed(graph, ctx)
-        for k in range(self.layers):
+        for k in range(self.n_blocks):
             h = self.block(k, h, graph, ctx)
         return self.readout_energies(h, graph, ctx)
 
@@ -293,14 +306,14 @@ class BlockPotential(Potential):
     def _drop_parts_not_held(self) -> None:
         """Replace the modules of the parts this model does not hold by empty ones, their state with them (a model
         read whole from another package's file, then cut to a pipeline stage's parts)."""
-        for part in set(all_parts(self.layers)) - set(self.parts):
+        for part in set(all_parts(self.n_blocks)) - set(self.parts):
             for prefix in self.part_prefixes(part):
                 owner, _, name = prefix.rpartition(".")
                 setattr(self.get_submodule(owner) if owner else self, name, torch.nn.Identity())
 
     def part_of(self, key: str) -> str | None:
         """The part a state-dict or parameter name belongs to (None: a module shared by every part)."""
-        for part in all_parts(self.layers):
+        for part in all_parts(self.n_blocks):
             if any(key.startswith(prefix + ".") for prefix in self.part_prefixes(part)):
                 return part
         return None

@@ -196,7 +196,7 @@ def save_parts(model, path, layout: dict, tensors, extra: dict | None = None) ->
     config = _config(model)
     if any(isinstance(v, torch.Tensor) for v in (extra or {}).values()):
         raise CheckpointError("save_parts: extra entries must be plain values, not tensors")
-    missing = sorted(set(all_parts(model.layers)) - {model.part_of(key) for key in layout})
+    missing = sorted(set(all_parts(model.n_blocks)) - {model.part_of(key) for key in layout})
     if missing:
         raise CheckpointError(f"cannot write {path}: no piece holds the parts {missing}")
     placeholders = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in layout.items()}  # never touched

@@ -245,9 +245,10 @@ def test_data_graph_and_pipeline_parallel_equal_one_process(files, one_process, 
     gradient clipping) equal one process's to 1e-10 relative, float64. MACE also in pipeline stages, each
     holding only its parts: 2 stages (1F1B, 3 micro-batches) on 2 ranks and 3 stages of a three-interaction
     MACE (schedule auto, reference energies refit) on 3 ranks, SevenNet in 2 stages (schedule auto; its radial
-    coefficients, read by every block, held by both stages, their gradients summed) and the nequip framework's
-    NequIP in 3 stages (its type embedding's node attributes travelling beside the features) == one process to 1e-10; a 2-stage run resumed after its first epoch ==
-    the uninterrupted one bit for bit; the files in the packages' formats, assembled from the stages (best.model,
+    coefficients, read by every block, held by both stages, their gradients summed), the nequip framework's
+    NequIP in 3 stages (its type embedding's node attributes travelling beside the features) and Allegro in 2
+    (its per-edge state travelling) == one process to 1e-10; a 2-stage run resumed after its first epoch == the
+    uninterrupted one bit for bit; the files in the packages' formats, assembled from the stages (best.model,
     checkpoint_best.pth, best.ckpt), equal our evaluation of best.pt in MACECalculator, sevenn's own model and
     NequIPCalculator to 1e-9."""
     from mace.calculators import MACECalculator
@@ -265,7 +266,8 @@ def test_data_graph_and_pipeline_parallel_equal_one_process(files, one_process, 
     train(validate(job(files, "mace3", mace3, model=refit), SCHEMA, RULES))
     one_f_one_b = {"stages": 2, "microbatches": 3, "schedule": "1f1b", "boundaries": [0, 1, 2]}
     pipelines = {2: [("mace", "pipeline", one_f_one_b), ("mace", "pipeline-resumed", one_f_one_b),
-                     ("sevennet", "pipeline", {"stages": 2, "microbatches": 3})],
+                     ("sevennet", "pipeline", {"stages": 2, "microbatches": 3}),
+                     ("allegro", "pipeline", {"stages": 2, "microbatches": 3})],
                  3: [("mace3", "pipeline", {"stages": 3, "microbatches": 3}),
                      ("nequip", "pipeline", {"stages": 3, "microbatches": 3, "schedule": "1f1b"})]}
     for ranks, launcher in ((2, torchrun), (3, mpirun)):
@@ -297,6 +299,7 @@ def test_data_graph_and_pipeline_parallel_equal_one_process(files, one_process, 
                                     (ranks, family, parallel))
     for ranks, family, reference in ((2, "mace", one_process["mace"][0]), (3, "mace3", mace3),
                                      (2, "sevennet", one_process["sevennet"][0]),
+                                     (2, "allegro", one_process["allegro"][0]),
                                      (3, "nequip", one_process["nequip"][0])):
         assert_same_weights(trained_parameters(root / f"{ranks}-{family}-pipeline"), trained_parameters(reference),
                             1e-10, (ranks, family, "pipeline"))
@@ -306,12 +309,13 @@ def test_data_graph_and_pipeline_parallel_equal_one_process(files, one_process, 
     theirs = {"energy": energy.item(), "forces": forces.detach().numpy(),
               "stress": -(-stress[0].detach().numpy())[[0, 1, 2, 1, 0, 0], [0, 1, 2, 2, 2, 1]]}
     assert max(max_relative_error(ours_on(potentials.load(sevennet / "best.pt"), atoms), theirs).values()) < 1e-9
-    nequip = root / "3-nequip-pipeline"  # its best.ckpt, assembled from the stages, read by the framework's calculator
-    atoms = read(files["validation"], 1)
-    atoms.calc = nequip_calculator(nequip / "best.ckpt")
-    with default_dtype(torch.float64):  # (the framework's calculator runs in its global dtype, float64)
-        theirs = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(), "stress": atoms.get_stress()}
-    assert max(max_relative_error(ours_on(potentials.load(nequip / "best.pt"), atoms), theirs).values()) < 1e-9
+    for nequip in (root / "3-nequip-pipeline", root / "2-allegro-pipeline"):  # best.ckpt, assembled from the stages,
+        atoms = read(files["validation"], 1)                                # read by the framework's calculator
+        atoms.calc = nequip_calculator(nequip / "best.ckpt")
+        with default_dtype(torch.float64):  # (the framework's calculator runs in its global dtype, float64)
+            theirs = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(),
+                      "stress": atoms.get_stress()}
+        assert max(max_relative_error(ours_on(potentials.load(nequip / "best.pt"), atoms), theirs).values()) < 1e-9
     pipelined = root / "2-mace-pipeline"
     assert_same_weights(trained_parameters(root / "2-mace-pipeline-resumed"), trained_parameters(pipelined), 0.0,
                         "resumed")
@@ -501,9 +505,9 @@ def test_bad_fine_tuning_input_is_one_line_and_writes_nothing(files, tmp_path, c
                                                              r"\.nequip\.zip package or the \.ckpt checkpoint"),
         ({"model": {"head": "omat"}}, r"model.mace: .*no head 'omat'; the model's heads are \['Default'\]"),
         ({"model": {"name": "SchNet"}}, r"model.name describes a new model, but model.mace starts from a trained one"),
-        ({"parallel": "pipeline", "model": {"nequip": str(NEQUIP_DIR / "allegro.ckpt"), "mace": None}},
-         r"model.nequip: .*allegro.ckpt: an Allegro model is one block \(strictly local\): it does not split into "
-         r"pipeline stages"),
+        ({"parallel": "pipeline", "pipeline": {"stages": 3}, "model": {"nequip": str(NEQUIP_DIR / "allegro.ckpt"),
+                                                                       "mace": None}},
+         r"pipeline.stages = 3: a stage holds at least one interaction block and the model has 2"),
         ({"model": {"checkpoint": str(files["mace"][1]), "mace": None}},
          r"model.checkpoint: .*a MACE model file, not a potentials checkpoint: name it with the key mace"),
         ({"model": {"reference_energies": "estimated"}}, r"model.reference_energies must be one of \('keep', 'refit'\)"),

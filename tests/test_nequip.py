@@ -158,27 +158,71 @@ def test_memory_bounded_path_in_many_chunks_equals_one_pass(name, monkeypatch):
     assert chunks["edge sums"] + chunks["checkpoints"] > 2 * len(GEOMETRIES), chunks
 
 
-@pytest.mark.parametrize("path", [NEQUIP_DIR / "nequip-zbl.ckpt", NEQUIP_DIR / "nequip-zbl.nequip.zip"], ids=lambda p: p.name)
-def test_parts_chained_equal_the_frameworks_forward(path):
-    """NequIP as pipeline parts (embed: the type embedding; block k: layer k; readout: energy readout, per-type
-    shifts, ZBL), chained: == the framework's forward to 1e-12 on three geometries (float64). Stages hold exactly
-    their parts and together the whole state; a stage's deep copy (an EMA's) keeps its parts; a stage alone
-    neither evaluates nor writes a checkpoint. Allegro (one block) does not split."""
+def allegro_pruned_architecture() -> dict:
+    """The Allegro fixture's architecture with three layers, per-edge-type cutoffs (Ag-Cu 3.2 A, Ag-Ag 4.0 A:
+    the pruner drops edges) and a ZBL pair potential (its readout reads the embedding's edge cutoff)."""
+    from potentials.adapters.nequip import framework_architecture
+
+    architecture = framework_architecture(str(NEQUIP_DIR / "allegro.ckpt"), "sole_model")
+    architecture["model"].update(num_layers=3, per_edge_type_cutoff={"Cu": 4.5, "Ag": {"Cu": 3.2, "Ag": 4.0}},
+                                 pair_potential={"_target_": "nequip.nn.pair_potential.ZBL", "units": "metal",
+                                                 "chemical_species": ["Cu", "Ag"]})
+    return architecture
+
+
+PART_CASES = {"nequip-zbl.ckpt": {"path": NEQUIP_DIR / "nequip-zbl.ckpt"},
+              "nequip-zbl.nequip.zip": {"path": NEQUIP_DIR / "nequip-zbl.nequip.zip"},
+              "allegro.nequip.zip": {"path": NEQUIP_DIR / "allegro.nequip.zip"},
+              "allegro-pruned-zbl": {"architecture": "allegro-pruned"}}
+
+
+@pytest.mark.parametrize("case", PART_CASES)
+def test_parts_chained_equal_the_frameworks_forward(case):
+    """As pipeline parts, chained: == the framework's forward to 1e-12 on three geometries (float64). NequIP:
+    embed the type embedding, block k layer k, readout the energy readout, per-type shifts and ZBL; h per node.
+    Allegro: embed the two-body embeddings and the first projection, block k its layer k, readout the edge
+    readout and sums; h per edge (also with per-edge-type cutoffs that prune edges, three layers and ZBL). Stages
+    hold exactly their parts and together the whole state; a stage's deep copy (an EMA's) keeps its parts; a
+    stage alone neither evaluates nor writes a checkpoint. An Allegro module this code does not know does not split."""
     import copy
 
+    from potentials.adapters import allegro_layers
     from potentials.base import BlockPotential, stage_parts
     from potentials.predict import energy_forces
 
-    model = potentials.NequIPFramework(path)
-    chained = potentials.NequIPFramework(path)
+    def build():
+        if "path" in PART_CASES[case]:
+            return potentials.NequIPFramework(PART_CASES[case]["path"], **kwargs)
+        return potentials.NequIPFramework(architecture=allegro_pruned_architecture(), **kwargs)
+
+    kwargs = {}
+    torch.manual_seed(0)
+    model = build()
+    torch.manual_seed(0)
+    chained = build()
+    allegro = case.startswith("allegro")
+    assert (model.n_blocks, model.layers, model.state_per_edge) == \
+        ((3 if "pruned" in case else 2), 1, True) if allegro else (3, 3, False)
     chained.forward = lambda graph: BlockPotential.forward(chained, graph)
+    contexts, context = [], chained.context
+    chained.context = lambda graph: contexts.append(context(graph)) or contexts[-1]
     for geometry in ("sheared", "slab", "clusters"):
         atoms = GEOMETRIES[geometry]()
         mine = [t.detach().numpy() for t in energy_forces(chained, atoms, memory_budget_gb=float("inf"))]
         theirs = [t.detach().numpy() for t in energy_forces(model, atoms, memory_budget_gb=float("inf"))]
         errors = max_relative_error(dict(zip("efs", mine)), dict(zip("efs", theirs)))
         assert max(errors.values()) < 1e-12, (geometry, errors)
-    stages = [potentials.NequIPFramework(path, parts=stage_parts(model.layers, [0, 1, model.layers], s)) for s in (0, 1)]
+    # the per-edge-type cutoffs did drop edges (the state still has a row per graph edge); none without them
+    if "pruned" in case:
+        assert sum(len(c["kept"]) for c in contexts) < sum(c["edges"] for c in contexts), case
+    else:
+        assert all(c["kept"] is None for c in contexts), case
+    boundaries = [0, 1, model.n_blocks]
+    kwargs = {"parts": None}
+    stages = []
+    for s in (0, 1):
+        kwargs["parts"] = stage_parts(model.n_blocks, boundaries, s)
+        stages.append(build())
     held = {}
     for stage in stages:
         state = stage.state_dict()
@@ -190,5 +234,9 @@ def test_parts_chained_equal_the_frameworks_forward(path):
     assert set(held) == set(model.state_dict())
     with pytest.raises(NequIPFrameworkError, match="a pipeline stage"):
         stages[0].save_native("never.ckpt")
-    with pytest.raises(NequIPFrameworkError, match="an Allegro model is one block"):
-        potentials.NequIPFramework(NEQUIP_DIR / "allegro.ckpt", parts=stage_parts(1, [0, 1], 0) - {"readout"})
+    if allegro:
+        unknown = (*allegro_layers._READ, "a_later_attribute")
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(allegro_layers, "_READ", unknown)
+            with pytest.raises(NequIPFrameworkError, match=r"lacks \['a_later_attribute'\].* does not split into pipeline"):
+                build()

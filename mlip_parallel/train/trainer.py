@@ -231,10 +231,10 @@ def pipeline_trainer(config, procs, build, train_set, weights, resume_layout):
                               "pipeline.stages (and boundaries), or start a new run from its last.pt with "
                               "model.checkpoint")
         boundaries = resume_layout["boundaries"]
-    layers = build(frozenset()).layers
-    if not 1 <= pc["stages"] <= layers:
+    blocks = build(frozenset()).n_blocks
+    if not 1 <= pc["stages"] <= blocks:
         raise ConfigError(f"pipeline.stages = {pc['stages']}: a stage holds at least one interaction block and the "
-                          f"model has {layers} (model.hyperparameters.layers)")
+                          f"model has {blocks}")
     if procs.size % pc["stages"]:
         raise ConfigError(f"pipeline.stages = {pc['stages']} must divide the {procs.size} rank(s)")
     sweeps = "energy" if weights["forces"] == 0 and weights["stress"] == 0 else "forces"

@@ -323,44 +323,79 @@ class NequIPFramework(RebuiltOnCopy, BlockPotential):
         self.pruner = None
         if metadata.get("per_edge_type_cutoff") is not None:
             from nequip.data.transforms.neighborlist import NeighborListPruneTransform
+            from nequip.nn.embedding.utils import cutoff_str_to_fulldict
 
-            self.pruner = NeighborListPruneTransform(r_max=self.cutoff, per_edge_type_cutoff=metadata[
-                "per_edge_type_cutoff"], type_names=names)
+            cutoffs = metadata["per_edge_type_cutoff"]  # a string in the metadata, as the framework's calculator reads it
+            cutoffs = cutoff_str_to_fulldict(cutoffs, names) if isinstance(cutoffs, str) else cutoffs
+            self.pruner = NeighborListPruneTransform(r_max=self.cutoff, per_edge_type_cutoff=cutoffs, type_names=names)
         self._split_into_parts(parts, seed, where)
 
-    # ------------------------------------------------------------------ pipeline parts (NequIP)
+    # ------------------------------------------------------------------ pipeline parts
     def _split_into_parts(self, parts, seed: int, where) -> None:
-        """The framework's sequential network by part: "embed" its type embedding, "block.k" its ``layer{k}_convnet``,
-        "readout" the modules after the last (energy readout, per-type scale/shift, pair potential, sums); the
-        parameter-free modules before the first layer (spherical harmonics, radial basis) run in ``context``.
-        Between stages travel the node features and the type embedding's node attributes (which every layer's
-        self-connection reads) side by side. Allegro, strictly local, is one block: it does not split."""
+        """The framework's sequential network by part. NequIP: "embed" its type embedding, "block.k" its
+        ``layer{k}_convnet``, "readout" the modules after the last (energy readout, per-type scale/shift, pair
+        potential, sums); between stages travel the node features and the type embedding's node attributes
+        (which every layer's self-connection reads) side by side. Allegro: "embed" its two-body embeddings and
+        its Allegro module's first projection, "block.k" that module's layer k (``AllegroLayers``), "readout"
+        the modules after it; between stages travels the per-edge state. Either way the parameter-free modules
+        before the first layer (spherical harmonics, radial basis, edge lengths) run in ``context``."""
         network = self.network
         self.network_path = next(name for name, module in self.named_modules() if module is network)
         names = list(network._modules)
-        layers = [f"layer{k}_convnet" for k in range(self.layers)]
-        if self.is_allegro or not set(layers) <= set(names):
+        self.allegro_layers = None
+        try:
+            if self.is_allegro:
+                first = last = self._split_allegro(names)
+            else:
+                layers = [f"layer{k}_convnet" for k in range(self.layers)]
+                if not set(layers) <= set(names):
+                    raise ValueError("its network has no layerK_convnet modules")
+                first, last = names.index(layers[0]), names.index(layers[-1])
+                self.part_modules = {block_part(k): [name] for k, name in enumerate(layers)}
+        except ValueError as exc:
             self.part_modules = None
-            if parts is not None and set(parts) != set(all_parts(self.layers)):
-                why = "an Allegro model is one block (strictly local)" if self.is_allegro else \
-                    "its network has no layerK_convnet modules"
-                raise NequIPFrameworkError(f"{where}: {why}: it does not split into pipeline stages; fine-tune it with "
-                                           f"parallel: data or graph")
+            if parts is not None and set(parts) != set(all_parts(self.n_blocks)):
+                raise NequIPFrameworkError(f"{where}: {exc}: it does not split into pipeline stages; fine-tune it "
+                                           f"with parallel: data or graph") from None
             self._init_parts(None, seed)
             return
-        first, last = names.index(layers[0]), names.index(layers[-1])
         before = names[:first]
-        self.part_modules = {EMBED: [n for n in before if any(True for _ in network._modules[n].parameters())],
-                             **{block_part(k): [name] for k, name in enumerate(layers)}, READOUT: names[last + 1:]}
-        self.context_modules = [n for n in before if n not in self.part_modules[EMBED]]
-        from nequip.data import AtomicDataDict
+        self.embed_modules = [n for n in before if any(True for _ in network._modules[n].parameters())]
+        self.context_modules = [n for n in before if n not in self.embed_modules]
+        self.part_modules[EMBED] = self.embed_modules + self.part_modules.get(EMBED, [])
+        self.part_modules[READOUT] = names[last + 1:]
+        if not self.is_allegro:
+            from nequip.data import AtomicDataDict
 
-        self._attrs_width = network._modules[self.part_modules[EMBED][-1]].irreps_out[AtomicDataDict.NODE_ATTRS_KEY].dim
-        self._widths = [network._modules[name].irreps_in[AtomicDataDict.NODE_FEATURES_KEY].dim + self._attrs_width
-                        for name in layers] + [network._modules[layers[-1]].irreps_out[
-                            AtomicDataDict.NODE_FEATURES_KEY].dim + self._attrs_width]
+            self._attrs_width = network._modules[self.embed_modules[-1]].irreps_out[AtomicDataDict.NODE_ATTRS_KEY].dim
+            self._widths = [network._modules[name].irreps_in[AtomicDataDict.NODE_FEATURES_KEY].dim + self._attrs_width
+                            for name in layers] + [network._modules[layers[-1]].irreps_out[
+                                AtomicDataDict.NODE_FEATURES_KEY].dim + self._attrs_width]
         self._init_parts(parts, seed)
         self._drop_parts_not_held()
+
+    def _split_allegro(self, names) -> int:
+        """Set up Allegro's parts (``allegro_layers``, ``part_modules``' blocks and the first projection);
+        the index of its Allegro module among the network's ``names``. ValueError where it does not split."""
+        from .allegro_layers import AllegroLayers
+
+        network = self.network
+        index = [k for k, name in enumerate(names) if type(network._modules[name]).__name__ == "Allegro_Module"]
+        if len(index) != 1:
+            raise ValueError(f"its network holds {len(index)} Allegro_Module(s), not one")
+        name = names[index[0]]
+        module = network._modules[name]
+        self.allegro_layers = AllegroLayers(module, network._modules[names[index[0] - 1]].irreps_out)
+        self.part_modules = {EMBED: [f"{name}.first_layer_env_embed_projection"],
+                             **{block_part(k): [f"{name}.latents.{k}", f"{name}.tps.{k}"]
+                                for k in range(self.allegro_layers.layers)}}
+        self.state_per_edge = True
+        return index[0]
+
+    @property
+    def n_blocks(self) -> int:
+        """NequIP: its interaction blocks; Allegro: its layers (one message-passing step, ``layers`` = 1)."""
+        return self.allegro_layers.layers if getattr(self, "allegro_layers", None) is not None else self.layers
 
     @property
     def network(self):
@@ -373,37 +408,47 @@ class NequIPFramework(RebuiltOnCopy, BlockPotential):
             return self(graph)
         ctx = self.context(graph)
         blocks = sorted(int(p.split(".")[1]) for p in self.parts if p.startswith("block."))
+        rows = self.state_rows(graph.n_nodes, graph.edge_index.shape[1])
         h = self.embed(graph, ctx) if EMBED in self.parts else \
-            torch.zeros(graph.n_nodes, self.feature_width(blocks[0]), dtype=torch.float64, device=self.device)
+            torch.zeros(rows, self.feature_width(blocks[0]), dtype=torch.float64, device=self.device)
         for k in blocks:
             h = self.block(k, h, graph, ctx)
         return self.readout_energies(h, graph, ctx) if READOUT in self.parts else h
 
     def part_prefixes(self, part: str) -> list:
-        if self.part_modules is None:  # (Allegro: never split, every model whole)
+        if self.part_modules is None:  # (a network that does not split: every model whole)
             return []
         return [f"{self.network_path}.{name}" for name in self.part_modules[part]]
 
     def feature_width(self, k: int) -> int:
-        return self._widths[k]
+        return self.allegro_layers.width(k) if self.allegro_layers is not None else self._widths[k]
 
     def context(self, graph: AtomGraph) -> dict:
         """The framework's data (as ``forward`` prepares it) after its parameter-free modules before the first
-        layer: spherical harmonics and radial embedding of the edges."""
-        data, exchange = self._data(graph)
+        layer (spherical harmonics and radial embedding of the edges, or edge lengths); "kept": the indices of
+        the graph's ``edges`` that per-edge-type cutoffs keep (None: all)."""
+        data, exchange, kept = self._data(graph)
         with default_dtype(torch.float64):
-            return {"data": self._run(self.context_modules, data), "exchange": exchange}
+            return {"data": self._run(self.context_modules, data), "exchange": exchange, "kept": kept,
+                    "edges": graph.edge_index.shape[1]}
 
     def embed(self, graph: AtomGraph, ctx) -> torch.Tensor:
         from nequip.data import AtomicDataDict
 
         with default_dtype(torch.float64):
-            data = self._run(self.part_modules[EMBED], dict(ctx["data"]))
+            data = self._run(self.embed_modules, dict(ctx["data"]))
+            if self.allegro_layers is not None:
+                return self._all_edges(self.allegro_layers.pack(0, self.allegro_layers.first(data)), ctx)
         return torch.cat([data[AtomicDataDict.NODE_FEATURES_KEY], data[AtomicDataDict.NODE_ATTRS_KEY]], dim=1)
 
     def block(self, k: int, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
         from nequip.data import AtomicDataDict
 
+        if self.allegro_layers is not None:
+            layers = self.allegro_layers
+            with default_dtype(torch.float64):
+                state = layers.layer(k, layers.unpack(k, self._kept_edges(h, ctx)), ctx["data"])
+            return self._all_edges(layers.pack(k + 1, state), ctx)
         data = self._with_features(ctx, h)
         attrs = data[AtomicDataDict.NODE_ATTRS_KEY]
         with default_dtype(torch.float64):
@@ -413,9 +458,29 @@ class NequIPFramework(RebuiltOnCopy, BlockPotential):
     def readout_energies(self, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
         from nequip.data import AtomicDataDict
 
+        if self.allegro_layers is not None:
+            layers = self.allegro_layers
+            state = layers.unpack(layers.layers, self._kept_edges(h, ctx))
+            data = dict(ctx["data"], **{field: state[field] for field in layers.carried})
+            data[layers.module.scalar_out_field] = state["scalars"]
+        else:
+            data = self._with_features(ctx, h)
         with default_dtype(torch.float64):
-            out = self._run(self.part_modules[READOUT], self._with_features(ctx, h))
+            out = self._run(self.part_modules[READOUT], data)
         return ctx["exchange"].owned(out[AtomicDataDict.PER_ATOM_ENERGY_KEY].reshape(-1), graph.n_local)
+
+    @staticmethod
+    def _kept_edges(h: torch.Tensor, ctx) -> torch.Tensor:
+        """A per-edge state over the graph's edges [E, w] → over the edges the per-edge-type cutoffs keep."""
+        return h if ctx["kept"] is None else h.index_select(0, ctx["kept"])
+
+    @staticmethod
+    def _all_edges(h: torch.Tensor, ctx) -> torch.Tensor:
+        """A per-edge state over the kept edges → over the graph's edges [E, w] (zero rows where pruned): the rows
+        of the tensor that travels between stages do not depend on the cutoffs."""
+        if ctx["kept"] is None:
+            return h
+        return h.new_zeros(ctx["edges"], h.shape[1]).index_copy(0, ctx["kept"], h)
 
     def _with_features(self, ctx, h) -> dict:
         from nequip.data import AtomicDataDict
@@ -432,7 +497,8 @@ class NequIPFramework(RebuiltOnCopy, BlockPotential):
 
     def _data(self, graph: AtomGraph) -> tuple:
         """(the framework's input data for ``graph``: edge vectors, (receiver, sender) edges, atom types and the
-        ghost exchange, per-edge-type cutoffs applied; the exchange)."""
+        ghost exchange, per-edge-type cutoffs applied; the exchange; the indices of the graph's edges those
+        cutoffs keep, or None without them)."""
         from nequip.data import AtomicDataDict
 
         if self.exchanges and not self.exchange_filled and graph.receivers < graph.n_nodes:
@@ -448,14 +514,18 @@ class NequIPFramework(RebuiltOnCopy, BlockPotential):
             AtomicDataDict.NUM_LOCAL_GHOST_NODES_KEY: torch.tensor([exchange.nlocal, exchange.ntotal - exchange.nlocal],
                                                                    device=types.device),
         }
-        return (self.pruner(data) if self.pruner is not None else data), exchange
+        if self.pruner is None:
+            return data, exchange, None
+        # the pruner's own rule (an edge stays where its length over its type pair's cutoff is at most 1)
+        normed = self.pruner._normalizer(dict(data))[AtomicDataDict.NORM_LENGTH_KEY].view(-1)
+        return self.pruner(data), exchange, torch.nonzero(normed <= 1.0).view(-1)
 
     def forward(self, graph: AtomGraph) -> torch.Tensor:
         from nequip.data import AtomicDataDict
 
         if not self.complete:
             return super().forward(graph)  # (raises: a stage's parts alone do not evaluate)
-        data, exchange = self._data(graph)
+        data, exchange, _ = self._data(graph)
         with default_dtype(torch.float64):  # the framework's global dtype, as its calculator runs
             if self.is_allegro and graph.memory_budget is not None and graph.n_local:
                 return self._local_in_groups(data, graph.n_local + exchange.pad, graph.memory_budget)[exchange.pad:]

@@ -61,7 +61,7 @@ class PipelineStage:
     """
 
     def __init__(self, model, stage: int, stages: int, boundaries, peers, recompute: bool = False):
-        expected = stage_parts(model.layers, boundaries, stage)
+        expected = stage_parts(model.n_blocks, boundaries, stage)
         if model.parts != expected:
             raise PipelineError(f"stage {stage} must hold exactly the parts {sorted(expected)}, "
                                 f"the model holds {sorted(model.parts)}")
@@ -91,14 +91,15 @@ class PipelineStage:
         m, sweep = action.microbatch, action.sweep
         batch, dtype = self.batches[m], self.net.dtype
         n, structures = len(batch.species), batch.size
+        rows = self.net.state_rows(n, len(batch.i))
         forces = [(1, (n, 3), torch.float64), (2, (structures, 3, 3), torch.float64)]
         if sweep == Sweep.F and not self.first:
-            return [(0, (n, self.net.feature_width(self.blocks.start)), dtype, self.prev)]
+            return [(0, (rows, self.net.feature_width(self.blocks.start)), dtype, self.prev)]
         if sweep == Sweep.A and not self.first:
-            return [(0, (n, self.net.feature_width(self.blocks.start)), dtype, self.prev)] + \
+            return [(0, (rows, self.net.feature_width(self.blocks.start)), dtype, self.prev)] + \
                 [(part, shape, dt, self.prev) for part, shape, dt in forces]
         if sweep in (Sweep.B1, Sweep.B) and not self.last:
-            h_out = (0, (n, self.net.feature_width(self.blocks.stop)), dtype, self.next)
+            h_out = (0, (rows, self.net.feature_width(self.blocks.stop)), dtype, self.next)
             return [h_out] + ([(part, shape, dt, self.next) for part, shape, dt in forces] if sweep == Sweep.B1 else [])
         return []
 

@@ -25,13 +25,15 @@ def block_costs(build, structures) -> list:
     (widths and parameter shapes) get their mean cost: timing noise (up to 2x per block on a shared
     machine) would otherwise split identical blocks unevenly, and stages would hold unequal parameters."""
     skeleton = build(frozenset())
-    geometry = batch_geometry(Batch(structures, skeleton, skeleton.device))
+    batch = Batch(structures, skeleton, skeleton.device)
+    geometry = batch_geometry(batch)
+    rows = skeleton.state_rows(len(batch.species), len(batch.i))
     ctx = skeleton.context(geometry.graph)
     generator = torch.Generator().manual_seed(0)
     costs, shapes = [], []
-    for k in range(skeleton.layers):
+    for k in range(skeleton.n_blocks):
         model = build(frozenset({block_part(k)}))
-        h_in = torch.randn(len(geometry.pos), model.feature_width(k), generator=generator, dtype=model.dtype)
+        h_in = torch.randn(rows, model.feature_width(k), generator=generator, dtype=model.dtype)
         h_in = h_in.to(model.device).requires_grad_(True)
         seconds = []
         for _ in range(3):  # the first call warms up; keep the fastest
@@ -158,11 +160,11 @@ class PipelineTrainer:
         from .schedule import SCHEDULE_NAMES
 
         world, rank = dist.get_world_size(), dist.get_rank()
-        layers = build(frozenset()).layers
+        blocks = build(frozenset()).n_blocks
         if stages < 1 or world % stages:
             raise PipelineError(f"{world} rank(s) cannot hold pipelines of {stages} stages (ranks = replicas × stages)")
-        if stages > layers:
-            raise PipelineError(f"{stages} stages need at least {stages} interaction blocks; the model has {layers}")
+        if stages > blocks:
+            raise PipelineError(f"{stages} stages need at least {stages} interaction blocks; the model has {blocks}")
         if microbatches < 1:
             raise PipelineError(f"microbatches must be at least 1, got {microbatches}")
         if schedule not in SCHEDULE_NAMES:
@@ -182,8 +184,8 @@ class PipelineTrainer:
                 release_freed_memory()  # the one-block models it built and freed (~190 MB at F=768)
             dist.broadcast_object_list(holder, src=0)
             boundaries = split_blocks(holder[0], stages)
-        self.boundaries = check_boundaries(boundaries, stages, layers)
-        self.model = build(stage_parts(layers, self.boundaries, stage))
+        self.boundaries = check_boundaries(boundaries, stages, blocks)
+        self.model = build(stage_parts(blocks, self.boundaries, stage))
         peers = (rank - 1 if stage > 0 else None, rank + 1 if stage < stages - 1 else None)
         self.stage = PipelineStage(self.model, stage, stages, self.boundaries, peers, recompute)
         self.stage.merge_a_into_b = merge
@@ -265,7 +267,8 @@ class PipelineTrainer:
         import torch.distributed as dist
 
         stage, best, device = self.stage, None, self.stage.message_device()
-        rows = max(1, int(np.mean([len(b.species) for b in batches])))  # the same on every stage of the replica
+        # the same on every stage of the replica
+        rows = max(1, int(np.mean([self.model.state_rows(len(b.species), len(b.i)) for b in batches])))
 
         def message(block):  # features entering ``block``
             return torch.zeros(rows, self.model.feature_width(block), dtype=self.model.dtype, device=device)
