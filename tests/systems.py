@@ -454,6 +454,27 @@ def write_small_mace(path, seed: int = 0, interaction: str = "RealAgnosticResidu
     torch.save(model, path)
 
 
+def allegro_pruned_architecture() -> dict:
+    """The Allegro fixture's architecture with three layers, per-edge-type cutoffs (Ag-Cu 3.2 A, Ag-Ag 4.0 A:
+    the pruner drops edges) and a ZBL pair potential (its readout reads the embedding's edge cutoff)."""
+    from potentials.adapters.nequip import framework_architecture
+
+    architecture = framework_architecture(str(NEQUIP_DIR / "allegro.ckpt"), "sole_model")
+    architecture["model"].update(num_layers=3, per_edge_type_cutoff={"Cu": 4.5, "Ag": {"Cu": 3.2, "Ag": 4.0}},
+                                 pair_potential={"_target_": "nequip.nn.pair_potential.ZBL", "units": "metal",
+                                                 "chemical_species": ["Cu", "Ag"]})
+    return architecture
+
+
+def write_allegro_pruned(path, seed: int = 0) -> None:
+    """``allegro_pruned_architecture`` with random weights (torch seed ``seed``) as a framework checkpoint."""
+    import potentials
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        potentials.NequIPFramework(architecture=allegro_pruned_architecture()).save_native(path)
+
+
 def write_small_sevennet(path, seed: int = 0) -> None:
     """A small random SevenNet (Cu/Ag, 8 channels, l ≤ 1, two convolutions) written as a sevenn checkpoint:
     SevenNet-0's model config with smaller sizes, built by sevenn's own model builder."""

@@ -36,8 +36,8 @@ from mlip_parallel.config import ConfigError  # noqa: E402
 from mlip_parallel.train.cli import RULES, SCHEMA, main, train, validate  # noqa: E402
 from potentials.adapters.exchange import default_dtype  # noqa: E402
 from test_training import trained_parameters  # noqa: E402  (last.pt's state, or the pipeline stages' shards)
-from systems import (MACE_DIR, NEQUIP_DIR, labelled_alloys, max_relative_error, write_small_mace,  # noqa: E402
-                     write_small_sevennet)
+from systems import (MACE_DIR, NEQUIP_DIR, labelled_alloys, max_relative_error, write_allegro_pruned,  # noqa: E402
+                     write_small_mace, write_small_sevennet)
 
 SEED, EPOCHS, BATCH, LR, CLIP = 1, 3, 3, 0.003, 1.0
 
@@ -57,9 +57,10 @@ def files(tmp_path_factory):
     write_small_mace(root / "small.model")
     write_small_mace(root / "small3.model", seed=3, interactions=3)  # three blocks: three pipeline stages
     write_small_sevennet(root / "small-sevennet.pth")
+    write_allegro_pruned(root / "allegro3.ckpt")  # three layers, edges pruned by type pair, ZBL: three stages
     return {"root": root, "train": root / "train.extxyz", "validation": root / "validation.extxyz",
             "mace": ("mace", root / "small.model"), "mace3": ("mace", root / "small3.model"), "nequip": ("nequip", NEQUIP_DIR / "nequip-zbl.ckpt"),
-            "allegro": ("nequip", NEQUIP_DIR / "allegro.nequip.zip"),
+            "allegro": ("nequip", NEQUIP_DIR / "allegro.nequip.zip"), "allegro3": ("nequip", root / "allegro3.ckpt"),
             "sevennet": ("sevennet", root / "small-sevennet.pth")}
 
 
@@ -246,8 +247,9 @@ def test_data_graph_and_pipeline_parallel_equal_one_process(files, one_process, 
     holding only its parts: 2 stages (1F1B, 3 micro-batches) on 2 ranks and 3 stages of a three-interaction
     MACE (schedule auto, reference energies refit) on 3 ranks, SevenNet in 2 stages (schedule auto; its radial
     coefficients, read by every block, held by both stages, their gradients summed), the nequip framework's
-    NequIP in 3 stages (its type embedding's node attributes travelling beside the features) and Allegro in 2
-    (its per-edge state travelling) == one process to 1e-10; a 2-stage run resumed after its first epoch == the
+    NequIP in 3 stages (its type embedding's node attributes travelling beside the features), Allegro in 2 and
+    a three-layer Allegro with per-edge-type cutoffs and ZBL in 3 (its per-edge state travelling) == one
+    process to 1e-10; a 2-stage run resumed after its first epoch == the
     uninterrupted one bit for bit; the files in the packages' formats, assembled from the stages (best.model,
     checkpoint_best.pth, best.ckpt), equal our evaluation of best.pt in MACECalculator, sevenn's own model and
     NequIPCalculator to 1e-9."""
@@ -264,12 +266,15 @@ def test_data_graph_and_pipeline_parallel_equal_one_process(files, one_process, 
     mace3 = root / "one-mace3"  # (its reference energies refit first: under pipeline, by the whole model on rank 0)
     refit = {"reference_energies": "refit"}
     train(validate(job(files, "mace3", mace3, model=refit), SCHEMA, RULES))
+    allegro3 = root / "one-allegro3"
+    train(validate(job(files, "allegro3", allegro3), SCHEMA, RULES))
     one_f_one_b = {"stages": 2, "microbatches": 3, "schedule": "1f1b", "boundaries": [0, 1, 2]}
     pipelines = {2: [("mace", "pipeline", one_f_one_b), ("mace", "pipeline-resumed", one_f_one_b),
                      ("sevennet", "pipeline", {"stages": 2, "microbatches": 3}),
                      ("allegro", "pipeline", {"stages": 2, "microbatches": 3})],
                  3: [("mace3", "pipeline", {"stages": 3, "microbatches": 3}),
-                     ("nequip", "pipeline", {"stages": 3, "microbatches": 3, "schedule": "1f1b"})]}
+                     ("nequip", "pipeline", {"stages": 3, "microbatches": 3, "schedule": "1f1b"}),
+                     ("allegro3", "pipeline", {"stages": 3, "microbatches": 3})]}
     for ranks, launcher in ((2, torchrun), (3, mpirun)):
         configs = []
         for family in FAMILIES:
@@ -300,7 +305,7 @@ def test_data_graph_and_pipeline_parallel_equal_one_process(files, one_process, 
     for ranks, family, reference in ((2, "mace", one_process["mace"][0]), (3, "mace3", mace3),
                                      (2, "sevennet", one_process["sevennet"][0]),
                                      (2, "allegro", one_process["allegro"][0]),
-                                     (3, "nequip", one_process["nequip"][0])):
+                                     (3, "nequip", one_process["nequip"][0]), (3, "allegro3", allegro3)):
         assert_same_weights(trained_parameters(root / f"{ranks}-{family}-pipeline"), trained_parameters(reference),
                             1e-10, (ranks, family, "pipeline"))
     sevennet = root / "2-sevennet-pipeline"  # its checkpoint_best.pth, assembled from the stages, built by sevenn
@@ -309,8 +314,8 @@ def test_data_graph_and_pipeline_parallel_equal_one_process(files, one_process, 
     theirs = {"energy": energy.item(), "forces": forces.detach().numpy(),
               "stress": -(-stress[0].detach().numpy())[[0, 1, 2, 1, 0, 0], [0, 1, 2, 2, 2, 1]]}
     assert max(max_relative_error(ours_on(potentials.load(sevennet / "best.pt"), atoms), theirs).values()) < 1e-9
-    for nequip in (root / "3-nequip-pipeline", root / "2-allegro-pipeline"):  # best.ckpt, assembled from the stages,
-        atoms = read(files["validation"], 1)                                # read by the framework's calculator
+    for nequip in (root / "3-nequip-pipeline", root / "2-allegro-pipeline", root / "3-allegro3-pipeline"):  # best.ckpt,
+        atoms = read(files["validation"], 1)  # assembled from the stages, read by the framework's calculator
         atoms.calc = nequip_calculator(nequip / "best.ckpt")
         with default_dtype(torch.float64):  # (the framework's calculator runs in its global dtype, float64)
             theirs = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(),

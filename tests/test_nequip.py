@@ -19,8 +19,8 @@ import mlip_parallel  # noqa: E402
 import potentials  # noqa: E402
 from md import MLIPCalculator  # noqa: E402
 from potentials.adapters.nequip import NequIPFrameworkError  # noqa: E402
-from systems import (GEOMETRIES, NEQUIP_DIR, NEQUIP_FIXTURES, in_many_chunks, max_relative_error,  # noqa: E402
-                     nequip_reference, run_md_comparison)
+from systems import (GEOMETRIES, NEQUIP_DIR, NEQUIP_FIXTURES, allegro_pruned_architecture, in_many_chunks,  # noqa: E402
+                     max_relative_error, nequip_reference, run_md_comparison)
 
 FILES = [NEQUIP_DIR / f"{name}{suffix}" for name in NEQUIP_FIXTURES for suffix in (".ckpt", ".nequip.zip")]
 
@@ -156,18 +156,6 @@ def test_memory_bounded_path_in_many_chunks_equals_one_pass(name, monkeypatch):
             assert max(max_relative_error(result, plain).values()) < 1e-12, geometry
             assert max(max_relative_error(result, reference).values()) < 1e-9, geometry
     assert chunks["edge sums"] + chunks["checkpoints"] > 2 * len(GEOMETRIES), chunks
-
-
-def allegro_pruned_architecture() -> dict:
-    """The Allegro fixture's architecture with three layers, per-edge-type cutoffs (Ag-Cu 3.2 A, Ag-Ag 4.0 A:
-    the pruner drops edges) and a ZBL pair potential (its readout reads the embedding's edge cutoff)."""
-    from potentials.adapters.nequip import framework_architecture
-
-    architecture = framework_architecture(str(NEQUIP_DIR / "allegro.ckpt"), "sole_model")
-    architecture["model"].update(num_layers=3, per_edge_type_cutoff={"Cu": 4.5, "Ag": {"Cu": 3.2, "Ag": 4.0}},
-                                 pair_potential={"_target_": "nequip.nn.pair_potential.ZBL", "units": "metal",
-                                                 "chemical_species": ["Cu", "Ag"]})
-    return architecture
 
 
 PART_CASES = {"nequip-zbl.ckpt": {"path": NEQUIP_DIR / "nequip-zbl.ckpt"},
