@@ -45,14 +45,14 @@ def job(directory, epochs, **changes):
 
 
 def shards(directory, costs=False):
-    """Every stage's training state; without its measured sweep costs (timings differ from run to run)
-    unless ``costs``."""
+    """Every stage's training state; without its measured sweep costs and warm-up timings (timings differ
+    from run to run) unless ``costs``."""
     paths = sorted(glob.glob(os.path.join(OUT, directory, "pipeline", "stage*.epoch*.pt")),  # one per stage
                    key=lambda p: int(os.path.basename(p)[5:].split(".")[0]))
     states = [torch.load(path, weights_only=True)["training"] for path in paths]
     if not costs:
         for state in states:
-            state["pipeline"].pop("costs")
+            state["pipeline"].pop("costs"), state["pipeline"].pop("warm_up")
     return states
 
 
@@ -93,6 +93,16 @@ if world.rank == 0:
     after = [shard["pipeline"]["costs"] for shard in shards("auto", costs=True)]
     report("pipeline resume (auto): the interrupted run's measured costs kept", before == after and all(before),
            f"{len(after)} shards")
+# stopped within auto's warm-up (2 of its 5 timed steps), resumed: the warm-up goes on where it was, ending within
+# the third epoch as in an uninterrupted run (started over, its 4 remaining full batches would not finish it)
+train(job("auto_early", 1))
+if world.rank == 0:
+    early = [len(shard["pipeline"]["warm_up"]["steps"]) for shard in shards("auto_early", costs=True)]
+train(job("auto_early", 3, resume=True))
+if world.rank == 0:
+    timed = [shard["pipeline"]["costs"] for shard in shards("auto_early", costs=True)]
+    report("pipeline resume within auto's warm-up: the warm-up goes on", early == [2, 2] and all(
+        c is not None and {"B.in", "WB"} <= set(c["seconds"][0]) for c in timed), f"timed steps kept {early}")
 # a 1F1B run's costs time no split sweeps: resumed under auto they are measured again (its warm-up: 5 of 6 batches)
 if world.rank == 0:  # a copy of the 1F1B run (4 epochs), resumed under auto
     shutil.copytree(os.path.join(OUT, "resumed"), os.path.join(OUT, "switched"))

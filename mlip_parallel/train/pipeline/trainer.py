@@ -422,12 +422,14 @@ class PipelineTrainer:
         return total.numpy()
 
     def state_dict(self) -> dict:
-        """The trainer's own state, for a stage's checkpoint shard: 2BW's stale weights of this stage, and
-        the measured costs (auto's schedule)."""
+        """The trainer's own state, for a stage's checkpoint shard: 2BW's stale weights of this stage, the
+        measured costs (auto's schedule), and before they are known the warm-up steps timed so far (a run
+        stopped within its warm-up resumes it where it was, with the same plain and split steps)."""
         costs = None if self.costs is None else {
             "seconds": [dict(row) for row in self.costs.seconds], "latency": self.costs.latency,
             "memory": [dict(row) for row in self.costs.memory] if self.costs.memory is not None else None}
-        return {"stale": [p.cpu() for p in self.stale] if self.two_bw else [], "costs": costs}
+        warm_up = {"schedule": self.schedule, "steps": list(self._warm_up), "size": self._timed_size}
+        return {"stale": [p.cpu() for p in self.stale] if self.two_bw else [], "costs": costs, "warm_up": warm_up}
 
     def load_state_dict(self, state: dict) -> None:
         from .schedule import Costs
@@ -440,6 +442,9 @@ class PipelineTrainer:
             loaded = Costs(tuple(costs["seconds"]), costs["latency"], memory)
             if self._usable(loaded):  # else (a fixed schedule's costs, resumed under auto) measured again
                 self.costs, self._actions = loaded, {}
+        warm_up = state.get("warm_up")
+        if self.costs is None and warm_up is not None and warm_up["schedule"] == self.schedule:
+            self._warm_up, self._timed_size, self._actions = list(warm_up["steps"]), int(warm_up["size"]), {}
 
     def save_merged(self, path, model=None, extra: dict | None = None) -> None:
         """Write one ordinary ``potentials`` checkpoint of the whole model (``model``: this stage's parts
