@@ -16,9 +16,11 @@
   torch tensors each process holds at the end of training (counted over the live tensors' storages;
   this CPU build of torch keeps no allocator statistics), on CUDA also torch's peak allocated bytes.
 
-* ``--mace`` / ``--sevennet``: another package's model in stages: a random MACE of MACE-MP-0-medium
-  channels (128x0e+128x1o, max_ell 3, correlation 3, r_max 6 Å, float32) with four interactions, or
-  SevenNet-0 (five layers), each stage keeping only its parts of the file; AdamW + EMA, energy + force +
+* ``--mace`` / ``--sevennet`` / ``--allegro``: another package's model in stages: a random MACE of
+  MACE-MP-0-medium channels (128x0e+128x1o, max_ell 3, correlation 3, r_max 6 Å, float32) with four
+  interactions, SevenNet-0 (five layers), or a random Allegro of the nequip framework (l_max 2, four
+  layers, 64 scalar and 16 tensor features, r_max 4.5 Å, float64; its per-edge state travels), each stage
+  keeping only its parts of the file; AdamW + EMA, energy + force +
   stress loss, 1F1B: every stage's peak as a fraction of the one-process peak at S = 2 and 4, and the
   seconds per step after a warm-up step at S = 2 against one process (2 ranks on the 2 cores; S = 4
   oversubscribes them).
@@ -27,6 +29,7 @@
     python benchmarks/pipeline_memory.py --train [--features 768] [--blocks 8]
     python benchmarks/pipeline_memory.py --mace [--structures 4] [--microbatches 4]
     python benchmarks/pipeline_memory.py --sevennet
+    python benchmarks/pipeline_memory.py --allegro
 
 Peak memory is the process's resident high-water mark (VmHWM) over building the model and two
 optimizer steps, minus its resident size after the imports and the process-group set-up (VmRSS).
@@ -56,10 +59,11 @@ def worker(args):
     weights = {"energy": 1.0, "forces": 10.0, "stress": 1.0}
 
     def build(parts=None):
-        if args.mace_file or args.sevennet:  # its trained weights, as mlip-train selects them (adapters are frozen)
-            from potentials.base import select_weights
+        if args.mace_file or args.sevennet or args.allegro_file:  # its trained weights, as mlip-train selects them
+            from potentials.base import select_weights                 # (adapters are frozen)
 
             model = (potentials.MACE(args.mace_file, parts=parts) if args.mace_file else
+                     potentials.NequIPFramework(args.allegro_file, parts=parts) if args.allegro_file else
                      potentials.SevenNet("7net-0", parts=parts)).train()
             select_weights(model)
             return model
@@ -131,7 +135,7 @@ def run(stages, features, blocks, structures, extra=(), microbatches=4):
 
 
 def adapter_regime(kind, structures, microbatches) -> None:
-    """The --mace / --sevennet figures (see the module's docstring)."""
+    """The --mace / --sevennet / --allegro figures (see the module's docstring)."""
     import tempfile
     from pathlib import Path
 
@@ -142,11 +146,15 @@ def adapter_regime(kind, structures, microbatches) -> None:
             path = str(Path(tmp) / "mace-medium-4.model")
             make_model(path, "float32", "128x0e+128x1o", interactions=4)
             extra, blocks, title = ["--mace-file", path], 4, "MACE, MP-0-medium channels, 4 interactions"
+        elif kind == "allegro":
+            path = str(Path(tmp) / "allegro-4.ckpt")
+            write_allegro(path)
+            extra, blocks, title = ["--allegro-file", path], 4, "Allegro, l_max 2, 4 layers, 64 scalar / 16 tensor features"
         else:
             extra, blocks, title = ["--sevennet"], 5, "SevenNet-0, 5 interaction layers"
         results = {s: run(s, 0, blocks, structures, extra + ["--steps", 3], microbatches) for s in (1, 2, 4)}
     one = results[1]
-    print(f"{title}, {one['held'][0] / 1e6:.2f} M parameters (float32); AdamW + EMA, "
+    print(f"{title}, {one['held'][0] / 1e6:.2f} M parameters ({'float64' if kind == 'allegro' else 'float32'}); AdamW + EMA, "
           f"energy+force+stress loss, {structures} x 32-atom Cu, 1F1B, M={microbatches}")
     print(f"{'run':6s} {'largest stage peak MB':>22s} {'fraction of 1 process':>22s} {'s per step':>11s}  per stage: "
           f"peak MB / M parameters held")
@@ -157,6 +165,23 @@ def adapter_regime(kind, structures, microbatches) -> None:
         # the stages hold the model exactly once, but for the weights of no part, which every stage holds
         assert sum(r["held"]) - (stages - 1) * r["shared"] == one["held"][0] and all(r["finite"]), r
     print(f"step time, one process / 2 stages: {one['step_seconds'] / results[2]['step_seconds']:.2f}x")
+
+
+def write_allegro(path) -> None:
+    """A random Allegro of benchmarks/nequip_scaling.py's size with four layers (l_max 2, 64 scalar and 16 tensor
+    features, MLPs 64 wide, r_max 4.5 Å, float64) as a nequip-framework checkpoint: the test fixture's
+    architecture resized, built by the framework."""
+    import torch
+
+    import potentials
+    from potentials.adapters.nequip import framework_architecture
+
+    architecture = framework_architecture(str(ROOT / "tests" / "data" / "nequip" / "allegro.ckpt"), "sole_model")
+    architecture["model"].update(num_layers=4, num_scalar_features=64, num_tensor_features=16,
+                                 allegro_mlp_hidden_layers_width=64, readout_mlp_hidden_layers_width=32)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        potentials.NequIPFramework(architecture=architecture).save_native(path)
 
 
 def largest_features(fits, low, high, step=8):
@@ -286,7 +311,9 @@ def main():
     parser.add_argument("--budget-gib", type=float, default=3.0, help="per-rank memory budget for the largest model")
     parser.add_argument("--mace", action="store_true", help="a MACE of MP-0-medium channels in stages (see above)")
     parser.add_argument("--sevennet", action="store_true", help="SevenNet-0 in stages (see above)")
+    parser.add_argument("--allegro", action="store_true", help="an Allegro of 4 layers in stages (see above)")
     parser.add_argument("--mace-file", help=argparse.SUPPRESS)
+    parser.add_argument("--allegro-file", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -298,8 +325,9 @@ def main():
     if args.train:
         train_regime(args.features, args.blocks)
         return
-    if args.mace or args.sevennet:
-        adapter_regime("mace" if args.mace else "sevennet", args.structures, args.microbatches)
+    if args.mace or args.sevennet or args.allegro:
+        kind = "mace" if args.mace else "allegro" if args.allegro else "sevennet"
+        adapter_regime(kind, args.structures, args.microbatches)
         return
     total = painn_parameters(args.features, args.blocks)
     print(f"PaiNN features={args.features}, {args.blocks} blocks: {total / 1e6:.1f} M parameters (float32); "
