@@ -428,7 +428,8 @@ class PipelineTrainer:
         costs = None if self.costs is None else {
             "seconds": [dict(row) for row in self.costs.seconds], "latency": self.costs.latency,
             "memory": [dict(row) for row in self.costs.memory] if self.costs.memory is not None else None}
-        warm_up = {"schedule": self.schedule, "steps": list(self._warm_up), "size": self._timed_size}
+        warm_up = None if self.costs is not None else {"schedule": self.schedule, "steps": list(self._warm_up),
+                                                       "size": self._timed_size}
         return {"stale": [p.cpu() for p in self.stale] if self.two_bw else [], "costs": costs, "warm_up": warm_up}
 
     def load_state_dict(self, state: dict) -> None:
