@@ -389,13 +389,17 @@ class NequIPFramework(RebuiltOnCopy, BlockPotential):
         self.part_modules = {EMBED: [f"{name}.first_layer_env_embed_projection"],
                              **{block_part(k): [f"{name}.latents.{k}", f"{name}.tps.{k}"]
                                 for k in range(self.allegro_layers.layers)}}
-        self.state_per_edge = True
         return index[0]
 
     @property
     def n_blocks(self) -> int:
         """NequIP: its interaction blocks; Allegro: its layers (one message-passing step, ``layers`` = 1)."""
-        return self.allegro_layers.layers if getattr(self, "allegro_layers", None) is not None else self.layers
+        return self.allegro_layers.layers if self.allegro_layers is not None else self.layers
+
+    @property
+    def state_per_edge(self) -> bool:
+        """Allegro's state between its layers is per edge."""
+        return self.allegro_layers is not None
 
     @property
     def network(self):
@@ -427,7 +431,7 @@ class NequIPFramework(RebuiltOnCopy, BlockPotential):
         """The framework's data (as ``forward`` prepares it) after its parameter-free modules before the first
         layer (spherical harmonics and radial embedding of the edges, or edge lengths); "kept": the indices of
         the graph's ``edges`` that per-edge-type cutoffs keep (None: all)."""
-        data, exchange, kept = self._data(graph)
+        data, exchange, kept = self._data(graph, kept=True)
         with default_dtype(torch.float64):
             return {"data": self._run(self.context_modules, data), "exchange": exchange, "kept": kept,
                     "edges": graph.edge_index.shape[1]}
@@ -495,10 +499,10 @@ class NequIPFramework(RebuiltOnCopy, BlockPotential):
             data = self.network._modules[name](data)
         return data
 
-    def _data(self, graph: AtomGraph) -> tuple:
+    def _data(self, graph: AtomGraph, kept: bool = False) -> tuple:
         """(the framework's input data for ``graph``: edge vectors, (receiver, sender) edges, atom types and the
-        ghost exchange, per-edge-type cutoffs applied; the exchange; the indices of the graph's edges those
-        cutoffs keep, or None without them)."""
+        ghost exchange, per-edge-type cutoffs applied; the exchange; with ``kept`` the indices of the graph's
+        edges those cutoffs keep, else or without cutoffs None)."""
         from nequip.data import AtomicDataDict
 
         if self.exchanges and not self.exchange_filled and graph.receivers < graph.n_nodes:
@@ -514,8 +518,8 @@ class NequIPFramework(RebuiltOnCopy, BlockPotential):
             AtomicDataDict.NUM_LOCAL_GHOST_NODES_KEY: torch.tensor([exchange.nlocal, exchange.ntotal - exchange.nlocal],
                                                                    device=types.device),
         }
-        if self.pruner is None:
-            return data, exchange, None
+        if self.pruner is None or not kept:
+            return (data if self.pruner is None else self.pruner(data)), exchange, None
         # the pruner's own rule (an edge stays where its length over its type pair's cutoff is at most 1)
         normed = self.pruner._normalizer(dict(data))[AtomicDataDict.NORM_LENGTH_KEY].view(-1)
         return self.pruner(data), exchange, torch.nonzero(normed <= 1.0).view(-1)
