@@ -171,17 +171,12 @@ def write_allegro(path) -> None:
     """A random Allegro of benchmarks/nequip_scaling.py's size with four layers (l_max 2, 64 scalar and 16 tensor
     features, MLPs 64 wide, r_max 4.5 Å, float64) as a nequip-framework checkpoint: the test fixture's
     architecture resized, built by the framework."""
-    import torch
+    sys.path.insert(0, str(ROOT / "tests"))
+    from systems import allegro_architecture, write_framework_model
 
-    import potentials
-    from potentials.adapters.nequip import framework_architecture
-
-    architecture = framework_architecture(str(ROOT / "tests" / "data" / "nequip" / "allegro.ckpt"), "sole_model")
-    architecture["model"].update(num_layers=4, num_scalar_features=64, num_tensor_features=16,
-                                 allegro_mlp_hidden_layers_width=64, readout_mlp_hidden_layers_width=32)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        potentials.NequIPFramework(architecture=architecture).save_native(path)
+    write_framework_model(path, allegro_architecture(num_layers=4, num_scalar_features=64, num_tensor_features=16,
+                                                     allegro_mlp_hidden_layers_width=64,
+                                                     readout_mlp_hidden_layers_width=32))
 
 
 def largest_features(fits, low, high, step=8):

@@ -162,24 +162,31 @@ def in_many_chunks(setattr=setattr) -> dict:
     return counts
 
 
-def finish_adapter_run(world, title: str, failures: list, cases: int, expected: int, empty: int, chunks: dict):
-    """The end of an adapter's MPI script (tests/mpi/*_models.py): the number of cases and of chunked edge sums
-    checked, every rank's failures gathered; rank 0 prints "P=…: TITLE N cases, K failures, E (case, rank) with no
-    atoms, C chunked edge sums; communication: …" and each failure. Exits the process with 1 on a failure."""
+def exit_with_verdict(world, failures: list, summary) -> None:
+    """The end of an MPI test script: every rank's ``failures`` gathered (each once, sorted); rank 0 prints
+    ``summary(number of failures)`` and each failure as "FAIL …"; every rank exits, with 1 on any failure."""
     import sys
 
+    failures = sorted({f for mine in world.allgather(failures) for f in mine})
+    if world.rank == 0:
+        print(summary(len(failures)))
+        for f in failures:
+            print("FAIL", f)
+    sys.exit(1 if failures else 0)
+
+
+def finish_adapter_run(world, title: str, failures: list, cases: int, expected: int, empty: int, chunks: dict):
+    """The end of an adapter's MPI script (tests/mpi/*_models.py): the number of cases and of chunked edge sums
+    checked, then ``exit_with_verdict``, rank 0 printing "P=…: TITLE N cases, K failures, E (case, rank) with no
+    atoms, C chunked edge sums; communication: …"."""
     if cases != expected:
         failures.append(f"{cases} cases ran, expected {expected}")
     chunked_calls = int(world.allreduce(chunks["edge sums"]))
     if chunked_calls == 0:
         failures.append("no chunked edge sum ran")
-    failures = sorted({f for mine in world.allgather(failures) for f in mine})
-    if world.rank == 0:
-        print(f"P={world.size}: {title} {cases} cases, {len(failures)} failures, {empty} (case, rank) with no atoms, "
-              f"{chunked_calls} chunked edge sums; communication: {world.library}")
-        for f in failures:
-            print("FAIL", f)
-    sys.exit(1 if failures else 0)
+    exit_with_verdict(world, failures, lambda count: (
+        f"P={world.size}: {title} {cases} cases, {count} failures, {empty} (case, rank) with no atoms, "
+        f"{chunked_calls} chunked edge sums; communication: {world.library}"))
 
 
 def shared_out(owned: list, n_atoms: int) -> bool:
@@ -454,25 +461,29 @@ def write_small_mace(path, seed: int = 0, interaction: str = "RealAgnosticResidu
     torch.save(model, path)
 
 
-def allegro_pruned_architecture() -> dict:
-    """The Allegro fixture's architecture with three layers, per-edge-type cutoffs (Ag-Cu 3.2 A, Ag-Ag 4.0 A:
-    the pruner drops edges) and a ZBL pair potential (its readout reads the embedding's edge cutoff)."""
+# the Allegro fixture with three layers, per-edge-type cutoffs (Ag-Cu 3.2 A, Ag-Ag 4.0 A: the pruner drops edges)
+# and a ZBL pair potential (its readout reads the embedding's edge cutoff)
+ALLEGRO_PRUNED = {"num_layers": 3, "per_edge_type_cutoff": {"Cu": 4.5, "Ag": {"Cu": 3.2, "Ag": 4.0}},
+                  "pair_potential": {"_target_": "nequip.nn.pair_potential.ZBL", "units": "metal",
+                                     "chemical_species": ["Cu", "Ag"]}}
+
+
+def allegro_architecture(**model) -> dict:
+    """The Allegro fixture's architecture (``framework_architecture``'s JSON) with ``model`` changed in its model
+    config (also read by benchmarks/pipeline_memory.py)."""
     from potentials.adapters.nequip import framework_architecture
 
     architecture = framework_architecture(str(NEQUIP_DIR / "allegro.ckpt"), "sole_model")
-    architecture["model"].update(num_layers=3, per_edge_type_cutoff={"Cu": 4.5, "Ag": {"Cu": 3.2, "Ag": 4.0}},
-                                 pair_potential={"_target_": "nequip.nn.pair_potential.ZBL", "units": "metal",
-                                                 "chemical_species": ["Cu", "Ag"]})
+    architecture["model"].update(model)
     return architecture
 
 
-def write_allegro_pruned(path, seed: int = 0) -> None:
-    """``allegro_pruned_architecture`` with random weights (torch seed ``seed``) as a framework checkpoint."""
-    import potentials
-
+def write_framework_model(path, architecture: dict, seed: int = 0) -> None:
+    """A nequip-framework model of ``architecture`` with random weights (torch seed ``seed``, the process's random
+    state kept) as a framework checkpoint."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        potentials.NequIPFramework(architecture=allegro_pruned_architecture()).save_native(path)
+        potentials.NequIPFramework(architecture=architecture).save_native(path)
 
 
 def write_small_sevennet(path, seed: int = 0) -> None:

@@ -36,8 +36,8 @@ from mlip_parallel.config import ConfigError  # noqa: E402
 from mlip_parallel.train.cli import RULES, SCHEMA, main, train, validate  # noqa: E402
 from potentials.adapters.exchange import default_dtype  # noqa: E402
 from test_training import trained_parameters  # noqa: E402  (last.pt's state, or the pipeline stages' shards)
-from systems import (MACE_DIR, NEQUIP_DIR, labelled_alloys, max_relative_error, write_allegro_pruned,  # noqa: E402
-                     write_small_mace, write_small_sevennet)
+from systems import (ALLEGRO_PRUNED, MACE_DIR, NEQUIP_DIR, allegro_architecture, labelled_alloys,  # noqa: E402
+                     max_relative_error, write_framework_model, write_small_mace, write_small_sevennet)
 
 SEED, EPOCHS, BATCH, LR, CLIP = 1, 3, 3, 0.003, 1.0
 
@@ -57,7 +57,8 @@ def files(tmp_path_factory):
     write_small_mace(root / "small.model")
     write_small_mace(root / "small3.model", seed=3, interactions=3)  # three blocks: three pipeline stages
     write_small_sevennet(root / "small-sevennet.pth")
-    write_allegro_pruned(root / "allegro3.ckpt")  # three layers, edges pruned by type pair, ZBL: three stages
+    # three layers, edges pruned by type pair, ZBL: three stages
+    write_framework_model(root / "allegro3.ckpt", allegro_architecture(**ALLEGRO_PRUNED))
     return {"root": root, "train": root / "train.extxyz", "validation": root / "validation.extxyz",
             "mace": ("mace", root / "small.model"), "mace3": ("mace", root / "small3.model"), "nequip": ("nequip", NEQUIP_DIR / "nequip-zbl.ckpt"),
             "allegro": ("nequip", NEQUIP_DIR / "allegro.nequip.zip"), "allegro3": ("nequip", root / "allegro3.ckpt"),

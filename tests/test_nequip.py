@@ -19,8 +19,8 @@ import mlip_parallel  # noqa: E402
 import potentials  # noqa: E402
 from md import MLIPCalculator  # noqa: E402
 from potentials.adapters.nequip import NequIPFrameworkError  # noqa: E402
-from systems import (GEOMETRIES, NEQUIP_DIR, NEQUIP_FIXTURES, allegro_pruned_architecture, in_many_chunks,  # noqa: E402
-                     max_relative_error, nequip_reference, run_md_comparison)
+from systems import (ALLEGRO_PRUNED, GEOMETRIES, NEQUIP_DIR, NEQUIP_FIXTURES, allegro_architecture,  # noqa: E402
+                     in_many_chunks, max_relative_error, nequip_reference, run_md_comparison)
 
 FILES = [NEQUIP_DIR / f"{name}{suffix}" for name in NEQUIP_FIXTURES for suffix in (".ckpt", ".nequip.zip")]
 
@@ -181,7 +181,7 @@ def test_parts_chained_equal_the_frameworks_forward(case):
     def build():
         if "path" in PART_CASES[case]:
             return potentials.NequIPFramework(PART_CASES[case]["path"], **kwargs)
-        return potentials.NequIPFramework(architecture=allegro_pruned_architecture(), **kwargs)
+        return potentials.NequIPFramework(architecture=allegro_architecture(**ALLEGRO_PRUNED), **kwargs)
 
     kwargs = {}
     torch.manual_seed(0)

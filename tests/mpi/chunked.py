@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 import mlip_parallel  # noqa: E402
 import potentials  # noqa: E402
-from systems import GEOMETRIES, SPECIES, in_many_chunks, max_relative_error, schnet  # noqa: E402
+from systems import GEOMETRIES, SPECIES, exit_with_verdict, in_many_chunks, max_relative_error, schnet  # noqa: E402
 
 torch.set_num_threads(1)
 world = mlip_parallel.get_backend()
@@ -64,10 +64,7 @@ for name, build in GEOMETRIES.items():
                 print(f"{name:14s} {label:9s} {how:9s} chunked vs plain max rel err {worst:.2e}", flush=True)
 
 chunked_calls = int(world.allreduce(chunks["edge sums"]))
-failures = sorted({f for mine in world.allgather(failures) for f in mine})
-if world.rank == 0:
-    print(f"P={P}: {cases} cases, {len(failures)} failures, {chunked_calls} chunked edge sums, "
-          f"{empty} (geometry, rank) with no atoms")
-    for f in failures:
-        print("FAIL", f)
-sys.exit(1 if failures or chunked_calls == 0 else 0)
+if chunked_calls == 0:
+    failures.append("no chunked edge sum ran")
+exit_with_verdict(world, failures, lambda count: f"P={P}: {cases} cases, {count} failures, {chunked_calls} chunked "
+                                                 f"edge sums, {empty} (geometry, rank) with no atoms")

@@ -16,8 +16,8 @@ import torch  # noqa: E402
 
 import mlip_parallel  # noqa: E402
 import potentials  # noqa: E402
-from systems import (GEOMETRIES, SPECIES, ase_lj_results, lennard_jones, max_relative_error, schnet,  # noqa: E402
-                     shared_out)
+from systems import (GEOMETRIES, SPECIES, ase_lj_results, exit_with_verdict, lennard_jones,  # noqa: E402
+                     max_relative_error, schnet, shared_out)
 
 torch.set_num_threads(1)
 world = mlip_parallel.get_backend()  # MPI, or torch.distributed under torchrun / MLIP_PARALLEL_BACKEND=torch
@@ -104,11 +104,7 @@ for name, build in GEOMETRIES.items():
         if not shared_out(owned, len(atoms)):
             failures.append(f"{name} grid={grid}: owned atoms per rank {owned} of {len(atoms)}")
 
-failures = sorted({f for mine in world.allgather(failures) for f in mine})  # every rank's verdict
 if world.rank == 0:
     print("seconds per model:", {label: round(t, 1) for label, t in seconds.items()})
-    print(f"P={P}: {cases} cases, {len(failures)} failures, {empty_cases} (geometry, grid, rank) with no atoms; "
-          f"communication: {world.library}")
-    for f in failures:
-        print("FAIL", f)
-sys.exit(1 if failures else 0)
+exit_with_verdict(world, failures, lambda count: f"P={P}: {cases} cases, {count} failures, {empty_cases} (geometry, "
+                                                 f"grid, rank) with no atoms; communication: {world.library}")

@@ -18,8 +18,8 @@ import torch  # noqa: E402
 import mlip_parallel  # noqa: E402
 import potentials  # noqa: E402
 from md import MLIPCalculator  # noqa: E402
-from systems import (GEOMETRIES, NEQUIP_DIR, NEQUIP_FIXTURES, in_many_chunks, max_relative_error,  # noqa: E402
-                     nequip_reference)
+from systems import (GEOMETRIES, NEQUIP_DIR, NEQUIP_FIXTURES, exit_with_verdict, in_many_chunks,  # noqa: E402
+                     max_relative_error, nequip_reference)
 
 logging.disable(logging.INFO)
 torch.set_num_threads(1)
@@ -72,10 +72,5 @@ if not all(seen.values()):
 expected = len(NEQUIP_FIXTURES) * (len(GEOMETRIES) * (len(GRIDS) + 1) + 2 * len(WIDE))
 if cases != expected:
     failures.append(f"{cases} cases ran, expected {expected}")
-failures = sorted({f for mine in world.allgather(failures) for f in mine})
-if world.rank == 0:
-    print(f"P={P}: nequip framework {cases} cases, {len(failures)} failures; chunked calls {seen}; communication: "
-          f"{world.library}")
-    for f in failures:
-        print("FAIL", f)
-sys.exit(1 if failures else 0)
+exit_with_verdict(world, failures, lambda count: f"P={P}: nequip framework {cases} cases, {count} failures; chunked "
+                                                 f"calls {seen}; communication: {world.library}")

@@ -12,7 +12,7 @@ from mpi4py import MPI  # noqa: E402
 import mlip_parallel  # noqa: E402
 from md import MLIPCalculator  # noqa: E402
 from potentials.adapters.sevennet import SevenNet  # noqa: E402
-from systems import SEVENNET_STRUCTURES, max_relative_error, sevennet_reference  # noqa: E402
+from systems import SEVENNET_STRUCTURES, exit_with_verdict, max_relative_error, sevennet_reference  # noqa: E402
 
 torch.set_num_threads(1)
 world = MPI.COMM_WORLD
@@ -42,9 +42,5 @@ for name, build in SEVENNET_STRUCTURES.items():
             failures.append(f"{name} {mode}: evaluate {errors}, calculator {calc_errors}")
         if world.rank == 0:
             print(f"{name:16s} {mode:9s} max rel err vs SevenNetCalculator {case_worst:.2e}", flush=True)
-failures = sorted({f for mine in world.allgather(failures) for f in mine})  # every rank's verdict
-if world.rank == 0:
-    print(f"P={world.Get_size()}: SevenNet-0 {len(failures)} failures, max rel err {worst:.2e}")
-    for f in failures:
-        print("FAIL", f)
-sys.exit(1 if failures else 0)
+exit_with_verdict(world, failures, lambda count: f"P={world.Get_size()}: SevenNet-0 {count} failures, max rel err "
+                                                 f"{worst:.2e}")
