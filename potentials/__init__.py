@@ -1,12 +1,13 @@
 """Interatomic potentials as torch modules (no MPI here): models, the graph they read, the reference
 single-process ``predict``, safe checkpoints, and adapters running other packages' models (SevenNet,
-MACE, the nequip framework's NequIP and Allegro, fairchem's UMA and eSEN: ``potentials.adapters``). Names are imported on first use (torch and e3nn load
-only when a model is needed)."""
+MACE, the nequip framework's NequIP and Allegro, fairchem's UMA and eSEN: ``potentials.adapters``), and the
+model families every tool reads (``potentials.families``: ``load_model``). Names are imported on first use (torch
+and e3nn load only when a model is needed)."""
 from .errors import InvalidStructureError, MLIPError, UnknownSpeciesError
 from .lazy import lazy_exports
 
 __all__ = lazy_exports(__name__, {
-    "adapters": ("load_model",),
+    "families": ("Family", "Option", "load_model"),
     "adapters.fairchem": ("FAIRChem",),
     "adapters.mace": ("MACE",),
     "adapters.nequip": ("NequIPFramework",),

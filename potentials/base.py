@@ -124,8 +124,11 @@ class Potential(torch.nn.Module):
 
     def native_file(self, stem: str) -> str | None:
         """The file name under which ``save_native`` writes a model called ``stem`` ("best") in its package's
-        own format (e.g. "best.model" for MACE), or None where this package's checkpoint is that format."""
-        return None
+        own format (its family's ``native_file``, e.g. "best.model" for MACE), or None where this package's
+        checkpoint is that format."""
+        from .families import native_file
+
+        return native_file(type(self), stem)
 
     def save_native(self, path, data=None) -> None:
         """Write the model, atomically, in its package's own format, for the package's own tools. ``data``: the

@@ -14,24 +14,13 @@ import zipfile
 
 import torch
 
+from . import families
 from .base import BlockPotential, all_parts
 from .errors import MLIPError
 from .files import atomic_write
-from .lj import LennardJones
-from .nequip import NequIP
-from .painn import PaiNN
-from .schnet import SchNet
 
 FORMAT = "mlip-parallel-potential"
 VERSION = 1
-MODEL_CLASSES = {cls.__name__: cls for cls in (LennardJones, SchNet, PaiNN, NequIP)}
-# other packages' models (a fine-tuned MACE, ...): class name -> module of potentials.adapters, imported when named
-ADAPTER_CLASSES = {"MACE": "mace", "NequIPFramework": "nequip", "SevenNet": "sevennet"}
-FOREIGN = (  # (bytes all found in a torch archive's pickle, what the file is, the model key that reads it)
-    ((b"mace.modules",), "a MACE model file", "mace"),
-    ((b"pytorch-lightning_version",), "a nequip-framework checkpoint", "nequip"),
-    ((b"model_state_dict", b"_type_map"), "a SevenNet checkpoint", "sevennet"),
-)
 _DTYPES = {"torch.float32": torch.float32, "torch.float64": torch.float64}
 BUNDLED = {"cu-emt": os.path.join(os.path.dirname(__file__), "data", "cu-emt.pt")}  # name → shipped checkpoint
 
@@ -50,24 +39,23 @@ def save(model, path, extra: dict | None = None) -> None:
 
 
 def model_class(name: str, where: str = "checkpoint"):
-    """The model class a checkpoint names (an adapter's module imported on first use); None if unknown."""
-    if name in MODEL_CLASSES:
-        return MODEL_CLASSES[name]
-    if name not in ADAPTER_CLASSES:
-        return None
-    from importlib import import_module
-
+    """The model class a checkpoint names (a family's ``model_classes``; its module imported now); None if unknown."""
     try:
-        return getattr(import_module(f"potentials.adapters.{ADAPTER_CLASSES[name]}"), name)
+        return families.model_class(name)
     except ImportError as exc:
         raise CheckpointError(f"{where}: a {name} model, whose package is not installed ({exc})") from None
+
+
+def known_classes() -> list:
+    """The class names a checkpoint may hold, for messages."""
+    return sorted(name for record in families.families().values() for name in record.model_classes)
 
 
 def _config(model) -> str:
     """The JSON config a checkpoint of ``model`` stores (CheckpointError for a class it cannot hold)."""
     name = type(model).__name__
     if model_class(name) is not type(model):
-        raise CheckpointError(f"cannot save {name}: checkpoints support {sorted({**MODEL_CLASSES, **ADAPTER_CLASSES})}")
+        raise CheckpointError(f"cannot save {name}: checkpoints support {known_classes()}")
     return json.dumps({"format": FORMAT, "version": VERSION, "class": name, "hyperparameters": model.hyperparameters,
                        "species": model.species, "cutoff": model.cutoff,
                        "units": {"energy": "eV", "length": "Angstrom"}, "dtype": str(model.dtype)})
@@ -87,7 +75,7 @@ def load(path, map_location="cpu", parts=None):
         path = BUNDLED[path]
     if not os.path.isfile(path):
         key, _, rest = path.partition(":")
-        if key in ("mace", "nequip", "sevennet") and rest:
+        if rest and key != "checkpoint" and families.family(key) is not None:
             raise CheckpointError(f"{path}: a {key} model spec, not a checkpoint path: in mlip-md's and mlip-train's "
                                   f"model section, name the file with the key {key} (model: {{{key}: {rest}}})")
         raise CheckpointError(f"{path}: no such checkpoint file (bundled models: {sorted(BUNDLED)})")
@@ -118,8 +106,7 @@ def load(path, map_location="cpu", parts=None):
                               f"versions up to {VERSION}")
     cls = model_class(str(config.get("class")), path)
     if cls is None:
-        raise CheckpointError(f"{path}: unknown model class {config.get('class')!r}; known "
-                              f"{sorted({**MODEL_CLASSES, **ADAPTER_CLASSES})}")
+        raise CheckpointError(f"{path}: unknown model class {config.get('class')!r}; known {known_classes()}")
     if parts is not None and not issubclass(cls, BlockPotential):
         raise CheckpointError(f"{path}: a {cls.__name__} is not written as parts; it cannot be loaded part by part")
     try:
@@ -141,8 +128,8 @@ def load(path, map_location="cpu", parts=None):
 def _refused(path, exc: Exception | None = None) -> CheckpointError:
     """Why the zip archive ``path`` is not a potentials checkpoint — ``torch.load(weights_only=True)`` refused
     it with ``exc``, or (None) it holds something else than {config, state_dict}: another package's model
-    file (named, with the model key that reads it), pickled objects, damage, or other data."""
-    foreign = _foreign(path)
+    file (named, with the model key that reads it: ``families.recognise``), pickled objects, damage, or other data."""
+    foreign = families.recognise(path) if FORMAT.encode() not in families.archive_pickle(path)[1] else None
     if foreign is not None:
         what, key = foreign
         return CheckpointError(f"{path}: {what}, not a potentials checkpoint: name it with the key {key} "
@@ -157,27 +144,6 @@ def _refused(path, exc: Exception | None = None) -> CheckpointError:
         return CheckpointError(f"{path}: truncated or corrupt checkpoint (not a torch.save file)")
     return CheckpointError(f"{path}: truncated or corrupt checkpoint ({type(exc).__name__}: "
                            f"{(str(exc).splitlines() or [''])[0]})")
-
-
-def _foreign(path):
-    """(what, model key) when ``path`` is a zip archive that another package's model file is (a MACE .model, a
-    nequip .ckpt or .nequip.zip, a SevenNet checkpoint: told by the names its pickle or records hold, nothing
-    unpickled); None otherwise."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            names = archive.namelist()
-            if any(n.endswith("/model/package_metadata.txt") for n in names):
-                return "a nequip-framework package (.nequip.zip)", "nequip"
-            pickles = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
-            data = archive.read(pickles[0]) if len(pickles) == 1 else b""
-    except (OSError, zipfile.BadZipFile, KeyError, RuntimeError):
-        return None
-    if FORMAT.encode() in data:
-        return None
-    for markers, what, key in FOREIGN:
-        if all(marker in data for marker in markers):
-            return what, key
-    return None
 
 
 def save_parts(model, path, layout: dict, tensors, extra: dict | None = None) -> None:

@@ -20,7 +20,7 @@ pytest.importorskip("fairchem.core", reason="the fairchem adapter needs the fair
 import mlip_parallel  # noqa: E402
 import potentials  # noqa: E402
 from md import MLIPCalculator  # noqa: E402
-from potentials.adapters import ModelSpecError  # noqa: E402
+from potentials.families import ModelSpecError  # noqa: E402
 from potentials.adapters.fairchem import FAIRChemModelError  # noqa: E402
 from systems import (FAIRCHEM_DIR, FAIRCHEM_FIXTURES, GEOMETRIES, fairchem_model, fairchem_reference,  # noqa: E402
                      max_relative_error, run_md_comparison)
@@ -144,7 +144,7 @@ def test_bad_inputs_are_named(tmp_path, monkeypatch):
     from ase import Atoms
     with pytest.raises(potentials.UnknownSpeciesError, match="Fm"):
         potentials.predict(potentials.FAIRChem(path, task="omat"), Atoms("CuFm", positions=[[0, 0, 0], [2.5, 0, 0]]))
-    with pytest.raises(ModelSpecError, match="task, charge and spin are chosen only for fairchem models"):
+    with pytest.raises(ModelSpecError, match="cu-emt: task is not an option of checkpoint models .*task is an option of fairchem models"):
         potentials.load_model("cu-emt", task="omat")
     from md.cli import build_model, validate
     from mlip_parallel.config import ConfigError

@@ -130,18 +130,18 @@ def test_mace_users_deck_names_its_model(tmp_path):
     """``pair_style mace`` + ``pair_coeff * * FILE.model-lammps.pt Cu Ag`` (or ML-IAP's ``pair_style mliap
     unified FILE.model-mliap_lammps.pt 0`` + ``pair_coeff * * Cu Ag``): the eager FILE.model and the
     elements; the two commands blanked (line numbers kept); a missing .model or a hybrid style named."""
-    from mlip_parallel.lammps import LammpsBridgeError, mace_deck_model
+    from mlip_parallel.lammps import LammpsBridgeError, deck_model as mace_deck_model
 
     model = tmp_path / "MACE.model"
     model.write_bytes(b"")
     head = ["units metal", "read_data x.data"]
     found = mace_deck_model("in.mace", head + ["pair_style mace no_domain_decomposition",
                                                f"pair_coeff * * {model}-lammps.pt Cu Ag  # the model", "run 1"])
-    assert found.model == str(model) and found.elements == ["Cu", "Ag"]
+    assert found.model == f"mace:{model}" and found.elements == ["Cu", "Ag"]
     assert found.lines == head + ["", "", "run 1"]
     found = mace_deck_model("in.mliap", head + [f"pair_style mliap unified {model}-mliap_lammps.pt 0 &",
                                                 "", "pair_coeff * * Ag"])
-    assert found.model == str(model) and found.elements == ["Ag"] and found.lines == head + ["", "", ""]
+    assert found.model == f"mace:{model}" and found.elements == ["Ag"] and found.lines == head + ["", "", ""]
     assert mace_deck_model("in.lj", head + ["pair_style lj/cut 5.0", "pair_coeff * * 0.1 2.0"]) is None
     assert mace_deck_model("in.snap", head + ["pair_style mliap model linear W.mliap.model descriptor sna W"]) is None
     with pytest.raises(LammpsBridgeError, match=r"in.mace:3: the deck's MACE model .*other.model-lammps.pt runs here "

@@ -22,12 +22,18 @@ import numpy as np
 
 from potentials.errors import OutputError
 
+from potentials.families import FamilyError, families
+from potentials.families.checkpoint import ARCHITECTURES
+
 from ..config import ConfigError, config_parser, read_job, report_error, validate
 from ..errors import MLIPError
 from ..launch import end_job
+from ..model_section import add_option_arguments, argument_options, model_rules, model_schema
 from .outputs import format_errors, species_text
 
-SCHEMA = {
+# key: (types, default, help); a dict value is a nested section. The model section's starting-model keys come from
+# the model families (schema()).
+SECTIONS = {
     "data": {
         "train": (str, None, "training structures: any ASE-readable file with energy/forces/stress (extxyz, ASE db)"),
         "validation": (str, None, "validation file (default: validation_fraction of train)"),
@@ -36,29 +42,19 @@ SCHEMA = {
         "test_fraction": (float, 0.0, "share of train held out for the test when no test file"),
     },
     "model": {
-        "name": (str, None, "a new model of this package: SchNet, PaiNN or NequIP (default SchNet where no starting "
-                            "model is given)"),
+        "name": (str, None, f"a new model of this package: {', '.join(ARCHITECTURES)} (default SchNet where no "
+                            f"starting model is given)"),
         "cutoff": (float, None, "new model: cutoff radius, Å (default 5.0)"),
         "hyperparameters": (dict, None, "new model: further constructor arguments, e.g. {features: 64, layers: 3}"),
         "species": (list, None, "new model: element symbols (default: those in the training data)"),
-        "checkpoint": (str, None, "start from this potentials checkpoint (an earlier best.pt, also of a fine-tuned "
-                                  "MACE, nequip or SevenNet model; any number of pipeline stages for SchNet, PaiNN "
-                                  "and NequIP): its architecture, species, dtype and weights replace the new-model keys"),
-        "mace": (str, None, "fine-tune a MACE model file (.model, as MACE's training writes it; read without running "
-                            "its pickle; needs the mace extra); best.model is written beside best.pt"),
-        "head": (str, None, "mace: the head of a multi-head model to train (default: the only head, else 'default')"),
-        "nequip": (str, None, "fine-tune a NequIP or Allegro model of the nequip framework: its .ckpt checkpoint or "
-                              ".nequip.zip package (the framework unpickles it; needs the nequip extra); best.ckpt "
-                              "is written beside best.pt"),
-        "sevennet": (str, None, "fine-tune a SevenNet checkpoint, a name sevenn knows (7net-0) or a path (needs the "
-                                "sevenn extra); checkpoint_best.pth is written beside best.pt"),
-        "dtype": (str, None, "float32 or float64 (default: a starting model's own, float32 for a new model)"),
-        "freeze": (list, [], "glob patterns over the weights' names (their package's names, e.g. 'interactions.*' of a "
-                             "MACE model) that stay fixed; a pattern matching nothing is an error that lists the groups"),
-        "reference_energies": (str, "keep", "a starting model's per-element reference energies (MACE's E0s, "
-                                            "nequip's per-type shifts, SevenNet's shifts): keep them, or refit them "
-                                            "by least squares of the model's energy residual per element on the "
-                                            "training set (a new model's are always fitted)"),
+        # then the trained model to start from: one key per model family that trains (model_section), its options
+        "freeze": (list, [], "glob patterns over the weights' names (as the model's own package names them, e.g. "
+                             "'interactions.*') that stay fixed; a pattern matching nothing is an error that lists the "
+                             "groups"),
+        "reference_energies": (str, "keep", "a starting model's per-element reference energies (its E0s or per-type "
+                                            "energy shifts): keep them, or refit them by least squares of the model's "
+                                            "energy residual per element on the training set (a new model's are "
+                                            "always fitted)"),
     },
     "loss": {
         "energy_weight": (float, 1.0, "weight of the energy-per-atom MSE (eV²)"),
@@ -109,13 +105,30 @@ SCHEMA = {
     },
 }
 # allowed values (a tuple) or the range of a number (mlip_parallel.config.obeys); other numbers: finite, >= 0
-RULES = {"model.name": ("SchNet", "PaiNN", "NequIP"), "model.dtype": ("float32", "float64"),
-         "model.reference_energies": ("keep", "refit"),
+RULES = {"model.name": tuple(ARCHITECTURES), "model.reference_energies": ("keep", "refit"),
          "schedule.name": ("plateau", "cosine", "none"), "parallel": ("data", "graph", "pipeline"),
          "pipeline.schedule": ("auto", "gpipe", "1f1b"),
          "data.validation_fraction": "[0, 1)", "data.test_fraction": "[0, 1)", "model.cutoff": "> 0",
          "optimizer.lr": "> 0", "schedule.factor": "(0, 1)", "ema_decay": "[0, 1)", "epochs": ">= 1",
          "batch_size": ">= 1", "pipeline.stages": ">= 1", "pipeline.microbatches": ">= 1"}
+
+
+def schema() -> dict:
+    """mlip-train's configuration keys: ``SECTIONS`` with, in the model section, a key per model family that
+    trains (the starting model) and its options, and ``dtype``."""
+    model = dict(SECTIONS["model"])
+    new_model = {key: model.pop(key) for key in ("name", "cutoff", "hyperparameters", "species")}
+    return dict(SECTIONS, model={**new_model, **model_schema(trainable=True), **model})
+
+
+def rules() -> dict:
+    return {**model_rules(trainable=True), **RULES}
+
+
+def __getattr__(name):  # SCHEMA and RULES, built from the model families on first use
+    if name in ("SCHEMA", "RULES"):
+        return schema() if name == "SCHEMA" else rules()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def train(config) -> list:
@@ -152,16 +165,16 @@ def keep_freed_memory() -> bool:
 
 
 def evaluate_model(model_path: str, data_path: str, batch_size: int = 8, progress: bool = False,
-                   head: str | None = None, task: str | None = None, charge: int | None = None,
-                   spin: int | None = None) -> dict:
+                   **options) -> dict:
     """MAE/RMSE of a model (a checkpoint, a bundled model name, or any ``potentials.load_model`` spec:
-    ``mace:FILE.model``, ``nequip:FILE``, ``sevennet:NAME``, ``fairchem:FILE`` with its ``task``) on every structure
-    of a labelled file (one process); ``progress`` prints a header and a progress bar."""
+    ``mace:FILE.model``, ``nequip:FILE``, ``sevennet:NAME``, ``fairchem:FILE``, ..., with its family's
+    ``options``: ``head``, ``task``, ...) on every structure of a labelled file (one process); ``progress``
+    prints a header and a progress bar."""
     import potentials
     from .training import check_species, error_sums, error_table, read_structures
 
     try:
-        model = potentials.load_model(model_path, head=head, task=task, charge=charge, spin=spin)
+        model = potentials.load_model(model_path, **options)
     except (potentials.MLIPError, ImportError) as exc:
         raise ConfigError(str(exc)) from None
     if model.WHOLE_STRUCTURE:  # it reads the structure's composition: one structure per graph
@@ -186,28 +199,28 @@ def evaluate_model(model_path: str, data_path: str, batch_size: int = 8, progres
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        families()
+    except FamilyError as exc:  # an installed package's model family that cannot be registered
+        report_error("mlip-train", exc)
+        return 2
     if argv[:1] == ["eval"]:
         parser = argparse.ArgumentParser(prog="mlip-train eval", description="errors of a model on every structure "
                                          "of a labelled file")
-        parser.add_argument("model", help="checkpoint path (best.pt), bundled model name (cu-emt), "
-                                          "mace:FILE.model, nequip:FILE.ckpt|FILE.nequip.zip, sevennet:NAME or "
-                                          "fairchem:FILE")
+        parser.add_argument("model", help="checkpoint path (best.pt), bundled model name (cu-emt), or NAME:SPEC of a "
+                                          f"model family ({', '.join(f'{name}:...' for name in families())})")
         parser.add_argument("data", help="ASE-readable file with energy/forces/stress")
-        parser.add_argument("--head", help="the head of a multi-head MACE model")
-        parser.add_argument("--task", help="a fairchem model's task (omat, omol, oc20, odac, omc)")
-        parser.add_argument("--charge", type=int, help="fairchem, task omol: every structure's total charge")
-        parser.add_argument("--spin", type=int, help="fairchem, task omol: every structure's spin multiplicity")
+        add_option_arguments(parser)
         args = parser.parse_args(argv[1:])
         try:
-            print(format_errors(evaluate_model(args.model, args.data, progress=True, head=args.head, task=args.task,
-                                               charge=args.charge, spin=args.spin)))
+            print(format_errors(evaluate_model(args.model, args.data, progress=True, **argument_options(args))))
         except MLIPError as exc:
             report_error("mlip-train", exc)
             return 2
         return 0
-    args = config_parser("mlip-train", __doc__.splitlines()[0], SCHEMA).parse_args(argv)
+    args = config_parser("mlip-train", __doc__.splitlines()[0], schema()).parse_args(argv)
     try:
-        config = read_job(args, SCHEMA, RULES)
+        config = read_job(args, schema(), rules())
         if config["keep_freed_memory"]:
             keep_freed_memory()
         from ..backend import get_backend, set_threads

@@ -79,24 +79,22 @@ class Processes:
 
 
 # ----------------------------------------------------------------------------- the model and the data
-STARTING_KEYS = ("checkpoint", "mace", "nequip", "sevennet")  # model keys naming a trained model to start from
 NEW_MODEL_KEYS = ("name", "cutoff", "hyperparameters", "species")  # model keys describing a new model
 
 
 def starting_model(section) -> str | None:
-    """The model key that names the model training starts from (None: a new model); ConfigError for keys
-    that contradict each other (two starting models, a new model's keys beside one, a head without MACE)."""
-    given = [k for k in STARTING_KEYS if section[k] is not None]
-    if len(given) > 1:
-        raise ConfigError(f"model: start from one of {', '.join(STARTING_KEYS)} (got {', '.join(given)})")
-    if given and given[0] != "checkpoint":  # (a checkpoint's architecture replaces these keys, as it always did)
+    """The model family whose key names the model training starts from (None: a new model); ConfigError for
+    keys that contradict each other (two starting models, a new model's keys beside one, an option of another
+    family)."""
+    from ..model_section import chosen_family
+
+    given = chosen_family(section, trainable=True, conflict="model: start from one of")
+    if given is not None and given != "checkpoint":  # (a checkpoint's architecture replaces these keys, as it always did)
         described = [k for k in NEW_MODEL_KEYS if section[k] is not None]
         if described:
-            raise ConfigError(f"model.{described[0]} describes a new model, but model.{given[0]} starts from a trained "
+            raise ConfigError(f"model.{described[0]} describes a new model, but model.{given} starts from a trained "
                               f"one, whose architecture, cutoff and species are its own: remove model.{described[0]}")
-    if section["head"] is not None and given != ["mace"]:
-        raise ConfigError("model.head chooses the head of a MACE model (model.mace)")
-    return given[0] if given else None
+    return given
 
 
 def model_species(section, structures) -> list:
@@ -109,37 +107,30 @@ def model_species(section, structures) -> list:
 
 def new_model_class(section):
     """The class of the new model ``model.name`` names (SchNet where none is named)."""
-    import potentials
+    from potentials.families.checkpoint import architecture
 
-    return {"SchNet": potentials.SchNet, "PaiNN": potentials.PaiNN, "NequIP": potentials.NequIP}[section["name"] or "SchNet"]
+    return architecture(section["name"] or "SchNet")
 
 
 def build_model(section, species, seed, parts=None):
     """The configured model: a new one (``parts``: only these parts, a pipeline stage's) initialised from
-    ``seed`` part by part, or the starting model ``model.checkpoint`` (only ``parts`` of it), ``model.mace``,
-    ``model.nequip`` or ``model.sevennet``, in ``model.dtype`` (default: its own)."""
+    ``seed`` part by part, or the starting model its family's key names (only ``parts`` of it), in
+    ``model.dtype`` (default: its own)."""
     import torch
 
-    import potentials
+    from ..model_section import load_section_model
 
-    dtype = {"float32": torch.float32, "float64": torch.float64, None: None}[section["dtype"]]
     key = starting_model(section)
     if key is not None:
-        try:
-            if key == "checkpoint":
-                model = potentials.load(section["checkpoint"], parts=parts)
-            else:
-                model = potentials.load_model(f"{key}:{section[key]}", head=section["head"], parts=parts)
-        except (potentials.MLIPError, ImportError) as exc:
-            raise ConfigError(f"model.{key}: {exc}") from None
-        return (model if dtype is None else model.to(dtype)).train()
+        return load_section_model(section, key, parts=parts).train()
     cls = new_model_class(section)
     cutoff = 5.0 if section["cutoff"] is None else section["cutoff"]
     try:
         model = cls(species=species, cutoff=cutoff, **(section["hyperparameters"] or {}), parts=parts, seed=seed)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"model: cannot build {section['name'] or 'SchNet'}: {exc}") from None
-    return model.to(dtype or torch.float32)
+    dtype = {"float32": torch.float32, "float64": torch.float64, None: torch.float32}[section["dtype"]]
+    return model.to(dtype)
 
 
 def check_new_model_size(section, species, config, procs, device) -> None:
@@ -638,6 +629,7 @@ class Trainer:
 
         from potentials.files import atomic_write, naming_errors
 
+        from ..model_section import section_options
         from .outputs import format_errors, plot_learning_curve, species_text, write_metrics
 
         config, procs, root = self.config, self.procs, self.root
@@ -658,8 +650,8 @@ class Trainer:
             bar = Progress("mlip-train", config["epochs"], self.first_epoch, "epoch",
                            None if config["output"]["progress"] else "off", every_seconds=0)
             layout = f", stages at blocks {self.pipeline.boundaries}" if self.pipeline is not None else ""
-            start = "" if self.starting is None else f" from {self.starting} {section[self.starting]}" + (
-                f" (head {self.model.head})" if self.starting == "mace" else "")
+            start = "" if self.starting is None else f" from {self.starting} {section[self.starting]}" + "".join(
+                f" ({key} {value})" for key, value in section_options(section, self.starting).items())
             trained = f"{int(count[0])} parameters" if count[0] == count[1] else \
                 f"{int(count[0])} of {int(count[1])} parameters trained (model.freeze {section['freeze']})"
             print(f"mlip-train: {type(self.model).__name__}{start} {species_text(self.model.species)}, {trained}, "

@@ -457,9 +457,6 @@ class MACE(RebuiltOnCopy, BlockPotential):
         with torch.no_grad():
             self._e0s().copy_(torch.as_tensor(energies))
 
-    def native_file(self, stem: str) -> str:
-        return f"{stem}.model"
-
     def save_native(self, path, data=None) -> None:
         """``path``: a ``.model`` file, ``torch.save`` of the mace-torch module (every head; on the CPU), as
         MACE's training writes it; ``MACECalculator(model_paths=path)`` loads it where mace-torch runs beside

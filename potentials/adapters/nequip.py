@@ -591,9 +591,6 @@ class NequIPFramework(RebuiltOnCopy, BlockPotential):
         self.hyperparameters["architecture"]["model"]["per_type_energy_shifts"] = dict(
             zip(self.species, np.asarray(energies, dtype=float).tolist()))
 
-    def native_file(self, stem: str) -> str:
-        return f"{stem}.ckpt"
-
     def save_native(self, path, data=None) -> None:
         """``path``: a framework checkpoint (.ckpt) of this model: the training module of the original run
         (its config: loss, metrics, optimizer) built by the framework with these weights (also as its EMA

@@ -180,9 +180,6 @@ class SevenNet(RebuiltOnCopy, BlockPotential):
         with torch.no_grad():
             self._shift().copy_(torch.as_tensor(energies))
 
-    def native_file(self, stem: str) -> str:
-        return f"checkpoint_{stem}.pth"
-
     def save_native(self, path, data=None) -> None:
         """``path``: a sevenn checkpoint as sevenn's trainer writes one ({"config", "model_state_dict",
         "optimizer_state_dict", "scheduler_state_dict", "epoch", "time", "hash"}; the config's shift and
