@@ -25,14 +25,15 @@ def mpiexec_path() -> str:
 
 
 def _launcher(prefix):
-    """run(n, script_or_module_args..., timeout=HANG_GUARD, backend=None) → (returncode, output, seconds).
+    """run(n, script_or_module_args..., timeout=HANG_GUARD, backend=None, pythonpath=()) → (returncode, output,
+    seconds).
 
     Runs ``prefix(n) + ARGS`` with one thread per rank (``backend``: MLIP_PARALLEL_BACKEND, e.g.
-    "torch"), and with ``launch.MPICH_YIELD`` where the ranks outnumber the CPUs (the scripts start MPI before
+    "torch"; ``pythonpath``: directories importable beside the repository), and with ``launch.MPICH_YIELD`` where the ranks outnumber the CPUs (the scripts start MPI before
     they import mlip_parallel, which would set it); a run past ``timeout`` fails the test (it would be a hang)."""
 
-    def run(n, *args, timeout=HANG_GUARD, backend=None):
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    def run(n, *args, timeout=HANG_GUARD, backend=None, pythonpath=()):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(map(str, (ROOT, *pythonpath))))
         yield_when_oversubscribed(env, ranks=n)
         env.pop("MLIP_PARALLEL_BACKEND", None)
         if backend is not None:

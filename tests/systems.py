@@ -356,24 +356,35 @@ def write_md_comparison(directory, model: dict, decks: dict) -> Atoms:
     return atoms
 
 
-def run_md_comparison(mpirun, directory, model: dict, decks: dict) -> tuple:
+def run_md_comparison(mpirun, directory, model: dict, decks: dict, pythonpath=(), one_process=()) -> tuple:
     """``write_md_comparison``, then md1 in this process and md2 + the decks in one 2-rank launch of
-    tests/mpi/cli_jobs.py: (``md_comparison_errors``, the launch's output); every job must exit 0."""
+    tests/mpi/cli_jobs.py: (``md_comparison_errors``, the launch's output); every job must exit 0. With
+    ``pythonpath`` (directories the launches import from: an installed package's model family), md1 runs in a
+    1-rank launch instead, with the further jobs ``one_process`` ([command, arg, ...] of cli_jobs.py), and its
+    output comes first in the one returned."""
+    import json
     import os
 
     from conftest import MPI_DIR
     from md.cli import main
 
     write_md_comparison(directory, model, decks)
-    cwd = os.getcwd()
-    os.chdir(directory)
-    try:
-        assert main(["md1.yaml"]) == 0
-    finally:
-        os.chdir(cwd)
-    rc, out, _ = mpirun(2, MPI_DIR / "cli_jobs.py", directory)
+    if pythonpath:
+        jobs = [["mlip-md", "md1.yaml"], *one_process]
+        (Path(directory) / "one.json").write_text(json.dumps(jobs))
+        rc, first, _ = mpirun(1, MPI_DIR / "cli_jobs.py", directory, "one.json", pythonpath=pythonpath)
+        assert rc == 0 and f"cli jobs exit codes {[0] * len(jobs)}" in first, first
+    else:
+        first = ""
+        cwd = os.getcwd()
+        os.chdir(directory)
+        try:
+            assert main(["md1.yaml"]) == 0
+        finally:
+            os.chdir(cwd)
+    rc, out, _ = mpirun(2, MPI_DIR / "cli_jobs.py", directory, pythonpath=pythonpath)
     assert rc == 0 and f"cli jobs exit codes {[0] * (1 + len(decks))}" in out and "on 2 rank(s)" in out, out
-    return md_comparison_errors(directory, decks), out
+    return md_comparison_errors(directory, decks), first + out
 
 
 def md_comparison_errors(directory, decks) -> dict:
