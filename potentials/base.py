@@ -1,7 +1,7 @@
 """What every model in this package is: a torch module mapping an AtomGraph to per-atom energies."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
@@ -95,32 +95,24 @@ class Potential(torch.nn.Module):
         """Estimated bytes of one training step's graph (energy + force loss, double backward)."""
         return 2 * self.evaluation_bytes(rows, edges) + self.TRAINING_BYTES_PER_EDGE * edges
 
-    # ------------------------------------------------------------------ training contract
+    # ------------------------------------------------------------------ training contract (``Trainable``)
     # What a trainer knows of a model, the same for this package's models and other packages' (adapters):
     # its weights by their package's names, its per-element reference energies, and how it writes itself
     # in its package's own file format. The exchange points are ``graph.halo`` (above), which the
     # adapters place where their packages exchange ghost atoms; training differentiates them twice.
-    PACKAGE_MODULE = ""  # attribute holding the package's own module (adapters): its parameter names are the users'
-
-    def named_weights(self):
+    def named_weights(self) -> list:
         """(name, parameter) of every weight training may change, named as the model's own package names
-        them (``freeze`` patterns match these names): by default every parameter of the package's module."""
-        module = getattr(self, self.PACKAGE_MODULE) if self.PACKAGE_MODULE else self
-        return list(module.named_parameters())
+        them (``freeze`` patterns match these names): by default every parameter."""
+        return list(self.named_parameters())
 
     def reference_energies(self) -> np.ndarray | None:
         """The per-element reference energies [len(species)] (eV per atom, added to each atom's energy),
-        or None for a model without them."""
-        shift = getattr(self, "scale_shift", None)
-        return None if shift is None else shift.shift.detach().cpu().double().numpy().copy()
+        or None for a model without them (or a pipeline stage that does not hold them)."""
+        return None
 
     def set_reference_energies(self, energies) -> None:
-        """Replace the reference energies by ``energies`` [len(species)] (eV per atom); a pipeline stage that
-        does not hold them (no readout) leaves them."""
-        if getattr(self, "scale_shift", None) is None:
-            return
-        with torch.no_grad():
-            self.scale_shift.shift.copy_(torch.as_tensor(np.asarray(energies, dtype=np.float64)))
+        """Replace the reference energies by ``energies`` [len(species)] (eV per atom); a model without them,
+        or a pipeline stage that does not hold them, leaves them."""
 
     def native_file(self, stem: str) -> str | None:
         """The file name under which ``save_native`` writes a model called ``stem`` ("best") in its package's
@@ -136,17 +128,101 @@ class Potential(torch.nn.Module):
         raise NotImplementedError(f"{type(self).__name__} has no other file format than potentials checkpoints")
 
 
-class RebuiltOnCopy:
-    """Mixin for models built from another package's modules: ``copy.deepcopy`` (an EMA's copy, say) builds
-    a new model from ``hyperparameters`` and loads the state dict, requires_grad flags and mode into it.
-    (A deep copy of e3nn's generated code keeps its constants under other names, so the copy's state dict
-    would not be the model's.)"""
+@runtime_checkable
+class Trainable(Protocol):
+    """What ``mlip-train`` reads of a model (``Potential`` gives every model the defaults)."""
+
+    def named_weights(self) -> list: ...
+    def reference_energies(self) -> np.ndarray | None: ...
+    def set_reference_energies(self, energies) -> None: ...
+    def native_file(self, stem: str) -> str | None: ...
+    def save_native(self, path, data=None) -> None: ...
+
+
+@runtime_checkable
+class MemoryModel(Protocol):
+    """What the memory pre-flight reads of a model (``Potential`` gives the default, from its class constants):
+    the bytes of one evaluation (energy, forces, stress; its edge steps in chunks, or every edge at once) and of
+    one training step, over ``rows`` atoms (owned + ghost) and ``edges`` edges."""
+
+    def evaluation_bytes(self, rows: float, edges: float, chunked: bool = True) -> float: ...
+    def training_bytes(self, rows: float, edges: float) -> float: ...
+
+
+@runtime_checkable
+class Splittable(Protocol):
+    """What a pipeline stage reads of a model written as parts (``BlockPotential``): see its docstring."""
+
+    parts: frozenset
+    n_blocks: int
+    state_per_edge: bool
+
+    def part_of(self, key: str) -> str | None: ...
+    def state_rows(self, nodes: int, edges: int) -> int: ...
+    def feature_width(self, k: int) -> int: ...
+    def context(self, graph: AtomGraph): ...
+    def embed(self, graph: AtomGraph, ctx) -> torch.Tensor: ...
+    def block(self, k: int, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor: ...
+    def readout_energies(self, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor: ...
+
+
+class ScaleShiftReferences:
+    """Mixin: the reference energies of a model whose readout ends in a ``SpeciesScaleShift`` held as
+    ``scale_shift`` (None on a pipeline stage without the readout) are its shifts."""
+
+    scale_shift: "SpeciesScaleShift | None"
+
+    def reference_energies(self):
+        if self.scale_shift is None:
+            return None
+        return self.scale_shift.shift.detach().cpu().double().numpy().copy()
+
+    def set_reference_energies(self, energies) -> None:
+        if self.scale_shift is None:
+            return
+        with torch.no_grad():
+            self.scale_shift.shift.copy_(torch.as_tensor(np.asarray(energies, dtype=np.float64)))
+
+
+class PackageModel:
+    """Mixin of the adapters: another package's model run through its own modules. Each has one shape:
+
+    * it is built from the package's own file, or from ``architecture`` (the JSON form a potentials checkpoint
+      of a fine-tuned one stores: rebuilt by the package's constructors with untrained weights, for a state
+      dict to be loaded into it), and its ``hyperparameters`` are {"architecture": ..., its options};
+    * ``package_module``: the package's own module, whose parameter names are the users' (``named_weights``,
+      ``model.freeze``);
+    * an error class of its own deriving from ``MLIPError`` (``MACEModelError``, ...);
+    * its memory model in ``evaluation_bytes`` and ``training_bytes`` (``MemoryModel``); training runs every
+      edge at once and keeps the tensors of both backward passes (unless an adapter measured otherwise);
+    * ``copy.deepcopy`` (an EMA's copy, say) builds a new model from ``hyperparameters`` and loads the state
+      dict, requires_grad flags and mode into it (a deep copy of e3nn's generated code keeps its constants
+      under other names, so the copy's state dict would not be the model's)."""
+
+    @property
+    def package_module(self) -> torch.nn.Module:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def named_weights(self) -> list:
+        return list(self.package_module.named_parameters())
+
+    def training_bytes(self, rows: float, edges: float) -> float:
+        return 2 * self.evaluation_bytes(rows, edges, chunked=False)
+
+    @classmethod
+    def rebuild(cls, hyperparameters: dict, dtype: torch.dtype, **parts):
+        """A model of this class from ``hyperparameters``, in ``dtype``: built in it where the constructor takes one
+        (fairchem's computes constants in it), else converted after. ``parts``: a pipeline stage's."""
+        import inspect
+
+        takes = "dtype" in inspect.signature(cls.__init__).parameters
+        return cls(**hyperparameters, **parts, **({"dtype": dtype} if takes else {})).to(dtype)
 
     def __deepcopy__(self, memo):
         import copy
 
-        parts = {"parts": self.parts, "seed": self.seed} if hasattr(self, "parts") else {}  # a pipeline stage's
-        clone = type(self)(**copy.deepcopy(self.hyperparameters, memo), **parts).to(self.dtype).to(self.device)
+        parts = {"parts": self.parts, "seed": self.seed} if isinstance(self, BlockPotential) else {}  # a stage's
+        clone = self.rebuild(copy.deepcopy(self.hyperparameters, memo), self.dtype, **parts).to(self.device)
         state, rebuilt = self.state_dict(), clone.state_dict()
         # a model loaded with its package's own copy of e3nn's generated code (a .nequip.zip) keeps that code's
         # constants as entries; the rebuilt code makes its own

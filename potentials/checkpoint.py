@@ -15,7 +15,7 @@ import zipfile
 import torch
 
 from . import families
-from .base import BlockPotential, all_parts
+from .base import BlockPotential, PackageModel, all_parts
 from .errors import MLIPError
 from .files import atomic_write
 
@@ -109,11 +109,13 @@ def load(path, map_location="cpu", parts=None):
         raise CheckpointError(f"{path}: unknown model class {config.get('class')!r}; known {known_classes()}")
     if parts is not None and not issubclass(cls, BlockPotential):
         raise CheckpointError(f"{path}: a {cls.__name__} is not written as parts; it cannot be loaded part by part")
+    dtype = _DTYPES.get(config.get("dtype"), torch.float32)
+    stage = {} if parts is None else {"parts": parts, "seed": 0}
     try:
-        model = cls(**config["hyperparameters"], **({} if parts is None else {"parts": parts, "seed": 0}))
+        model = cls.rebuild(config["hyperparameters"], dtype, **stage) if issubclass(cls, PackageModel) else \
+            cls(**config["hyperparameters"], **stage).to(dtype)
     except (TypeError, ValueError, KeyError) as exc:  # (an adapter's MLIPError is a ValueError)
         raise CheckpointError(f"{path}: hyper-parameters do not build a {cls.__name__}: {exc}") from None
-    model.to(_DTYPES.get(config.get("dtype"), torch.float32))
     try:
         state = payload["state_dict"]
         if parts is not None:  # the held parts' entries and the shared buffers; strict on those

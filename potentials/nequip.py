@@ -8,7 +8,7 @@ import torch
 from e3nn import nn as enn
 from e3nn import o3
 
-from .base import BlockPotential, SpeciesScaleShift
+from .base import BlockPotential, ScaleShiftReferences, SpeciesScaleShift
 from .graph import AtomGraph
 from .messages import edge_sum
 from .radial import SincBasis, polynomial_cutoff
@@ -55,7 +55,7 @@ class Interaction(torch.nn.Module):
         return self.linear_out(summed * self.norm) + self.self_connection(h[:n], attr[:n])
 
 
-class NequIP(BlockPotential):
+class NequIP(ScaleShiftReferences, BlockPotential):
     """Node features Fx0e + Fx1o + Fx2e + … up to ``l_max``; edges carry spherical harmonics Y_l(r̂),
     l ≤ l_max, and a Bessel radial basis with NequIP's polynomial envelope.
 

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from .base import BlockPotential, SpeciesScaleShift
+from .base import BlockPotential, ScaleShiftReferences, SpeciesScaleShift
 from .graph import AtomGraph
 from .messages import edge_sum
 from .radial import SincBasis, cosine_cutoff
@@ -44,7 +44,7 @@ class PaiNNLayer(torch.nn.Module):
         return s + a_ss + a_sv * (uv * vv).sum(dim=1), v + a_vv[:, None, :] * uv
 
 
-class PaiNN(BlockPotential):
+class PaiNN(ScaleShiftReferences, BlockPotential):
     """Polarizable atom interaction neural network.
 
     s0 = embedding(species), v0 = 0; each layer: [l > 0: (s, v) = halo(s, v)]; message; update.

@@ -7,13 +7,13 @@ from typing import Sequence
 import torch
 from torch_geometric.nn.models.schnet import InteractionBlock, ShiftedSoftplus
 
-from .base import BlockPotential, SpeciesScaleShift
+from .base import BlockPotential, ScaleShiftReferences, SpeciesScaleShift
 from .graph import AtomGraph
 from .messages import edge_sum
 from .radial import GaussianBasis, cosine_cutoff
 
 
-class SchNet(BlockPotential):
+class SchNet(ScaleShiftReferences, BlockPotential):
     """Continuous-filter convolutions over edges within ``cutoff`` (cosine envelope, Gaussian RBFs).
 
     h0 = embedding(species); for each layer l: [l > 0: h = halo(h)]; h = h + interaction_l(h, edges);

@@ -32,11 +32,12 @@ import numpy as np
 import torch
 from ase.data import chemical_symbols
 
-from ..base import Potential
+from ..base import PackageModel, Potential
 from ..errors import MLIPError
 from ..graph import AtomGraph
 from ..messages import edge_sum
 from .exchange import default_dtype
+from .process import process_kept
 
 # fairchem-core versions whose internals (block modules, Wigner helpers, MOLE globals) this adapter was proved on
 KNOWN_VERSIONS = ("2.24",)
@@ -111,23 +112,6 @@ def import_fairchem() -> None:
             kept = [line for line in captured.read().decode(errors="replace").splitlines(keepends=True)
                     if not line.startswith(IMPORT_NOISE)]
             sys.stderr.write("".join(kept))
-
-
-@contextlib.contextmanager
-def process_kept():
-    """Inside, fairchem may set what it sets for a process (an inductor cache directory in the environment, warning
-    filters, draws from torch's global random generator); after, they are as they were."""
-    import os
-    import warnings
-
-    environment, filters = dict(os.environ), list(warnings.filters)
-    try:
-        with torch.random.fork_rng(devices=[]):
-            yield
-    finally:
-        os.environ.clear()
-        os.environ.update(environment)
-        warnings.filters[:] = filters
 
 
 def read_checkpoint(path) -> dict:
@@ -244,30 +228,35 @@ def _check_config(config: dict, where: str) -> dict:
     return dict(config, backbone=backbone)
 
 
-class FAIRChem(Potential):
+class FAIRChem(PackageModel, Potential):
     """A fairchem UMA or eSEN model (``checkpoint``: the file ``load_predict_unit`` reads) on one ``task`` (as
     FAIRChemCalculator's ``task_name``: omat, omol, oc20, odac, omc; None when the checkpoint has one). ``charge``
     (e) and ``spin`` (multiplicity) of the system for the omol task (defaults 0 and 1, as FAIRChemCalculator's);
     refused for the others. ``dtype``: float32 (fairchem's default precision) or float64; the weights are the
-    checkpoint's EMA weights. Evaluation only: not trainable here yet (``named_weights`` is empty)."""
+    checkpoint's EMA weights. Or ``architecture`` ({"model_config", "tasks_config"} in ``plain.encode``'s JSON form)
+    instead of a checkpoint: built by fairchem's constructors with untrained weights, for a state dict to be loaded
+    into it. Evaluation only: not trainable here yet (``named_weights`` is empty)."""
 
-    # per row: node features [(lmax+1)^2, C] kept for the backward, FEATURE_COPIES per block (its input, norms,
-    # residual, halo, atom-wise step) and a few more (set per model in __init__; 11.5 copies measured for 3 blocks)
-    FEATURE_COPIES_PER_BLOCK, FEATURE_COPIES = 4, 4
-    EVALUATION_BYTES_PER_EDGE = 200  # edge vectors and indices (the edge steps run in chunks)
-    PLAIN_BYTES_PER_EDGE = 60_000    # every edge at once: Wigner matrices and both SO(2) convolutions' tensors
     WHOLE_STRUCTURE = True
     # edges per chunk at least, whatever the budget: at UMA-S's size 1,024-edge chunks ran 5 % faster than 256-edge ones
     # (benchmarks/fairchem_scaling.py), their ~25 MB small beside the per-atom state of a system worth splitting
     MIN_CHUNK_EDGES = 1024
 
-    def __init__(self, checkpoint: str, task: str | None = None, charge: int | None = None, spin: int | None = None,
-                 dtype: torch.dtype | None = None):
+    def __init__(self, checkpoint: str | None = None, task: str | None = None, charge: int | None = None,
+                 spin: int | None = None, dtype: torch.dtype | None = None, architecture: dict | None = None):
+        from .plain import decode, encode
+
+        if (checkpoint is None) == (architecture is None):
+            raise TypeError("FAIRChem takes a checkpoint or an architecture, one of the two")
         fairchem_version()
         dtype = torch.float32 if dtype is None else dtype
-        saved = read_checkpoint(checkpoint)
-        config = _check_config(saved["model_config"], str(checkpoint))
-        outputs = TaskOutputs(saved["tasks_config"], task, str(checkpoint))
+        if architecture is not None:
+            where, saved = "the checkpoint's fairchem architecture", dict(decode(architecture), ema_state_dict=None)
+        else:
+            where, saved = str(checkpoint), read_checkpoint(checkpoint)
+            architecture = {key: encode(saved[key], key) for key in ("model_config", "tasks_config")}
+        config = _check_config(saved["model_config"], where)
+        outputs = TaskOutputs(saved["tasks_config"], task, where)
         if outputs.task not in CHARGED_TASKS and (charge is not None or spin is not None):
             raise FAIRChemModelError(f"charge and spin are read by the {', '.join(CHARGED_TASKS)} task; task "
                                      f"{outputs.task!r} takes none")
@@ -279,11 +268,9 @@ class FAIRChem(Potential):
         elements = int(config["backbone"].get("max_num_elements", 100))
         super().__init__([chemical_symbols[z] for z in range(1, min(elements, len(chemical_symbols)))])
 
-        with process_kept():
-            model = self._build(config, saved["ema_state_dict"], dtype, str(checkpoint))
-        _mix_experts_once(model.backbone)
-        self.backbone = model.backbone
-        self.head = next(iter(model.output_heads.values()))
+        with process_kept(random=True, warning_filters=True):  # what fairchem's import and construction set
+            self.hydra = self._build(config, saved["ema_state_dict"], dtype, where)
+        _mix_experts_once(self.backbone)
         self.register_buffer("numbers", torch.arange(1, len(self.species) + 1), persistent=False)
         self.task = self.dataset = outputs.task
         self.charge, self.spin = int(charge), int(spin)
@@ -295,20 +282,44 @@ class FAIRChem(Potential):
         refs = np.zeros(len(self.species) + 1) if outputs.references is None else outputs.references
         refs = np.concatenate([refs, np.zeros(max(0, len(self.species) + 1 - len(refs)))])
         self.element_references = torch.as_tensor(refs, dtype=torch.float64)  # eV, by atomic number (kept float64)
-        self.hyperparameters = {"checkpoint": str(checkpoint), "task": self.task, "charge": self.charge,
-                                "spin": self.spin}
-        feature_bytes = self.backbone.sph_feature_size * self.backbone.sphere_channels * dtype.itemsize
-        self.EVALUATION_BYTES_PER_ROW = feature_bytes * (self.FEATURE_COPIES_PER_BLOCK * (self.layers - 1)
-                                                         + self.FEATURE_COPIES)
+        self.hyperparameters = {"architecture": architecture, "task": self.task,
+                                **({"charge": self.charge, "spin": self.spin} if self.task in CHARGED_TASKS else {})}
         self.requires_grad_(False)
         self.eval()
         self.to(dtype)
 
+    @property
+    def package_module(self):
+        """fairchem's HydraModel: its backbone and its energy head."""
+        return self.hydra
+
+    @property
+    def backbone(self):
+        return self.hydra.backbone
+
+    @property
+    def head(self):
+        return next(iter(self.hydra.output_heads.values()))
+
+    # ------------------------------------------------------------------ memory model
+    # per row: node features [(lmax+1)^2, C] kept for the backward, FEATURE_COPIES per block (its input, norms,
+    # residual, halo, atom-wise step) and a few more (11.5 copies measured for 3 blocks); per edge in chunks its
+    # vector and indices; every edge at once adds its Wigner matrices and both SO(2) convolutions' tensors
+    FEATURE_COPIES_PER_BLOCK, FEATURE_COPIES = 4, 4
+    EVALUATION_BYTES_PER_EDGE, PLAIN_BYTES_PER_EDGE = 200, 60_000
+
+    def evaluation_bytes(self, rows: float, edges: float, chunked: bool = True) -> float:
+        features = self.backbone.sph_feature_size * self.backbone.sphere_channels * self.dtype.itemsize
+        per_row = features * (self.FEATURE_COPIES_PER_BLOCK * (self.layers - 1) + self.FEATURE_COPIES)
+        per_edge = self.EVALUATION_BYTES_PER_EDGE + (0 if chunked else self.PLAIN_BYTES_PER_EDGE)
+        return per_row * rows + per_edge * edges
+
     @staticmethod
     def _build(config: dict, ema_state: dict, dtype: torch.dtype, where: str):
-        """fairchem's HydraModel from ``config`` with the EMA weights, built in ``dtype`` (as MLIPPredictUnit builds it:
-        constants in the default dtype); its compat rules (UMA 1.1's model id) applied first. Called within
-        ``process_kept``: fairchem's import and construction set things for the process."""
+        """fairchem's HydraModel from ``config`` with the EMA weights (None: the untrained ones), built in ``dtype``
+        (as MLIPPredictUnit builds it: constants in the default dtype); its compat rules (UMA 1.1's model id) applied
+        first. Called within ``process.process_kept``: fairchem's import and construction set things for the
+        process."""
         import io
         import logging
         import warnings
@@ -332,6 +343,8 @@ class FAIRChem(Potential):
             with default_dtype(dtype), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 model = HydraModel(**kwargs)
+                if ema_state is None:  # an architecture alone: the weights fairchem's constructors drew
+                    return model
                 averaged = torch.optim.swa_utils.AveragedModel(model)
                 state = dict(ema_state)
                 mine = averaged.state_dict()
@@ -477,20 +490,23 @@ def _mix_experts_once(backbone) -> None:
     set of coefficients instead of at every call: with one structure its forward is the linear map of the mixed
     weights (the same einsum, then ``linear_with_folded_batch``), and the edge steps call it once per chunk, forward
     and backward (the mixing costs as much as a 256-edge chunk's work at UMA-S's size). The mixed weights are kept
-    beside the coefficients tensor they came from and made again when the backbone sets new ones (every forward)."""
+    with what they came from: the coefficients tensor (the backbone sets a new one at every forward) and the versions
+    of it and of the experts' weights, so that any change to either, in place too, mixes them again. Weights that
+    train (requiring grad, under grad mode) are mixed at every call by fairchem's own forward."""
     from fairchem.core.models.uma.nn.matmul import linear_with_folded_batch
     from fairchem.core.models.uma.nn.mole import MOLE
 
     def forward(self, x):
         coefficients = self.global_mole_tensors.expert_mixing_coefficients
-        if coefficients.shape[0] != 1:  # several structures at once: fairchem's own forward
-            return MOLE.forward(self, x)
+        if coefficients.shape[0] != 1 or (self.weights.requires_grad and torch.is_grad_enabled()):
+            return MOLE.forward(self, x)  # several structures at once, or weights that train: fairchem's own
+        key = (coefficients._version, self.weights._version, self.weights.dtype, self.weights.device)
         mixed = self.__dict__.get("_mixed")
-        if mixed is None or mixed[0] is not coefficients or mixed[1].dtype != self.weights.dtype:
+        if mixed is None or mixed[0] is not coefficients or mixed[1] != key:
             with torch.autocast(device_type=self.weights.device.type, enabled=False):
                 weights = torch.einsum("eoi, be->boi", self.weights, coefficients)
-            mixed = self.__dict__["_mixed"] = (coefficients, weights)
-        return linear_with_folded_batch(x, mixed[1][0], bias=self.bias)
+            mixed = self.__dict__["_mixed"] = (coefficients, key, weights)
+        return linear_with_folded_batch(x, mixed[2][0], bias=self.bias)
 
     for module in backbone.modules():
         if type(module) is MOLE:

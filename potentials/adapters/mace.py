@@ -27,11 +27,12 @@ import zipfile
 import torch
 from ase.data import chemical_symbols
 
-from ..base import EMBED, READOUT, BlockPotential, RebuiltOnCopy
+from ..base import EMBED, READOUT, BlockPotential, PackageModel
 from ..errors import MLIPError
 from ..graph import AtomGraph
 from .exchange import GhostExchange, default_dtype
 from .pickled import Pickled, PickleFileError, codegen_tensors, read_module_tree, state_dict
+from .process import process_kept
 
 MODEL_CLASSES = ("mace.modules.models.ScaleShiftMACE", "mace.modules.models.MACE")
 INSTALL = "pip install -e .[mace] && pip install --no-deps mace-torch==0.3.16"
@@ -45,16 +46,15 @@ class MACEModelError(MLIPError, ValueError):
 def import_mace():
     """Import mace-torch without letting it change the process: ``import mace`` sets
     TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 (every later ``torch.load`` without an explicit ``weights_only``
-    would run pickles); the variable is put back as it was. Its notice that cuEquivariance is not installed
-    (printed by every rank of a job; the adapters never use it) is left out of stdout; anything else it
-    prints is printed."""
+    would run pickles); the environment is put back as it was (``process_kept``). Its notice that
+    cuEquivariance is not installed (printed by every rank of a job; the adapters never use it) is left out of
+    stdout; anything else it prints is printed."""
     import contextlib
     import io
 
-    before = os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
     printed = io.StringIO()
     try:
-        with contextlib.redirect_stdout(printed):
+        with process_kept(), contextlib.redirect_stdout(printed):
             import mace.modules
     except ImportError as exc:
         raise ImportError(f"potentials.MACE needs mace-torch: {INSTALL} ({exc})") from None
@@ -62,10 +62,6 @@ def import_mace():
         kept = [line for line in printed.getvalue().splitlines() if "cuequivariance" not in line.lower()]
         if kept:
             print("\n".join(kept), flush=True)
-        if before is None:
-            os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
-        else:
-            os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = before
     return mace
 
 
@@ -287,7 +283,7 @@ def load_mace(path) -> tuple:
     return model.to(dtype).eval(), architecture
 
 
-class MACE(RebuiltOnCopy, BlockPotential):
+class MACE(PackageModel, BlockPotential):
     """A trained MACE model (mace-torch's ``ScaleShiftMACE`` or ``MACE``) from its ``.model`` file.
 
     ``path``: the file MACE's training writes (``torch.save(model)``), under any e3nn MACE has used;
@@ -310,7 +306,11 @@ class MACE(RebuiltOnCopy, BlockPotential):
     ``save_native`` writes a ``.model`` file as MACE's own training does (``torch.save`` of the module),
     for ``MACECalculator``."""
 
-    PACKAGE_MODULE = "mace"
+    @property
+    def package_module(self):
+        return self.mace
+
+    # ------------------------------------------------------------------ memory model
     EVALUATION_BYTES_PER_ROW = 10_000
 
     def evaluation_bytes(self, rows: float, edges: float, chunked: bool = True) -> float:
@@ -332,10 +332,6 @@ class MACE(RebuiltOnCopy, BlockPotential):
             if not chunked or type(block).__name__ not in CHUNKED or hasattr(block, "conv_fusion"):
                 per_edge += 2 * (block.conv_tp.weight_numel + block.conv_tp.irreps_out.dim) * itemsize
         return per_row * rows + per_edge * edges
-
-    def training_bytes(self, rows: float, edges: float) -> float:
-        """Training runs every block over all edges at once and keeps both backward passes' tensors."""
-        return 2 * self.evaluation_bytes(rows, edges, chunked=False)
 
     def __init__(self, path=None, head: str | None = None, dtype: torch.dtype | None = None,
                  architecture: dict | None = None, parts=None, seed: int = 0):
@@ -504,27 +500,46 @@ _NOTED = set()
 MIN_CHUNK_EDGES = 256
 
 
+# The mace-torch versions whose interaction blocks' forward ``chunked_interaction`` was written from (line by line); under
+# another, every block keeps MACE's own forward (a one-time note says so).
+COPIED_FROM = ("0.3.16",)
+
+
+@functools.lru_cache(maxsize=None)
+def mace_version() -> str:
+    """The installed mace-torch's version ("unknown" where its metadata is missing)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mace-torch")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 @contextlib.contextmanager
 def chunked_interactions(mace, budget: int | None):
     """Within it, the interaction blocks of ``mace`` whose class ``CHUNKED`` lists run ``chunked_interaction``
     with ``budget`` bytes per chunk and its product blocks ``chunked_product`` (None: nothing changes:
-    training's plain path). A block of another class,
-    or one running cuEquivariance's fused convolution, keeps MACE's own forward (a one-time warning names it)."""
+    training's plain path). A block of another class, one running cuEquivariance's fused convolution, or any
+    block under a mace-torch other than ``COPIED_FROM``, keeps MACE's own forward (a one-time warning names it).
+    Every block patched is restored on leaving, also when a warning raised as an error stops the patching."""
     patched, shared = [], {}  # the blocks of one forward read the same edge features: packed once (``_edge_step``)
-    if budget is not None:
-        for product in mace.products:  # per atom: the symmetric contraction's tensors, in row chunks
-            product.forward = functools.partial(chunked_product, product, budget)
-            patched.append(product)
-        for block in mace.interactions:
-            name = type(block).__name__
-            if name in CHUNKED and not hasattr(block, "conv_fusion"):
-                block.forward = functools.partial(chunked_interaction, block, budget, shared)
-                patched.append(block)
-            elif name not in _NOTED:
-                _NOTED.add(name)
-                warnings.warn(f"MACE interaction {name} runs its own forward over all edges at once (its edge step "
-                              f"is not memory-bounded)", stacklevel=4)
     try:
+        if budget is not None:
+            for product in mace.products:  # per atom: the symmetric contraction's tensors, in row chunks
+                product.forward = functools.partial(chunked_product, product, budget)
+                patched.append(product)
+            copied = mace_version() in COPIED_FROM
+            for block in mace.interactions:
+                name = type(block).__name__
+                if copied and name in CHUNKED and not hasattr(block, "conv_fusion"):
+                    block.forward = functools.partial(chunked_interaction, block, budget, shared)
+                    patched.append(block)
+                elif name not in _NOTED:
+                    _NOTED.add(name)
+                    why = "" if copied else f" under mace-torch {mace_version()} (written from {', '.join(COPIED_FROM)})"
+                    warnings.warn(f"MACE interaction {name} runs its own forward over all edges at once (its edge step "
+                                  f"is not memory-bounded{why})", stacklevel=4)
         yield
     finally:
         for block in patched:
@@ -577,7 +592,7 @@ def _edge_step(block, budget: int, shared: dict, edge_index, rows: int, conv_fea
 
 def chunked_interaction(block, budget: int, shared: dict, node_attrs, node_feats, edge_attrs, edge_feats, edge_index,
                         cutoff=None, lammps_class=None, lammps_natoms=(0, 0), first_layer=False):
-    """MACE's ``forward`` of a ``CHUNKED`` interaction block (mace-torch 0.3.16), with its own submodules and in
+    """MACE's ``forward`` of a ``CHUNKED`` interaction block (mace-torch ``COPIED_FROM``), with its own submodules and in
     its order, but its edge step — ``conv_tp(node_feats[sender], edge_attrs, conv_tp_weights(edge_feats) *
     cutoff)`` summed into the receivers — in chunks of at most ``budget`` bytes (``_edge_step``): no per-edge
     weight or message tensor is kept for all edges at once. Returns (message, skip) as MACE's."""

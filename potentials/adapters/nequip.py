@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import os
-import random
 import warnings
 from contextlib import contextmanager
 
@@ -27,10 +26,11 @@ import numpy as np
 import torch
 from ase.data import atomic_numbers
 
-from ..base import EMBED, READOUT, BlockPotential, RebuiltOnCopy, all_parts, block_part
+from ..base import EMBED, READOUT, BlockPotential, PackageModel, all_parts, block_part
 from ..errors import MLIPError
 from ..graph import AtomGraph
 from .exchange import GhostExchange, default_dtype
+from .process import process_kept
 
 INSTALL = "pip install -e .[nequip]"
 COMPILED = (".nequip.pth", ".nequip.pt2", ".pth", ".pt2")
@@ -44,14 +44,11 @@ class NequIPFrameworkError(MLIPError, ValueError):
 @contextmanager
 def process_state_kept():
     """Run the framework's loading, then put back what its ``set_global_state`` changes: torch's default
-    dtype, the torch / numpy / Python random states, the environment variables it sets, torch's JIT
-    fusion strategy, e3nn's optimization defaults, the dynamo flags and the multiprocessing sharing
-    strategy."""
+    dtype, the torch / numpy / Python random states and the environment variables it sets (``process_kept``),
+    torch's JIT fusion strategy, e3nn's optimization defaults, the dynamo flags and the multiprocessing
+    sharing strategy."""
     import e3nn
 
-    dtype, rng, np_rng, py_rng = torch.get_default_dtype(), torch.get_rng_state(), np.random.get_state(), \
-        random.getstate()
-    environ = dict(os.environ)
     with warnings.catch_warnings():  # torch.jit's fusion settings are deprecated; the framework still sets them
         warnings.simplefilter("ignore", DeprecationWarning)
         fusion = torch.jit.set_fusion_strategy([("STATIC", 2), ("DYNAMIC", 10)])
@@ -61,14 +58,9 @@ def process_state_kept():
                                                             "capture_scalar_outputs")}
     sharing = torch.multiprocessing.get_sharing_strategy()
     try:
-        yield
+        with process_kept(random=True, dtype=True):
+            yield
     finally:
-        torch.set_default_dtype(dtype)
-        torch.set_rng_state(rng)
-        np.random.set_state(np_rng)
-        random.setstate(py_rng)
-        os.environ.clear()
-        os.environ.update(environ)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             torch.jit.set_fusion_strategy(fusion)
@@ -167,23 +159,25 @@ def chunked_convolutions(framework, budget: int | None):
     (``messages.chunked_edge_sum``), with the framework's own modules: ``edge_mlp`` hands its input through
     and the block's ``tp_scatter`` applies it per chunk. The rest of the block's forward is the framework's.
     None: nothing changes (training). A block with another tensor-product kernel (OpenEquivariance,
-    cuEquivariance) keeps its own forward; a one-time warning names it."""
+    cuEquivariance) keeps its own forward; a one-time warning names it. Every module patched is restored on leaving,
+    also when a warning raised as an error stops the patching."""
     patched, shared = [], {}
-    if budget is not None:
-        for block in framework.modules():
-            if _class_path(block) != "nequip.nn.interaction_block.InteractionBlock":
-                continue
-            kernel = _class_path(getattr(block, "tp_scatter", None))
-            if kernel == "nequip.nn._tp_scatter_base.TensorProductScatter" and \
-                    _class_path(getattr(block, "edge_mlp", None)) == "nequip.nn.mlp.ScalarMLPFunction":
-                block.edge_mlp.forward = _handed_through
-                block.tp_scatter.forward = functools.partial(chunked_tp_scatter, block, budget, shared)
-                patched += [block.edge_mlp, block.tp_scatter]
-            elif kernel not in _NOTED:
-                _NOTED.add(kernel)
-                warnings.warn(f"a nequip convolution with {kernel.rpartition('.')[2] or 'no tp_scatter'} runs its own "
-                              f"forward over all edges at once (its edge step is not memory-bounded)", stacklevel=3)
     try:
+        if budget is not None:
+            for block in framework.modules():
+                if _class_path(block) != "nequip.nn.interaction_block.InteractionBlock":
+                    continue
+                kernel = _class_path(getattr(block, "tp_scatter", None))
+                if kernel == "nequip.nn._tp_scatter_base.TensorProductScatter" and \
+                        _class_path(getattr(block, "edge_mlp", None)) == "nequip.nn.mlp.ScalarMLPFunction":
+                    block.edge_mlp.forward = _handed_through
+                    block.tp_scatter.forward = functools.partial(chunked_tp_scatter, block, budget, shared)
+                    patched += [block.edge_mlp, block.tp_scatter]
+                elif kernel not in _NOTED:
+                    _NOTED.add(kernel)
+                    warnings.warn(f"a nequip convolution with {kernel.rpartition('.')[2] or 'no tp_scatter'} runs its "
+                                  f"own forward over all edges at once (its edge step is not memory-bounded)",
+                                  stacklevel=3)
         yield
     finally:
         for module in patched:
@@ -221,7 +215,7 @@ def chunked_tp_scatter(block, budget: int, shared: dict, x, edge_attr, edge_weig
     return chunked_edge_sum(message, shared["edge_data"], shared["edge_index"], [x], x.size(0), budget, MIN_CHUNK_EDGES)
 
 
-class NequIPFramework(RebuiltOnCopy, BlockPotential):
+class NequIPFramework(PackageModel, BlockPotential):
     """A trained NequIP or Allegro model of the nequip framework, from its ``.ckpt`` checkpoint or its
     ``.nequip.zip`` package (eager; compiled ``.nequip.pth`` / ``.pt2`` files are refused), or from an
     ``architecture`` (``framework_architecture``'s JSON, as a potentials checkpoint of a fine-tuned model
@@ -235,7 +229,11 @@ class NequIPFramework(RebuiltOnCopy, BlockPotential):
     per-type energy shifts, and ``save_native`` writes a framework checkpoint (``best.ckpt``) that its
     loader, ``nequip-package build`` and ``nequip-compile`` read."""
 
-    PACKAGE_MODULE = "framework"
+    @property
+    def package_module(self):
+        return self.framework
+
+    # ------------------------------------------------------------------ memory model
     # In chunks (NequIP's convolutions, Allegro's groups of atoms) the edge embedding and attributes are kept for all
     # edges (~800 B per edge measured); every edge at once adds its tensor products' tensors, ``plain_bytes_per_edge``.
     EVALUATION_BYTES_PER_EDGE = 1_000
@@ -243,10 +241,6 @@ class NequIPFramework(RebuiltOnCopy, BlockPotential):
     def evaluation_bytes(self, rows: float, edges: float, chunked: bool = True) -> float:
         per_edge = self.EVALUATION_BYTES_PER_EDGE + (0 if chunked else self.plain_bytes_per_edge())
         return self.EVALUATION_BYTES_PER_ROW * rows + per_edge * edges
-
-    def training_bytes(self, rows: float, edges: float) -> float:
-        """Training runs every edge at once and keeps both backward passes' tensors."""
-        return 2 * self.evaluation_bytes(rows, edges, chunked=False)
 
     def plain_bytes_per_edge(self) -> float:
         """Bytes the framework's forward keeps per edge under autograd with every edge at once (saved tensors,

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from ase.data import chemical_symbols
 
-from ..base import EMBED, READOUT, BlockPotential, RebuiltOnCopy, all_parts, block_part
+from ..base import EMBED, READOUT, BlockPotential, PackageModel, Potential, all_parts, block_part
+from ..errors import MLIPError
 from ..graph import AtomGraph
 from ..messages import edge_sum
 
@@ -27,11 +28,16 @@ _ONE_HOT = "onehot_idx_to_onehot"
 MIN_CHUNK_EDGES = 256
 
 
-class SevenNet(RebuiltOnCopy, BlockPotential):
+class SevenNetModelError(MLIPError, ValueError):
+    """A SevenNet checkpoint that cannot be used (sevenn cannot load it), or an operation its model does not allow."""
+
+
+class SevenNet(PackageModel, BlockPotential):
     """A pretrained SevenNet model. ``checkpoint``: a name sevenn knows offline ("7net-0", shipped
-    inside the sevenn package) or a path to a sevenn checkpoint; or ``config``, a checkpoint's model
-    config in ``plain.encode``'s JSON form (as a potentials checkpoint of a fine-tuned SevenNet stores it):
-    the model is built with untrained weights, for a state dict to be loaded into it. float32 as sevenn
+    inside the sevenn package) or a path to a sevenn checkpoint; or ``architecture`` (``config`` in potentials
+    checkpoints written before the adapters shared that name), a checkpoint's model config in ``plain.encode``'s
+    JSON form (as a potentials checkpoint of a fine-tuned SevenNet stores it): the model is built with untrained
+    weights, for a state dict to be loaded into it. float32 as sevenn
     runs it, or float64 after ``.double()``; cutoff and layer count come from the checkpoint.
 
     Trainable through the ``Potential`` contract: its weights are the parameters sevenn itself trains (its
@@ -47,12 +53,26 @@ class SevenNet(RebuiltOnCopy, BlockPotential):
     ``parts``: the parts this model holds (a stage's; the checkpoint is read whole, the others then
     dropped); ``seed`` is unused (the weights are the checkpoint's)."""
 
-    PACKAGE_MODULE = "sevenn"
-    # its edge embedding, kept for all edges; every edge at once adds its convolutions' tensors (SevenNet-0: ~50 KB)
+    @property
+    def package_module(self):
+        return self.sevenn
+
+    # ------------------------------------------------------------------ memory model
+    # Its edge embedding is kept for all edges; every edge at once adds its convolutions' tensors (SevenNet-0: ~50 KB).
+    # A training step of SevenNet-0 (energy + force + stress loss, float32) held 280-415 KB per edge at its peak above
+    # a 4-atom step (108 and 256 rattled Cu atoms), far more than twice an evaluation's.
     EVALUATION_BYTES_PER_EDGE = 2_000
     PLAIN_BYTES_PER_EDGE = 50_000
+    TRAINING_BYTES_PER_EDGE = 420_000
 
-    def __init__(self, checkpoint: str | None = "7net-0", config: dict | None = None, parts=None, seed: int = 0):
+    def evaluation_bytes(self, rows: float, edges: float, chunked: bool = True) -> float:
+        return Potential.evaluation_bytes(self, rows, edges, chunked)
+
+    def training_bytes(self, rows: float, edges: float) -> float:
+        return 2 * self.evaluation_bytes(rows, edges) + self.TRAINING_BYTES_PER_EDGE * edges
+
+    def __init__(self, checkpoint: str | None = None, architecture: dict | None = None, parts=None, seed: int = 0,
+                 config: dict | None = None):
         try:
             import sevenn.util
             from sevenn.model_build import build_E3_equivariant_model
@@ -60,11 +80,20 @@ class SevenNet(RebuiltOnCopy, BlockPotential):
             raise ImportError("SevenNet needs the sevenn package: pip install -e .[sevenn]") from exc
         from .plain import decode, encode
 
-        if config is not None:
-            config = decode(config)
+        architecture = config if architecture is None else architecture  # its former name, in older checkpoints
+        if checkpoint is None and architecture is None:
+            checkpoint = "7net-0"
+        if checkpoint is not None and architecture is not None:
+            raise TypeError("SevenNet takes a checkpoint or an architecture, one of the two")
+        if architecture is not None:
+            config = decode(architecture)
             model = build_E3_equivariant_model(dict(config))
         else:
-            loaded = sevenn.util.load_checkpoint(checkpoint)
+            try:
+                loaded = sevenn.util.load_checkpoint(checkpoint)
+            except Exception as exc:  # sevenn raises many types for a missing, foreign or damaged file
+                raise SevenNetModelError(f"{checkpoint}: sevenn cannot load it ({type(exc).__name__}: "
+                                         f"{(str(exc).splitlines() or [''])[0]})") from None
             model = loaded.build_model(enable_cueq=False, enable_flash=False, enable_oeq=False)
             config = dict(loaded.config, _flash_lammps=False, use_oeq=False)  # as build_model builds it
         model.set_is_batch_data(False)
@@ -76,7 +105,7 @@ class SevenNet(RebuiltOnCopy, BlockPotential):
         self.config = config
         self.cutoff = float(config["cutoff"])
         self.layers = int(config["num_convolution_layer"])
-        self.hyperparameters = {"config": encode(config)}
+        self.hyperparameters = {"architecture": encode(config)}
         self.requires_grad_(False)
         # sevenn's modules by part: embed (before layer 0), block t ("{t}_..."), readout (after the last layer)
         self.part_modules = {part: [] for part in all_parts(self.layers)}
@@ -160,11 +189,9 @@ class SevenNet(RebuiltOnCopy, BlockPotential):
         return [(name, p) for name, p in self.sevenn.named_parameters() if name in trained]
 
     def _shift(self) -> torch.Tensor:
-        from ..errors import MLIPError
-
         shift = self.sevenn._modules["rescale_atomic_energy"].shift
         if shift.numel() != len(self.species):
-            raise MLIPError(f"this SevenNet model shifts every element's energy alike ({shift.numel()} shift); "
+            raise SevenNetModelError(f"this SevenNet model shifts every element's energy alike ({shift.numel()} shift); "
                             f"it has no per-element reference energies to refit")
         return shift
 
@@ -190,11 +217,10 @@ class SevenNet(RebuiltOnCopy, BlockPotential):
 
         import sevenn
 
-        from ..errors import MLIPError
         from ..files import atomic_write
 
         if not self.complete:
-            raise MLIPError(f"this SevenNet holds only the parts {sorted(self.parts)} (a pipeline stage); its "
+            raise SevenNetModelError(f"this SevenNet holds only the parts {sorted(self.parts)} (a pipeline stage); its "
                             f"checkpoint is written from the whole model")
 
         state = {k: v.detach().cpu() for k, v in self.sevenn.state_dict().items()}
