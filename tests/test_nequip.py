@@ -228,3 +228,42 @@ def test_parts_chained_equal_the_frameworks_forward(case):
             patch.setattr(allegro_layers, "_READ", unknown)
             with pytest.raises(NequIPFrameworkError, match=r"lacks \['a_later_attribute'\].* does not split into pipeline"):
                 build()
+
+
+def test_layers_are_read_from_the_model_not_from_its_exchange_slots(monkeypatch):
+    """A three-layer NequIP built without ghost-exchange slots is still a three-layer model (it was taken for a
+    strictly local one, an Allegro, and run with one cutoff of ghosts: wrong forces): wide mode (three cutoffs of
+    ghosts) equals the framework's calculator, and layerwise evaluation with ghosts is refused, named; a network of
+    neither kind is refused."""
+    from potentials.adapters import nequip_loading
+
+    load = nequip_loading.load_framework_model
+
+    def without_slots(path, model_key="sole_model"):  # each slot a module of another class: no slot to fill
+        model = load(path, model_key)
+        slots = [m for m in model.modules() if type(m).__name__ == "NoOpGhostExchangeModule"]
+        plain = type("PlainPassThrough", (type(slots[0]),), {})
+        for module in slots:
+            module.__class__ = plain
+        return model
+
+    monkeypatch.setattr(potentials.adapters.nequip, "load_framework_model", without_slots)
+    path = NEQUIP_DIR / "nequip-zbl.ckpt"
+    model = potentials.NequIPFramework(path)
+    assert model.layers == 3 and not model.state_per_edge and not model.exchange_filled
+    atoms = GEOMETRIES["small_cell"]()
+    reference = nequip_reference(path, atoms)
+    wide = mlip_parallel.evaluate(model, atoms, mode="wide", comm="serial")
+    assert max(max_relative_error({k: wide[k] for k in reference}, reference).values()) < 1e-9
+    with pytest.raises(NequIPFrameworkError, match="ghost-exchange slots cannot be filled .* wide mode"):
+        mlip_parallel.evaluate(model, atoms, comm="serial")
+
+    def renamed(path, model_key="sole_model"):
+        model = load(path, model_key)
+        network = model.model.func if hasattr(model.model, "func") else model.model
+        network._modules = {name.replace("_convnet", "_block"): module for name, module in network._modules.items()}
+        return model
+
+    monkeypatch.setattr(potentials.adapters.nequip, "load_framework_model", renamed)
+    with pytest.raises(NequIPFrameworkError, match="neither NequIP's layerK_convnet modules nor one Allegro_Module"):
+        potentials.NequIPFramework(path)
