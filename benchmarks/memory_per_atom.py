@@ -12,9 +12,9 @@ Models: SchNet (F=64, 3 layers, cutoff 5 Å, 4,000 and 16,384 atoms), PaiNN (F=6
 (force loss, create_graph, parameter gradients); and the external adapters through their own blocks
 against one pass and against the package's own ASE calculator: SevenNet-0 on 512 and 1,728 Si atoms
 (SevenNetCalculator; its convolutions' edge steps in chunks from outside), random MACE models of
-MACE-MP-0-small and -medium size, float32 (MACECalculator; ``adapters.mace.chunked_interaction``), the
+MACE-MP-0-small and -medium size, float32 (MACECalculator; ``adapters.mace_chunked.chunked_interaction``), the
 NequIP and Allegro models of benchmarks/nequip_scaling.py, float64, trained and packaged here
-(NequIPCalculator; ``adapters.nequip.chunked_convolutions``, Allegro in groups of atoms), and a UMA-S-shaped
+(NequIPCalculator; ``adapters.nequip_layers.chunked_convolutions``, Allegro in groups of atoms), and a UMA-S-shaped
 fairchem model, float32, on 256 and 500 atoms (FAIRChemCalculator with its own activation checkpointing;
 benchmarks/fairchem_scaling.py).
 

@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from mlip_parallel.config import ConfigError, check_output_directory, config_parser, read_config, read_job, \
-    report_error, schema_help as config_help, validate as config_validate
+from mlip_parallel.config import ConfigError, check_output_directory, config_parser, read_job, report_error, \
+    schema_help as config_help, validate as config_validate
 from mlip_parallel.errors import MemoryLimitError, SimulationError
 from mlip_parallel.launch import end_job
 from mlip_parallel.model_section import chosen_family, load_section_model, model_families, model_rules, model_schema

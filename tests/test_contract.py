@@ -122,7 +122,7 @@ def test_process_kept_puts_back_exactly_what_changed(monkeypatch):
 def test_a_mace_patch_is_undone_when_a_warning_is_an_error(monkeypatch):
     """A block whose class the chunked path does not know warns; with warnings as errors that ends the forward
     after the product blocks were patched: none stays patched, and the next evaluation is MACE's own."""
-    from potentials.adapters import mace as adapter
+    from potentials.adapters import mace_chunked as adapter
 
     model = potentials.MACE(MACE_DIR / "mace-zbl-f64.model")
     monkeypatch.setattr(adapter, "CHUNKED", ())
@@ -140,7 +140,7 @@ def test_a_mace_patch_is_undone_when_a_warning_is_an_error(monkeypatch):
 def test_maces_copied_code_runs_only_under_the_version_it_was_copied_from(monkeypatch):
     """Under another mace-torch the interaction blocks keep MACE's own forward, with a note naming the version;
     the result equals the chunked path's (1e-12, float64)."""
-    from potentials.adapters import mace as adapter
+    from potentials.adapters import mace_chunked as adapter
 
     model = potentials.MACE(MACE_DIR / "mace-zbl-f64.model")
     atoms = GEOMETRIES["fcc_bulk"]()
