@@ -24,5 +24,14 @@ class LostAtomsError(MLIPError, RuntimeError):
     """Atoms went missing or were duplicated while moving between ranks."""
 
 
-__all__ = ["BackendError", "DecompositionError", "InvalidStructureError", "LostAtomsError", "MemoryLimitError", "MLIPError",
-           "SimulationError", "UnknownSpeciesError"]
+class LammpsBridgeError(MLIPError, RuntimeError):
+    """Bad input to the LAMMPS bridge (``mlip-lammps``). ``everywhere``: raised alike on every rank (from data
+    every rank holds, before any message of the current step), so the job can stop cleanly with status 2."""
+
+    def __init__(self, message: str, everywhere: bool = True):
+        super().__init__(message)
+        self.everywhere = everywhere
+
+
+__all__ = ["BackendError", "DecompositionError", "InvalidStructureError", "LammpsBridgeError", "LostAtomsError",
+           "MemoryLimitError", "MLIPError", "SimulationError", "UnknownSpeciesError"]

@@ -107,7 +107,8 @@ def test_types_map_to_elements_by_mass():
 
 
 def test_grid_follows_lammps_subdomains_and_rank_layout():
-    from mlip_parallel.lammps import LammpsBridgeError, _lammps_grid_type
+    from mlip_parallel.lammps import LammpsBridgeError
+    from mlip_parallel.lammps.bridge import _lammps_grid_type
 
     LammpsGrid = _lammps_grid_type()
     # 2 × 1 × 2 bricks, ranks numbered z fastest-varying the other way round (processors ... map xyz)
