@@ -93,7 +93,7 @@ def worker(args):
         return
     from mlip_parallel.train.pipeline import PipelineTrainer
     from mlip_parallel.train.pipeline.schedule import render
-    from mlip_parallel.train.trainer import Processes
+    from mlip_parallel.train.processes import Processes
 
     Processes("pipeline")
     import torch.distributed as dist

@@ -71,7 +71,7 @@ def worker(args):
 
     if args.stages > 1:
         from mlip_parallel.train.pipeline import PipelineTrainer
-        from mlip_parallel.train.trainer import Processes
+        from mlip_parallel.train.processes import Processes
 
         Processes("pipeline")
         import torch.distributed as dist

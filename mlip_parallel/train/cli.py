@@ -25,7 +25,7 @@ from potentials.errors import OutputError
 from potentials.families import FamilyError, families
 from potentials.families.checkpoint import ARCHITECTURES
 
-from ..config import ConfigError, config_parser, read_job, report_error, validate
+from ..config import ConfigError, config_parser, read_job, report_error, validate  # noqa: F401  (validate: with SCHEMA, RULES)
 from ..errors import MLIPError
 from ..launch import end_job
 from ..model_section import add_option_arguments, argument_options, model_rules, model_schema

@@ -12,7 +12,7 @@ from systems import GEOMETRIES, lennard_jones  # noqa: E402
 
 torch.set_num_threads(1)
 if "--process-group" in sys.argv:
-    from mlip_parallel.train.trainer import Processes
+    from mlip_parallel.train.processes import Processes
     Processes("data")
 atoms = GEOMETRIES["fcc_bulk"]()
 mlip_parallel.evaluate(lennard_jones(), atoms)
