@@ -12,7 +12,8 @@ import yaml
 from ase.io import read
 
 from conftest import HANG_GUARD, ROOT, assert_log_lines
-from md.cli import ConfigError, build_model, prepare, schema_help, validate
+from md.cli import ConfigError, schema_help, validate
+from md.start import build_model, prepare
 
 JOB = {
     "model": {"lennard_jones": {"epsilon": 0.0104, "sigma": 3.4, "cutoff": 8.0}},

@@ -146,7 +146,8 @@ def test_bad_inputs_are_named(tmp_path, monkeypatch):
         potentials.predict(potentials.FAIRChem(path, task="omat"), Atoms("CuFm", positions=[[0, 0, 0], [2.5, 0, 0]]))
     with pytest.raises(ModelSpecError, match="cu-emt: task is not an option of checkpoint models .*task is an option of fairchem models"):
         potentials.load_model("cu-emt", task="omat")
-    from md.cli import build_model, validate
+    from md.cli import validate
+    from md.start import build_model
     from mlip_parallel.config import ConfigError
     with pytest.raises(ConfigError, match="model.task is set for a fairchem model"):
         build_model(validate({"model": {"checkpoint": "cu-emt", "task": "omat"}})["model"])

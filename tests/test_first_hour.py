@@ -62,7 +62,7 @@ def test_output_directory_is_not_overwritten(tmp_path):
 
 
 def test_summary_statistics():
-    from md.cli import block_average, summary
+    from md.report import block_average, summary
 
     rng = np.random.default_rng(1)
     values = 5.0 + rng.normal(size=10_000)

@@ -157,7 +157,8 @@ def test_mlip_md_killed_at_random_moments_and_requeued_equals_an_uninterrupted_r
             assert (full / "out" / name).read_bytes() == (straight / name).read_bytes(), name
 
     # a restart refuses output files that are not the ones it recorded, and leaves them as they are
-    from md.cli import ConfigError, prepare, validate
+    from md.cli import ConfigError, validate
+    from md.start import prepare
     config = validate(dict(MD_JOB, output=dict(MD_JOB["output"], directory=str(requeued))))
     thermo_csv, trajectory = requeued / "thermo.csv", requeued / "trajectory.extxyz"
     with open(thermo_csv, "a") as f:
@@ -200,7 +201,7 @@ def test_trajectory_files_cut_back_to_a_restart(tmp_path):
     from ase.build import bulk
     from ase.calculators.singlepoint import SinglePointCalculator
 
-    from md.cli import THERMO_COLUMNS
+    from md.job import THERMO_COLUMNS
     from md.outputs import RunFiles, check_recorded, cut_back
 
     def frames(n):
