@@ -16,6 +16,13 @@ LAUNCHERS = ("mpiexec", "mpirun", "mpiexec.hydra", "hydra_pmi_proxy", "orterun",
              "slurmstepd")
 
 
+def duration(seconds: float) -> str:
+    """``seconds`` as H:MM:SS with two digits at least for the hours, a day and more included (100,000 s is
+    27:46:40)."""
+    whole = int(round(seconds))
+    return f"{whole // 3600:02d}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
+
+
 def _parent(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[1])
@@ -82,7 +89,7 @@ class Progress:
         done, elapsed = self.n - self.start_n, now - self.start
         rate = done / elapsed if elapsed > 0 else 0.0
         eta = (self.total - self.n) / rate if rate > 0 else float("nan")
-        eta = time.strftime("%H:%M:%S", time.gmtime(eta)) if eta == eta else "?"
+        eta = duration(eta) if eta == eta else "?"
         shown = "".join(f", {k} {v}" for k, v in postfix.items())
         return (f"{self.name}: {self.unit} {self.n}/{self.total} ({100 * self.n / max(1, self.total):.0f} %), "
                 f"{rate:.3g} {self.unit}/s, ETA {eta}{shown}")

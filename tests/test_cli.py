@@ -98,6 +98,10 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_in_a_log(mpirun, tmp_path):
         progress.update(n)
     assert stream.getvalue().count("\n") == 1 and "step 10/10" in stream.getvalue()  # only the end, within the hour
     stream = io.StringIO()
+    slow = Progress("job", 100_000, 0, mode="off", stream=stream)
+    slow.n = 1  # one step in the first second: 99,999 s to go, past a day (once printed modulo a day: 03:46:39)
+    assert slow.line(slow.start + 1.0, {}).endswith("1 step/s, ETA 27:46:39"), slow.line(slow.start + 1.0, {})
+
     Progress("job", 10, mode="off", stream=stream).update(10)
     assert stream.getvalue() == ""
     from md.cli import main
