@@ -106,8 +106,8 @@ def test_a_packages_family_runs_in_every_tool(mpirun, tmp_path):
     """The example package's family (examples/family_plugin: a user's own PyTorch model, the halo between its
     layers), visible as an installed package's entry point: mlip-md on 2 ranks == one process (NVE, 50 steps,
     1e-9 Å), its option (scale) read from the model section; a LAMMPS deck with --model toy:FILE --scale 2 on 2
-    ranks == mlip-md; mlip-train eval scores it; a potentials checkpoint of it rebuilds it; its file named as a
-    checkpoint names the key that reads it."""
+    ranks == mlip-md; mlip-train eval scores it; mlip-train fine-tunes it (its best.pt rebuilds it); a potentials
+    checkpoint of it rebuilds it; its file named as a checkpoint names the key that reads it."""
     site = tmp_path / "site"
     installed(site, "mlip-toy-family", {"toy": "toy_family:FAMILY"})
     run = tmp_path / "run"
@@ -115,15 +115,21 @@ def test_a_packages_family_runs_in_every_tool(mpirun, tmp_path):
     code = (f"import sys; sys.path[:0] = [{str(PLUGIN)!r}]; import toy_family; "
             f"toy_family.write_model({str(run / 'toy.pt')!r}, species=['Cu', 'Ag'], layers=3)")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    import yaml
     from ase.io import write
     from systems import labelled_alloys
-    write(run / "labelled.extxyz", labelled_alloys(3, seed=5))
+    write(run / "labelled.extxyz", labelled_alloys(6, seed=5))
+    (run / "train.yaml").write_text(yaml.safe_dump({
+        "data": {"train": "labelled.extxyz", "validation_fraction": 0.34}, "model": {"toy": "toy.pt", "scale": 2.0},
+        "epochs": 1, "batch_size": 2, "output": {"directory": "trained", "progress": False}}))
     decks = {"fix": ("fix ext all external pf/callback 1 1", ["--model", "toy:toy.pt", "--scale", "2"])}
     errors, out = run_md_comparison(mpirun, run, {"toy": "toy.pt", "scale": 2.0}, decks, pythonpath=(PLUGIN, site),
-                                    one_process=[["mlip-train", "eval", "toy:toy.pt", "labelled.extxyz", "--scale", "2"]])
+                                    one_process=[["mlip-train", "eval", "toy:toy.pt", "labelled.extxyz", "--scale", "2"],
+                                                 ["mlip-train", "train.yaml"]])
     assert errors["moved"] > 0.05 and max(errors[k] for k in ("md2", *decks)) < 1e-9, errors
     assert "fix ext external: ToyPotential (Cu Ag; cutoff 4 A, 3 layer(s))" in (run / "fix.log").read_text()
     assert "forces" in out and "MAE" in out, out
+    assert "mlip-train: ToyPotential from toy toy.pt (scale 2.0)" in out and (run / "trained" / "best.pt").exists()
 
     script = f"""
 import sys
@@ -136,6 +142,8 @@ atoms = read("{run / 'start.traj'}")
 potentials.save(model, "{run / 'ckpt.pt'}")
 again = potentials.load("{run / 'ckpt.pt'}")
 assert type(again).__name__ == "ToyPotential" and again.hyperparameters == model.hyperparameters
+trained = potentials.load("{run / 'trained' / 'best.pt'}")
+assert type(trained).__name__ == "ToyPotential" and trained.hyperparameters == model.hyperparameters
 difference = abs(potentials.predict(again, atoms)["forces"] - potentials.predict(model, atoms)["forces"]).max()
 try:
     potentials.load("{run / 'toy.pt'}")
