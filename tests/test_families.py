@@ -107,7 +107,8 @@ def test_a_packages_family_runs_in_every_tool(mpirun, tmp_path):
     layers), visible as an installed package's entry point: mlip-md on 2 ranks == one process (NVE, 50 steps,
     1e-9 Å), its option (scale) read from the model section; a LAMMPS deck with --model toy:FILE --scale 2 on 2
     ranks == mlip-md; mlip-train eval scores it; mlip-train fine-tunes it (its best.pt rebuilds it); a potentials
-    checkpoint of it rebuilds it; its file named as a checkpoint names the key that reads it."""
+    checkpoint of it rebuilds it; its file named as a checkpoint names the key that reads it; its key and option are
+    listed in mlip-md's and mlip-lammps's --help and its option's rule is checked."""
     site = tmp_path / "site"
     installed(site, "mlip-toy-family", {"toy": "toy_family:FAMILY"})
     run = tmp_path / "run"
@@ -149,11 +150,21 @@ try:
     potentials.load("{run / 'toy.pt'}")
 except potentials.CheckpointError as exc:
     print(exc)
+from md.cli import schema_help, validate
+from mlip_parallel.config import ConfigError
+from mlip_parallel.lammps.cli import build_parser
+assert "toy: a toy model file" in schema_help() and "scale: toy: factor on the energies, > 0" in schema_help()
+assert "--scale" in build_parser().format_help()
+try:
+    validate({{"model": {{"toy": "toy.pt", "scale": -1.0}}}})
+except ConfigError as exc:
+    print(exc)
 print("difference", difference)
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert "a toy model file, not a potentials checkpoint: name it with the key toy" in result.stdout
+    assert "model.scale must be a finite number > 0, got -1.0" in result.stdout
     assert float(result.stdout.split("difference")[1]) == 0.0
 
 

@@ -157,6 +157,7 @@ def _package(point) -> str:
 
 def _add(found: dict, record: Family, where: str) -> None:
     """Add ``record`` to ``found``, after checking its name, aliases and options against those there."""
+    shared = option_table(found.values())
     for name in (record.name, *record.aliases):
         if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
             raise FamilyError(f"{where}: family name {name!r}: lower-case letters, digits and _ only")
@@ -164,7 +165,8 @@ def _add(found: dict, record: Family, where: str) -> None:
         if owner is not None:
             raise FamilyError(f"{where}: the family name {name!r} is taken by the {owner.name} family"
                               + (" (built-in)" if owner.name in BUILTIN else ""))
-    shared = option_table(found.values())
+        if name in shared or name in RESERVED:
+            raise FamilyError(f"{where}: the family name {name!r} is an option's or a model section's key")
     for key, option in record.options.items():
         if key in RESERVED or key in found or key == record.name:
             raise FamilyError(f"{where}: option {key!r} of the {record.name} family: that name is reserved")
