@@ -159,8 +159,11 @@ class MDSystem:
             self.cuts = Grid.balanced_cuts(self.dims, domain, wrapped, self.backend)
         grid = Grid.from_cuts(self.dims, domain, self.cuts) if self.cuts is not None else \
             Grid.uniform(self.dims, domain)
-        self.thinnest = min(np.diff(grid.planes[d]).min() / np.linalg.norm(domain.inverse[:, d])
-                            for d in range(3))  # Å: the smallest subdomain width, for the blow-up check
+        # Å: the smallest subdomain width, for the blow-up check, along the dimensions an atom can leave its rank by
+        # (split, or periodic); along a non-periodic one that is not split the width is the atoms' own extent (a flat
+        # molecule's: its padding, 2e-6 Å), which an atom leaves without changing rank
+        self.thinnest = min((np.diff(grid.planes[d]).min() / np.linalg.norm(domain.inverse[:, d])
+                             for d in range(3) if grid.dims[d] > 1 or self.pbc[d]), default=np.inf)
         if self.rebuilds == 0:  # before the first ghosts: stop every rank when the fullest would not fit
             budget = None if np.isinf(self.memory_budget_gb) else int(self.memory_budget_gb * 1e9)
             check_rank_memory(self.backend, self.model, self.n_atoms, domain, self.dims,

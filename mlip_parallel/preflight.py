@@ -9,8 +9,9 @@ cell counts every image. A rank's rows are its owned atoms and the ghosts within
 of its brick; the pairs searched are every row's neighbours within cutoff + skin (the pair search runs
 over all rows); the edges are the receivers' neighbours within the cutoff. Bytes: the model's own
 estimate ``Potential.evaluation_bytes(rows, edges)`` (``training_bytes`` for training), the search's
-``SEARCH_BYTES_PER_PAIR`` and one chunk of the memory budget. It errs on the safe side by up to ~3×
-(benchmarks/preflight.py): it stops inputs that need many times the memory and lets the others run.
+``SEARCH_BYTES_PER_PAIR`` and one chunk of the memory budget. It errs on the safe side, by 1.0-3× of what the
+model's memory model gives for the rows, pairs and edges actually built (tests/test_mistakes.py) and of the
+measured peak (benchmarks/preflight.py): it stops inputs that need many times the memory and lets the others run.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from .errors import MemoryLimitError
 
 
 SEARCH_BYTES_PER_PAIR = 128  # a searched pair: the search's and the candidates' indices, its vector while cut
+LATTICE_MARGIN = 0.4  # the ghost shell widened by this share of the mean spacing between atoms (``rank_load``)
 
 
 class RankLoad(NamedTuple):
@@ -62,7 +64,11 @@ def rank_load(model, n_atoms: int, domain: Domain, dims, r_ghost: float, skin: f
     holding ``n_atoms``: ghosts within ``r_ghost`` + ``skin`` Å, pairs within ``model.cutoff`` + ``skin``
     searched among all rows, edges within the cutoff into the owned atoms (``layerwise``) or every row."""
     brick = (domain.hi - domain.lo) / np.asarray(dims, dtype=np.float64)
-    rows = n_atoms * float(np.prod(covered(domain, brick, r_ghost + skin)))
+    # atoms sit on lattice planes, not evenly: a plane just inside the ghost shell's face adds up to a plane's
+    # spacing to its thickness (fcc Cu, cutoff 5 Å: 0.84 of the rows counted evenly). The shell is widened by 0.4 of
+    # the mean spacing between atoms, which keeps the rows' estimate at 1.0-2.4 of the count on the test geometries
+    spacing = (abs(np.linalg.det(domain.cell)) * float(np.prod(domain.hi - domain.lo)) / max(n_atoms, 1)) ** (1 / 3)
+    rows = n_atoms * float(np.prod(covered(domain, brick, r_ghost + skin + LATTICE_MARGIN * spacing)))
     pairs = rows * neighbours(n_atoms, domain, model.cutoff + skin)
     receivers = n_atoms / float(np.prod(dims)) if layerwise else rows
     edges = receivers * neighbours(n_atoms, domain, model.cutoff)

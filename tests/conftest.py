@@ -61,9 +61,10 @@ def restore_environment():
     os.environ.update(before)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def mpirun():
-    """``mpiexec -n n python ARGS`` (see ``_launcher``)."""
+    """``mpiexec -n n python ARGS`` (see ``_launcher``; it holds no state: one for the session, which module-scoped
+    fixtures use too)."""
     launcher = mpiexec_path()
     if launcher is None:
         pytest.fail("mpiexec not found: install the 'mpich' package (pip install -e .[test])")
@@ -72,7 +73,7 @@ def mpirun():
     return run
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def torchrun():
     """``torchrun --standalone --nproc-per-node n ARGS``, no MPI launcher (see ``_launcher``); "-m
     module" runs a module as under mpiexec."""

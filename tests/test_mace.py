@@ -6,17 +6,14 @@ tests/mpi/mace_models.py runs the same comparison on 2-4 ranks."""
 import importlib.util
 import os
 import pickle
-import warnings
 import zipfile
 
-import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("mace", reason="the MACE adapter needs mace-torch: pip install -e .[mace] && "
                                    "pip install --no-deps mace-torch==0.3.16")
-warnings.filterwarnings("ignore", module="mace")
-warnings.filterwarnings("ignore", module="e3nn")
+pytestmark = pytest.mark.filterwarnings("ignore:::(mace|e3nn)")  # the packages' own deprecations
 
 import mlip_parallel  # noqa: E402
 import potentials  # noqa: E402

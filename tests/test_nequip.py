@@ -5,7 +5,6 @@ runs the comparison on 2-4 ranks. The fixtures (tests/data/nequip) are made by m
 import importlib.util
 import os
 import random
-import warnings
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ import torch
 
 pytest.importorskip("nequip", reason="the nequip adapter needs the nequip extra: pip install -e .[nequip]")
 pytest.importorskip("allegro", reason="the nequip adapter's Allegro fixture needs nequip-allegro (the nequip extra)")
-warnings.filterwarnings("ignore", module="nequip")
+pytestmark = pytest.mark.filterwarnings("ignore:::nequip")  # the framework's own deprecations
 
 import mlip_parallel  # noqa: E402
 import potentials  # noqa: E402

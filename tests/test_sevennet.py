@@ -1,13 +1,11 @@
 """The SevenNet adapter on one process: predict, serial evaluate and the ASE calculator against
 sevenn's own SevenNetCalculator('7net-0')."""
-import warnings
-
 import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("sevenn", reason="SevenNet adapter needs the sevenn extra: pip install -e .[sevenn]")
-warnings.filterwarnings("ignore", module="sevenn")
+pytestmark = pytest.mark.filterwarnings("ignore:::sevenn")  # sevenn's own deprecations
 
 import mlip_parallel  # noqa: E402
 import potentials  # noqa: E402

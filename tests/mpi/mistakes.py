@@ -1,15 +1,16 @@
-"""A user's mistakes, many in one launch (run under mpiexec -n P): ``mistakes.py TOOL SCRATCH`` with TOOL
-mlip-md, mlip-train or mlip-lammps calls the tool's ``main`` once per case of ``CASES[TOOL]``, each in
-its own empty directory under SCRATCH, under an address-space limit (``LIMIT_GB`` per process: an
-input that tries to allocate what the machine does not have fails here with MemoryError instead of
-exhausting the machine).
+"""A user's inputs, many in one launch (run under mpiexec -n P): ``mistakes.py TOOL SCRATCH [accepted]`` with TOOL
+mlip-md, mlip-train or mlip-lammps calls the tool's ``main`` once per case of the tool's table, each in its own
+empty directory under SCRATCH, under an address-space limit (``LIMIT_GB`` per process: an input that tries to
+allocate what the machine does not have fails here with MemoryError instead of exhausting the machine).
 
-Each case must end with exit status 2 on every rank, exactly one line on rank 0's stderr containing
-every expected word (and nothing on stdout, nothing from the other ranks) and an empty directory:
-nothing written. Prints "OK case" or "FAIL case: why" per case, then "mistakes: N of M" on rank 0;
-exits 1 when any case failed.
+The mistakes (the default): each case must end with exit status 2 on every rank, exactly one line on rank 0's
+stderr containing every expected word (and nothing on stdout, nothing from the other ranks) and an empty
+directory: nothing written. ``accepted``: good inputs at their legal limits; each case must end with exit status 0
+on every rank, no error line, and the files it names written. Prints "OK case" or "FAIL case: why" per case, then
+"mistakes: N of M" (or "accepted: N of M") on rank 0; exits 1 when any case failed.
 """
 import contextlib
+import importlib.util
 import io
 import os
 import resource
@@ -32,6 +33,7 @@ from mpi4py import MPI  # noqa: E402
 torch.set_num_threads(1)
 world = MPI.COMM_WORLD
 tool, scratch = sys.argv[1], os.path.abspath(sys.argv[2])
+accepted = sys.argv[3:] == ["accepted"]
 ARGON = {"lennard_jones": {"epsilon": 0.0104, "sigma": 3.4, "cutoff": 8.5}}
 
 
@@ -124,12 +126,9 @@ def md_cases():
         ("non-periodic npt", {"ensemble": "npt", "structure": {"file": structures(
             "cluster.extxyz", lambda atoms, k: atoms.set_pbc(False))}}, ["npt", "periodic"]),
     ]
-    for label, config, words in cases:
+    for label, config, words in cases:  # (no model: the default cu-emt; no structure: the default Cu crystal)
         config.setdefault("steps", 5)
         config.setdefault("output", {})["directory"] = "out"
-        if "model" not in config and config.get("structure", {}).get("element") is None \
-                and config.get("structure", {}).get("file") is None:
-            pass  # the default model (cu-emt) and the default Cu crystal
         yield label, config, words
 
 
@@ -202,8 +201,126 @@ def lammps_cases():
     yield "missing deck", ["-in", "nowhere.lmp", *lj], ["nowhere.lmp"]
 
 
+def argon_file(name, atoms):
+    """An extxyz of ``atoms`` in SCRATCH (rank 0 writes it)."""
+    path = os.path.join(scratch, name)
+    if world.rank == 0:
+        write(path, atoms, format="extxyz", parallel=False)
+    world.Barrier()
+    return path
+
+
+def md_accepted():
+    """mlip-md at its legal limits: (label, config, files written). Argon with Lennard-Jones unless said."""
+    from ase import Atoms
+
+    argon = {"model": ARGON, "structure": {"element": "Ar", "a": 5.26, "repeat": [3, 3, 3]}, "steps": 4}
+    slab = bulk("Ar", "fcc", a=5.26, cubic=True).repeat((2, 3, 3))
+    slab.set_cell([21.04, 15.78, 15.78])  # the atoms in x < 10.5 of a 21 Å periodic cell: rank 1 of 2 owns none
+    dimer = Atoms("Ar2", positions=[[1.0, 1.0, 1.0], [4.8, 1.0, 1.0]], cell=[7.6, 7.6, 7.6], pbc=True)
+    tiny = bulk("Ar", "fcc", a=5.26, cubic=True)  # 4 atoms, a cell 5.26 Å wide, a cutoff of 8.5 Å: ghosts over hops
+    flat = Atoms("Ar9", positions=[[3.8 * i, 3.8 * j, 0.0] for i in range(3) for j in range(3)])  # a layer, no cell
+    cases = [
+        ("zero temperature", {"temperature_K": 0}, ["final.extxyz"]),
+        ("steps zero", {"steps": 0}, ["final.extxyz", "restart.npz"]),
+        ("negative pressure", {"ensemble": "npt", "barostat": {"pressure_GPa": -0.5, "isotropic": False}},
+         ["final.extxyz"]),
+        ("zero friction", {"ensemble": "langevin", "thermostat": {"friction_per_fs": 0}}, ["final.extxyz"]),
+        ("nose-hoover", {"ensemble": "nose-hoover", "thermostat": {"tdamp_fs": 10}}, ["final.extxyz"]),
+        ("bussi", {"ensemble": "bussi", "thermostat": {"tau_fs": 1}}, ["final.extxyz"]),
+        ("one atom per rank", {"structure": {"file": argon_file("dimer.extxyz", dimer)}}, ["final.extxyz"]),
+        ("a rank that owns no atom", {"structure": {"file": argon_file("half.extxyz", slab)}}, ["final.extxyz"]),
+        ("a cell smaller than the cutoff", {"structure": {"file": argon_file("tiny.extxyz", tiny)}}, ["final.extxyz"]),
+        ("a flat cluster", {"structure": {"file": argon_file("flat.extxyz", flat)}, "temperature_K": 50},
+         ["final.extxyz"]),
+        ("no distance check", {"structure": {"min_distance": 0}}, ["final.extxyz"]),
+        ("zero skin", {"skin": 0}, ["final.extxyz"]),
+        ("wide halo", {"mode": "wide"}, ["final.extxyz"]),
+        ("balance every step", {"balance_every": 1}, ["final.extxyz"]),
+        ("every output every step", {"output": {"thermo_every": 1, "trajectory_every": 1, "restart_every": 1}},
+         ["thermo.csv", "trajectory.extxyz", "restart.npz"]),
+        ("ASE trajectory", {"output": {"trajectory_every": 2, "trajectory_format": "traj"}}, ["trajectory.traj"]),
+        ("a tiny time step", {"timestep_fs": 1e-3}, ["final.extxyz"]),
+        ("a tiny memory budget", {"memory_budget_gb": 1e-6}, ["final.extxyz"]),
+        ("resume with nothing to resume", {"resume": True}, ["restart.npz"]),
+        ("cu-emt in float32", {"model": {"checkpoint": "cu-emt", "dtype": "float32"},
+                               "structure": {"element": "Cu", "a": 3.61, "repeat": [2, 2, 2]}}, ["final.extxyz"]),
+    ]
+    if importlib.util.find_spec("fairchem") is not None:
+        water = Atoms("OH2", positions=[[0, 0, 0], [0.96, 0, 0], [-0.24, 0.93, 0]], cell=[9.0, 9.0, 9.0])
+        fixture = os.path.join(ROOT, "tests", "data", "fairchem", "uma-moe.pt")
+        cases.append(("an anion (charge -1)", {"model": {"fairchem": fixture, "task": "omol", "charge": -1, "spin": 2},
+                                               "structure": {"file": argon_file("water.extxyz", water)}, "steps": 2},
+                      ["final.extxyz"]))
+    for label, changes, files in cases:
+        config = {key: dict(value) if isinstance(value, dict) else value for key, value in argon.items()}
+        for key, value in changes.items():
+            config[key] = value if key == "model" or not isinstance(value, dict) else {**config.get(key, {}), **value}
+        config.setdefault("output", {})["directory"] = "out"
+        yield label, config, [os.path.join("out", f) for f in files]
+
+
+def train_accepted():
+    """mlip-train at its legal limits: (label, config, files written)."""
+    data = structures("accepted.extxyz", count=6)
+    validation = structures("accepted_validation.extxyz", count=2)
+    base = {"data": {"train": data, "validation_fraction": 0.34},
+            "model": {"name": "SchNet", "cutoff": 4.0, "hyperparameters": {"features": 8, "layers": 2}},
+            "epochs": 1, "batch_size": 2}
+    cases = [
+        ("one epoch, one batch of every structure", {"data": {"train": data, "validation": validation,
+                                                              "validation_fraction": 0.0}, "batch_size": 6}),
+        ("a batch of one", {"batch_size": 1}),
+        ("a test share", {"data": {"train": data, "validation_fraction": 0.34, "test_fraction": 0.17}}),
+        ("no EMA", {"ema_decay": 0.0}),
+        ("no gradient clipping", {"optimizer": {"gradient_clip": 0.0}}),
+        ("cosine schedule", {"schedule": {"name": "cosine"}, "epochs": 2}),
+        ("no schedule", {"schedule": {"name": "none"}}),
+        ("the stress alone", {"loss": {"energy_weight": 0.0, "forces_weight": 0.0, "stress_weight": 1.0}}),
+        ("a tiny learning rate", {"optimizer": {"lr": 1e-12}}),
+        ("float64", {"model": {**base["model"], "dtype": "float64"}}),
+        ("graph parallel", {"parallel": "graph"}),
+        ("pipeline of one micro-batch", {"parallel": "pipeline", "pipeline": {"stages": 2, "microbatches": 1}}),
+        ("PaiNN, frozen embedding", {"model": {"name": "PaiNN", "cutoff": 4.0, "hyperparameters": {"features": 8,
+                                                                                                  "layers": 2},
+                                               "freeze": ["embedding.*"]}}),
+        ("cu-emt refit", {"model": {"checkpoint": "cu-emt", "reference_energies": "refit"}}),
+    ]
+    for label, changes in cases:
+        config = {key: dict(value) if isinstance(value, dict) else value for key, value in base.items()}
+        config.update(changes)
+        config["output"] = {"directory": "out"}
+        yield label, config, ["out/best.pt", "out/last.pt", "out/metrics.csv"]
+
+
+def lammps_accepted():
+    """mlip-lammps at its legal limits: (label, argv, files written)."""
+    deck = os.path.join(scratch, "in.accepted")
+    half = os.path.join(scratch, "in.half")
+    if world.rank == 0:
+        with open(deck, "w") as f:
+            f.write("units metal\nlattice fcc 5.26\nregion box block 0 3 0 3 0 3\ncreate_box 1 box\n"
+                    "create_atoms 1 box\nmass 1 39.95\nrun 2\n")
+        with open(half, "w") as f:  # atoms in the lower half of the box only: a rank with none
+            f.write("units metal\nlattice fcc 5.26\nregion box block 0 6 0 3 0 3\ncreate_box 1 box\n"
+                    "region lower block 0 2.9 0 3 0 3\ncreate_atoms 1 region lower\nmass 1 39.95\n"
+                    "velocity all create 30 1\nfix nve all nve\nrun 2\n")
+    world.Barrier()
+    lj = ["--model", "lj:0.0104,3.4,8.5", "--add-fix", "-log", "log.lammps", "-screen", "none"]
+    for label, extra, path in (("zero skin", ["--skin", "0"], deck), ("wide halo", ["--mode", "wide"], deck),
+                               ("elements named", ["--elements", "Ar"], deck),
+                               ("a tiny memory budget", ["--memory-budget-gb", "1e-6"], deck),
+                               ("a rank that owns no atom", [], half),
+                               ("cu-emt in float32", ["--dtype", "float32", "--elements", "Cu"], deck)):
+        argv = ["-in", path, *lj, *extra]
+        if label.startswith("cu-emt"):
+            argv[argv.index("--model") + 1] = "cu-emt"
+        yield label, argv, ["log.lammps"]
+
+
 def run_case(label, argument, words):
-    """(ok, why) of one case, the same verdict on every rank."""
+    """(ok, why) of one case, the same verdict on every rank. Refused: ``words`` in its one line; accepted: the
+    files ``words`` names written."""
     directory = os.path.join(scratch, tool, label.replace(" ", "_"))
     if world.rank == 0:
         os.makedirs(directory)
@@ -232,6 +349,14 @@ def run_case(label, argument, words):
     lines = err.getvalue().splitlines()
     left = sorted(set(os.listdir(directory)) - {"job.yaml"})
     why = None
+    if accepted:
+        missing = [f for f in words if not os.path.exists(os.path.join(directory, f))]
+        errors = [line for line in lines if "error" in line]
+        why = f"exit {code!r}: {errors[:1] or lines[-3:]}" if code != 0 else f"no {missing}" if missing else \
+            f"printed {errors[:1]}" if errors else None
+        whys = [w for w in world.allgather(why) if w]
+        os.chdir(scratch)
+        return not whys, whys[0] if whys else "ran"
     if code != 2:
         why = f"exit {code!r}"
     elif out.getvalue():
@@ -250,7 +375,9 @@ def run_case(label, argument, words):
     return not whys, whys[0] if whys else message
 
 
-cases = list({"mlip-md": md_cases, "mlip-train": train_cases, "mlip-lammps": lammps_cases}[tool]())
+tables = {"mlip-md": (md_cases, md_accepted), "mlip-train": (train_cases, train_accepted),
+          "mlip-lammps": (lammps_cases, lammps_accepted)}
+cases = list(tables[tool][accepted]())
 passed = 0
 for label, argument, words in cases:
     ok, text = run_case(label, argument, words)
@@ -258,5 +385,5 @@ for label, argument, words in cases:
     if world.rank == 0:
         print(f"{'OK' if ok else 'FAIL'} {label}: {text}", flush=True)
 if world.rank == 0:
-    print(f"mistakes: {passed} of {len(cases)}", flush=True)
+    print(f"{'accepted' if accepted else 'mistakes'}: {passed} of {len(cases)}", flush=True)
 sys.exit(0 if passed == len(cases) else 1)
