@@ -64,6 +64,9 @@ class NequIP(ScaleShiftReferences, BlockPotential):
     (eV). As pipeline parts, the irreps features h cross stage boundaries as one [n, irreps.dim] tensor.
     """
 
+    # what an evaluation keeps per row (irreps features and gates of every layer): 22 KB measured at 864 atoms with
+    # the defaults (benchmarks/preflight.py; the base class's 16 KB gave 1.00 of the peak)
+    EVALUATION_BYTES_PER_ROW = 32_000
     PART_MODULES = {"embed": ("embedding",), "block": ("interactions.{k}", "gates.{k}"),
                     "readout": ("readout_linear", "readout", "scale_shift")}
 

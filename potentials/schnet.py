@@ -23,6 +23,9 @@ class SchNet(ScaleShiftReferences, BlockPotential):
     lin(act(lin2(Σ_j lin1(h)_j · mlp(rbf(r_ij)) · C(r_ij)))), C the cosine envelope.
     """
 
+    # what an evaluation keeps per row (owned or ghost): 7 KB measured with F=64, 3 layers (16,384 Cu atoms, 28,640
+    # rows: 198-215 MB; benchmarks/preflight.py), where the base class's 16 KB overestimated 3x
+    EVALUATION_BYTES_PER_ROW = 10_000
     PART_MODULES = {"embed": ("embedding",), "block": ("interactions.{k}",), "readout": ("readout", "scale_shift")}
 
     def __init__(self, species: Sequence[str], cutoff: float, features: int = 64, layers: int = 3,
