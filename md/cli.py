@@ -57,6 +57,9 @@ SECTIONS = {
                             "else cpu), cpu or cuda"),
     "balance_every": (int, 0, "load balance: 0 keeps uniform cut planes; N > 0 shifts them so ranks own similar "
                               "atom counts, at the start and every N steps (slabs, droplets)"),
+    "verify": (bool, False, "compare the first step's energy, forces and stress with one process's evaluation of the "
+                            "same structure (python -m mlip_parallel.check's comparison) and stop, naming the "
+                            "difference, when they differ beyond floating-point summation order"),
     "resume": (bool, False, "continue from OUTPUT/restart.npz when there is one, else start; steps is then the "
                             "run's total, so the same command, run again after a crash, finishes the run"),
     "restart_from": (str, None, "continue from a restart.npz (structure, velocities and step come from it) for "

@@ -71,6 +71,26 @@ class MDJob:
             raise SimulationError(f"step {self.first_step if self.restart is not None else 0}: {exc}") from None
         self.continuing = self.continues is not None  # cut the outputs back to the restart, then append
         self.last_restart = f"{self.restart} (step {self.first_step})" if self.continuing else "none yet"
+        self.verified = self._verify() if config["verify"] else None
+
+    def _verify(self) -> str:
+        """The first step's energy, forces and stress against one process's evaluation of the same structure
+        (``mlip_parallel.verify.check_step``); SimulationError naming the differences where they are beyond
+        summation order. Returns the comparison's line. Collective, before anything is written."""
+        from mlip_parallel.verify import check_step
+
+        frame = self.snapshot(self.first_step)
+        result = None
+        if self.root:
+            result = {"energy": frame.calc.results["energy"], "forces": frame.calc.results["forces"]}
+            if "stress" in frame.calc.results:
+                result["stress"] = frame.calc.results["stress"]
+        comparison = check_step(self.model, frame, result, self.backend)
+        line = comparison.line(f"verify: step {self.first_step} on {self.backend.size} rank(s) against one process")
+        if not comparison.ok:
+            raise SimulationError(f"{line}: the model is not exact when distributed (does every layer after the first "
+                                  f"refresh its ghost rows with graph.halo?)")
+        return line
 
     def _options(self) -> dict:
         config = self.config
@@ -113,6 +133,8 @@ class MDJob:
             via = f" ({backend.library.split(' (')[0]})" if backend.size > 1 else ""
             print(f"mlip-md: {self.system.n_atoms} atoms on {backend.size} rank(s){via} x {self.threads} thread(s), "
                   f"{self.system.device}, {config['ensemble']}, steps {first_step} to {steps} of {config['timestep_fs']} fs")
+            if self.verified:
+                print(f"mlip-md: {self.verified}")
             print(" ".join(f"{c:>14s}" for c in SCREEN_COLUMNS), flush=True)
             from mlip_parallel.progress import Progress
             bar = Progress("mlip-md", steps, first_step, "step", None if out["progress"] else "off")

@@ -195,10 +195,12 @@ class Bridge:
     in ``mlip_parallel.evaluate`` (None: a share of the device's free memory, fixed at the start). Sets ``fix_modify
     fix_id energy yes virial yes``. After each call: ``energy`` (eV, global), ``forces`` [nlocal, 3],
     ``virial`` [6] (eV, global, LAMMPS's order xx yy zz xy xz yz); ``calls``, ``seconds`` (in the
-    callback), ``decomposition.rebuilds``."""
+    callback), ``decomposition.rebuilds``. ``verify``: the first call's energy, forces and stress compared with one
+    process's evaluation of the same structure (``mlip_parallel.verify``), a LammpsBridgeError naming the
+    differences where they are beyond summation order; ``verified`` the comparison's line."""
 
     def __init__(self, lmp, model, fix_id: str, elements=None, mode: str = "layerwise", skin: float = 1.0,
-                 device=None, memory_budget_gb: float | None = None):
+                 device=None, memory_budget_gb: float | None = None, verify: bool = False):
         import numpy as np
         import torch
 
@@ -244,6 +246,7 @@ class Bridge:
         budget = None if math.isinf(self.memory_budget_gb) else int(self.memory_budget_gb * 1e9)
         self.decomposition = LammpsDecomposition(model, self.backend, mode, skin, budget)
         self.mode, self.calls, self.seconds = mode, 0, 0.0
+        self.verify, self.verified = verify, None
         self._masses, self._type_numbers = None, None
         self.energy, self.forces, self.virial = 0.0, np.zeros((0, 3)), np.zeros(6)
         lmp.command(f"fix_modify {fix_id} energy yes virial yes")
@@ -319,6 +322,8 @@ class Bridge:
         except SimulationError as exc:  # counted over every rank: all of them raise it
             raise LammpsBridgeError(f"step {step}: {exc}") from None
         forces = forces.detach().cpu().numpy()
+        if self.verify and self.calls == 0:
+            self.verified = self._check(step, tags, x - boxlo, numbers, forces, cell, pbc, d)
         w = -0.5 * (d + d.T)  # LAMMPS's virial sum r_a f_b = -dE/dstrain, order xx yy zz xy xz yz
         self.virial = np.array([w[0, 0], w[1, 1], w[2, 2], w[0, 1], w[0, 2], w[1, 2]])
         self.forces = forces
@@ -330,6 +335,35 @@ class Bridge:
             eatom = np.ascontiguousarray(energies.detach().cpu().numpy(), dtype=np.float64)
             lmp.lib.lammps_fix_external_set_energy_peratom(lmp.lmp, self.fix_id.encode(),
                                                            eatom.ctypes.data_as(ctypes.POINTER(ctypes.c_double)))
+
+
+    def _check(self, step, tags, x, numbers, forces, cell, pbc, dE_dstrain) -> str:
+        """The comparison of ``verify`` (collective): this call's structure and result gathered on rank 0 in tag
+        order, against one process's evaluation; LammpsBridgeError on every rank when beyond summation order."""
+        import numpy as np
+        from ase import Atoms
+
+        from potentials.predict import voigt_stress
+
+        from ..verify import check_step
+
+        pieces = self.backend.allgather((tags, x, numbers, forces))
+        frame = result = None
+        if self.backend.rank == 0:
+            tags, x, numbers, forces = (np.concatenate([p[k] for p in pieces]) for k in range(4))
+            order = np.argsort(tags)
+            frame = Atoms(numbers=numbers[order], positions=x[order], cell=cell, pbc=pbc)
+            result = {"energy": self.energy, "forces": forces[order]}
+            if frame.cell.rank == 3:
+                result["stress"] = voigt_stress(dE_dstrain, frame.cell.volume)
+        comparison = check_step(self.model, frame, result, self.backend)
+        line = comparison.line(f"verify: step {step} on {self.backend.size} rank(s) against one process")
+        if not comparison.ok:
+            raise LammpsBridgeError(f"{line}: the model is not exact when distributed (does every layer after the "
+                                    f"first refresh its ghost rows with graph.halo?)")
+        if self.backend.rank == 0:
+            print(f"{PROG}: {line}", flush=True)
+        return line
 
 
 def _remove_scratch() -> None:

