@@ -102,3 +102,26 @@ def test_verify_stops_mlip_md_and_mlip_lammps_on_a_model_that_skips_the_halo(mpi
     assert all("BEYOND" in line and "graph.halo" in line for line in errors), errors
     assert not (tmp_path / "md-broken").exists() and (tmp_path / "md-good" / "final.extxyz").exists()
     assert out.count("verify: step 0 on 2 rank(s) against one process") == 3 and out.count("(within ") == 2, out
+
+
+def test_a_structure_one_process_cannot_hold_is_compared_through_a_carve_out(monkeypatch):
+    """Where the memory pre-flight says one process cannot hold the structure (made to say so above 40 atoms), the
+    comparison runs on a carve-out: the atoms nearest the centre, as many as one process holds (256 halved to 32), as
+    a cluster; a run's first step is checked the same way."""
+    import numpy as np
+    from ase.build import bulk
+
+    import potentials
+    from mlip_parallel.backend import SerialBackend
+    from mlip_parallel import verify
+
+    monkeypatch.setattr(verify, "fits_one_process", lambda model, atoms: len(atoms) <= 40)
+    model = potentials.load_model("cu-emt", "float64")
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(4)
+    atoms.rattle(0.05, seed=3)
+    compared, results = verify.check(model, atoms, SerialBackend(), ("layerwise",))
+    assert len(compared) == 32 and not compared.pbc.any() and results[0][1].ok, (len(compared), results)
+    spread = compared.positions - compared.positions.mean(axis=0)
+    assert np.linalg.norm(spread, axis=1).max() < 6.0  # a compact ball of 32 atoms (fcc Cu: radius ~4.7 Å)
+    step = verify.check_step(model, atoms, None, SerialBackend())
+    assert step.ok
