@@ -6,6 +6,7 @@ import math
 from ase.calculators.calculator import Calculator, all_changes
 
 import mlip_parallel
+from potentials.committee import Committee
 from potentials.graph import MIN_DISTANCE
 from potentials.messages import memory_budget_bytes
 from mlip_parallel import MODES
@@ -19,9 +20,15 @@ class MLIPCalculator(Calculator):
     results, so ASE optimizers and integrators run unchanged. Serial without MPI. ``mode``, ``grid``,
     ``comm``, ``memory_budget_gb`` and ``min_distance`` are those of ``mlip_parallel.evaluate``. Stress is given when
     the cell has a volume.
+
+    A committee — a list of models (``potentials.Committee`` of their mean; pass a ``Committee`` for
+    ``forces="first"``) — gives its members' mean (or first) energy, forces and stress, and its model deviation:
+    "devi_f" (σ_F per atom, eV/Å), "devi_energies", "max_devi_f", "min_devi_f", "avg_devi_f", "devi_e" and
+    "member_energies" in ``results`` (``mlip_parallel.evaluate``).
     """
 
     implemented_properties = ["energy", "free_energy", "energies", "forces", "stress"]
+    DEVIATION = ["devi_f", "devi_energies", "max_devi_f", "min_devi_f", "avg_devi_f", "devi_e", "member_energies"]
 
     def __init__(self, model, mode: str = "layerwise", grid=None, comm=None, memory_budget_gb: float | None = None,
                  min_distance: float = MIN_DISTANCE, **kwargs):
@@ -30,6 +37,10 @@ class MLIPCalculator(Calculator):
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if memory_budget_gb is not None:
             memory_budget_bytes(memory_budget_gb, "cpu")  # a bad value raises here, not at the first step
+        if isinstance(model, (list, tuple)):
+            model = Committee(model)
+        if isinstance(model, Committee):
+            self.implemented_properties = [*self.implemented_properties, *self.DEVIATION]
         self.model, self.mode, self.grid, self.comm = model, mode, grid, comm
         if not (math.isfinite(min_distance) and min_distance >= 0):
             raise ValueError(f"min_distance must be a finite number >= 0 (Å), got {min_distance}")

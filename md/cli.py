@@ -15,7 +15,7 @@ from mlip_parallel.config import ConfigError, config_parser, read_job, report_er
     validate as config_validate
 from mlip_parallel.errors import SimulationError
 from mlip_parallel.launch import end_job
-from mlip_parallel.model_section import model_rules, model_schema
+from mlip_parallel.model_section import COMMITTEE_KEYS, COMMITTEE_RULES, model_rules, model_schema
 from potentials.errors import OutputError
 from potentials.families import FamilyError
 
@@ -64,6 +64,15 @@ SECTIONS = {
                             "run's total, so the same command, run again after a crash, finishes the run"),
     "restart_from": (str, None, "continue from a restart.npz (structure, velocities and step come from it) for "
                                 "steps more steps; in its own directory the outputs continue, elsewhere they start"),
+    "uncertainty": {
+        "every": (int, 0, "committee: its model deviation every N steps (0: at the thermo rows, output.thermo_every) "
+                          "into OUTPUT/model_devi.csv: step, max_devi_f, min_devi_f, avg_devi_f (σ_F over the atoms, "
+                          "eV/Å), devi_e (the members' standard deviation of the energy per atom, eV)"),
+        "select": (list, None, "committee: [low, high] eV/Å: the frames whose max_devi_f lies within go to "
+                               "OUTPUT/candidates.extxyz (σ_F per atom as the array devi_f), for labelling"),
+        "stop_above": (float, None, "committee: end the run (status 1, restart.npz written) at a step whose max_devi_f "
+                                    "is above this, eV/Å"),
+    },
     "output": {
         "directory": (str, "md_output", "output directory"),
         "thermo_every": (int, 10, "thermo row every N steps"),
@@ -81,21 +90,21 @@ RULES = {"ensemble": ("nve", "langevin", "bussi", "nose-hoover", "npt"), "mode":
          "device": ("auto", "cpu", "cuda"), "output.trajectory_format": ("extxyz", "traj"),
          "structure.a": "> 0", "thermostat.tau_fs": "> 0", "thermostat.tdamp_fs": "> 0",
          "barostat.pressure_GPa": "finite", "barostat.pdamp_fs": "> 0", "timestep_fs": "> 0",
-         "memory_budget_gb": "> 0"}
+         "memory_budget_gb": "> 0", "uncertainty.stop_above": "> 0"}
 
 
 def schema() -> dict:
     """mlip-md's configuration keys: the model section (from the model families), then ``SECTIONS``."""
     from .start import DEFAULT_MODEL
 
-    model = model_schema()
+    model = {**model_schema(), **COMMITTEE_KEYS}
     types, default, text = model["checkpoint"]
     model["checkpoint"] = (types, default, f"{text}; with no model given, {DEFAULT_MODEL}")
     return {"model": model, **SECTIONS}
 
 
 def rules() -> dict:
-    return {**model_rules(), **RULES}
+    return {**model_rules(), **COMMITTEE_RULES, **RULES}
 
 
 def validate(config) -> dict:

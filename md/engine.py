@@ -32,7 +32,7 @@ from ase import units
 from mlip_parallel import (MODES, DecompositionError, Domain, Grid, LostAtomsError, Subdomain, forward_decomposed,
                            get_backend)
 from mlip_parallel.errors import SimulationError
-from mlip_parallel.evaluate import ghost_reach, global_sums
+from mlip_parallel.evaluate import committee_step, deviation_summary, ghost_reach, global_sums
 from mlip_parallel.preflight import check_rank_memory
 from potentials.errors import InvalidStructureError
 from potentials.files import atomic_write
@@ -209,16 +209,32 @@ class MDSystem:
 
     # ---------------------------------------------------------------------- forces
     def compute_forces(self) -> None:
-        """Forces on owned atoms, the global energy and virial (collective)."""
+        """Forces on owned atoms, the global energy and virial (collective). A committee
+        (``potentials.Committee``) runs its members on this one decomposition: the forces, energy and virial are
+        their mean (or the first member's), and ``devi_f`` [n] (numpy) holds the owned atoms' force deviation,
+        ``member_energies`` [K] the members' global energies (``deviation`` reduces them)."""
+        from potentials.committee import Committee
+
         start, messages = time.perf_counter(), self.backend.comm_seconds
         self.sub.positions = self.atoms["positions"]
-        energies, forces, dE_dstrain = forward_decomposed(self.model, self.sub, self.mode,
-                                                          memory_budget_gb=self.memory_budget_gb)
-        self.forces = forces.detach()
-        self.energy, self.virial = global_sums(self.backend, energies, dE_dstrain, forces=self.forces)
+        if isinstance(self.model, Committee):
+            step = committee_step(self.model, self.sub, self.mode, memory_budget_gb=self.memory_budget_gb)
+            self.forces, self.energy, self.virial = step.forces.detach(), step.energy, step.dE_dstrain
+            self.devi_f, self.member_energies = _host(step.devi_f), step.member_energies
+        else:
+            energies, forces, dE_dstrain = forward_decomposed(self.model, self.sub, self.mode,
+                                                              memory_budget_gb=self.memory_budget_gb)
+            self.forces = forces.detach()
+            self.energy, self.virial = global_sums(self.backend, energies, dE_dstrain, forces=self.forces)
         halo = self.backend.comm_seconds - messages
         self.timers["halo"] += halo
         self.timers["force"] += time.perf_counter() - start - halo
+
+    def deviation(self) -> dict:
+        """The committee's model deviation at the last force call (collective): DeePMD's "max_devi_f",
+        "min_devi_f", "avg_devi_f" (σ_F over every atom, eV/Å) and "devi_e" (the members' standard deviation of the
+        total energy, per atom, eV)."""
+        return deviation_summary(self.backend, self.devi_f, self.member_energies, self.n_atoms)
 
     # -------------------------------------------------------------------- thermo
     def kinetic_tensor(self) -> np.ndarray:

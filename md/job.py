@@ -22,8 +22,10 @@ from pathlib import Path
 
 from mlip_parallel.config import ConfigError
 from mlip_parallel.errors import MemoryLimitError, SimulationError
+from potentials.committee import Committee
 from potentials.errors import OutputError
 
+from .outputs import CANDIDATES
 from .start import prepare
 
 THERMO_COLUMNS = ("step", "time_fs", "temperature_K", "epot_eV", "ekin_eV", "etot_eV", "pressure_GPa",
@@ -69,6 +71,7 @@ class MDJob:
             raise ConfigError(str(exc)) from None
         except SimulationError as exc:
             raise SimulationError(f"step {self.first_step if self.restart is not None else 0}: {exc}") from None
+        self.committee = isinstance(self.model, Committee)
         self.continuing = self.continues is not None  # cut the outputs back to the restart, then append
         self.last_restart = f"{self.restart} (step {self.first_step})" if self.continuing else "none yet"
         self.verified = self._verify() if config["verify"] else None
@@ -120,16 +123,17 @@ class MDJob:
         config, backend, root, integrator = self.config, self.backend, self.root, self.integrator
         out, directory, steps, first_step = config["output"], self.directory, self.steps, self.first_step
         every, traj_every, restart_every = max(1, out["thermo_every"]), out["trajectory_every"], out["restart_every"]
+        devi_every = (config["uncertainty"]["every"] or every) if self.committee else 0
         stride = max(1, (steps - first_step) // SAMPLES)
         unrecorded = self.continues == {}  # a restart written without a record of the outputs
+        trajectory = f"trajectory.{out['trajectory_format']}" if traj_every else None
         files = bar = None
         if root:
             with naming_errors(directory):
                 directory.mkdir(parents=True, exist_ok=True)
             if self.continuing:
-                cut_back(directory, self.continues)
-            files = RunFiles(directory, THERMO_COLUMNS, f"trajectory.{out['trajectory_format']}" if traj_every
-                             else None, fresh=not self.continuing)
+                cut_back(directory, self.continues, appended=(trajectory, CANDIDATES))
+            files = RunFiles(directory, THERMO_COLUMNS, trajectory, fresh=not self.continuing, deviation=self.committee)
             via = f" ({backend.library.split(' (')[0]})" if backend.size > 1 else ""
             print(f"mlip-md: {self.system.n_atoms} atoms on {backend.size} rank(s){via} x {self.threads} thread(s), "
                   f"{self.system.device}, {config['ensemble']}, steps {first_step} to {steps} of {config['timestep_fs']} fs")
@@ -140,7 +144,8 @@ class MDJob:
             bar = Progress("mlip-md", steps, first_step, "step", None if out["progress"] else "off")
 
         rows, step = [], first_step
-        stops = {steps} | {s for n in (every, traj_every, restart_every) if n for s in range(0, steps + 1, n)}
+        stops = {steps} | {s for n in (every, traj_every, restart_every, devi_every) if n
+                           for s in range(0, steps + 1, n)}
         samples = [self.system.thermo(first_step, integrator.dt)]  # for the summary: every `stride` steps
         start_time = time.perf_counter()
         last_timers, last_step = dict(self.system.timers), step
@@ -156,7 +161,10 @@ class MDJob:
             else:
                 state, per_step = self.system.thermo(step, integrator.dt), 0.0
             output_start = time.perf_counter()
-            restart_due = step == steps or (restart_every and step % restart_every == 0)
+            deviation = self.system.deviation() if devi_every and step % devi_every == 0 else None  # (collective)
+            stop = deviation is not None and config["uncertainty"]["stop_above"] is not None and \
+                deviation["max_devi_f"] > config["uncertainty"]["stop_above"] and step > first_step
+            restart_due = step == steps or stop or (restart_every and step % restart_every == 0)
             if restart_due and not (self.continuing and step == first_step):  # not again the one continued from
                 state = self._write_restart(step, files)
             # a restart written without a record of the outputs holds its own step's row and frame already
@@ -176,6 +184,12 @@ class MDJob:
                 frame = self.snapshot(step)
                 if root:
                     files.frame(frame)
+            if deviation is not None and not written:
+                self._deviation_outputs(step, deviation, files)
+            if stop:
+                raise SimulationError(f"step {step}: max_devi_f {deviation['max_devi_f']:.4g} eV/Å is above "
+                                      f"uncertainty.stop_above ({config['uncertainty']['stop_above']:g} eV/Å): the "
+                                      f"committee disagrees")
             if root:
                 bar.update(step)
             self.system.timers["output"] += time.perf_counter() - output_start
@@ -189,6 +203,20 @@ class MDJob:
             plot_thermo(directory)
         self._report(samples, elapsed if root else None)
         return rows
+
+    def _deviation_outputs(self, step: int, deviation: dict, files) -> None:
+        """A committee's row of model_devi.csv, and the frame in candidates.extxyz where ``uncertainty.select``
+        holds its max_devi_f (collective: the frame is gathered)."""
+        select = self.config["uncertainty"]["select"]
+        if self.root:
+            files.deviation_row(dict(deviation, step=step))
+        if select is not None and select[0] <= deviation["max_devi_f"] <= select[1]:
+            frame, devi_f = self.snapshot(step), self.system.gather("devi_f")
+            if self.root:
+                frame.calc = None  # the committee's energy and forces are no labels
+                frame.arrays["devi_f"] = devi_f
+                frame.info.update({k: v for k, v in deviation.items()})
+                files.candidate(frame)
 
     def _write_restart(self, step: int, files) -> dict:
         """Write restart.npz at ``step`` (the state at ``step``, the files up to the step before), then go on from

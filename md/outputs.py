@@ -82,9 +82,15 @@ def check_recorded(directory, record: dict, restart) -> None:
                               f"not this run's file, and is left as it is; restore it or start a new run")
 
 
-def cut_back(directory, record: dict) -> None:
+def cut_back(directory, record: dict, appended=()) -> None:
     """Truncate each file of ``record`` in ``directory`` to its recorded size (a .traj file's header
-    written back as recorded); ``check_recorded`` has accepted them."""
+    written back as recorded); ``check_recorded`` has accepted them. The files of ``appended`` (names a run
+    appends to) that ``record`` does not hold were begun after the restart: they go (a record of none keeps them:
+    a restart written without one)."""
+    for name in appended if record else ():
+        if name is not None and name not in record:
+            with naming_errors(Path(directory) / name):
+                (Path(directory) / name).unlink(missing_ok=True)
     for name, saved in record.items():
         path = Path(directory) / name
         with naming_errors(path), open(path, "r+b") as f:
@@ -96,26 +102,53 @@ def cut_back(directory, record: dict) -> None:
             os.fsync(f.fileno())
 
 
+DEVIATION_COLUMNS = ("step", "max_devi_f", "min_devi_f", "avg_devi_f", "devi_e")  # DeePMD's model_devi.out names
+CANDIDATES = "candidates.extxyz"
+
+
 class RunFiles:
     """Rank 0's open outputs of one run: ``row`` appends to thermo.csv, ``frame`` to the trajectory
-    (``trajectory``: its file name, None for none); ``record`` flushes both and returns what a restart
-    keeps of them. ``fresh``: start the files anew (else append to them: a continued run)."""
+    (``trajectory``: its file name, None for none); with ``deviation`` (a committee's run), ``deviation_row`` to
+    model_devi.csv and ``candidate`` to candidates.extxyz; ``record`` flushes them and returns what a restart keeps
+    of them. ``fresh``: start the files anew (else append to them: a continued run)."""
 
-    def __init__(self, directory: Path, columns, trajectory: str | None, fresh: bool):
+    def __init__(self, directory: Path, columns, trajectory: str | None, fresh: bool, deviation: bool = False):
         self.directory, self.trajectory = Path(directory), trajectory
-        self.thermo = self.directory / "thermo.csv"
-        with naming_errors(self.thermo):
-            if fresh and trajectory is not None:
-                (self.directory / trajectory).unlink(missing_ok=True)
-            self.csv_file = open(self.thermo, "w" if fresh else "a", newline="")
-            self.writer = csv.DictWriter(self.csv_file, fieldnames=columns)
-            if self.csv_file.tell() == 0:
-                self.writer.writeheader()
+        self.tables = {}  # file name -> (open file, csv writer)
+        with naming_errors(self.directory):
+            for name in ([trajectory] if trajectory is not None else []) + ([CANDIDATES] if deviation else []):
+                if fresh:
+                    (self.directory / name).unlink(missing_ok=True)
+        self._open_table("thermo.csv", columns, fresh)
+        if deviation:
+            self._open_table("model_devi.csv", DEVIATION_COLUMNS, fresh)
+
+    def _open_table(self, name: str, columns, fresh: bool) -> None:
+        with naming_errors(self.directory / name):
+            handle = open(self.directory / name, "w" if fresh else "a", newline="")
+            writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
+            if handle.tell() == 0:
+                writer.writeheader()
+        self.tables[name] = (handle, writer)
+
+    def _append(self, name: str, row: dict) -> None:
+        handle, writer = self.tables[name]
+        with naming_errors(self.directory / name):
+            writer.writerow(row)
+            handle.flush()
 
     def row(self, row: dict) -> None:
-        with naming_errors(self.thermo):
-            self.writer.writerow(row)
-            self.csv_file.flush()
+        self._append("thermo.csv", row)
+
+    def deviation_row(self, row: dict) -> None:
+        self._append("model_devi.csv", row)
+
+    def candidate(self, atoms) -> None:
+        """A frame to label: its structure and the per-atom array devi_f, no energy or forces (they are the
+        committee's guesses, not labels)."""
+        path = self.directory / CANDIDATES
+        with naming_errors(path), open(path, "a") as f:
+            write_extxyz(f, atoms)
 
     def frame(self, atoms) -> None:
         path = self.directory / self.trajectory
@@ -129,16 +162,18 @@ class RunFiles:
                     write_extxyz(f, atoms)
 
     def record(self) -> dict:
-        """{file name: file_record} of thermo.csv and the trajectory, after flushing them to disk."""
-        with naming_errors(self.thermo):
-            self.csv_file.flush()
-            os.fsync(self.csv_file.fileno())
-        names = ["thermo.csv", self.trajectory]  # no trajectory, or none written yet: not recorded
+        """{file name: file_record} of every output file written so far, after flushing them to disk."""
+        for name, (handle, _) in self.tables.items():
+            with naming_errors(self.directory / name):
+                handle.flush()
+                os.fsync(handle.fileno())
+        names = [*self.tables, self.trajectory, CANDIDATES]  # a file not written yet: not recorded
         return {name: file_record(self.directory / name) for name in names
                 if name is not None and (self.directory / name).exists()}
 
     def close(self) -> None:
-        self.csv_file.close()
+        for handle, _ in self.tables.values():
+            handle.close()
 
 
 def write_extxyz(file, atoms) -> None:
@@ -148,12 +183,14 @@ def write_extxyz(file, atoms) -> None:
     from ase.stress import voigt_6_to_full_3x3_stress
 
     frame = atoms.copy()
-    save_calc_results(frame, atoms.calc, calc_prefix="")  # energy, stress → info; forces → arrays
+    if atoms.calc is not None:
+        save_calc_results(frame, atoms.calc, calc_prefix="")  # energy, stress → info; forces → arrays
     if "stress" in frame.info:
         frame.info["stress"] = voigt_6_to_full_3x3_stress(frame.info["stress"])
-    columns = ["symbols", "positions"] + [k for k in ("momenta", "forces") if k in frame.arrays]
+    columns = ["symbols", "positions"] + [k for k in ("momenta", "forces") if k in frame.arrays] + \
+        sorted(k for k in frame.arrays if k not in ("numbers", "positions", "momenta", "forces"))
     arrays = dict(frame.arrays, symbols=np.array(frame.get_chemical_symbols()))
     comment = output_column_format(frame, columns, arrays)[0]
-    values = np.hstack([arrays[k] for k in columns[1:]]).tolist()
+    values = np.hstack([np.asarray(arrays[k]).reshape(len(frame), -1) for k in columns[1:]]).tolist()
     file.write(f"{len(frame)}\n{comment}\n")
     file.writelines(f"{symbol} {' '.join(map(repr, row))}\n" for symbol, row in zip(arrays["symbols"], values))

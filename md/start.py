@@ -8,15 +8,18 @@ import math
 from pathlib import Path
 
 from mlip_parallel.config import ConfigError, check_output_directory
-from mlip_parallel.model_section import chosen_family, load_section_model, model_families
+from mlip_parallel.model_section import chosen_family, load_section_committee, load_section_model, model_families
 
 
 DEFAULT_MODEL = "cu-emt"  # a potentials checkpoint: the bundled PaiNN for Cu
 
 
 def build_model(section):
-    """The model the validated model ``section`` names (the bundled cu-emt where it names none); potentials
-    checkpoints run in float64 unless ``model.dtype`` says otherwise."""
+    """The model the validated model ``section`` names (the bundled cu-emt where it names none; a
+    ``potentials.Committee`` for ``model.committee``); potentials checkpoints run in float64 unless
+    ``model.dtype`` says otherwise."""
+    if section.get("committee") is not None:
+        return load_section_committee(section, checkpoint_dtype="float64")
     name = chosen_family(section)
     if name is None:
         name, section = "checkpoint", dict(section, checkpoint=DEFAULT_MODEL)
@@ -108,11 +111,29 @@ def check_species(model, numbers, section) -> None:
     try:
         model.species_index(numbers)
     except UnknownSpeciesError as exc:
-        name = chosen_family(section)
-        named = f"{DEFAULT_MODEL}, the default" if name is None else section[name]
+        name = None if section.get("committee") is not None else chosen_family(section)
+        named = "the committee" if section.get("committee") is not None else \
+            f"{DEFAULT_MODEL}, the default" if name is None else section[name]
         keys = [f"model.{f.name}" for f in model_families()]
         raise ConfigError(f"structure: {exc} (model: {named}); set {', '.join(keys[:-1])} or {keys[-1]} for these "
                           f"elements") from None
+
+
+def check_uncertainty(section, model) -> None:
+    """ConfigError for an uncertainty section that does not fit: set without a committee (the deviation is the
+    committee members'), or a select range that is not [low, high] with 0 <= low <= high."""
+    from potentials.committee import Committee
+
+    given = [k for k in ("select", "stop_above") if section[k] is not None] + (["every"] if section["every"] else [])
+    if given and not isinstance(model, Committee):
+        raise ConfigError(f"uncertainty.{given[0]} reads a committee's model deviation: name its members with "
+                          f"model.committee: [{{checkpoint: a.pt}}, {{checkpoint: b.pt}}, ...]")
+    select = section["select"]
+    if select is not None:
+        numbers = len(select) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                           and math.isfinite(v) and v >= 0 for v in select)
+        if not numbers or select[0] > select[1]:
+            raise ConfigError(f"uncertainty.select must be [low, high] eV/Å with 0 <= low <= high, got {select}")
 
 
 def read_restart(path, key: str = "restart_from") -> dict:
@@ -179,5 +200,6 @@ def prepare(config) -> dict:
             raise ConfigError("device: cuda, but torch sees no CUDA device (use auto or cpu)")
     model = build_model(config["model"])
     check_species(model, numbers, config["model"])
+    check_uncertainty(config["uncertainty"], model)
     return {"model": model, "integrator": integrator, "atoms": atoms, "restart": restart, "steps": steps,
             "continues": continues}

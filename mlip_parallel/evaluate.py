@@ -68,6 +68,69 @@ def global_sums(backend, energies, dE_dstrain, forces=None) -> GlobalSums:
     return GlobalSums(float(totals[9]), totals[:9].reshape(3, 3))
 
 
+def member_sums(backend, energies, dE_dstrain, forces) -> tuple:
+    """``global_sums`` of a committee's members at once: (energies [K] eV, dE/dε [K, 3, 3]) summed over every rank
+    from this rank's ``energies`` [K, n_local] and ``dE_dstrain`` [K, 3, 3], in one allreduce that also counts the
+    non-finite rows of the committee's ``forces`` [n_local, 3] (SimulationError on every rank alike)."""
+    k = energies.shape[0]
+    local = torch.cat([energies.detach().sum(dim=1).double(), dE_dstrain.detach().reshape(k * 9).double(),
+                       (~torch.isfinite(forces)).any(dim=1).sum().reshape(1).double()])
+    totals = backend.allreduce(local.cpu().numpy())
+    if totals[-1]:
+        raise SimulationError(f"non-finite forces on {int(totals[-1])} atom(s)")
+    return totals[:k], totals[k:-1].reshape(k, 3, 3)
+
+
+class CommitteeStep(NamedTuple):
+    """A committee's evaluation of this rank's share (``committee_step``): the committee's per-atom ``energies``
+    [n_local] and ``forces`` [n_local, 3] (torch float64), its global ``energy`` (eV) and ``dE_dstrain`` [3, 3]
+    (numpy, summed over ranks), the owned atoms' ``devi_f`` σ_F and ``devi_energies`` [n_local] (torch), and
+    ``member_energies`` [K] (numpy, global)."""
+
+    energies: torch.Tensor
+    forces: torch.Tensor
+    energy: float
+    dE_dstrain: np.ndarray
+    devi_f: torch.Tensor
+    devi_energies: torch.Tensor
+    member_energies: np.ndarray
+
+
+def committee_step(committee, sub: Subdomain, mode: str = "layerwise",
+                   memory_budget_gb: float | None = None) -> CommitteeStep:
+    """``members_decomposed`` combined (``Committee.combine``: the members' mean, or the first's) and summed over
+    the ranks, with the model deviation of the owned atoms (collective; SimulationError on non-finite forces)."""
+    from potentials.committee import deviations
+
+    energies, forces, dE_dstrain = members_decomposed(committee, sub, mode, memory_budget_gb)
+    combined = committee.combine(forces)
+    totals, virials = member_sums(sub.comm.backend, energies, dE_dstrain, combined)
+    devi_f, devi_energies = deviations(forces, energies)
+    return CommitteeStep(committee.combine(energies), combined, float(committee.combine(torch.as_tensor(totals))),
+                         committee.combine(torch.as_tensor(virials)).numpy(), devi_f, devi_energies, totals)
+
+
+def frame_deviation(devi_f: np.ndarray, member_energies: np.ndarray) -> dict:
+    """DeePMD's model deviation of a frame from σ_F of all its atoms [N] and the members' energies [K] (eV):
+    "max_devi_f", "min_devi_f", "avg_devi_f" (eV/Å; 0 for no atom) and "devi_e" (the members' standard deviation of
+    the energy, per atom, eV)."""
+    n = len(devi_f)
+    return {"max_devi_f": float(devi_f.max()) if n else 0.0, "min_devi_f": float(devi_f.min()) if n else 0.0,
+            "avg_devi_f": float(devi_f.mean()) if n else 0.0, "devi_e": float(np.std(member_energies)) / max(n, 1)}
+
+
+def deviation_summary(backend, devi_f, member_energies, n_atoms: int) -> dict:
+    """DeePMD's model deviation of a frame from this rank's owned atoms' σ_F ``devi_f`` [n_local] and the members'
+    global energies [K] (collective): "max_devi_f", "min_devi_f", "avg_devi_f" (over every atom, eV/Å) and
+    "devi_e" (the members' standard deviation of the total energy over ``n_atoms``, eV)."""
+    local = np.asarray(torch.as_tensor(devi_f).detach().cpu(), dtype=np.float64)
+    top, low = backend.allreduce(np.array([local.max(initial=0.0), -local.min(initial=np.inf)]), op="max")
+    total = float(backend.allreduce(np.array([local.sum()]))[0])
+    n = max(int(n_atoms), 1)
+    return {"max_devi_f": float(top), "min_devi_f": float(-low) if np.isfinite(low) else 0.0,
+            "avg_devi_f": total / n, "devi_e": float(np.std(member_energies)) / n}
+
+
 class RankTotal:
     """``AtomGraph.total`` over a decomposition: one allreduce (host-staged float64; exact for counts < 2^53)."""
 
@@ -79,18 +142,10 @@ class RankTotal:
         return torch.as_tensor(summed, device=x.device).to(x.dtype)
 
 
-def forward_decomposed(model, sub: Subdomain, mode: str = "layerwise", create_graph: bool = False,
-                       memory_budget_gb: float | None = None):
-    """Differentiable evaluation of this rank's share ``sub`` (collective: every rank calls it together;
-    ``sub``'s ghost shell must reach ``ghost_reach(model, mode)``).
-
-    Returns torch float64 (energies [n_local], forces [n_local, 3], dE/dstrain [3, 3]) for the owned
-    atoms, on the model's device. Forces are those of the *total* energy (ghost gradients come home
-    through the reverse exchange); dE/dstrain is this rank's part — sum it over ranks. With
-    ``create_graph`` the results stay differentiable w.r.t. the parameters: a loss on them
-    backpropagates through the halo (training on decomposed structures). Without it the blocks' edge
-    steps run in chunks of at most ``memory_budget_gb`` (None: chosen from the device's free memory).
-    """
+def decomposed_graph(model, sub: Subdomain, mode: str = "layerwise", create_graph: bool = False,
+                     memory_budget_gb: float | None = None) -> tuple:
+    """(the strained coordinates, the AtomGraph) of this rank's share ``sub`` for ``model`` (its cutoff, layers,
+    species and device; ``forward_decomposed`` says the rest). Collective only in what the model then exchanges."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     halo, device = sub.comm, model.device
@@ -121,10 +176,41 @@ def forward_decomposed(model, sub: Subdomain, mode: str = "layerwise", create_gr
         memory_budget=None if create_graph else memory_budget_bytes(memory_budget_gb, device),
         total=RankTotal(halo.backend),
     )
+    return x, graph
+
+
+def forward_decomposed(model, sub: Subdomain, mode: str = "layerwise", create_graph: bool = False,
+                       memory_budget_gb: float | None = None):
+    """Differentiable evaluation of this rank's share ``sub`` (collective: every rank calls it together;
+    ``sub``'s ghost shell must reach ``ghost_reach(model, mode)``).
+
+    Returns torch float64 (energies [n_local], forces [n_local, 3], dE/dstrain [3, 3]) for the owned
+    atoms, on the model's device. Forces are those of the *total* energy (ghost gradients come home
+    through the reverse exchange); dE/dstrain is this rank's part — sum it over ranks. With
+    ``create_graph`` the results stay differentiable w.r.t. the parameters: a loss on them
+    backpropagates through the halo (training on decomposed structures). Without it the blocks' edge
+    steps run in chunks of at most ``memory_budget_gb`` (None: chosen from the device's free memory).
+    """
+    x, graph = decomposed_graph(model, sub, mode, create_graph, memory_budget_gb)
     energies = model(graph).to(torch.float64)
     # Every rank differentiates the same op sequence, so the reverse exchanges run in lock-step.
     dE_dpos, dE_dstrain = torch.autograd.grad(energies.sum(), [x.pos, x.strain], create_graph=create_graph)
     return energies, -dE_dpos, dE_dstrain
+
+
+def members_decomposed(committee, sub: Subdomain, mode: str = "layerwise",
+                       memory_budget_gb: float | None = None) -> tuple:
+    """Each member of ``committee`` (``potentials.Committee``) on one graph of ``sub`` (one decomposition, one set
+    of ghosts and pairs; each member its own halo exchanges, one after another on every rank): torch float64
+    (energies [K, n_local], forces [K, n_local, 3], dE/dstrain [K, 3, 3]) of the owned atoms (collective)."""
+    x, graph = decomposed_graph(committee, sub, mode, False, memory_budget_gb)
+    results = []
+    last = len(committee.members) - 1
+    for k, member in enumerate(committee.members):
+        energies = member(committee.member_graph(k, graph)).to(torch.float64)
+        dE_dpos, dE_dstrain = torch.autograd.grad(energies.sum(), [x.pos, x.strain], retain_graph=k < last)
+        results.append((energies.detach(), -dE_dpos, dE_dstrain))
+    return tuple(torch.stack(values) for values in zip(*results))
 
 
 def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, stress: bool = True,
@@ -145,9 +231,19 @@ def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, str
     Returns numpy float64 in the caller's atom order, identical on every rank: "energy" (eV),
     "energies" (N,), "forces" (N, 3) eV/Å, and "stress" (6,) eV/Å³ in ASE's Voigt order and sign when
     ``stress`` and the cell has a volume.
+
+    A committee (``potentials.Committee``, or a list of models: one with ``forces="mean"``) runs its members on one
+    decomposition; its energy, forces and stress are their mean (or its first member's), and the result also holds
+    the model deviation (``committee_result``): "devi_f" (N,) σ_F per atom, "devi_energies" (N,) the per-atom energy
+    deviation, "max_devi_f", "min_devi_f", "avg_devi_f" (eV/Å), "devi_e" (the members' standard deviation of the
+    energy per atom, eV) and "member_energies" (K,).
     """
+    from potentials.committee import Committee
+
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if isinstance(model, (list, tuple)):
+        model = Committee(model)
     backend = get_backend(comm)
     device = torch.device(device) if device is not None else rank_device(backend)
     if model.device != device:
@@ -158,20 +254,45 @@ def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, str
     check_structure(atoms.positions, atoms.cell, atoms.pbc, min_distance)
     budget = memory_budget_bytes(memory_budget_gb, device)
     part = Decomposition(atoms, ghost_reach(model, mode), backend, grid, model, mode == "layerwise", budget)
-    energies, forces, dE_dstrain = forward_decomposed(model, part, mode, memory_budget_gb=memory_budget_gb)
-
+    committee = isinstance(model, Committee)
+    if committee:  # [K, ...]: each member's
+        energies, forces, dE_dstrain = members_decomposed(model, part, mode, memory_budget_gb=memory_budget_gb)
+    else:
+        energies, forces, dE_dstrain = (t[None] for t in forward_decomposed(model, part, mode,
+                                                                           memory_budget_gb=memory_budget_gb))
     parts = backend.allgather((part.owned, energies.detach().cpu().numpy(), forces.cpu().numpy(),
                                dE_dstrain.cpu().numpy()))
-    n = len(atoms)
+    n, k = len(atoms), energies.shape[0]
     counts = np.zeros(n, dtype=np.int64)
-    all_energies, all_forces = np.zeros(n), np.zeros((n, 3))
+    all_energies, all_forces = np.zeros((k, n)), np.zeros((k, n, 3))
     for ids, e, f, _ in parts:
         counts[ids] += 1
-        all_energies[ids], all_forces[ids] = e, f
+        all_energies[:, ids], all_forces[:, ids] = e, f
     if np.any(counts != 1):
         raise LostAtomsError(f"{int((counts == 0).sum())} atom(s) owned by no rank and "
                              f"{int((counts > 1).sum())} by several")
-    result = {"energy": float(all_energies.sum()), "energies": all_energies, "forces": all_forces}
+    virials = sum(p[3] for p in parts)
+    if committee:
+        return committee_result(model, all_energies, all_forces, virials if stress and atoms.cell.rank == 3 else None,
+                                atoms.cell.volume if atoms.cell.rank == 3 else None)
+    result = {"energy": float(all_energies[0].sum()), "energies": all_energies[0], "forces": all_forces[0]}
     if stress and atoms.cell.rank == 3:
-        result["stress"] = voigt_stress(sum(p[3] for p in parts), atoms.cell.volume)
+        result["stress"] = voigt_stress(virials[0], atoms.cell.volume)
+    return result
+
+
+def committee_result(committee, energies: np.ndarray, forces: np.ndarray, virials=None, volume=None) -> dict:
+    """A committee's result from its members' per-atom ``energies`` [K, N], ``forces`` [K, N, 3] and, with a
+    ``volume``, ``virials`` [K, 3, 3] (dE/dstrain): the combined energy, per-atom energies, forces and stress
+    (``Committee.combine``), and the model deviation (see ``evaluate``)."""
+    from potentials.committee import deviations
+
+    pick = committee.combine
+    devi_f, devi_energies = (d.numpy() for d in deviations(torch.as_tensor(forces), torch.as_tensor(energies)))
+    totals = energies.sum(axis=1)
+    result = {"energy": float(pick(torch.as_tensor(totals))), "energies": pick(torch.as_tensor(energies)).numpy(),
+              "forces": pick(torch.as_tensor(forces)).numpy(), "devi_f": devi_f, "devi_energies": devi_energies,
+              **frame_deviation(devi_f, totals), "member_energies": totals}
+    if virials is not None:
+        result["stress"] = voigt_stress(pick(torch.as_tensor(virials)).numpy(), volume)
     return result

@@ -57,9 +57,10 @@ def model_rules(trainable: bool = False, prefix: str = "model.") -> dict:
     return rules
 
 
-def chosen_family(section: dict, trainable: bool = False, conflict: str = "model takes one of") -> str | None:
+def chosen_family(section: dict, trainable: bool = False, conflict: str = "model takes one of",
+                  where: str = "model") -> str | None:
     """The family key set in the validated model ``section`` (None: none); ConfigError for two, or for an option
-    of a family that is not the chosen one."""
+    of a family that is not the chosen one (``where``: the section's name in messages)."""
     keys = [f.name for f in model_families(trainable)]
     given = [k for k in keys if section.get(k) is not None]
     if len(given) > 1:
@@ -67,8 +68,8 @@ def chosen_family(section: dict, trainable: bool = False, conflict: str = "model
     name = given[0] if given else None
     for key, (_, owners) in option_table(model_families(trainable)).items():
         if section.get(key) is not None and name not in owners:
-            raise ConfigError(f"model.{key} is set for a {' or '.join(owners)} model "
-                              f"({' or '.join(f'model.{o}' for o in owners)})")
+            raise ConfigError(f"{where}.{key} is set for a {' or '.join(owners)} model "
+                              f"({' or '.join(f'{where}.{o}' for o in owners)})")
     return name
 
 
@@ -77,16 +78,61 @@ def section_options(section: dict, name: str) -> dict:
     return {key: section[key] for key in families()[name].options if section.get(key) is not None}
 
 
-def load_section_model(section: dict, name: str, checkpoint_dtype: str | None = None, parts=None):
+def load_section_model(section: dict, name: str, checkpoint_dtype: str | None = None, parts=None,
+                       where: str = "model"):
     """The model of family ``name`` in the validated ``section`` (its spec, options and ``dtype``): ConfigError
-    naming the key for anything the family refuses, or a package that is not installed."""
+    naming the key (``where``: the section's name) for anything the family refuses, or a package not installed."""
     import potentials
 
     try:
         return potentials.load_model((name, section[name]), section["dtype"], checkpoint_dtype=checkpoint_dtype,
                                      parts=parts, **section_options(section, name))
     except (potentials.MLIPError, ImportError) as exc:
-        raise ConfigError(f"model.{name}: {exc}") from None
+        raise ConfigError(f"{where}.{name}: {exc}") from None
+
+
+# ------------------------------------------------------------------------------------------------- committees
+COMMITTEE_KEYS = {
+    "committee": (list, None, "a committee of models instead of one: a list of model sections ({checkpoint: a.pt}, "
+                              "{mace: b.model, head: x}, ...), run on one decomposition; the run's forces, energy and "
+                              "stress are their mean (or the first's: committee_forces) and uncertainty reads their "
+                              "deviation"),
+    "committee_forces": (str, "mean", "committee: mean (the members' mean forces, energy and stress) or first (the "
+                                      "first member's, DeePMD's convention)"),
+}
+COMMITTEE_RULES = {"model.committee_forces": ("mean", "first")}
+
+
+def load_section_committee(section: dict, checkpoint_dtype: str | None = None):
+    """The ``potentials.Committee`` of the validated model ``section``'s ``committee``: each member a model section
+    of its own (validated here; messages name ``model.committee[k]``), and no model named beside the list."""
+    from mlip_parallel.config import validate
+    from potentials.committee import Committee, CommitteeError
+
+    beside = [k for k in [*model_schema(), *(f.name for f in model_families())]
+              if k != "dtype" and section.get(k) is not None]
+    if beside:
+        raise ConfigError(f"model.committee names the models: move model.{beside[0]} into one of its members")
+    if not section["committee"]:
+        raise ConfigError("model.committee is empty: name at least one member, e.g. [{checkpoint: a.pt}, "
+                          "{checkpoint: b.pt}]")
+    members = []
+    for k, member in enumerate(section["committee"], start=1):
+        where = f"model.committee[{k}]"
+        if not isinstance(member, dict):
+            raise ConfigError(f"{where} must be a model section such as {{checkpoint: best.pt}} or {{mace: "
+                              f"FILE.model}}, got {member!r}")
+        member = validate(member, model_schema(), model_rules(prefix=f"{where}."), path=f"{where}.")
+        name = chosen_family(member, where=where)
+        if name is None:
+            raise ConfigError(f"{where} names no model: give one of {', '.join(f.name for f in model_families())}")
+        if member["dtype"] is None and section["dtype"] is not None:
+            member["dtype"] = section["dtype"]
+        members.append(load_section_model(member, name, checkpoint_dtype, where=where))
+    try:
+        return Committee(members, forces=section["committee_forces"])
+    except CommitteeError as exc:
+        raise ConfigError(f"model.committee: {exc}") from None
 
 
 def _parse_bool(text: str) -> bool:

@@ -14,6 +14,7 @@ __all__ = lazy_exports(__name__, {
     "adapters.sevennet": ("SevenNet",),
     "base": ("BlockPotential", "Potential", "SpeciesScaleShift", "all_parts", "stage_parts"),
     "checkpoint": ("CheckpointError", "load", "save", "save_parts"),
+    "committee": ("Committee", "deviations", "load_committee"),
     "graph": ("AtomGraph", "NoHalo"),
     "lj": ("LennardJones",),
     "nequip": ("NequIP",),
