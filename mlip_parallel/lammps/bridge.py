@@ -28,6 +28,9 @@ from ..errors import LammpsBridgeError
 PROG = "mlip-lammps"
 MASS_TOLERANCE = 0.5  # amu: a type's mass must be this close to its element's atomic mass
 SCRATCH: list = []  # temporary directories of running decks, removed even when the job ends in a callback
+DEVIATION_FIX = "mlip_devi"  # the fix property/atom the bridge defines for a committee's per-atom deviation
+DEVIATION_PROPERTIES = ("d_mlip_devi_f", "d_mlip_devi_e")  # σ_F (eV/Å) and the per-atom energy deviation (eV)
+DEVIATION_VECTOR = ("max_devi_f", "min_devi_f", "avg_devi_f", "devi_e")  # f_ID[1..4], the fix external's vector
 
 
 def _check_model_knows(model, numbers, where: str) -> None:
@@ -197,7 +200,15 @@ class Bridge:
     ``virial`` [6] (eV, global, LAMMPS's order xx yy zz xy xz yz); ``calls``, ``seconds`` (in the
     callback), ``decomposition.rebuilds``. ``verify``: the first call's energy, forces and stress compared with one
     process's evaluation of the same structure (``mlip_parallel.verify``), a LammpsBridgeError naming the
-    differences where they are beyond summation order; ``verified`` the comparison's line."""
+    differences where they are beyond summation order; ``verified`` the comparison's line.
+
+    A committee (``potentials.Committee``) runs its members on one decomposition; LAMMPS gets their mean (or first)
+    forces, energy and virial, and the model deviation: per atom in ``d_mlip_devi_f`` (σ_F, eV/Å) and
+    ``d_mlip_devi_e`` (eV), custom properties of a ``fix mlip_devi all property/atom`` the bridge defines where the
+    deck has not (``dump ... custom ... d_mlip_devi_f``), and per frame as the fix's global vector ``f_ID[1..4]``:
+    max, min and mean σ_F over all atoms and the members' energy deviation per atom (DeePMD's max_devi_f,
+    min_devi_f, avg_devi_f, devi_e; ``thermo_style custom ... f_ID[1]``, ``fix print``). ``deviation`` holds the
+    last call's as a dict."""
 
     def __init__(self, lmp, model, fix_id: str, elements=None, mode: str = "layerwise", skin: float = 1.0,
                  device=None, memory_budget_gb: float | None = None, verify: bool = False):
@@ -250,6 +261,14 @@ class Bridge:
         self._masses, self._type_numbers = None, None
         self.energy, self.forces, self.virial = 0.0, np.zeros((0, 3)), np.zeros(6)
         lmp.command(f"fix_modify {fix_id} energy yes virial yes")
+        from potentials.committee import Committee
+
+        self.committee, self.deviation = isinstance(model, Committee), None
+        if self.committee:
+            missing = [name for name in DEVIATION_PROPERTIES if lmp.extract_atom_datatype(name) < 0]
+            if missing:
+                lmp.command(f"fix {DEVIATION_FIX} all property/atom {' '.join(missing)}")
+            lmp.fix_external_set_vector_length(fix_id, len(DEVIATION_VECTOR))
         if lmp.extract_global("pair_style") == "none":  # LAMMPS's own ghosts serve nothing here; a cutoff
             lmp.command(f"comm_modify cutoff {model.cutoff:.6g}")  # > 0 keeps it from warning of lost atoms
         self._cfunc = lmp.FIX_EXTERNAL_CALLBACK_FUNC(self._callback)  # kept alive as long as the bridge
@@ -291,7 +310,7 @@ class Bridge:
         import numpy as np
 
         from ..errors import SimulationError
-        from ..evaluate import forward_decomposed, global_sums
+        from ..evaluate import committee_step, forward_decomposed, global_sums
 
         lmp = self.lmp
         table = self.type_numbers()  # may raise alike on every rank, before any message
@@ -314,13 +333,20 @@ class Bridge:
             lo = (np.array(lmp.extract_global("sublo")[:3]) - boxlo) / extent
             hi = (np.array(lmp.extract_global("subhi")[:3]) - boxlo) / extent
         self.decomposition.update(x - boxlo, tags, numbers, cell, pbc, lo, hi)
-        energies, forces, dE_dstrain = forward_decomposed(self.model, self.decomposition.sub, self.mode,
-                                                          memory_budget_gb=self.memory_budget_gb)
-        # both global, the same on every rank (LAMMPS divides the virial by the number of ranks and sums)
-        try:
-            self.energy, d = global_sums(self.backend, energies, dE_dstrain, forces=forces)
-        except SimulationError as exc:  # counted over every rank: all of them raise it
+        try:  # the non-finite forces are counted over every rank: all of them raise alike
+            if self.committee:
+                members = committee_step(self.model, self.decomposition.sub, self.mode, self.memory_budget_gb)
+                energies, forces = members.energies, members.forces
+                self.energy, d = members.energy, members.dE_dstrain
+            else:
+                energies, forces, dE_dstrain = forward_decomposed(self.model, self.decomposition.sub, self.mode,
+                                                                  memory_budget_gb=self.memory_budget_gb)
+                # both global, the same on every rank (LAMMPS divides the virial by the number of ranks and sums)
+                self.energy, d = global_sums(self.backend, energies, dE_dstrain, forces=forces)
+        except SimulationError as exc:
             raise LammpsBridgeError(f"step {step}: {exc}") from None
+        if self.committee:
+            self._set_deviation(members, nlocal)
         forces = forces.detach().cpu().numpy()
         if self.verify and self.calls == 0:
             self.verified = self._check(step, tags, x - boxlo, numbers, forces, cell, pbc, d)
@@ -336,6 +362,21 @@ class Bridge:
             lmp.lib.lammps_fix_external_set_energy_peratom(lmp.lmp, self.fix_id.encode(),
                                                            eatom.ctypes.data_as(ctypes.POINTER(ctypes.c_double)))
 
+    def _set_deviation(self, members, nlocal: int) -> None:
+        """A committee's deviation of this call (``members``: ``committee_step``'s) into LAMMPS: the owned atoms' σ_F
+        and energy deviation into the per-atom properties, the frame's summary into the fix's vector (collective)."""
+        import numpy as np
+
+        from ..evaluate import deviation_summary
+
+        if nlocal:
+            for name, values in zip(DEVIATION_PROPERTIES, (members.devi_f, members.devi_energies)):
+                target = np.ctypeslib.as_array(self.lmp.extract_atom(name), shape=(nlocal,))
+                target[:] = values.detach().cpu().numpy()
+        n_atoms = int(self.lmp.get_natoms())
+        self.deviation = deviation_summary(self.backend, members.devi_f, members.member_energies, n_atoms)
+        for index, key in enumerate(DEVIATION_VECTOR, start=1):
+            self.lmp.fix_external_set_vector(self.fix_id, index, self.deviation[key])
 
     def _check(self, step, tags, x, numbers, forces, cell, pbc, dE_dstrain) -> str:
         """The comparison of ``verify`` (collective): this call's structure and result gathered on rank 0 in tag

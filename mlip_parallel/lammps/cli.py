@@ -29,6 +29,17 @@ def load_model(spec: str, dtype: str | None = None, **options):
         raise LammpsBridgeError(f"--model {spec}: {exc}") from None
 
 
+def load_committee(specs, dtype: str | None = None, forces: str = "mean", **options):
+    """The committee ``--committee`` names (``potentials.load_committee``: each option to the members whose family
+    takes it), checkpoints in float64 unless ``dtype`` says otherwise; LammpsBridgeError on a bad spec or option."""
+    import potentials
+
+    try:
+        return potentials.load_committee(specs, dtype, forces=forces, checkpoint_dtype="float64", **options)
+    except (potentials.MLIPError, ImportError) as exc:
+        raise LammpsBridgeError(f"--committee: {exc}") from None
+
+
 def element_numbers(elements, model) -> list:
     """``--elements`` symbols → atomic numbers, checked against the model (LammpsBridgeError)."""
     from ase.data import atomic_numbers
@@ -55,6 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
                              + "; ".join(f"{f.name}: {f.help}" for f in families().values() if f.name != "checkpoint")
                              + ". Default: the model the deck's own pair style names, where a family reads it, else "
                                "cu-emt")
+    parser.add_argument("--committee", nargs="+", metavar="SPEC",
+                        help="a committee of models instead of --model (each SPEC as --model takes it; family options "
+                             "go to the members that take them), run on one decomposition: LAMMPS gets their mean "
+                             "forces, energy and virial (or the first's: --committee-forces first) and their model "
+                             "deviation, per atom in d_mlip_devi_f and d_mlip_devi_e (dump custom) and per frame as "
+                             "the fix's vector f_ID[1..4]: max_devi_f, min_devi_f, avg_devi_f, devi_e")
+    parser.add_argument("--committee-forces", choices=("mean", "first"), default="mean",
+                        help="a committee's forces, energy and virial: the members' mean (default) or the first "
+                             "member's (DeePMD's convention)")
     add_option_arguments(parser)  # each model family's options: --head, --task, --charge, ...
     parser.add_argument("--elements", nargs="+", metavar="SYMBOL",
                         help="element of each atom type, in type order (default: from the types' masses)")
@@ -86,12 +106,16 @@ def simulate(args, lammps_args) -> None:
     for option, value, rule in (("--skin", args.skin, ">= 0"), ("--memory-budget-gb", args.memory_budget_gb, "> 0")):
         if value is not None and not obeys(value, rule):
             raise LammpsBridgeError(f"{option} must be a finite number {rule}, got {value}")
+    if args.model is not None and args.committee is not None:
+        raise LammpsBridgeError("--model and --committee both name the model: give one (a committee's members are "
+                                "the --committee specs)")
     model_spec, elements = args.model or "cu-emt", args.elements
     named = deck_model(path, lines)
     if named is not None:  # e.g. a MACE user's deck, run as it is: its pair style becomes our fix external
-        if args.model is not None:
+        if args.model is not None or args.committee is not None:
+            option = "--model" if args.model is not None else "--committee"
             raise LammpsBridgeError(f"{path} names its model in its pair style ({named.model}); run without "
-                                    f"--model, or remove the pair_style and pair_coeff lines")
+                                    f"{option}, or remove the pair_style and pair_coeff lines")
         model_spec, lines = named.model, named.lines
         elements = elements or named.elements
         args.add_fix = args.add_fix or find_external_fix(lines) is None
@@ -103,7 +127,10 @@ def simulate(args, lammps_args) -> None:
                                 f"one after the box is defined (the model's forces enter LAMMPS through it), or "
                                 f"run with --add-fix")
     lammps = lammps_class()
-    model = load_model(model_spec, args.dtype, **argument_options(args))
+    if args.committee is not None:
+        model = load_committee(args.committee, args.dtype, args.committee_forces, **argument_options(args))
+    else:
+        model = load_model(model_spec, args.dtype, **argument_options(args))
     elements = element_numbers(elements, model) if elements else None
 
     from mpi4py import MPI

@@ -164,37 +164,81 @@ def keep_freed_memory() -> bool:
     return all([mallopt(param, value) == 1 for param, value in MALLOPT.values()])
 
 
-def evaluate_model(model_path: str, data_path: str, batch_size: int = 8, progress: bool = False,
+def evaluate_model(model_path, data_path: str, batch_size: int = 8, progress: bool = False, deviations=None,
                    **options) -> dict:
     """MAE/RMSE of a model (a checkpoint, a bundled model name, or any ``potentials.load_model`` spec:
     ``mace:FILE.model``, ``nequip:FILE``, ``sevennet:NAME``, ``fairchem:FILE``, ..., with its family's
     ``options``: ``head``, ``task``, ...) on every structure of a labelled file (one process); ``progress``
-    prints a header and a progress bar."""
+    prints a header and a progress bar. ``model_path`` a list of several: a committee (``potentials.Committee``,
+    their mean), whose model deviation of each structure (DeePMD's max_devi_f, min_devi_f, avg_devi_f, devi_e) is
+    written to the CSV file ``deviations`` (a path, or an open text file), one row per structure."""
     import potentials
+
     from .training import check_species, error_sums, error_table, read_structures
 
+    specs = [model_path] if isinstance(model_path, str) else list(model_path)
     try:
-        model = potentials.load_model(model_path, **options)
+        model = potentials.load_model(specs[0], **options) if len(specs) == 1 else \
+            potentials.load_committee(specs, **options)
     except (potentials.MLIPError, ImportError) as exc:
         raise ConfigError(str(exc)) from None
+    committee = len(specs) > 1
     if model.WHOLE_STRUCTURE:  # it reads the structure's composition: one structure per graph
         batch_size = 1
     structures = read_structures(data_path)
     check_species(model, structures, "evaluation", error=ConfigError)
     if progress:
         atoms = sum(len(s.numbers) for s in structures)
-        print(f"mlip-train eval: {type(model).__name__} {species_text(model.species)} (cutoff {model.cutoff:g} Å) from {model_path}\n"
-              f"scoring every structure of {data_path}: {len(structures)} structures, {atoms} atoms", flush=True)
+        what = f"a committee of {len(specs)}" if committee else type(model).__name__
+        print(f"mlip-train eval: {what} {species_text(model.species)} (cutoff {model.cutoff:g} Å) from "
+              f"{', '.join(specs)}\nscoring every structure of {data_path}: {len(structures)} structures, {atoms} atoms",
+              flush=True)
     from ..progress import Progress
 
     sums = np.zeros(9)
     bar = Progress("mlip-train eval", len(structures), 0, "structure", None if progress else "off")
+    rows = []
     for start in range(0, len(structures), batch_size):
         chunk = structures[start:start + batch_size]
         sums += error_sums(model, chunk, batch_size, model.device)
+        if committee:
+            rows += [structure_deviation(model, s) for s in chunk]
         bar.update(start + len(chunk))
     bar.close()
+    if rows:
+        write_deviations(deviations if deviations is not None else sys.stdout, rows)
     return error_table(sums)
+
+
+DEVIATION_COLUMNS = ("structure", "max_devi_f", "min_devi_f", "avg_devi_f", "devi_e")
+
+
+def structure_deviation(committee, structure) -> dict:
+    """A committee's model deviation on one structure (``training.Structure``): a row of ``DEVIATION_COLUMNS``."""
+    from ..backend import SerialBackend
+    from ..evaluate import evaluate
+
+    result = evaluate(committee, structure.to_atoms(), comm=SerialBackend(), min_distance=0.0)
+    return {"structure": structure.source, **{k: result[k] for k in DEVIATION_COLUMNS[1:]}}
+
+
+def write_deviations(target, rows) -> None:
+    """The rows (``structure_deviation``) as CSV into ``target``: a path (written atomically) or an open file."""
+    import csv
+
+    from potentials.files import atomic_write
+
+    def write(f):
+        writer = csv.DictWriter(f, fieldnames=DEVIATION_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+
+    if hasattr(target, "write"):
+        write(target)
+        target.flush()
+    else:
+        with atomic_write(target, "w") as f:
+            write(f)
 
 
 def main(argv=None) -> int:
@@ -207,13 +251,20 @@ def main(argv=None) -> int:
     if argv[:1] == ["eval"]:
         parser = argparse.ArgumentParser(prog="mlip-train eval", description="errors of a model on every structure "
                                          "of a labelled file")
-        parser.add_argument("model", help="checkpoint path (best.pt), bundled model name (cu-emt), or NAME:SPEC of a "
-                                          f"model family ({', '.join(f'{name}:...' for name in families())})")
+        parser.add_argument("model", nargs="+", help="checkpoint path (best.pt), bundled model name (cu-emt), or "
+                                                     "NAME:SPEC of a model family "
+                                                     f"({', '.join(f'{name}:...' for name in families())}); several: "
+                                                     "a committee, scored by its mean, with its model deviation of "
+                                                     "every structure (CSV on stdout, or --deviations FILE)")
         parser.add_argument("data", help="ASE-readable file with energy/forces/stress")
+        parser.add_argument("--deviations", metavar="FILE", help="a committee: write the model deviation of each "
+                                                                 "structure to this CSV file")
         add_option_arguments(parser)
         args = parser.parse_args(argv[1:])
         try:
-            print(format_errors(evaluate_model(args.model, args.data, progress=True, **argument_options(args))))
+            print(format_errors(evaluate_model(args.model if len(args.model) > 1 else args.model[0], args.data,
+                                               progress=True, deviations=args.deviations,
+                                               **argument_options(args))))
         except MLIPError as exc:
             report_error("mlip-train", exc)
             return 2
