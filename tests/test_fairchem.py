@@ -6,12 +6,9 @@ The fixtures (tests/data/fairchem, made by make_fixtures.py with fairchem's own 
 checkpoints in the user's format; tests/mpi/fairchem_models.py runs the same comparison on 2-4 ranks."""
 import importlib.util
 import os
-import pickle
 import subprocess
 import sys
-import zipfile
 
-import numpy as np
 import pytest
 import torch
 
@@ -122,7 +119,6 @@ def test_bad_inputs_are_named(tmp_path, monkeypatch):
     """A file that is not a fairchem checkpoint, a task it does not have (its tasks named), an element outside the
     model, charge/spin for a task that takes none, a key given to another kind of model, fairchem missing (the
     extra named) or of a version the adapter does not know."""
-    import potentials.adapters.fairchem as adapter
     from potentials.adapters.pickled import PickleFileError
 
     path = FAIRCHEM_DIR / "uma-moe.pt"

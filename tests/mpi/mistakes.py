@@ -125,11 +125,52 @@ def md_cases():
         ("unknown element", {"structure": {"element": "Fe", "crystal": "bcc", "a": 2.87}}, ["Fe", "Cu"]),
         ("non-periodic npt", {"ensemble": "npt", "structure": {"file": structures(
             "cluster.extxyz", lambda atoms, k: atoms.set_pbc(False))}}, ["npt", "periodic"]),
+        *committee_cases(),
     ]
     for label, config, words in cases:  # (no model: the default cu-emt; no structure: the default Cu crystal)
         config.setdefault("steps", 5)
         config.setdefault("output", {})["directory"] = "out"
         yield label, config, words
+
+
+def committee_cases():
+    """mlip-md's committee and uncertainty mistakes: (label, config, words)."""
+    import potentials
+
+    argon_model = os.path.join(scratch, "argon_schnet.pt")
+    if world.rank == 0:
+        torch.manual_seed(0)
+        potentials.save(potentials.SchNet(["Ar"], cutoff=4.0, features=8, layers=2), argon_model)
+    world.Barrier()
+    two = {"committee": [{"checkpoint": "cu-emt"}, {"checkpoint": "cu-emt", "dtype": "float32"}]}
+    argon = {"element": "Ar", "a": 5.26, "repeat": [3, 3, 3]}
+    return [
+        ("empty committee", {"model": {"committee": []}}, ["model.committee", "empty"]),
+        ("committee member with other elements", {"model": {"committee": [ARGON, {"checkpoint": "cu-emt"}]},
+                                                  "structure": argon}, ["committee member 2", "Ar", "Cu"]),
+        ("committee members share no element", {"model": {"committee": [{"checkpoint": "cu-emt"},
+                                                                         {"checkpoint": argon_model}]}},
+         ["model.committee", "share no element", "Ar"]),
+        ("committee member names no model", {"model": {"committee": [{"checkpoint": "cu-emt"}, {"dtype": "float32"}]}},
+         ["model.committee[2]", "names no model"]),
+        ("committee member not a section", {"model": {"committee": ["cu-emt"]}}, ["model.committee[1]", "cu-emt"]),
+        ("committee member with a bad option", {"model": {"committee": [{"lennard_jones": {"epsilon": 0.0104,
+                                                                                           "sigma": 3.4,
+                                                                                           "cutoff": -1}}]},
+                                                "structure": argon},
+         ["model.committee[1].lennard_jones", "cutoff", "-1"]),
+        ("a model beside the committee", {"model": {**two, "checkpoint": "cu-emt"}}, ["model.committee",
+                                                                                      "model.checkpoint"]),
+        ("unknown committee forces", {"model": {**two, "committee_forces": "median"}}, ["model.committee_forces",
+                                                                                       "median"]),
+        ("selection low above high", {"model": two, "uncertainty": {"select": [0.5, 0.1]}},
+         ["uncertainty.select", "low <= high", "0.5"]),
+        ("selection of one number", {"model": two, "uncertainty": {"select": [0.5]}}, ["uncertainty.select"]),
+        ("negative deviation limit", {"model": two, "uncertainty": {"stop_above": -1}},
+         ["uncertainty.stop_above", "> 0"]),
+        ("uncertainty without a committee", {"uncertainty": {"select": [0.0, 1.0]}},
+         ["uncertainty.select", "model.committee"]),
+    ]
 
 
 def train_cases():
@@ -199,6 +240,12 @@ def lammps_cases():
     yield "negative LJ cutoff", ["-in", deck, "--model", "lj:0.0104,3.4,-1", "--elements", "Ar"], ["lj:", "cutoff"]
     yield "nan LJ epsilon", ["-in", deck, "--model", "lj:nan,3.4,8", "--elements", "Ar"], ["lj:", "epsilon"]
     yield "missing deck", ["-in", "nowhere.lmp", *lj], ["nowhere.lmp"]
+    committee = ["--committee", "lj:0.0104,3.4,8.5", "lj:0.0105,3.4,8.5", "--elements", "Ar"]
+    yield "model and committee", ["-in", deck, *committee, "--model", "cu-emt"], ["--model", "--committee"]
+    yield "bad committee member", ["-in", deck, "--committee", "lj:0.0104,3.4,8.5", "lj:0.0104,3.4,-1", "--elements",
+                                   "Ar"], ["--committee", "member 2", "cutoff"]
+    yield "option no member takes", ["-in", deck, *committee, "--head", "Default"], ["--committee", "head",
+                                                                                    "no member"]
 
 
 def argon_file(name, atoms):
@@ -245,6 +292,12 @@ def md_accepted():
         ("resume with nothing to resume", {"resume": True}, ["restart.npz"]),
         ("cu-emt in float32", {"model": {"checkpoint": "cu-emt", "dtype": "float32"},
                                "structure": {"element": "Cu", "a": 3.61, "repeat": [2, 2, 2]}}, ["final.extxyz"]),
+        ("a committee of one, every frame selected", {"model": {"committee": [ARGON]},
+                                                      "uncertainty": {"every": 1, "select": [0, 0]}},
+         ["model_devi.csv", "candidates.extxyz"]),
+        ("a committee of two kinds, the first's forces", {
+            "model": {"committee": [ARGON, {"lennard_jones": {"epsilon": 0.0105, "sigma": 3.41, "cutoff": 6.0}}],
+                      "committee_forces": "first"}, "uncertainty": {"stop_above": 1e6}}, ["model_devi.csv"]),
     ]
     if importlib.util.find_spec("fairchem") is not None:
         water = Atoms("OH2", positions=[[0, 0, 0], [0.96, 0, 0], [-0.24, 0.93, 0]], cell=[9.0, 9.0, 9.0])
@@ -311,8 +364,12 @@ def lammps_accepted():
                                ("elements named", ["--elements", "Ar"], deck),
                                ("a tiny memory budget", ["--memory-budget-gb", "1e-6"], deck),
                                ("a rank that owns no atom", [], half),
-                               ("cu-emt in float32", ["--dtype", "float32", "--elements", "Cu"], deck)):
+                               ("cu-emt in float32", ["--dtype", "float32", "--elements", "Cu"], deck),
+                               ("a committee of two cutoffs", ["--committee", "lj:0.0104,3.4,8.5", "lj:0.0105,3.4,6"],
+                                deck)):
         argv = ["-in", path, *lj, *extra]
+        if label.startswith("a committee"):
+            del argv[argv.index("--model"):argv.index("--model") + 2]
         if label.startswith("cu-emt"):
             argv[argv.index("--model") + 1] = "cu-emt"
         yield label, argv, ["log.lammps"]
