@@ -167,6 +167,8 @@ class MDJob:
             restart_due = step == steps or stop or (restart_every and step % restart_every == 0)
             if restart_due and not (self.continuing and step == first_step):  # not again the one continued from
                 state = self._write_restart(step, files)
+                if deviation is not None:  # from the forces of the run continued from the file, as a requeue's
+                    deviation = self.system.deviation()
             # a restart written without a record of the outputs holds its own step's row and frame already
             written = unrecorded and step == first_step
             if (step % every == 0 or step == steps) and not written:

@@ -178,6 +178,37 @@ def test_mlip_md_killed_at_random_moments_and_requeued_equals_an_uninterrupted_r
         prepare(config)
 
 
+def test_committee_run_killed_and_requeued_keeps_its_deviations_and_candidates(tmp_path):
+    """A committee of two Lennard-Jones models (mlip-md's uncertainty: a row of model_devi.csv every 5 steps, the
+    frames of max_devi_f in [0.016, 0.022] eV/Å into candidates.extxyz), 2 ranks, killed at 5 seeded moments and
+    requeued: model_devi.csv and candidates.extxyz equal the uninterrupted run's byte for byte (no frame twice,
+    none lost)."""
+    job = dict(MD_JOB, model={"committee": [
+        {"lennard_jones": {"epsilon": 0.0104, "sigma": 3.4, "cutoff": 8.0}},
+        {"lennard_jones": {"epsilon": 0.0110, "sigma": 3.42, "cutoff": 8.0}}]},
+        uncertainty={"every": 5, "select": [0.016, 0.022]})
+    env = environment(2)
+    for name in ("straight", "requeued"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "job.yaml").write_text(yaml.safe_dump(job))
+    cmd = command(2, "-m", "md.cli", "job.yaml")
+    rc, out, seconds = finish(cmd, tmp_path / "straight", env, "mlip-md: 108 atoms")
+    assert rc == 0 and "steps 0 to 300" in out, out
+    delays = np.random.default_rng(36).uniform(0.0, 0.3, size=5) * seconds
+    outcomes = requeue(cmd, tmp_path / "requeued", env, "mlip-md: 108 atoms", delays)
+    assert outcomes.count("killed") >= 3, outcomes
+    straight, requeued = tmp_path / "straight" / "out", tmp_path / "requeued" / "out"
+    with open(straight / "model_devi.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == list(range(0, 301, 5))
+    candidates = read(straight / "candidates.extxyz", index=":")
+    chosen = [int(r["step"]) for r in rows if 0.016 <= float(r["max_devi_f"]) <= 0.022]
+    assert [f.info["step"] for f in candidates] == chosen and 0 < len(chosen) < len(rows) / 2, chosen
+    for name in ("model_devi.csv", "candidates.extxyz", "trajectory.extxyz", "final.extxyz"):
+        assert (requeued / name).read_bytes() == (straight / name).read_bytes(), name
+    assert thermo(requeued) == thermo(straight)
+
+
 @contextlib.contextmanager
 def small_disk(directory, size: int):
     """Mount a tmpfs of ``size`` bytes on ``directory`` where this process may (yields True; unmounted at
