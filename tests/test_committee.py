@@ -4,6 +4,7 @@ committee distributed == its members alone (tests/mpi/committee.py), the refusal
 == one process, candidates.extxyz's σ_F == the committee evaluated afresh on each frame, stop_above ending a run
 that resumes to the straight run's rows, and the candidates labelled (ASE's EMT) and fine-tuned by mlip-train."""
 import csv
+import importlib.util
 import json
 import os
 
@@ -15,7 +16,7 @@ from ase.calculators.emt import EMT
 from ase.io import read, write
 
 import potentials
-from conftest import MPI_DIR
+from conftest import MPI_DIR, ROOT
 from md.calculator import MLIPCalculator
 from mlip_parallel.backend import SerialBackend
 from mlip_parallel.evaluate import evaluate
@@ -27,15 +28,22 @@ from systems import MACE_DIR, write_small_sevennet
 DEVIATION = ("max_devi_f", "min_devi_f", "avg_devi_f", "devi_e")
 
 
+def example(name: str):
+    """A module of examples/active_learning/ (the demo's members and labelling, tested here)."""
+    path = ROOT / "examples" / "active_learning" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"active_learning_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_distributed_committee_equals_its_members_alone(mpirun, tmp_path):
     """tests/mpi/committee.py on 4 ranks (1-4 ranks as sub-communicators): 32 cases of four members of three
     architectures, two package families beside ours, LAMMPS's per-atom deviation, and the faults it catches."""
-    try:
-        import sevenn  # noqa: F401
+    directory = "-"  # no SevenNet without sevenn
+    if importlib.util.find_spec("sevenn") is not None:
         write_small_sevennet(tmp_path / "sevennet.pth")
         directory = tmp_path
-    except ImportError:
-        directory = "-"
     rc, out, _ = mpirun(4, MPI_DIR / "committee.py", directory)
     assert rc == 0 and "committee: 0 failures" in out and "FAIL" not in out, out
     assert out.count("OK  4 members,") == 32, out
@@ -92,21 +100,11 @@ def test_load_committee_routes_each_option_to_the_members_that_take_it(restore_e
     assert committee.cutoff == max(m.cutoff for m in committee.members)
 
 
-def perturbed_cu_emt(seed: int, scale: float = 0.03):
-    """The bundled cu-emt model (float64) with every weight moved by ``scale`` × its tensor's mean magnitude of
-    Gaussian noise: a committee member of a plausible spread (σ_F a few 0.01 eV/Å on a warm crystal)."""
-    model = potentials.load_model("cu-emt", "float64")
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(scale * p.abs().mean() * torch.randn(p.shape, generator=generator, dtype=p.dtype))
-    return model
-
-
 @pytest.fixture(scope="module")
 def members(tmp_path_factory):
-    """Four perturbed cu-emt checkpoints: (directory, [paths])."""
+    """The demo's four members (cu-emt with seeded noise on its weights): (directory, [paths])."""
     directory = tmp_path_factory.mktemp("committee")
+    perturbed_cu_emt = example("make_committee").perturbed_cu_emt
     paths = []
     for seed in range(4):
         paths.append(directory / f"m{seed}.pt")
@@ -241,13 +239,12 @@ def test_uncertainty_in_mlip_md_on_two_ranks_and_the_active_learning_loop(member
         for key in DEVIATION:
             assert abs(a[key] - b[key]) <= 1e-9 * max(abs(a[key]), 1e-3), (key, a, b)
 
-    labelled = []
-    for frame in frames:  # label the candidates with the reference method
-        frame = frame.copy()
+    assert example("label_candidates").label(tmp_path / "two" / "candidates.extxyz",
+                                             tmp_path / "labelled.extxyz") == len(frames)
+    for frame, labelled in zip(frames, read(tmp_path / "labelled.extxyz", ":")):  # EMT's labels, the same frames
+        np.testing.assert_allclose(labelled.positions, frame.positions, atol=1e-8)
         frame.calc = EMT()
-        frame.get_potential_energy()
-        labelled.append(frame)
-    write(tmp_path / "labelled.extxyz", labelled, format="extxyz")
+        np.testing.assert_allclose(labelled.get_forces(), frame.get_forces(), atol=1e-6)
     train = {"data": {"train": str(tmp_path / "labelled.extxyz"), "validation_fraction": 0.25},
              "model": {"checkpoint": str(paths[0])}, "epochs": 2, "batch_size": 1,
              "output": {"directory": str(tmp_path / "tuned")}}
