@@ -165,13 +165,14 @@ def main():
         seconds = {name: statistics.median(r["seconds"][name] for r in runs) for name in runs[0]["seconds"]}
         memory = {name: statistics.median(r["memory_mb"][name] for r in runs) for name in runs[0]["memory_mb"]}
         n = runs[0]["n_atoms"]
+        share = n / ranks  # memory: the fullest rank's peak over its share of the atoms
         print(f"{n} atoms, {ranks} rank(s), {args.rounds} launch(es): one member {seconds['single'] * 1e3:.0f} ms/step, "
-              f"{memory['single'] * 1024 / n:.1f} KB/atom peak per evaluation (per rank's atoms: x{ranks})")
+              f"{memory['single'] * 1024 / share:.1f} KB per atom of a rank's share, peak of one evaluation")
         for k in SIZES:
             name = f"K={k}"
             ratio = seconds[name] / (k * seconds["single"])
             print(f"  committee of {k}: {seconds[name] * 1e3:7.0f} ms/step = {ratio:.3f} x {k} single runs "
-                  f"({'meets' if ratio <= 0.9 else 'misses'} the 0.9 goal); memory {memory[name] * 1024 / n:.1f} KB/atom "
+                  f"({'meets' if ratio <= 0.9 else 'misses'} the 0.9 goal); memory {memory[name] * 1024 / share:.1f} KB/atom "
                   f"= {memory[name] / memory['single']:.2f} x one member's")
         if "batched" in runs[0]:
             for name, b in runs[0]["batched"].items():
