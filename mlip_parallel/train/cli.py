@@ -35,9 +35,17 @@ from .outputs import format_errors, species_text
 # the model families (schema()).
 SECTIONS = {
     "data": {
-        "train": (str, None, "training structures: any ASE-readable file with energy/forces/stress (extxyz, ASE db)"),
-        "validation": (str, None, "validation file (default: validation_fraction of train)"),
-        "test": (str, None, "test file (default: test_fraction of train), evaluated with best.pt at the end"),
+        "train": ((str, list), None, "training structures: a file with energy/forces/stress (extxyz and xyz indexed "
+                                     "once and read a structure at a time, ASE db, fairchem's ASE-LMDB .aselmdb, "
+                                     "any other ASE-readable file), or a list of files read as one set in order"),
+        "validation": ((str, list), None, "validation file(s) (default: validation_fraction of train)"),
+        "test": ((str, list), None, "test file(s) (default: test_fraction of train), evaluated with best.pt at the "
+                                    "end"),
+        "stream": (bool, False, "read the structures from disk at each use instead of holding them: memory that does "
+                                "not grow with the data set, each structure parsed again at every use (extxyz through "
+                                "an index of its frames; only each rank's share of a data-parallel batch is read)"),
+        "keys": (dict, None, "the labels' names in the files, e.g. {energy: REF_energy, forces: REF_forces, stress: "
+                             "REF_stress} (default: energy, forces, stress; a calculator's results, info or arrays)"),
         "validation_fraction": (float, 0.1, "share of train held out for validation when no validation file"),
         "test_fraction": (float, 0.0, "share of train held out for the test when no test file"),
     },
@@ -164,17 +172,20 @@ def keep_freed_memory() -> bool:
     return all([mallopt(param, value) == 1 for param, value in MALLOPT.values()])
 
 
-def evaluate_model(model_path, data_path: str, batch_size: int = 8, progress: bool = False, deviations=None,
+def evaluate_model(model_path, data_path, batch_size: int = 8, progress: bool = False, deviations=None, keys=None,
                    **options) -> dict:
     """MAE/RMSE of a model (a checkpoint, a bundled model name, or any ``potentials.load_model`` spec:
     ``mace:FILE.model``, ``nequip:FILE``, ``sevennet:NAME``, ``fairchem:FILE``, ..., with its family's
     ``options``: ``head``, ``task``, ...) on every structure of a labelled file (one process); ``progress``
     prints a header and a progress bar. ``model_path`` a list of several: a committee (``potentials.Committee``,
     their mean), whose model deviation of each structure (DeePMD's max_devi_f, min_devi_f, avg_devi_f, devi_e) is
-    written to the CSV file ``deviations`` (a path, or an open text file), one row per structure."""
+    written to the CSV file ``deviations`` (a path, or an open text file), one row per structure. The structures
+    are read a batch at a time (``sources.open_source``: ``data_path`` a file or a list of them, ``keys`` the
+    labels' names), so memory does not grow with the file."""
     import potentials
 
-    from .training import check_species, error_sums, error_table, read_structures
+    from .sources import open_source
+    from .training import check_species, error_sums, error_table
 
     specs = [model_path] if isinstance(model_path, str) else list(model_path)
     try:
@@ -185,13 +196,11 @@ def evaluate_model(model_path, data_path: str, batch_size: int = 8, progress: bo
     committee = len(specs) > 1
     if model.WHOLE_STRUCTURE:  # it reads the structure's composition: one structure per graph
         batch_size = 1
-    structures = read_structures(data_path)
-    check_species(model, structures, "evaluation", error=ConfigError)
+    structures = open_source(data_path, keys)
     if progress:
-        atoms = sum(len(s.numbers) for s in structures)
         what = f"a committee of {len(specs)}" if committee else type(model).__name__
         print(f"mlip-train eval: {what} {species_text(model.species)} (cutoff {model.cutoff:g} Å) from "
-              f"{', '.join(specs)}\nscoring every structure of {data_path}: {len(structures)} structures, {atoms} atoms",
+              f"{', '.join(specs)}\nscoring every structure of {structures.name}: {len(structures)} structures",
               flush=True)
     from ..progress import Progress
 
@@ -199,7 +208,8 @@ def evaluate_model(model_path, data_path: str, batch_size: int = 8, progress: bo
     bar = Progress("mlip-train eval", len(structures), 0, "structure", None if progress else "off")
     rows = []
     for start in range(0, len(structures), batch_size):
-        chunk = structures[start:start + batch_size]
+        chunk = [structures[k] for k in range(start, min(start + batch_size, len(structures)))]
+        check_species(model, chunk, "evaluation", error=ConfigError)
         sums += error_sums(model, chunk, batch_size, model.device)
         if committee:
             rows += [structure_deviation(model, s) for s in chunk]
@@ -256,14 +266,19 @@ def main(argv=None) -> int:
                                                      f"({', '.join(f'{name}:...' for name in families())}); several: "
                                                      "a committee, scored by its mean, with its model deviation of "
                                                      "every structure (CSV on stdout, or --deviations FILE)")
-        parser.add_argument("data", help="ASE-readable file with energy/forces/stress")
+        parser.add_argument("data", help="a file with energy/forces/stress (extxyz, ASE db, .aselmdb, any ASE-readable "
+                                         "file), read a batch at a time")
         parser.add_argument("--deviations", metavar="FILE", help="a committee: write the model deviation of each "
                                                                  "structure to this CSV file")
+        for quantity in ("energy", "forces", "stress"):
+            parser.add_argument(f"--{quantity}-key", metavar="NAME", help=f"the {quantity} label's name in the file "
+                                                                          f"(default {quantity})")
         add_option_arguments(parser)
         args = parser.parse_args(argv[1:])
+        keys = {q: getattr(args, f"{q}_key") for q in ("energy", "forces", "stress") if getattr(args, f"{q}_key")}
         try:
             print(format_errors(evaluate_model(args.model if len(args.model) > 1 else args.model[0], args.data,
-                                               progress=True, deviations=args.deviations,
+                                               progress=True, deviations=args.deviations, keys=keys,
                                                **argument_options(args))))
         except MLIPError as exc:
             report_error("mlip-train", exc)

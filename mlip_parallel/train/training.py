@@ -9,7 +9,6 @@ exactly the single-process gradient (up to summation order).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -62,75 +61,91 @@ def _full_stress(stress) -> np.ndarray:
     return s.reshape(3, 3) if s.size == 9 else voigt_6_to_full_3x3_stress(s)
 
 
-def read_structures(path) -> list[Structure]:
-    """All structures of an ASE-readable file (extxyz with energy/forces/stress, an ASE db, ...)."""
-    from ase.io import read
+def read_structures(path, keys=None) -> list[Structure]:
+    """All structures of a data set (a file ASE reads, or a list of them; ``keys``: the labels' names, see
+    ``sources``), read into memory."""
+    from .sources import open_source
 
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise DataError(f"{path}: no such data file")
+    return list(open_source(path, keys))
+
+
+def label(atoms, results: dict, name: str):
+    """The label ``name`` of a frame: its calculator's result, else its info or arrays entry (None: unlabelled)."""
+    for table in (results, atoms.info, atoms.arrays):
+        if name in table:
+            return table[name]
+    return None
+
+
+def structure_of(atoms, path: str, k: int, keys: dict | None = None) -> Structure:
+    """Frame ``k`` of ``path`` (ASE Atoms) as a ``Structure`` named ``path:k``, its labels by ``keys`` ({quantity:
+    name}; default their own names); DataError for no atoms, bad positions or cell, or a non-finite label."""
+    keys = keys or {}
+    results = dict(atoms.calc.results) if atoms.calc is not None else {}
+    energy, forces, stress = (label(atoms, results, keys.get(q, q)) for q in ("energy", "forces", "stress"))
+    source = f"{path}:{k}"
+    if len(atoms) == 0:
+        raise DataError(f"{source}: a structure with no atoms")
     try:
-        frames = read(path, index=":")
-    except Exception as exc:  # ASE raises many types for unreadable files
-        raise DataError(f"{path}: cannot read structures: {type(exc).__name__}: {exc}") from None
-    if not frames:
-        raise DataError(f"{path}: no structures in the file")
-    out = []
-    for k, atoms in enumerate(frames):
-        results = dict(atoms.calc.results) if atoms.calc is not None else {}
-        energy = results.get("energy", atoms.info.get("energy"))
-        forces = results.get("forces", atoms.arrays.get("forces"))
-        stress = results.get("stress", atoms.info.get("stress"))
-        source = f"{path}:{k}"
-        if len(atoms) == 0:
-            raise DataError(f"{source}: a structure with no atoms")
-        try:
-            positions = check_positions(atoms.positions)
-            cell = complete_cell(atoms.cell[:], atoms.pbc)
-        except MLIPError as exc:
-            raise DataError(f"{path}: structure {k} (counting from 0): {exc}") from None
-        for quantity, label in (("energy", energy), ("forces", forces), ("stress", stress)):
-            values = None if label is None else np.asarray(label, dtype=np.float64)
-            if values is not None and not np.all(np.isfinite(values)):
-                where = ""
-                if quantity == "forces" and values.ndim == 2:
-                    atom = int(np.flatnonzero(~np.all(np.isfinite(values), axis=1))[0])
-                    where = f" (atom {atom} first)"
-                raise DataError(f"{path}: structure {k} (counting from 0) has a non-finite {quantity} label"
-                                f"{where}: {values.ravel()[~np.isfinite(values.ravel())][0]}")
-        out.append(Structure(np.asarray(atoms.numbers), positions, cell, atoms.pbc.copy(),
-                             None if energy is None else float(energy),
-                             None if forces is None else np.asarray(forces, dtype=np.float64),
-                             _full_stress(stress) if stress is not None and atoms.pbc.all() else None, source))
-    return out
+        positions = check_positions(atoms.positions)
+        cell = complete_cell(atoms.cell[:], atoms.pbc)
+    except MLIPError as exc:
+        raise DataError(f"{path}: structure {k} (counting from 0): {exc}") from None
+    for quantity, value in (("energy", energy), ("forces", forces), ("stress", stress)):
+        values = None if value is None else np.asarray(value, dtype=np.float64)
+        if values is not None and not np.all(np.isfinite(values)):
+            where = ""
+            if quantity == "forces" and values.ndim == 2:
+                atom = int(np.flatnonzero(~np.all(np.isfinite(values), axis=1))[0])
+                where = f" (atom {atom} first)"
+            raise DataError(f"{path}: structure {k} (counting from 0) has a non-finite {quantity} label"
+                            f"{where}: {values.ravel()[~np.isfinite(values.ravel())][0]}")
+    def contiguous(values):  # the same memory layout from every format: the same order of numpy's sums
+        return None if values is None else np.ascontiguousarray(values, dtype=np.float64)
+
+    return Structure(np.ascontiguousarray(atoms.numbers, dtype=np.int64), contiguous(positions), contiguous(cell),
+                     np.array(atoms.pbc, dtype=bool), None if energy is None else float(np.asarray(energy).reshape(())),
+                     contiguous(forces), contiguous(_full_stress(stress)) if stress is not None and atoms.pbc.all()
+                     else None, source)
 
 
-def check_labels(structures, weights: dict) -> None:
+def check_labels(structures, weights: dict, keys: dict | None = None) -> None:
     """Every quantity with a non-zero loss weight must be labelled (stress: on periodic structures);
-    the error names the first unlabelled structure and how many of the file's lack the label."""
-    missing = {
-        "energy": [s for s in structures if s.energy is None or not np.isfinite(s.energy)],
-        "forces": [s for s in structures if s.forces is None or s.forces.shape != s.positions.shape
-                   or not np.all(np.isfinite(s.forces))],
-        "stress": [s for s in structures if s.pbc.all() and s.stress is None]}
+    the error names the first unlabelled structure, the label's name where ``keys`` renames it, and how many of the
+    file's lack the label (one pass)."""
+    lacks = {
+        "energy": lambda s: s.energy is None or not np.isfinite(s.energy),
+        "forces": lambda s: s.forces is None or s.forces.shape != s.positions.shape or not np.all(np.isfinite(s.forces)),
+        "stress": lambda s: s.pbc.all() and s.stress is None}
+    needed = [q for q in QUANTITIES if weights[q] > 0]
+    first, missing, total = {}, dict.fromkeys(needed, 0), 0
+    for s in structures:
+        total += 1
+        for q in needed:
+            if lacks[q](s):
+                missing[q] += 1
+                first.setdefault(q, s.source)
     what = {"energy": "no energy", "forces": "no forces (or not one finite 3-vector per atom)",
             "stress": "no stress (a periodic structure)"}
-    for q in QUANTITIES:
-        if weights[q] > 0 and missing[q]:
-            first = missing[q][0]
-            path, _, index = first.source.rpartition(":")
-            raise DataError(f"{path}: structure {index} (counting from 0) has {what[q]}, but the {q} weight is "
-                            f"{weights[q]}; {len(missing[q])} of these {len(structures)} structures lack {q}")
+    for q in needed:
+        if missing[q]:
+            path, _, index = first[q].rpartition(":")
+            named = f" under the name {keys[q]!r}" if keys and keys.get(q, q) != q else ""
+            raise DataError(f"{path}: structure {index} (counting from 0) has {what[q]}{named}, but the {q} weight is "
+                            f"{weights[q]}; {missing[q]} of these {total} structures lack {q}")
 
 
 def split(structures, fractions, seed: int):
-    """Shuffle (seeded) and cut into len(fractions) + 1 parts: the first takes what the others leave."""
+    """Shuffle (seeded) and cut into len(fractions) + 1 parts: the first takes what the others leave. Lists give
+    lists; a ``sources.Source`` gives ``Subset`` views (nothing read)."""
+    from .sources import take
+
     order = np.random.default_rng(seed).permutation(len(structures))
     sizes = [int(round(f * len(structures))) for f in fractions]
     parts, start = [], sum(sizes)
-    parts.append([structures[k] for k in order[:len(structures) - start]])
+    parts.append(take(structures, order[:len(structures) - start]))
     for size in sizes:
-        parts.append([structures[k] for k in order[len(structures) - start: len(structures) - start + size]])
+        parts.append(take(structures, order[len(structures) - start: len(structures) - start + size]))
         start -= size
     return parts
 
@@ -244,9 +259,18 @@ class Counts:
 
     @classmethod
     def of(cls, structures):
-        return cls(max(1.0, float(sum(s.energy is not None for s in structures))),
-                   max(1.0, float(sum(3 * len(s.numbers) for s in structures if s.forces is not None))),
-                   max(1.0, float(sum(s.stress is not None for s in structures))))
+        return cls.of_sums(cls.sums(structures))
+
+    @staticmethod
+    def sums(structures) -> np.ndarray:
+        """[3] the labelled energies, force components and stresses of ``structures`` (to sum over ranks' shares)."""
+        return np.array([float(sum(s.energy is not None for s in structures)),
+                         float(sum(3 * len(s.numbers) for s in structures if s.forces is not None)),
+                         float(sum(s.stress is not None for s in structures))])
+
+    @classmethod
+    def of_sums(cls, sums):
+        return cls(*(max(1.0, float(x)) for x in sums))
 
 
 def loss_terms(energy, forces, stress, batch: Labels, counts: Counts) -> dict:

@@ -1,0 +1,283 @@
+"""Labelled structures read lazily, by index, in the files' own order: a data set that is never held whole.
+
+``open_source(paths, keys=None)`` gives a ``Source``: ``len(source)`` structures, ``source[k]`` reads structure k
+from disk (a ``training.Structure``; DataError naming the file and the index for one that cannot be used) and
+keeps nothing of it. The formats:
+
+* extxyz / xyz: a one-time index of each frame's byte offset (a scan of the count lines, no parsing), kept in a
+  cache directory (``MLIP_PARALLEL_CACHE``, else ``~/.cache/mlip-parallel``) under the file's absolute path, size and
+  modification time, so a changed file is indexed anew; frame k is then read by seeking to it and parsing it alone
+  with ASE's extxyz reader;
+* ASE db (``.db``, SQLite) and fairchem's ASE-LMDB (``.aselmdb``, the ``ase-db-backends`` package, as OMat24 and
+  OMol25 ship): rows by id, in id order;
+* any other file ASE reads: read whole, once (no random access there);
+* a list of these: one data set, the files' structures in the listed order.
+
+Labels: the energy, forces and stress of a frame's calculator results (as ASE reads them), else its info / arrays
+entries of those names; ``keys`` renames them (``{"energy": "REF_energy", "forces": "REF_forces", "stress":
+"REF_stress"}``, as MACE's ``--energy_key``): the label is then read from the results, info or arrays entry of that
+name.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .training import DataError, structure_of
+
+QUANTITIES = ("energy", "forces", "stress")
+EXTXYZ = (".xyz", ".extxyz")
+DATABASES = {".db": None, ".aselmdb": "aselmdb"}
+
+
+def cache_directory() -> Path:
+    """Where the extxyz indices are kept: ``MLIP_PARALLEL_CACHE``, else ``~/.cache/mlip-parallel``."""
+    return Path(os.environ.get("MLIP_PARALLEL_CACHE") or Path.home() / ".cache" / "mlip-parallel") / "index"
+
+
+def check_keys(keys) -> dict:
+    """``keys`` as {quantity: name} for the three quantities (missing ones: their own names); DataError for an
+    unknown quantity or a name that is not text."""
+    keys = dict(keys or {})
+    unknown = sorted(set(keys) - set(QUANTITIES))
+    if unknown:
+        raise DataError(f"data.keys: {unknown[0]!r} is not a label (the labels: {', '.join(QUANTITIES)})")
+    for quantity, name in keys.items():
+        if not isinstance(name, str) or not name:
+            raise DataError(f"data.keys.{quantity}: the name of a label in the files, got {name!r}")
+    return {q: keys.get(q, q) for q in QUANTITIES}
+
+
+class Source:
+    """A data set's structures by index (``len``, ``[k]``, iteration); read from disk at every access."""
+
+    def __init__(self, parts):
+        self.parts = list(parts)  # FileSource each
+        self.starts = np.cumsum([0] + [len(p) for p in self.parts])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, k: int):
+        if not -len(self) <= k < len(self):
+            raise IndexError(f"structure {k} of {len(self)}")
+        k = k % len(self)
+        part = int(np.searchsorted(self.starts, k, side="right")) - 1
+        return self.parts[part][k - int(self.starts[part])]
+
+    def __iter__(self):
+        for part in self.parts:
+            for k in range(len(part)):
+                yield part[k]
+
+    @property
+    def name(self) -> str:
+        return ", ".join(p.path for p in self.parts)
+
+
+class Subset:
+    """``structures`` (a ``Source``, a ``Subset`` or a list) at ``indices``: ``len``, ``[k]`` (a slice: a ``Subset``),
+    iteration; each structure read when used, none kept."""
+
+    def __init__(self, structures, indices):
+        self.structures, self.indices = structures, np.asarray(indices, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return Subset(self.structures, self.indices[k])
+        return self.structures[int(self.indices[k])]
+
+    def __iter__(self):
+        for k in self.indices:
+            yield self.structures[int(k)]
+
+
+def take(structures, indices):
+    """``structures`` at ``indices``: a list of a list (the structures held), else a ``Subset`` (read when used)."""
+    if isinstance(structures, list):
+        return [structures[int(k)] for k in indices]
+    return Subset(structures, indices)
+
+
+class FileSource:
+    """One file's structures (``len``, ``[k]``: a ``training.Structure`` named ``PATH:k``)."""
+
+    def __init__(self, path: str, keys: dict):
+        self.path, self.keys = path, keys
+
+    def structure(self, atoms, k: int):
+        return structure_of(atoms, self.path, k, self.keys)
+
+
+class ExtxyzSource(FileSource):
+    """An extxyz file by the byte offsets of its frames (``index_extxyz``)."""
+
+    def __init__(self, path, keys):
+        super().__init__(path, keys)
+        self.offsets = extxyz_offsets(path)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, k: int):
+        from ase.io.extxyz import read_xyz
+
+        with open(self.path, "rb") as f:
+            f.seek(int(self.offsets[k]))
+            text = f.read(int(self.offsets[k + 1] - self.offsets[k])).decode()
+        try:
+            atoms = next(read_xyz(io.StringIO(text), index=0))
+        except Exception as exc:  # ASE raises many types for a malformed frame
+            raise DataError(f"{self.path}: structure {k} (counting from 0) cannot be read: {type(exc).__name__}: "
+                            f"{exc}") from None
+        return self.structure(atoms, k)
+
+
+class DatabaseSource(FileSource):
+    """An ASE database's rows (SQLite ``.db``, or ``.aselmdb`` through ase-db-backends), in id order."""
+
+    def __init__(self, path, keys, kind):
+        super().__init__(path, keys)
+        self.kind = kind
+        db = self.connect()
+        self.ids = sorted(row.id for row in db.select(include_data=False, columns=["id"]))
+
+    def connect(self):
+        if self.kind == "aselmdb":
+            try:
+                from ase_db_backends.aselmdb import LMDBDatabase
+            except ImportError:
+                raise DataError(f"{self.path}: reading ASE-LMDB needs the ase-db-backends package (pip install "
+                                f"ase-db-backends; the fairchem extra has it)") from None
+            return LMDBDatabase(self.path, readonly=True)
+        import ase.db
+
+        return ase.db.connect(self.path, type="db")
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, k: int):
+        if getattr(self, "_db", None) is None or self._pid != os.getpid():  # one connection per process
+            self._db, self._pid = self.connect(), os.getpid()
+        row = self._db.get(id=self.ids[k])
+        atoms = row.toatoms()
+        atoms.info.update(row.key_value_pairs)
+        for name, value in (row.data or {}).items():
+            array = np.asarray(value)
+            (atoms.arrays if array.ndim and array.shape[0] == len(atoms) and name not in atoms.info
+             else atoms.info)[name] = array
+        return self.structure(atoms, k)
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k not in ("_db", "_pid")}
+
+
+class WholeFileSource(FileSource):
+    """A file ASE reads only whole (no index): read once, kept."""
+
+    def __init__(self, path, keys):
+        from ase.io import read
+
+        super().__init__(path, keys)
+        try:
+            self.frames = read(path, index=":")
+        except Exception as exc:  # ASE raises many types for unreadable files
+            raise DataError(f"{path}: cannot read structures: {type(exc).__name__}: {exc}") from None
+
+    def __len__(self) -> int:
+        return len(self.frames)
+
+    def __getitem__(self, k: int):
+        return self.structure(self.frames[k], k)
+
+
+def open_source(paths, keys=None) -> Source:
+    """The data set of ``paths`` (a path, or a list of them read as one set in order); DataError for a missing,
+    unreadable or empty file."""
+    keys = check_keys(keys)
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    if not paths:
+        raise DataError("no data file given")
+    parts = []
+    for path in paths:
+        if not isinstance(path, (str, os.PathLike)):
+            raise DataError(f"a data file is a path, got {path!r}")
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise DataError(f"{path}: no such data file")
+        suffix = Path(path).suffix.lower()
+        if suffix in EXTXYZ:
+            part = ExtxyzSource(path, keys)
+        elif suffix in DATABASES:
+            part = DatabaseSource(path, keys, DATABASES[suffix])
+        else:
+            part = WholeFileSource(path, keys)
+        if len(part) == 0:
+            raise DataError(f"{path}: no structures in the file")
+        parts.append(part)
+    return Source(parts)
+
+
+def extxyz_offsets(path) -> np.ndarray:
+    """[frames + 1] byte offsets of an extxyz file's frames (and its end): from the cache when it holds the index of
+    this very file (its path, size and modification time), else ``index_extxyz`` (then cached, where writable)."""
+    path = os.path.abspath(path)
+    stat = os.stat(path)
+    name = hashlib.sha256(path.encode()).hexdigest()[:32]
+    cached = cache_directory() / f"{name}.npz"
+    try:
+        with np.load(cached) as saved:
+            if int(saved["size"]) == stat.st_size and int(saved["mtime_ns"]) == stat.st_mtime_ns:
+                return saved["offsets"]
+    except (OSError, KeyError, ValueError):
+        pass
+    offsets = index_extxyz(path)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_name(f"{cached.stem}.{os.getpid()}.partial.npz")
+        np.savez(partial, offsets=offsets, size=stat.st_size, mtime_ns=stat.st_mtime_ns)
+        os.replace(partial, cached)
+    except OSError:  # a read-only home: the index is rebuilt next time
+        pass
+    return offsets
+
+
+def index_extxyz(path) -> np.ndarray:
+    """The byte offset of every frame of an extxyz file, and the file's end [frames + 1]: each frame is a count line
+    N, a comment line and N atom lines. DataError naming the line where that does not hold."""
+    offsets = []
+    with open(path, "rb") as f:
+        line_number, position = 0, 0
+        while True:
+            line = f.readline()
+            if not line:
+                break
+            line_number += 1
+            if not line.strip():  # blank lines between or after frames
+                position += len(line)
+                continue
+            try:
+                count = int(line)
+            except ValueError:
+                raise DataError(f"{path}: cannot read structures: line {line_number}: expected the atom count of a "
+                                f"frame (extxyz), got "
+                                f"{line[:40].decode(errors='replace').strip()!r}") from None
+            offsets.append(position)
+            position += len(line)
+            for _ in range(count + 1):
+                body = f.readline()
+                if not body:
+                    raise DataError(f"{path}: cannot read structures: frame {len(offsets) - 1} (counting from 0) "
+                                    f"ends early: the file ends inside it")
+                position += len(body)
+            line_number += count + 1
+    offsets.append(position)
+    return np.asarray(offsets, dtype=np.int64)

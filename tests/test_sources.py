@@ -1,0 +1,181 @@
+"""Training data read lazily (mlip_parallel.train.sources): extxyz through a byte-offset index, ASE db, fairchem's
+ASE-LMDB and lists of files give the same structures and train to the same metrics; the index is cached and rebuilt
+when its file changes; the labels' names are configurable; malformed files are named with the line; mlip-train eval
+holds one batch of structures at a time."""
+import csv
+import importlib.util
+import weakref
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import potentials
+from ase.build import bulk
+from ase.calculators.emt import EMT
+from ase.calculators.singlepoint import SinglePointCalculator
+from ase.io import read, write
+
+from mlip_parallel.train import sources
+from mlip_parallel.train.cli import RULES, SCHEMA, evaluate_model, train, validate
+from mlip_parallel.train.training import DataError, error_sums, error_table, read_structures
+
+FIELDS = ("numbers", "positions", "cell", "pbc", "energy", "forces", "stress")
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLIP_PARALLEL_CACHE", str(tmp_path / "cache"))
+
+
+def frames(count=12, seed=0):
+    """Rattled Cu cells of 4 and 8 atoms (mixed sizes), labelled by ASE's EMT, as read back from an extxyz (so every
+    format holds the same rounded numbers)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(count):
+        atoms = bulk("Cu", cubic=True).repeat((1, 1, 1 + k % 2))
+        atoms.positions += rng.normal(0, 0.08, atoms.positions.shape)
+        atoms.calc = EMT()
+        atoms.calc = SinglePointCalculator(atoms, energy=atoms.get_potential_energy(), forces=atoms.get_forces(),
+                                           stress=atoms.get_stress())
+        out.append(atoms)
+    return out
+
+
+def same(a, b):
+    for name in FIELDS:
+        x, y = getattr(a, name), getattr(b, name)
+        if x is None or y is None:
+            assert x is None and y is None, name
+        else:
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+
+
+def write_formats(directory: Path, atoms_list) -> dict:
+    """The same structures as extxyz, ASE db, ASE-LMDB (where ase-db-backends is installed) and two extxyz halves."""
+    import ase.db
+
+    paths = {"extxyz": directory / "data.extxyz"}
+    write(paths["extxyz"], atoms_list, format="extxyz")
+    again = read(paths["extxyz"], ":")
+    paths["db"] = directory / "data.db"
+    with ase.db.connect(paths["db"]) as db:
+        for atoms in again:
+            db.write(atoms)
+    if importlib.util.find_spec("ase_db_backends") is not None:
+        from ase_db_backends.aselmdb import LMDBDatabase
+
+        paths["aselmdb"] = directory / "data.aselmdb"
+        with LMDBDatabase(paths["aselmdb"]) as db:
+            for atoms in again:
+                db.write(atoms)
+    half = len(again) // 2
+    write(directory / "first.extxyz", again[:half], format="extxyz")
+    write(directory / "second.extxyz", again[half:], format="extxyz")
+    paths["list"] = [str(directory / "first.extxyz"), str(directory / "second.extxyz")]
+    return paths
+
+
+def test_formats_give_the_same_structures_and_train_alike(tmp_path):
+    """Every format (and a list of two files) gives the same structures, by index and in order, and the same
+    metrics.csv, digit for digit, held in memory or streamed (data.stream: read at each use)."""
+    paths = write_formats(tmp_path, frames())
+    reference = read_structures(paths["extxyz"])
+    assert len(reference) == 12 and reference[1].positions.shape == (8, 3)
+    for name, path in paths.items():
+        source = sources.open_source(path)
+        assert len(source) == 12, name
+        for k in (0, 5, 11, -1):  # random access, in the file's order
+            same(source[k], reference[k])
+        for a, b in zip(source, reference):
+            same(a, b)
+    metrics = {}
+    runs = [(name, path, False) for name, path in paths.items()] + [(f"{name}, streamed", path, True)
+                                                                   for name, path in paths.items()]
+    for name, path, stream in runs:
+        out = tmp_path / f"run_{name}"
+        config = {"data": {"train": path if isinstance(path, list) else str(path), "validation_fraction": 0.25,
+                           "stream": stream},
+                  "model": {"name": "SchNet", "cutoff": 4.0, "hyperparameters": {"features": 8, "layers": 2},
+                            "dtype": "float64"},
+                  "epochs": 2, "batch_size": 3, "seed": 1, "output": {"directory": str(out)}}
+        train(validate(config, SCHEMA, RULES))
+        with open(out / "metrics.csv") as f:
+            metrics[name] = [{k: v for k, v in row.items() if k != "seconds"} for row in csv.DictReader(f)]
+    assert len(metrics["extxyz"]) == 2
+    for name, rows in metrics.items():
+        assert rows == metrics["extxyz"], name  # the same batches: the same losses, digit for digit
+
+
+def test_the_index_is_cached_and_rebuilt_when_its_file_changes(tmp_path, monkeypatch):
+    path = tmp_path / "data.extxyz"
+    write(path, frames(6), format="extxyz")
+    built = []
+    index = sources.index_extxyz
+    monkeypatch.setattr(sources, "index_extxyz", lambda p: built.append(p) or index(p))
+    assert len(sources.open_source(path)) == 6 and len(built) == 1
+    assert len(sources.open_source(path)) == 6 and len(built) == 1  # from the cache
+    assert len(list((tmp_path / "cache" / "index").glob("*.npz"))) == 1
+    write(path, frames(9, seed=1), format="extxyz")  # changed: indexed anew
+    source = sources.open_source(path)
+    assert len(source) == 9 and len(built) == 2
+    same(source[8], read_structures(path)[8])
+    offsets = index(path)
+    assert offsets[0] == 0 and offsets[-1] == path.stat().st_size and np.all(np.diff(offsets) > 0)
+
+
+def test_label_names_and_bad_files_are_named(tmp_path):
+    atoms_list = frames(4)
+    renamed = []
+    for atoms in atoms_list:
+        copy = atoms.copy()
+        copy.info["REF_energy"] = atoms.get_potential_energy()
+        copy.arrays["REF_forces"] = atoms.get_forces()
+        renamed.append(copy)  # no calculator: the labels only under their own names
+    path = tmp_path / "ref.extxyz"
+    write(path, renamed, format="extxyz")
+    plain = read_structures(path)
+    assert plain[0].energy is None and plain[0].forces is None
+    keyed = read_structures(path, {"energy": "REF_energy", "forces": "REF_forces"})
+    assert keyed[2].energy == pytest.approx(atoms_list[2].get_potential_energy(), rel=1e-12)
+    np.testing.assert_allclose(keyed[2].forces, atoms_list[2].get_forces(), atol=1e-8)
+
+    garbage = tmp_path / "garbage.extxyz"
+    garbage.write_text("2\ncomment\nCu 0 0 0\nCu 1.8 0 0\nnot a count\n")
+    truncated = tmp_path / "truncated.extxyz"
+    truncated.write_text("3\ncomment\nCu 0 0 0\n")
+    cases = [(garbage, None, r"garbage.extxyz: cannot read structures: line 5: expected the atom count of a frame "
+                             r"\(extxyz\), got 'not a count'"),
+             (truncated, None, r"truncated.extxyz: cannot read structures: frame 0 \(counting from 0\) ends early"),
+             (path, {"charge": "q"}, r"data.keys: 'charge' is not a label \(the labels: energy, forces, stress\)"),
+             ([str(path), 3], None, r"a data file is a path, got 3"),
+             ([], None, r"no data file given")]
+    for data, keys, message in cases:
+        with pytest.raises(DataError, match=message):
+            sources.open_source(data, keys)
+
+
+def test_eval_holds_one_batch_at_a_time(tmp_path, monkeypatch):
+    """mlip-train eval over 40 structures in batches of 4: at most one batch of them alive at once (a list of all would
+    hold 40), and the same errors as the structures read whole."""
+    path = tmp_path / "data.extxyz"
+    write(path, frames(40, seed=2), format="extxyz")
+    alive, most = [0], [0]
+    read_one = sources.ExtxyzSource.__getitem__
+
+    def counted(self, k):
+        structure = read_one(self, k)
+        alive[0] += 1
+        most[0] = max(most[0], alive[0])
+        weakref.finalize(structure, lambda: alive.__setitem__(0, alive[0] - 1))
+        return structure
+
+    monkeypatch.setattr(sources.ExtxyzSource, "__getitem__", counted)
+    streamed = evaluate_model("cu-emt", str(path), batch_size=4)
+    assert most[0] <= 8, most  # this batch and, at most, the last one not yet collected
+    monkeypatch.setattr(sources.ExtxyzSource, "__getitem__", read_one)
+    model = potentials.load_model("cu-emt")
+    whole = error_table(error_sums(model, read_structures(path), 4, model.device))
+    for key, value in whole.items():
+        assert streamed[key] == pytest.approx(value, rel=1e-6), key  # (float32 cu-emt: sums in another order)
