@@ -88,19 +88,22 @@ def test_resume_two_plus_two_epochs_equals_four(quick_data, tmp_path):
     assert metrics(straight) == metrics(resumed)
 
 
-@pytest.mark.parametrize("parallel, launcher", [("data", "mpiexec"), ("graph", "mpiexec"), ("pipeline", "mpiexec"),
-                                               ("graph", "torchrun")])
-def test_two_ranks_equal_one_process(mpirun, torchrun, quick_data, tmp_path, parallel, launcher):
+@pytest.mark.parametrize("parallel, launcher, stream", [("data", "mpiexec", False), ("graph", "mpiexec", False),
+                                                       ("pipeline", "mpiexec", False), ("graph", "torchrun", False),
+                                                       ("data", "mpiexec", True), ("pipeline", "mpiexec", True)])
+def test_two_ranks_equal_one_process(mpirun, torchrun, quick_data, tmp_path, parallel, launcher, stream):
     """Same global batch, float64: parameters after 9 optimizer steps (gradient clipping and EMA on)
     equal the single-process run. Pipeline: 2 stage-local models, up to 4 micro-batches (the last batch
     of each epoch has 2 structures), schedule auto (five timed warm-up steps, then
     the order predicted fastest under the measured costs), four sweeps, pipelined validation. Graph parallel also under
-    torchrun: the halo over the torch.distributed backend, no MPI."""
+    torchrun: the halo over the torch.distributed backend, no MPI. ``stream``: the 2-rank run reads its structures
+    from disk at each use (data.stream; data parallel: each rank only its share), the one-process run holds them."""
     serial, distributed = tmp_path / "serial", tmp_path / "distributed"
     config = job(serial, quick_data, epochs=3, parallel="data", optimizer={"lr": 0.005, "gradient_clip": 1.0})
     train(validate(config, SCHEMA, RULES))
     config = dict(config, parallel=parallel, output={"directory": str(distributed)},
                   pipeline={"stages": 2, "microbatches": 4, "schedule": "auto"})  # 10 structures: 4 + 4 + 2
+    config["data"] = dict(config["data"], stream=stream)
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
     run = torchrun if launcher == "torchrun" else mpirun
     rc, out, _ = run(2, "-m", "mlip_parallel.train.cli", tmp_path / "job.yaml")

@@ -114,26 +114,34 @@ def fit_scale_shift(model, structures) -> None:
 
 
 def load_data(config):
-    from .training import check_labels, read_structures, split
+    """(train, validation, test) structures of the data section: lists held in memory, or with ``data.stream``
+    ``sources.Subset`` views read from disk at each use (memory flat in the data set's size)."""
+    from .sources import open_source
+    from .training import check_labels, split
 
     d = config["data"]
     if d["train"] is None:
         raise ConfigError("data.train is required: a file of labelled structures")
-    train = read_structures(d["train"])
+
+    def structures(paths):
+        source = open_source(paths, d["keys"])
+        return source if d["stream"] else list(source)
+
+    train = structures(d["train"])
     fractions = [0.0 if d["validation"] else d["validation_fraction"], 0.0 if d["test"] else d["test_fraction"]]
     if sum(fractions) >= 1:
         raise ConfigError(f"data.validation_fraction + data.test_fraction must be < 1, got {sum(fractions)}")
     train, validation, test = split(train, fractions, config["seed"])
     if d["validation"]:
-        validation = read_structures(d["validation"])
+        validation = structures(d["validation"])
     if d["test"]:
-        test = read_structures(d["test"])
-    if not train or not validation:
+        test = structures(d["test"])
+    if not len(train) or not len(validation):
         raise ConfigError(f"need at least one training and one validation structure, got {len(train)} and "
                           f"{len(validation)} (set data.validation or a larger data.validation_fraction)")
     weights = {q: config["loss"][f"{q}_weight"] for q in QUANTITIES}
     if not any(weights.values()):
         raise ConfigError(f"loss: every weight is 0 ({', '.join(f'{q}_weight' for q in QUANTITIES)}): nothing to fit")
     for part in (train, validation, test):
-        check_labels(part, weights)
+        check_labels(part, weights, d["keys"])
     return train, validation, test, weights

@@ -58,12 +58,12 @@ class DataParallel:
         from .training import Batch, Counts, TrainingError, batch_gradients, nonfinite_structures
 
         procs = self.procs
-        mine = global_batch[procs.rank::procs.size]
+        mine = list(global_batch[procs.rank::procs.size])  # only this rank's share is read (a streamed set)
+        counts = Counts.of_sums(procs.sum(Counts.sums(mine)))  # the global batch's, from the shares
         value, bad = 0.0, []
         if mine:
             batch = Batch(mine, self.model, self.device)
-            loss, predictions = batch_gradients(self.model, batch, Counts.of(global_batch), self.weights,
-                                                self.parameters)
+            loss, predictions = batch_gradients(self.model, batch, counts, self.weights, self.parameters)
             value = loss.item()
             bad = [] if np.isfinite(value) else nonfinite_structures(batch, *predictions)
         value = float(procs.sum(np.array([value]))[0])

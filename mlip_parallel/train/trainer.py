@@ -5,6 +5,7 @@ ranks (``processes``), writing metrics and checkpoints (``checkpoints``).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from .checkpoints import Checkpoints
 from .model_setup import build_model, check_freeze, check_new_model_size, fit_scale_shift, load_data, model_species, \
     starting_model
 from .processes import Processes
+from .sources import take
 from .strategies import DataParallel, GraphParallel, PipelineParallel, pipeline_trainer
 from .training import QUANTITIES
 
@@ -76,8 +78,8 @@ class Trainer(Checkpoints):
         batch = min(config["batch_size"], len(self.train_set))  # structures a step's graphs hold, per rank:
         per_step = {"data": -(-batch // procs.size), "graph": 1,
                     "pipeline": -(-batch // config["pipeline"]["microbatches"])}[procs.parallel]
-        check_training_memory(procs.backend, model, self.train_set + self.validation + self.test, per_step,
-                              procs.parallel == "graph")
+        check_training_memory(procs.backend, model, itertools.chain(self.train_set, self.validation, self.test),
+                              per_step, procs.parallel == "graph")
         self.reference_note = None  # the log's line on a starting model's reference energies
         if self.starting is None:
             if not self.resume:
@@ -237,7 +239,7 @@ class Trainer(Checkpoints):
             order = np.random.default_rng([config["seed"], epoch]).permutation(len(self.train_set))
             loss_sum, batches = 0.0, 0
             for b in range(0, len(order), batch_size):
-                global_batch = [self.train_set[k] for k in order[b:b + batch_size]]
+                global_batch = take(self.train_set, order[b:b + batch_size])  # a streamed set: read when used
                 self.optimizer.zero_grad(set_to_none=False)
                 loss_sum += self.strategy.step(global_batch, self.optimizer, epoch + 1)
                 batches += 1

@@ -215,6 +215,11 @@ def train_cases():
         ("nan position in data", job(data={"train": structures("nan_pos_data.extxyz", moved(2, [np.nan, 0, 0]),
                                                                count=6)}), ["non-finite", "nan_pos_data", "structure 0"]),
         ("missing data", job(data={"train": "nowhere.extxyz"}), ["nowhere.extxyz"]),
+        ("a label key that is no label", job(data={"keys": {"charge": "q"}}),
+         ["data.keys", "'charge' is not a label"]),
+        ("a data list entry that is no path", job(data={"train": [data, 3]}), ["a data file is a path", "3"]),
+        ("the forces under a name the file lacks", job(data={"keys": {"forces": "REF_forces"}, "stream": True}),
+         ["labelled.extxyz", "structure", "no forces", "REF_forces"]),
         ("negative features", job(model={"hyperparameters": {"features": -4}}), ["model", "features"]),
         ("a model no machine holds", job(model={"hyperparameters": {"features": 100_000, "layers": 3}}),
          ["not enough memory", "SchNet", "weights", "hyperparameters"]),
@@ -338,6 +343,9 @@ def train_accepted():
                                                                                                   "layers": 2},
                                                "freeze": ["embedding.*"]}}),
         ("cu-emt refit", {"model": {"checkpoint": "cu-emt", "reference_energies": "refit"}}),
+        ("streamed, two files as one set, the labels' names given", {"data": {
+            "train": [data, validation], "validation_fraction": 0.25, "stream": True,
+            "keys": {"energy": "energy", "forces": "forces", "stress": "stress"}}}),
     ]
     for label, changes in cases:
         config = {key: dict(value) if isinstance(value, dict) else value for key, value in base.items()}

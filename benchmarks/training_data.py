@@ -1,0 +1,137 @@
+"""Training data read lazily (``mlip_parallel.train.sources``) against ``ase.io.read`` of the whole file: the one-time
+index of an extxyz against reading it with ASE (goal: at most 1.5×), a random structure read through the index, and
+``mlip-train eval``'s and one epoch of ``mlip-train``'s peak memory over files of N and 10 N structures (streamed:
+flat; the whole file in memory: growing with N), each in a fresh process, one thread.
+
+    python benchmarks/training_data.py [--structures 2000] [--atoms 32]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, status_mb  # noqa: E402
+
+
+def write_data(path, count, atoms_per_structure, seed=0):
+    """``count`` rattled fcc Cu cells of ``atoms_per_structure`` atoms with random labels of EMT's magnitude (the
+    reading cost, not the labels' physics, is measured here)."""
+    import numpy as np
+    from ase.build import bulk
+    from ase.calculators.singlepoint import SinglePointCalculator
+    from ase.io import write
+
+    repeat = {4: (1, 1, 1), 32: (2, 2, 2), 108: (3, 3, 3)}[atoms_per_structure]
+    rng = np.random.default_rng(seed)
+    base = bulk("Cu", cubic=True).repeat(repeat)
+    with open(path, "w") as f:
+        for _ in range(count):
+            atoms = base.copy()
+            atoms.positions += rng.normal(0, 0.05, atoms.positions.shape)
+            atoms.calc = SinglePointCalculator(atoms, energy=float(rng.normal(-100, 1)),
+                                               forces=rng.normal(0, 0.3, (len(atoms), 3)),
+                                               stress=rng.normal(0, 0.01, 6))
+            write(f, atoms, format="extxyz")
+
+
+def worker(args):
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ["MLIP_PARALLEL_CACHE"] = args.cache
+    if args.what == "read":
+        from ase.io import read
+
+        start = time.perf_counter()
+        frames = read(args.path, ":")
+        result = {"seconds": time.perf_counter() - start, "structures": len(frames)}
+    elif args.what == "index":
+        from mlip_parallel.train.sources import index_extxyz, open_source
+
+        start = time.perf_counter()
+        offsets = index_extxyz(args.path)
+        seconds = time.perf_counter() - start
+        source = open_source(args.path)
+        start = time.perf_counter()
+        for k in range(0, len(source), max(1, len(source) // 200)):
+            source[k]
+        per_structure = (time.perf_counter() - start) / len(range(0, len(source), max(1, len(source) // 200)))
+        result = {"seconds": seconds, "structures": len(offsets) - 1, "read_one_s": per_structure}
+    elif args.what in ("train", "train-stream"):  # one epoch of a small SchNet, the data held or streamed
+        from mlip_parallel.train.cli import RULES, SCHEMA, train, validate
+
+        config = {"data": {"train": args.path, "validation_fraction": 0.05, "stream": args.what == "train-stream"},
+                  "model": {"name": "SchNet", "cutoff": 4.0, "hyperparameters": {"features": 8, "layers": 1}},
+                  "epochs": 1, "batch_size": 32, "ema_decay": 0.0,
+                  "output": {"directory": str(Path(args.cache) / args.what / Path(args.path).stem), "progress": False}}
+        before = status_mb("VmRSS")
+        start = time.perf_counter()
+        train(validate(config, SCHEMA, RULES))
+        result = {"seconds": time.perf_counter() - start, "peak_mb": status_mb("VmHWM") - before}
+    else:  # eval: streamed (the tool) or whole (the structures read into a list first, as before)
+        from mlip_parallel.train.cli import evaluate_model
+        from mlip_parallel.train.training import error_sums, read_structures
+
+        import potentials
+
+        before = status_mb("VmRSS")
+        start = time.perf_counter()
+        if args.what == "eval":
+            evaluate_model("cu-emt", args.path, batch_size=8)
+        else:
+            model = potentials.load_model("cu-emt")
+            error_sums(model, read_structures(args.path), 8, model.device)
+        result = {"seconds": time.perf_counter() - start, "peak_mb": status_mb("VmHWM") - before}
+    print(json.dumps(result))
+
+
+def run(what, path, cache):
+    cmd = [sys.executable, __file__, "--worker", "--what", what, "--path", str(path), "--cache", str(cache)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-3000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--structures", type=int, default=2000)
+    parser.add_argument("--atoms", type=int, default=32, choices=(4, 32, 108))
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--what")
+    parser.add_argument("--path")
+    parser.add_argument("--cache")
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        sizes = (args.structures, 10 * args.structures)
+        for n in sizes:
+            write_data(tmp / f"data_{n}.extxyz", n, args.atoms)
+        big = tmp / f"data_{sizes[1]}.extxyz"
+        read = run("read", big, tmp / "cache")
+        index = run("index", big, tmp / "cache")
+        mb = big.stat().st_size / 2**20
+        print(f"{sizes[1]} structures of {args.atoms} atoms ({mb:.0f} MB extxyz): ase.io.read {read['seconds']:.2f} s, "
+              f"the index {index['seconds']:.2f} s = {index['seconds'] / read['seconds']:.3f}x (goal <= 1.5); "
+              f"a structure through the index {index['read_one_s'] * 1e3:.2f} ms "
+              f"(ase.io.read: {read['seconds'] / read['structures'] * 1e3:.2f} ms per structure)")
+        for what, label in (("eval", "mlip-train eval, streamed"), ("whole", "the file read whole, then scored"),
+                            ("train-stream", "mlip-train, one epoch, data.stream: true"),
+                            ("train", "mlip-train, one epoch, the data held (data.stream: false)")):
+            results = {n: run(what, tmp / f"data_{n}.extxyz", tmp / "cache") for n in sizes}
+            print(f"{label}: peak memory above start {results[sizes[0]]['peak_mb']:.0f} MB at {sizes[0]} structures, "
+                  f"{results[sizes[1]]['peak_mb']:.0f} MB at {sizes[1]} "
+                  f"({results[sizes[1]]['peak_mb'] / results[sizes[0]]['peak_mb']:.2f}x); "
+                  f"{results[sizes[1]]['seconds']:.1f} s at {sizes[1]}")
+
+
+if __name__ == "__main__":
+    main()
