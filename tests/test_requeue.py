@@ -111,20 +111,28 @@ def thermo(directory) -> list:
         return [{k: v for k, v in row.items() if k not in TIMING} for row in csv.DictReader(f)]
 
 
-def test_mlip_md_killed_at_random_moments_and_requeued_equals_an_uninterrupted_run(tmp_path):
-    """2 ranks, Langevin, thermo every 5 steps, a frame every 10, a restart every 40 of 300 steps: killed at
-    5 seeded random moments of the run (after its start-up) and requeued with the identical command."""
+def straight_and_requeued(tmp_path, job: dict, seed: int) -> tuple:
+    """mlip-md ``job`` on 2 ranks straight through in tmp_path/straight, then in tmp_path/requeued killed (SIGKILL)
+    at 5 moments drawn with ``seed`` within the first 30 % of the straight run's time after its start-up, and
+    requeued with the identical command until it ends (at least 3 kills). Returns (the command, its environment,
+    the straight run's output directory, the requeued one's)."""
     env = environment(2)
     for name in ("straight", "requeued"):
         (tmp_path / name).mkdir()
-        (tmp_path / name / "job.yaml").write_text(yaml.safe_dump(MD_JOB))
+        (tmp_path / name / "job.yaml").write_text(yaml.safe_dump(job))
     cmd = command(2, "-m", "md.cli", "job.yaml")
     rc, out, seconds = finish(cmd, tmp_path / "straight", env, "mlip-md: 108 atoms")
     assert rc == 0 and "steps 0 to 300" in out, out
-    delays = np.random.default_rng(35).uniform(0.0, 0.3, size=5) * seconds  # of the run's time after start-up
+    delays = np.random.default_rng(seed).uniform(0.0, 0.3, size=5) * seconds  # of the run's time after start-up
     outcomes = requeue(cmd, tmp_path / "requeued", env, "mlip-md: 108 atoms", delays)
     assert outcomes.count("killed") >= 3, outcomes
-    straight, requeued = tmp_path / "straight" / "out", tmp_path / "requeued" / "out"
+    return cmd, env, tmp_path / "straight" / "out", tmp_path / "requeued" / "out"
+
+
+def test_mlip_md_killed_at_random_moments_and_requeued_equals_an_uninterrupted_run(tmp_path):
+    """2 ranks, Langevin, thermo every 5 steps, a frame every 10, a restart every 40 of 300 steps: killed at
+    5 seeded random moments of the run (after its start-up) and requeued with the identical command."""
+    cmd, env, straight, requeued = straight_and_requeued(tmp_path, MD_JOB, seed=35)
     rows = thermo(straight)
     assert [int(r["step"]) for r in rows] == list(range(0, 301, 5))
     assert thermo(requeued) == rows
@@ -187,17 +195,7 @@ def test_committee_run_killed_and_requeued_keeps_its_deviations_and_candidates(t
         {"lennard_jones": {"epsilon": 0.0104, "sigma": 3.4, "cutoff": 8.0}},
         {"lennard_jones": {"epsilon": 0.0110, "sigma": 3.42, "cutoff": 8.0}}]},
         uncertainty={"every": 5, "select": [0.016, 0.022]})
-    env = environment(2)
-    for name in ("straight", "requeued"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "job.yaml").write_text(yaml.safe_dump(job))
-    cmd = command(2, "-m", "md.cli", "job.yaml")
-    rc, out, seconds = finish(cmd, tmp_path / "straight", env, "mlip-md: 108 atoms")
-    assert rc == 0 and "steps 0 to 300" in out, out
-    delays = np.random.default_rng(36).uniform(0.0, 0.3, size=5) * seconds
-    outcomes = requeue(cmd, tmp_path / "requeued", env, "mlip-md: 108 atoms", delays)
-    assert outcomes.count("killed") >= 3, outcomes
-    straight, requeued = tmp_path / "straight" / "out", tmp_path / "requeued" / "out"
+    _, _, straight, requeued = straight_and_requeued(tmp_path, job, seed=36)
     with open(straight / "model_devi.csv") as f:
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == list(range(0, 301, 5))
