@@ -217,7 +217,7 @@ class MDJob:
             if self.root:
                 frame.calc = None  # the committee's energy and forces are no labels
                 frame.arrays["devi_f"] = devi_f
-                frame.info.update({k: v for k, v in deviation.items()})
+                frame.info.update(deviation)
                 files.candidate(frame)
 
     def _write_restart(self, step: int, files) -> dict:

@@ -12,7 +12,7 @@ from potentials.graph import (MIN_DISTANCE, AtomGraph, NoHalo, check_positions, 
 from potentials.messages import memory_budget_bytes
 from potentials.predict import voigt_stress
 
-from .backend import get_backend, rank_device
+from .backend import SerialBackend, get_backend, rank_device
 from .comm import FeatureHalo
 from .domain import Domain
 from .errors import LostAtomsError, SimulationError
@@ -55,30 +55,26 @@ class GlobalSums(NamedTuple):
     virial: np.ndarray
 
 
-def global_sums(backend, energies, dE_dstrain, forces=None) -> GlobalSums:
-    """Sum this rank's owned energies [n_local] and dE/dstrain [3, 3] over all ranks (one device → host
-    copy of 10 numbers, one allreduce). With ``forces`` [n_local, 3], the same copy and allreduce count the
-    non-finite ones: SimulationError on every rank alike when there are any."""
-    local = [dE_dstrain.detach().reshape(9).double(), energies.detach().sum().reshape(1).double()]
+def rank_totals(backend, energies, dE_dstrain, forces=None) -> tuple:
+    """This rank's owned energies [K, n_local] and dE/dstrain [K, 3, 3] of K models summed over all ranks in one
+    device → host copy and one allreduce: (energies [K] eV, dE/dε [K, 3, 3], the non-finite rows of ``forces``
+    [n_local, 3] counted over every rank, 0 without ``forces``)."""
+    k = energies.shape[0]
+    local = [energies.detach().sum(dim=1).double(), dE_dstrain.detach().reshape(k * 9).double()]
     if forces is not None:
         local.append((~torch.isfinite(forces)).any(dim=1).sum().reshape(1).double())
     totals = backend.allreduce(torch.cat(local).cpu().numpy())
-    if forces is not None and totals[10]:
-        raise SimulationError(f"non-finite forces on {int(totals[10])} atom(s) (energy {totals[9]:.6g} eV)")
-    return GlobalSums(float(totals[9]), totals[:9].reshape(3, 3))
+    return totals[:k], totals[k:10 * k].reshape(k, 3, 3), int(totals[10 * k]) if forces is not None else 0
 
 
-def member_sums(backend, energies, dE_dstrain, forces) -> tuple:
-    """``global_sums`` of a committee's members at once: (energies [K] eV, dE/dε [K, 3, 3]) summed over every rank
-    from this rank's ``energies`` [K, n_local] and ``dE_dstrain`` [K, 3, 3], in one allreduce that also counts the
-    non-finite rows of the committee's ``forces`` [n_local, 3] (SimulationError on every rank alike)."""
-    k = energies.shape[0]
-    local = torch.cat([energies.detach().sum(dim=1).double(), dE_dstrain.detach().reshape(k * 9).double(),
-                       (~torch.isfinite(forces)).any(dim=1).sum().reshape(1).double()])
-    totals = backend.allreduce(local.cpu().numpy())
-    if totals[-1]:
-        raise SimulationError(f"non-finite forces on {int(totals[-1])} atom(s)")
-    return totals[:k], totals[k:-1].reshape(k, 3, 3)
+def global_sums(backend, energies, dE_dstrain, forces=None) -> GlobalSums:
+    """Sum this rank's owned energies [n_local] and dE/dstrain [3, 3] over all ranks (``rank_totals``). With
+    ``forces`` [n_local, 3], the same copy and allreduce count the non-finite ones: SimulationError on every rank
+    alike when there are any."""
+    energy, virial, bad = rank_totals(backend, energies[None], dE_dstrain[None], forces)
+    if bad:
+        raise SimulationError(f"non-finite forces on {bad} atom(s) (energy {energy[0]:.6g} eV)")
+    return GlobalSums(float(energy[0]), virial[0])
 
 
 class CommitteeStep(NamedTuple):
@@ -104,25 +100,19 @@ def committee_step(committee, sub: Subdomain, mode: str = "layerwise",
 
     energies, forces, dE_dstrain = members_decomposed(committee, sub, mode, memory_budget_gb)
     combined = committee.combine(forces)
-    totals, virials = member_sums(sub.comm.backend, energies, dE_dstrain, combined)
+    totals, virials, bad = rank_totals(sub.comm.backend, energies, dE_dstrain, combined)
+    if bad:
+        raise SimulationError(f"non-finite forces on {bad} atom(s)")
     devi_f, devi_energies = deviations(forces, energies)
     return CommitteeStep(committee.combine(energies), combined, float(committee.combine(torch.as_tensor(totals))),
                          committee.combine(torch.as_tensor(virials)).numpy(), devi_f, devi_energies, totals)
 
 
-def frame_deviation(devi_f: np.ndarray, member_energies: np.ndarray) -> dict:
-    """DeePMD's model deviation of a frame from σ_F of all its atoms [N] and the members' energies [K] (eV):
-    "max_devi_f", "min_devi_f", "avg_devi_f" (eV/Å; 0 for no atom) and "devi_e" (the members' standard deviation of
-    the energy, per atom, eV)."""
-    n = len(devi_f)
-    return {"max_devi_f": float(devi_f.max()) if n else 0.0, "min_devi_f": float(devi_f.min()) if n else 0.0,
-            "avg_devi_f": float(devi_f.mean()) if n else 0.0, "devi_e": float(np.std(member_energies)) / max(n, 1)}
-
-
 def deviation_summary(backend, devi_f, member_energies, n_atoms: int) -> dict:
     """DeePMD's model deviation of a frame from this rank's owned atoms' σ_F ``devi_f`` [n_local] and the members'
     global energies [K] (collective): "max_devi_f", "min_devi_f", "avg_devi_f" (over every atom, eV/Å) and
-    "devi_e" (the members' standard deviation of the total energy over ``n_atoms``, eV)."""
+    "devi_e" (the members' standard deviation of the total energy over ``n_atoms``, eV); 0 for no atom. One process's
+    data: ``SerialBackend()``."""
     local = np.asarray(torch.as_tensor(devi_f).detach().cpu(), dtype=np.float64)
     top, low = backend.allreduce(np.array([local.max(initial=0.0), -local.min(initial=np.inf)]), op="max")
     total = float(backend.allreduce(np.array([local.sum()]))[0])
@@ -292,7 +282,7 @@ def committee_result(committee, energies: np.ndarray, forces: np.ndarray, virial
     totals = energies.sum(axis=1)
     result = {"energy": float(pick(torch.as_tensor(totals))), "energies": pick(torch.as_tensor(energies)).numpy(),
               "forces": pick(torch.as_tensor(forces)).numpy(), "devi_f": devi_f, "devi_energies": devi_energies,
-              **frame_deviation(devi_f, totals), "member_energies": totals}
+              **deviation_summary(SerialBackend(), devi_f, totals, len(devi_f)), "member_energies": totals}
     if virials is not None:
         result["stress"] = voigt_stress(pick(torch.as_tensor(virials)).numpy(), volume)
     return result

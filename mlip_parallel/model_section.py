@@ -109,8 +109,7 @@ def load_section_committee(section: dict, checkpoint_dtype: str | None = None):
     from mlip_parallel.config import validate
     from potentials.committee import Committee, CommitteeError
 
-    beside = [k for k in [*model_schema(), *(f.name for f in model_families())]
-              if k != "dtype" and section.get(k) is not None]
+    beside = [k for k in model_schema() if k != "dtype" and section.get(k) is not None]  # families' keys, options
     if beside:
         raise ConfigError(f"model.committee names the models: move model.{beside[0]} into one of its members")
     if not section["committee"]:
