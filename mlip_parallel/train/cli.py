@@ -210,9 +210,13 @@ def evaluate_model(model_path, data_path, batch_size: int = 8, progress: bool = 
     for start in range(0, len(structures), batch_size):
         chunk = [structures[k] for k in range(start, min(start + batch_size, len(structures)))]
         check_species(model, chunk, "evaluation", error=ConfigError)
-        sums += error_sums(model, chunk, batch_size, model.device)
-        if committee:
-            rows += [structure_deviation(model, s) for s in chunk]
+        if committee:  # one evaluation per structure gives both its errors and its deviation
+            for structure in chunk:
+                errors, row = structure_deviation(model, structure)
+                sums += errors
+                rows.append(row)
+        else:
+            sums += error_sums(model, chunk, batch_size, model.device)
         bar.update(start + len(chunk))
     bar.close()
     if rows:
@@ -223,13 +227,22 @@ def evaluate_model(model_path, data_path, batch_size: int = 8, progress: bool = 
 DEVIATION_COLUMNS = ("structure", "max_devi_f", "min_devi_f", "avg_devi_f", "devi_e")
 
 
-def structure_deviation(committee, structure) -> dict:
-    """A committee's model deviation on one structure (``training.Structure``): a row of ``DEVIATION_COLUMNS``."""
+def structure_deviation(committee, structure) -> tuple:
+    """A committee's evaluation of one structure (``training.Structure``): (the [9] error sums of its mean energy,
+    forces and stress against the labels, ``training.prediction_errors``; its model deviation, a row of
+    ``DEVIATION_COLUMNS``)."""
+    import torch
+    from ase.stress import voigt_6_to_full_3x3_stress
+
     from ..backend import SerialBackend
     from ..evaluate import evaluate
+    from .training import Labels, prediction_errors
 
     result = evaluate(committee, structure.to_atoms(), comm=SerialBackend(), min_distance=0.0)
-    return {"structure": structure.source, **{k: result[k] for k in DEVIATION_COLUMNS[1:]}}
+    stress = torch.as_tensor(voigt_6_to_full_3x3_stress(result["stress"]))[None] if "stress" in result else None
+    errors = prediction_errors(Labels([structure], "cpu"), torch.tensor([result["energy"]], dtype=torch.float64),
+                               torch.as_tensor(result["forces"]), stress)
+    return errors, {"structure": structure.source, **{k: result[k] for k in DEVIATION_COLUMNS[1:]}}
 
 
 def write_deviations(target, rows) -> None:
