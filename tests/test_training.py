@@ -285,7 +285,8 @@ def test_config_error_reported_once_under_mpiexec(mpirun, tmp_path):
     """A config error prints one line for the whole job and every rank exits 2, before torch is imported."""
     (tmp_path / "bad.yaml").write_text("epochs: 2\nlearning_rate: 0.1\n")
     code = ("import sys; from mlip_parallel.train.cli import main; status = main(sys.argv[1:]); "
-            "print('torch imported:', 'torch' in sys.modules, flush=True); sys.exit(status)")
+            "import os; os.write(1, f\"torch imported: {'torch' in sys.modules}\\n\".encode()); sys.exit(status)")
+    # one write call per rank: two ranks' print() pieces can interleave in mpiexec's merged output
     for config in (tmp_path / "missing.yaml", tmp_path / "bad.yaml"):
         rc, out, _ = mpirun(2, "-c", code, config, timeout=60)
         assert rc == 2 and out.count("mlip-train: error:") == 1 and "Traceback" not in out, out
