@@ -1,7 +1,8 @@
 """Training data read lazily (``mlip_parallel.train.sources``) against ``ase.io.read`` of the whole file: the one-time
 index of an extxyz against reading it with ASE (goal: at most 1.5×), a random structure read through the index, and
 ``mlip-train eval``'s and one epoch of ``mlip-train``'s peak memory over files of N and 10 N structures (streamed:
-flat; the whole file in memory: growing with N), each in a fresh process, one thread.
+flat; the whole file in memory: growing with N), and a streamed run's start-up (its checks and fits: one survey of the
+data, ``train.survey``) against one plain pass reading every structure, each in a fresh process, one thread.
 
     python benchmarks/training_data.py [--structures 2000] [--atoms 32]
 """
@@ -62,6 +63,22 @@ def worker(args):
             source[k]
         per_structure = (time.perf_counter() - start) / len(range(0, len(source), max(1, len(source) // 200)))
         result = {"seconds": seconds, "structures": len(offsets) - 1, "read_one_s": per_structure}
+    elif args.what == "startup":  # a streamed run's start-up (the survey) against one pass reading every structure
+        from mlip_parallel.train.cli import RULES, SCHEMA, validate
+        from mlip_parallel.train.sources import open_source
+        from mlip_parallel.train.trainer import Trainer
+
+        source = open_source(args.path)
+        start = time.perf_counter()
+        for k in range(len(source)):
+            source[k]
+        one_pass = time.perf_counter() - start
+        config = {"data": {"train": args.path, "validation_fraction": 0.05, "stream": True},
+                  "model": {"name": "SchNet", "cutoff": 4.0, "hyperparameters": {"features": 8, "layers": 1}},
+                  "epochs": 1, "output": {"directory": str(Path(args.cache) / "startup"), "progress": False}}
+        start = time.perf_counter()
+        Trainer(validate(config, SCHEMA, RULES))
+        result = {"seconds": time.perf_counter() - start, "one_pass": one_pass}
     elif args.what in ("train", "train-stream"):  # one epoch of a small SchNet, the data held or streamed
         from mlip_parallel.train.cli import RULES, SCHEMA, train, validate
 
@@ -123,6 +140,10 @@ def main():
               f"the index {index['seconds']:.2f} s = {index['seconds'] / read['seconds']:.3f}x (goal <= 1.5); "
               f"a structure through the index {index['read_one_s'] * 1e3:.2f} ms "
               f"(ase.io.read: {read['seconds'] / read['structures'] * 1e3:.2f} ms per structure)")
+        startup = run("startup", big, tmp / "cache")
+        print(f"mlip-train start-up, data.stream: true, {sizes[1]} structures: {startup['seconds']:.2f} s = "
+              f"{startup['seconds'] / startup['one_pass']:.2f}x one pass reading every structure "
+              f"({startup['one_pass']:.2f} s)")
         for what, label in (("eval", "mlip-train eval, streamed"), ("whole", "the file read whole, then scored"),
                             ("train-stream", "mlip-train, one epoch, data.stream: true"),
                             ("train", "mlip-train, one epoch, the data held (data.stream: false)")):

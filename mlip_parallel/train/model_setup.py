@@ -3,8 +3,6 @@ or the starting model a model family's key names, in a pipeline stage only its p
 memory, ``model.freeze``), a new model's scale and shift fitted to the data, and the data sets from the config."""
 from __future__ import annotations
 
-import numpy as np
-
 from ..config import ConfigError
 from ..preflight import check_parameter_memory
 from .training import QUANTITIES
@@ -28,12 +26,12 @@ def starting_model(section) -> str | None:
     return given
 
 
-def model_species(section, structures) -> list:
-    """A new model's element symbols: model.species, else those in ``structures``."""
+def model_species(section, training) -> list:
+    """A new model's element symbols: model.species, else those of the training set (its ``survey.Survey``)."""
     if section["species"] is not None:
         return section["species"]
     from ase.data import chemical_symbols
-    return [chemical_symbols[z] for z in sorted({int(z) for s in structures for z in s.numbers})]
+    return [chemical_symbols[z] for z in training.elements]
 
 
 def new_model_class(section):
@@ -95,20 +93,16 @@ def check_freeze(model, freeze, procs) -> None:
                               f"weights; its parameter groups are {', '.join(weight_groups(names))}")
 
 
-def fit_scale_shift(model, structures) -> None:
+def fit_scale_shift(model, training) -> None:
     """Per-species reference energies by least squares and the force RMS as the energy scale, into the
-    model's scale/shift (where it holds the readout)."""
+    model's scale/shift (where it holds the readout), from the training set's ``survey.Survey``."""
     import torch
     from ase.data import atomic_numbers
 
-    from .training import fit_reference_energies
-
-    labelled = [s for s in structures if s.energy is not None]
-    if not labelled or "readout" not in model.parts:
+    if not training.energies.rows or "readout" not in model.parts:
         return
-    shift = fit_reference_energies(labelled, [atomic_numbers[x] for x in model.species])
-    with_forces = [s.forces for s in structures if s.forces is not None]
-    scale = float(np.sqrt(np.mean(np.concatenate(with_forces) ** 2))) if with_forces else 1.0
+    shift = training.reference_energies([atomic_numbers[x] for x in model.species])
+    scale = training.force_rms or 1.0
     model.scale_shift.shift.copy_(torch.as_tensor(shift))
     model.scale_shift.scale.fill_(max(scale, 1e-3))
 
@@ -117,7 +111,7 @@ def load_data(config):
     """(train, validation, test) structures of the data section: lists held in memory, or with ``data.stream``
     ``sources.Subset`` views read from disk at each use (memory flat in the data set's size)."""
     from .sources import open_source
-    from .training import check_labels, split
+    from .training import split
 
     d = config["data"]
     if d["train"] is None:
@@ -142,6 +136,4 @@ def load_data(config):
     weights = {q: config["loss"][f"{q}_weight"] for q in QUANTITIES}
     if not any(weights.values()):
         raise ConfigError(f"loss: every weight is 0 ({', '.join(f'{q}_weight' for q in QUANTITIES)}): nothing to fit")
-    for part in (train, validation, test):
-        check_labels(part, weights, d["keys"])
     return train, validation, test, weights

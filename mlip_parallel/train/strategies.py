@@ -93,15 +93,6 @@ class DataParallel:
     def share(self, structures) -> list:
         return structures[self.procs.rank::self.procs.size]
 
-    def energies(self, net, structures) -> np.ndarray:
-        """``net``'s energies of ``structures`` [len(structures)] (eV; each rank its share, summed over ranks)."""
-        from .training import predicted_energies
-
-        mine = self.share(list(range(len(structures))))
-        out = np.zeros(len(structures))
-        out[mine] = predicted_energies(net, [structures[k] for k in mine], self.batch_size, self.device)
-        return self.procs.sum(out)
-
     def error_sums(self, net, structures) -> np.ndarray:
         from .training import error_sums
 

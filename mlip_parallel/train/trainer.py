@@ -5,7 +5,6 @@ ranks (``processes``), writing metrics and checkpoints (``checkpoints``).
 """
 from __future__ import annotations
 
-import itertools
 import json
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ from ..preflight import check_training_memory
 from .checkpoints import Checkpoints
 from .model_setup import build_model, check_freeze, check_new_model_size, fit_scale_shift, load_data, model_species, \
     starting_model
+from .survey import survey
 from .processes import Processes
 from .sources import take
 from .strategies import DataParallel, GraphParallel, PipelineParallel, pipeline_trainer
@@ -32,7 +32,6 @@ class Trainer(Checkpoints):
         from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
         from ..backend import rank_device
-        from .training import check_species
 
         self.config = config
         self.directory = Path(config["output"]["directory"])
@@ -43,10 +42,15 @@ class Trainer(Checkpoints):
         self.procs = procs = Processes(config["parallel"])
         self.root = procs.rank == 0
         self.train_set, self.validation, self.test, self.weights = load_data(config)
+        # one pass over each part, the ranks sharing it: the label and species checks, the memory check's
+        # structures, a new model's species and fits
+        self.surveys = [survey(part, procs) for part in (self.train_set, self.validation, self.test)]
+        for part in self.surveys:
+            part.check_labels(self.weights, config["data"]["keys"])
         self.last_path, self.shards = self.directory / "last.pt", self.directory / "pipeline"
         self.resume = bool(procs.bcast(config["resume"] and self.last_path.exists()))  # rank 0's disk decides
         self.device = device = rank_device(procs.backend)
-        species = model_species(section, self.train_set)
+        species = model_species(section, self.surveys[0])
 
         def build(parts=None):
             from potentials.base import select_weights
@@ -73,17 +77,17 @@ class Trainer(Checkpoints):
         check_freeze(model, section["freeze"], procs)
         if not self.strategy.parameters:
             raise ConfigError(f"model.freeze {section['freeze']} keeps every weight of the model fixed: nothing to train")
-        for part, role in ((self.train_set, "training"), (self.validation, "validation"), (self.test, "test")):
-            check_species(model, part, role, error=ConfigError)
+        for part, role in zip(self.surveys, ("training", "validation", "test")):
+            part.check_species(model, role, error=ConfigError)
         batch = min(config["batch_size"], len(self.train_set))  # structures a step's graphs hold, per rank:
         per_step = {"data": -(-batch // procs.size), "graph": 1,
                     "pipeline": -(-batch // config["pipeline"]["microbatches"])}[procs.parallel]
-        check_training_memory(procs.backend, model, itertools.chain(self.train_set, self.validation, self.test),
+        check_training_memory(procs.backend, model, [s for part in self.surveys for s in part.memory_candidates],
                               per_step, procs.parallel == "graph")
         self.reference_note = None  # the log's line on a starting model's reference energies
         if self.starting is None:
             if not self.resume:
-                fit_scale_shift(model, self.train_set)
+                fit_scale_shift(model, self.surveys[0])
         elif section["reference_energies"] == "refit":  # also on resume: the saved state may hold their shape
             self.refit_reference_energies()
         else:
@@ -117,7 +121,7 @@ class Trainer(Checkpoints):
             return None
         from ase.data import chemical_symbols
 
-        present = {chemical_symbols[int(z)] for s in self.train_set for z in s.numbers}
+        present = {chemical_symbols[z] for z in self.surveys[0].elements}
         pairs = [f"{x} {e:.6g}" + ("" if before is None else f" (was {b:.6g})")
                  for x, e, b in zip(self.model.species, energies, energies if before is None else before)
                  if x in present]
@@ -128,38 +132,33 @@ class Trainer(Checkpoints):
         """``model.reference_energies: refit``: add to each element's reference energy the least-squares fit of
         the starting model's energy residual (label − prediction) over the training structures to their
         element counts (as MACE's ``E0s: estimated`` fits the labels); elements absent from the training set
-        keep theirs. The same numbers on every rank (predictions summed over ranks)."""
+        keep theirs. The same numbers on every rank: each rank predicts its share, a batch at a time, and the
+        shares' least squares are merged (``survey.energy_residuals``)."""
         from ase.data import atomic_numbers
 
-        from .training import fit_reference_energies
+        from .survey import energy_residuals
 
-        model = self.model
-        labelled = [s for s in self.train_set if s.energy is not None]
+        model, labelled = self.model, self.surveys[0].energies.rows
+        batch_size = self.config["batch_size"]
         if self.pipeline is None:
             before = model.reference_energies()
-            predicted = self.strategy.energies(model, labelled) if before is not None and labelled else None
+            fit = energy_residuals(model, self.train_set, self.procs, batch_size, self.device) \
+                if before is not None and labelled else None
         else:  # a stage holds only its parts: the starting model, whole, on rank 0 (once, before training)
-            from .training import predicted_energies
-
             whole = self.build() if self.root else None
-            before, predicted = self.procs.bcast((whole.reference_energies(), predicted_energies(
-                whole, labelled, self.config["batch_size"], self.device) if labelled else None) if self.root else None)
+            before, fit = self.procs.bcast((whole.reference_energies(), energy_residuals(
+                whole, self.train_set, None, batch_size, self.device) if labelled else None) if self.root else None)
             del whole
         if before is None:
             raise ConfigError(f"model.reference_energies: refit: this {type(model).__name__} has no per-element "
                               f"reference energies")
         if not labelled:
             raise ConfigError("model.reference_energies: refit needs training structures with energies")
-        residuals = np.array([s.energy for s in labelled]) - predicted
-        present = sorted({int(z) for s in labelled for z in s.numbers})
-        delta = fit_reference_energies(labelled, present, residuals)
-        after = before.copy()
-        index = {atomic_numbers[x]: k for k, x in enumerate(model.species)}
-        for z, d in zip(present, delta):
-            after[index[z]] += d
+        delta = fit.solve()  # [119] by atomic number; 0 for an element no labelled structure holds
+        after = before + np.array([delta[atomic_numbers[x]] for x in model.species])
         model.set_reference_energies(after)  # (a pipeline stage that does not hold them leaves them)
         self.reference_note = self.reference_energies_line(
-            f"refit by least squares on {len(labelled)} training structures", after, before)
+            f"refit by least squares on {labelled} training structures", after, before)
 
     # ------------------------------------------------------------------ state
     @property

@@ -109,32 +109,6 @@ def structure_of(atoms, path: str, k: int, keys: dict | None = None) -> Structur
                      else None, source)
 
 
-def check_labels(structures, weights: dict, keys: dict | None = None) -> None:
-    """Every quantity with a non-zero loss weight must be labelled (stress: on periodic structures);
-    the error names the first unlabelled structure, the label's name where ``keys`` renames it, and how many of the
-    file's lack the label (one pass)."""
-    lacks = {
-        "energy": lambda s: s.energy is None or not np.isfinite(s.energy),
-        "forces": lambda s: s.forces is None or s.forces.shape != s.positions.shape or not np.all(np.isfinite(s.forces)),
-        "stress": lambda s: s.pbc.all() and s.stress is None}
-    needed = [q for q in QUANTITIES if weights[q] > 0]
-    first, missing, total = {}, dict.fromkeys(needed, 0), 0
-    for s in structures:
-        total += 1
-        for q in needed:
-            if lacks[q](s):
-                missing[q] += 1
-                first.setdefault(q, s.source)
-    what = {"energy": "no energy", "forces": "no forces (or not one finite 3-vector per atom)",
-            "stress": "no stress (a periodic structure)"}
-    for q in needed:
-        if missing[q]:
-            path, _, index = first[q].rpartition(":")
-            named = f" under the name {keys[q]!r}" if keys and keys.get(q, q) != q else ""
-            raise DataError(f"{path}: structure {index} (counting from 0) has {what[q]}{named}, but the {q} weight is "
-                            f"{weights[q]}; {missing[q]} of these {total} structures lack {q}")
-
-
 def split(structures, fractions, seed: int):
     """Shuffle (seeded) and cut into len(fractions) + 1 parts: the first takes what the others leave. Lists give
     lists; a ``sources.Source`` gives ``Subset`` views (nothing read)."""
@@ -148,16 +122,6 @@ def split(structures, fractions, seed: int):
         parts.append(take(structures, order[len(structures) - start: len(structures) - start + size]))
         start -= size
     return parts
-
-
-def fit_reference_energies(structures, species, energies=None) -> np.ndarray:
-    """Per-species reference energies [S] (eV) by least squares: E ≈ Σ_s n_s e_s, ``species`` atomic numbers,
-    E the structures' energies (or ``energies`` [len(structures)], e.g. a model's residuals)."""
-    column = np.full(max(species) + 1, -1)
-    column[list(species)] = np.arange(len(species))
-    counts = np.stack([np.bincount(column[s.numbers], minlength=len(species)) for s in structures]).astype(float)
-    energies = np.array([s.energy for s in structures]) if energies is None else np.asarray(energies, dtype=float)
-    return np.linalg.lstsq(counts, energies, rcond=None)[0]
 
 
 # ----------------------------------------------------------------------------- batches

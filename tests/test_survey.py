@@ -1,0 +1,133 @@
+"""mlip-train's one pass over its data at start-up (mlip_parallel.train.survey), shared by the ranks: the streamed
+least squares equals numpy's on all the rows; a new model's reference energies and scale from a streamed set, surveyed
+in shares and merged, equal the fit on the whole set held in memory (1e-10); the label, species and memory checks
+name the same structures as a look at every structure would."""
+import numpy as np
+import pytest
+from ase.build import bulk
+from ase.calculators.emt import EMT
+from ase.calculators.singlepoint import SinglePointCalculator
+from ase.io import read, write
+
+import potentials
+from mlip_parallel.train import survey as survey_module
+from mlip_parallel.train.cli import RULES, SCHEMA, validate
+from mlip_parallel.train.sources import open_source
+from mlip_parallel.train.survey import ELEMENTS, LeastSquares, merged, survey_share
+from mlip_parallel.train.trainer import Trainer
+from mlip_parallel.train.training import DataError
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLIP_PARALLEL_CACHE", str(tmp_path / "cache"))
+
+
+def alloy_frames(count, seed=0):
+    """Cu/Ag/Au cells of 4 to 16 atoms, compositions drawn at random, labelled by ASE's EMT."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(count):
+        atoms = bulk("Cu", "fcc", a=3.7, cubic=True).repeat((1, 1 + k % 2, 1 + (k // 2) % 2))
+        atoms.numbers = rng.choice([29, 47, 79], size=len(atoms), p=[0.5, 0.3, 0.2])
+        atoms.positions += rng.normal(0, 0.05, atoms.positions.shape)
+        atoms.calc = EMT()
+        atoms.calc = SinglePointCalculator(atoms, energy=atoms.get_potential_energy(), forces=atoms.get_forces(),
+                                           stress=atoms.get_stress())
+        out.append(atoms)
+    return out
+
+
+def whole_set_fit(frames, numbers):
+    """The in-memory fit, independently: numpy's least squares on every structure's element counts."""
+    counts = np.array([[np.sum(a.numbers == z) for z in numbers] for a in frames], dtype=float)
+    energies = np.array([a.get_potential_energy() for a in frames])
+    forces = np.concatenate([a.get_forces() for a in frames])
+    return np.linalg.lstsq(counts, energies, rcond=None)[0], float(np.sqrt(np.mean(forces ** 2)))
+
+
+@pytest.mark.parametrize("case", ["full rank", "collinear"])
+def test_least_squares_in_chunks_and_shares_equals_lstsq(case):
+    """More rows than a chunk, split over three shares and merged: numpy's solution on all the rows, also its
+    minimum-norm one where two columns always move together."""
+    rng = np.random.default_rng(3)
+    rows = 3 * survey_module.CHUNK + 17
+    counts = np.zeros((rows, ELEMENTS))
+    counts[:, [1, 8, 29, 47]] = rng.integers(0, 20, size=(rows, 4))
+    if case == "collinear":
+        counts[:, 8] = 2 * counts[:, 1]  # water-like: H always twice O
+    y = counts @ rng.normal(-3, 1, ELEMENTS) + rng.normal(0, 0.01, rows)
+    shares = [LeastSquares(ELEMENTS) for _ in range(3)]
+    for k in range(rows):
+        shares[k % 3].add(counts[k], y[k])
+    for other in shares[1:]:
+        shares[0].merge(other)
+    assert shares[0].rows == rows
+    expected = np.linalg.lstsq(counts, y, rcond=None)[0]
+    assert np.max(np.abs(shares[0].solve() - expected)) < 1e-10 * np.max(np.abs(expected))
+    one = LeastSquares(ELEMENTS)  # the fault a dropped share makes
+    for k in range(0, rows, 3):
+        one.add(counts[k], y[k])
+    assert np.max(np.abs(one.solve() - expected)) > 1e-6 * np.max(np.abs(expected))
+
+
+def test_streamed_fit_equals_the_fit_held_in_memory(tmp_path):
+    """A new model's reference energies (its shift) and energy scale (the force RMS): a streamed set surveyed in
+    three shares and merged, and mlip-train's runs held and streamed, equal numpy's fit on all the structures."""
+    frames = alloy_frames(40)
+    path = tmp_path / "alloys.extxyz"
+    write(path, frames, format="extxyz")
+    numbers = [29, 47, 79]
+    shift, scale = whole_set_fit(read(path, ":"), numbers)  # the numbers as the file holds them
+    source = open_source(str(path))
+    whole = merged([survey_share(source, r, 3) for r in range(3)])
+    assert whole.size == 40 and whole.elements == numbers and whole.energies.rows == 40
+    assert np.max(np.abs(whole.reference_energies(numbers) - shift)) < 1e-10 * np.max(np.abs(shift))
+    assert whole.force_rms == pytest.approx(scale, rel=1e-12)
+    half = survey_share(source, 0, 2).reference_energies(numbers)  # one rank's share alone is another fit
+    assert np.max(np.abs(half - shift)) > 1e-6
+    for stream in (False, True):
+        config = {"data": {"train": str(path), "validation": str(path), "stream": stream},
+                  "model": {"name": "SchNet", "cutoff": 4.0, "hyperparameters": {"features": 8, "layers": 1},
+                            "dtype": "float64"}, "epochs": 1, "output": {"directory": str(tmp_path / f"run{stream}")}}
+        model = Trainer(validate(config, SCHEMA, RULES)).model
+        assert model.species == ["Cu", "Ag", "Au"]  # ordered by atomic number
+        fitted = model.scale_shift.shift.detach().numpy()
+        assert np.max(np.abs(fitted - shift)) < 1e-10 * np.max(np.abs(shift)), stream
+        assert np.allclose(model.scale_shift.scale.detach().numpy(), scale, rtol=1e-12, atol=0)
+
+
+def test_checks_name_the_first_structure_of_the_part(tmp_path):
+    """Label check: the first structure lacking energy by position, counted over every share; species check: the first
+    structure holding the unknown element; memory check: the largest structure is among those it weighs."""
+    frames = alloy_frames(12)
+    for k in (5, 7, 10):
+        frames[k].calc = SinglePointCalculator(frames[k], forces=frames[k].get_forces(), stress=frames[k].get_stress())
+    big = bulk("Cu", "fcc", a=3.7, cubic=True).repeat((3, 3, 3))
+    big.calc = SinglePointCalculator(big, energy=0.0, forces=np.zeros((len(big), 3)), stress=np.zeros(6))
+    frames[9] = big
+    path = tmp_path / "data.extxyz"
+    write(path, frames, format="extxyz")
+    whole = merged([survey_share(open_source(str(path)), r, 2) for r in range(2)])
+    with pytest.raises(DataError, match=r"data.extxyz: structure 5 \(counting from 0\) has no energy, but the energy "
+                                        r"weight is 1.0; 3 of these 12 structures lack energy"):
+        whole.check_labels({"energy": 1.0, "forces": 1.0, "stress": 0.0})
+    whole.check_labels({"energy": 0.0, "forces": 1.0, "stress": 1.0})
+    assert any(len(s.numbers) == len(big) for s in whole.memory_candidates)
+    copper_only = potentials.SchNet(species=["Cu"], cutoff=4.0, features=4, layers=1)
+    first_silver = min(k for k, a in enumerate(frames) if 47 in a.numbers)
+    with pytest.raises(DataError, match=rf"data.extxyz:{first_silver} \(training\):"):
+        whole.check_species(copper_only, "training")
+
+
+def test_a_structure_that_cannot_be_read_is_the_same_error_from_every_share(tmp_path):
+    """Structure 3 has no atoms: whichever share reads it, the merged survey raises its error (every rank alike)."""
+    frames = alloy_frames(6)
+    path = tmp_path / "data.extxyz"
+    write(path, frames[:3], format="extxyz")
+    with open(path, "a") as f:
+        f.write('0\nProperties=species:S:1:pos:R:3 energy=1.0 pbc="F F F"\n')
+    write(path, frames[3:], format="extxyz", append=True)
+    for size in (1, 2, 3):
+        with pytest.raises(DataError, match="structure with no atoms"):
+            merged([survey_share(open_source(str(path)), r, size) for r in range(size)])
