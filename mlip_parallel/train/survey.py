@@ -9,7 +9,8 @@ A ``Survey`` of one part (training, validation or test) holds:
 * the least squares of the labelled energies on the element counts (``LeastSquares``: a new model's reference
   energies) and the sum of squared force components (its energy scale);
 * the structures the memory check weighs: the ``MEMORY_CANDIDATES`` largest by atom count and by atom count ×
-  atoms per volume (a structure's pair count grows with both).
+  atoms per volume (the cell's, or a cluster's bounding box's: a structure's pair count grows with both), so that
+  the check runs on 16 structures per part, not on every one.
 
 "First" is by position in the part (its own order: a shuffled split's). A structure that cannot be read stops the
 pass on every rank with the same error (the first such structure's).
@@ -87,8 +88,6 @@ class Survey:
 
     def look_at(self, position: int, s) -> None:
         """Add structure ``s`` (a ``training.Structure``) at ``position`` in the part."""
-        from ..domain import Domain
-
         self.size += 1
         for z in np.unique(s.numbers):
             if int(z) not in self.first_element:
@@ -103,8 +102,8 @@ class Survey:
         if s.forces is not None:
             self.force_squares += float(np.sum(s.forces ** 2))
             self.force_components += s.forces.size
-        domain = Domain.from_positions(s.positions, s.cell, s.pbc)
-        volume = abs(np.linalg.det(domain.cell)) * float(np.prod(np.maximum(domain.hi - domain.lo, 1e-12)))
+        # the volume the atoms fill: the cell's when periodic, else their bounding box's (a ranking, not a model)
+        volume = abs(np.linalg.det(s.cell)) if s.pbc.all() else float(np.prod(np.ptp(s.positions, axis=0) + 1.0))
         n = len(s.numbers)
         for ranking, key in (("atoms", float(n)), ("density", n * n / volume)):
             self._keep(ranking, (key, -position, s))
