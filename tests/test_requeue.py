@@ -275,8 +275,8 @@ def cu_data(path):
     return path
 
 
-def train_job(data, **changes):
-    config = {"data": {"train": str(data), "validation_fraction": 0.25},
+def train_job(data_path, **changes):
+    config = {"data": {"train": str(data_path), "validation_fraction": 0.25},
               "model": {"name": "SchNet", "cutoff": 4.0, "hyperparameters": {"features": 8, "layers": 2},
                         "dtype": "float64"},
               "loss": {"energy_weight": 1.0, "forces_weight": 10.0, "stress_weight": 1.0},
@@ -305,10 +305,13 @@ def same(a, b) -> bool:
 def test_mlip_train_killed_at_random_moments_and_requeued_equals_an_uninterrupted_run(tmp_path, parallel):
     """mlip-train on 2 ranks (data parallel; 2 pipeline stages, 1F1B), 16 epochs, killed at 5 seeded random
     moments and requeued with the identical command: best.pt, last.pt (and the stages' shards) and
-    metrics.csv equal the uninterrupted run's bit for bit (but the seconds column)."""
+    metrics.csv equal the uninterrupted run's bit for bit (but the seconds column). Data parallel: streamed data,
+    last.pt every 2 steps of an epoch's 5 (a kill mid-epoch resumes mid-epoch), 7 warm-up steps, then cosine."""
     data = cu_data(tmp_path / "cu.extxyz")
     changes = {"parallel": "pipeline", "pipeline": {"stages": 2, "microbatches": 2, "schedule": "1f1b"}} \
-        if parallel == "pipeline" else {"parallel": "data"}
+        if parallel == "pipeline" else \
+        {"parallel": "data", "data": {"train": str(data), "validation_fraction": 0.25, "stream": True},
+         "output": {"directory": "out", "checkpoint_every": 2}, "schedule": {"name": "cosine", "warmup_steps": 7}}
     env = environment(2)
     for name in ("straight", "requeued"):
         (tmp_path / name).mkdir()
@@ -328,7 +331,8 @@ def test_mlip_train_killed_at_random_moments_and_requeued_equals_an_uninterrupte
     for name in ("best.pt", "last.pt"):
         assert same(tensors(requeued / name), tensors(straight / name)), name
     shards = sorted(p.name for p in (straight / "pipeline").glob("stage*.pt")) if parallel == "pipeline" else []
-    assert shards == (["stage0.epoch16.pt", "stage1.epoch16.pt"] if parallel == "pipeline" else [])
+    steps = int(rows[-1]["step"])  # one shard per stage, of the last step
+    assert shards == ([f"stage0.step{steps}.pt", f"stage1.step{steps}.pt"] if parallel == "pipeline" else [])
     assert sorted(p.name for p in (requeued / "pipeline").glob("stage*.pt")) == shards if shards else True
     for name in shards:
         a, b = (tensors(d / "pipeline" / name, "training") for d in (straight, requeued))
@@ -350,7 +354,7 @@ def test_mlip_train_disk_full_names_the_file_and_the_last_checkpoint(tmp_path):
     errors = [line for line in out.splitlines() if "mlip-train: error:" in line]
     assert rc == 1 and len(errors) == 1 and "Traceback" not in out, out
     found = re.search(r"error: cannot write out/\S+: \[Errno 28\] No space left on device; last checkpoint "
-                      r"written: out/last.pt \(epoch (\d+)\)$", errors[0])
+                      r"written: out/last.pt \(epoch (\d+), step \d+\)$", errors[0])
     assert found and 0 < int(found[1]) < 6, errors
     rc, out, _ = finish([sys.executable, "-m", "mlip_parallel.train.cli", "job.yaml"], tmp_path, env, "mlip-train")
     assert rc == 0, out

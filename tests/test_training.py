@@ -88,6 +88,82 @@ def test_resume_two_plus_two_epochs_equals_four(quick_data, tmp_path):
     assert metrics(straight) == metrics(resumed)
 
 
+class Killed(Exception):
+    """A stand-in for the process being killed (raised out of an optimizer step)."""
+
+
+def test_killed_mid_epoch_and_resumed_equals_a_straight_run(quick_data, tmp_path, monkeypatch):
+    """Step-based training on streamed data: 4 steps an epoch (10 structures, batch 3), validation every 5 steps and at
+    the end (metrics rows at steps 5, 10, 15, 16), last.pt every 3 steps, 7 warm-up steps then cosine. A run killed at
+    its 8th and 16th step attempts (one step past last.pt of step 6, mid-epoch 2, and of step 12) and resumed each
+    time ends with the straight run's last.pt, best.pt and metrics, bit for bit; the cut run redid 2 steps."""
+    from mlip_parallel.train import strategies
+
+    def config(directory):
+        settings = job(directory, quick_data, epochs=4, batch_size=3, validate_every=5, resume=True,
+                       schedule={"name": "cosine", "warmup_steps": 7, "min_lr": 1e-4},
+                       output={"directory": str(directory), "checkpoint_every": 3})
+        settings["data"]["stream"] = True
+        return validate(settings, SCHEMA, RULES)
+
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    train(config(straight))
+    original, attempts = strategies.DataParallel.step, []
+
+    def step(self, *args):
+        attempts.append(1)
+        if len(attempts) in (8, 16):
+            raise Killed
+        return original(self, *args)
+
+    monkeypatch.setattr(strategies.DataParallel, "step", step)
+    outcomes = []
+    for _ in range(3):
+        try:
+            train(config(cut))
+            outcomes.append("finished")
+        except Killed:
+            outcomes.append("killed")
+    assert outcomes == ["killed", "killed", "finished"] and len(attempts) == 16 + 2 + 2, (outcomes, len(attempts))
+    rows = metrics(straight)
+    assert [(r["epoch"], r["step"]) for r in rows] == [(1.25, 5), (2.5, 10), (3.75, 15), (4, 16)], rows
+    assert metrics(cut) == rows
+    for name in ("last.pt", "best.pt"):
+        a, b = (torch.load(d / name, weights_only=True) for d in (straight, cut))
+        assert a["training"]["step"] == b["training"]["step"] == (16 if name == "last.pt" else a["training"]["step"])
+        for part in ("model", "ema"):
+            for key in a["training"][part]:
+                assert torch.equal(a["training"][part][key], b["training"][part][key]), (name, part, key)
+        for state_a, state_b in zip(a["training"]["optimizer"]["state"].values(),
+                                    b["training"]["optimizer"]["state"].values(), strict=True):
+            assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+        assert a["training"]["scheduler"] == b["training"]["scheduler"]
+
+
+def test_max_steps_and_the_warm_up_and_cosine_schedule_of_torch(quick_data, tmp_path):
+    """max_steps 9 ends a 100-epoch run at step 9 (a row per step with validate_every 1); each row's learning rate
+    (its step's) equals torch's own LinearLR warm-up (3 steps) followed by CosineAnnealingLR to min_lr over the
+    other 6 (SequentialLR)."""
+    out = tmp_path / "run"
+    rows = train(validate(job(out, quick_data, epochs=100, max_steps=9, validate_every=1, batch_size=3,
+                              optimizer={"lr": 0.005}, schedule={"name": "cosine", "warmup_steps": 3, "min_lr": 1e-4}),
+                          SCHEMA, RULES))
+    assert [r["step"] for r in rows] == list(range(1, 10))
+    assert torch.load(out / "last.pt", weights_only=True)["training"]["step"] == 9
+    weight = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([weight], lr=0.005)
+    schedule = torch.optim.lr_scheduler.SequentialLR(optimizer, [
+        torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1 / 3, end_factor=1.0, total_iters=2),
+        torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=6, eta_min=1e-4)], milestones=[3])
+    expected = []
+    for _ in range(9):
+        expected.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert np.allclose([r["lr"] for r in rows], expected, rtol=1e-12, atol=0), ([r["lr"] for r in rows], expected)
+    assert rows[0]["lr"] == pytest.approx(0.005 / 3) and rows[3]["lr"] == pytest.approx(0.005)
+
+
 @pytest.mark.parametrize("parallel, launcher, stream", [("data", "mpiexec", False), ("graph", "mpiexec", False),
                                                        ("pipeline", "mpiexec", False), ("graph", "torchrun", False),
                                                        ("data", "mpiexec", True), ("pipeline", "mpiexec", True)])

@@ -9,9 +9,10 @@ for one device), with data parallelism across pipeline replicas.
 
 Writes OUTPUT/best.pt and OUTPUT/last.pt (potentials checkpoints: ``potentials.load`` reads them;
 last.pt also holds the optimizer, schedule and EMA state for an exact ``resume``; in pipeline mode both
-are assembled part by part and each stage's state goes to OUTPUT/pipeline/stageS.epochE.pt), OUTPUT/metrics.csv
+are assembled part by part and each stage's state goes to OUTPUT/pipeline/stageS.stepN.pt), OUTPUT/metrics.csv
 and OUTPUT/learning_curve.png, each atomically (a kill leaves the previous file). With ``resume``, the same
-command run again after a crash continues from the last complete last.pt and ends as if never interrupted.
+command run again after a crash continues from the last complete last.pt (at a validation, or every
+``output.checkpoint_every`` steps: mid-epoch too) and ends as if never interrupted.
 """
 from __future__ import annotations
 
@@ -76,12 +77,18 @@ SECTIONS = {
     },
     "schedule": {
         "name": (str, "plateau", "plateau (reduce on validation loss), cosine, or none"),
-        "patience": (int, 10, "plateau: epochs without improvement before reducing"),
+        "patience": (int, 10, "plateau: validations without improvement before reducing"),
         "factor": (float, 0.5, "plateau: learning-rate factor"),
         "min_lr": (float, 1e-5, "plateau/cosine: lowest learning rate"),
+        "warmup_steps": (int, 0, "cosine/none: the learning rate rises linearly over this many first steps (0: none); "
+                                 "cosine then falls to min_lr over the run's remaining steps"),
     },
     "ema_decay": (float, 0.99, "exponential moving average of the weights (0: none); best.pt/last.pt hold the average"),
     "epochs": (int, 100, "number of epochs"),
+    "max_steps": (int, 0, "end after this many optimizer steps if epochs have not ended it first (0: epochs alone); "
+                          "for data sets where an epoch is long"),
+    "validate_every": (int, 0, "validate (a metrics.csv row, best.pt, last.pt) every this many steps, and at the "
+                               "run's end (0: at each epoch's end)"),
     "batch_size": (int, 8, "structures per global batch (split over the ranks in data parallel)"),
     "seed": (int, 0, "seed of the split, the shuffling and the initial weights"),
     "parallel": (str, "data", "data (each rank a share of every batch), graph (each structure split by space) "
@@ -108,6 +115,8 @@ SECTIONS = {
     "output": {
         "directory": (str, "train_output", "output directory (refused when it is not empty, unless overwrite or resume)"),
         "overwrite": (bool, False, "write into a non-empty output directory"),
+        "checkpoint_every": (int, 0, "also write last.pt every this many steps, for an exact resume mid-epoch (0: at "
+                                     "each validation only)"),
         "progress": (bool, True, "report progress on stderr: a bar on a terminal, a line per epoch in a log file "
                                  "(epoch, rate, ETA, validation errors); false (or --no-progress): none"),
     },

@@ -1,4 +1,4 @@
-"""What a training run writes and prints: OUTPUT/metrics.csv (one row per epoch, atomically), the learning
+"""What a training run writes and prints: OUTPUT/metrics.csv (one row per validation, atomically), the learning
 curve (OUTPUT/learning_curve.png) and the error table of a scored model."""
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ from pathlib import Path
 
 from potentials.files import atomic_write
 
-METRIC_COLUMNS = ("epoch", "train_loss", "val_loss", "energy_mae", "energy_rmse", "forces_mae", "forces_rmse",
+METRIC_COLUMNS = ("epoch", "step", "train_loss", "val_loss", "energy_mae", "energy_rmse", "forces_mae", "forces_rmse",
                   "stress_mae", "stress_rmse", "lr", "seconds")
 
 
 def write_metrics(directory: Path, rows) -> None:
-    """OUTPUT/metrics.csv (atomically: a kill leaves the previous file): one row per epoch."""
+    """OUTPUT/metrics.csv (atomically: a kill leaves the previous file): one row per validation (each epoch's end,
+    or every ``validate_every`` steps; ``epoch``: the epochs done, a fraction mid-epoch)."""
     with atomic_write(directory / "metrics.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=METRIC_COLUMNS)
         writer.writeheader()

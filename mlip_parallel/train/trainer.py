@@ -20,7 +20,25 @@ from .survey import survey
 from .processes import Processes
 from .sources import take
 from .strategies import DataParallel, GraphParallel, PipelineParallel, pipeline_trainer
+from .outputs import write_metrics
 from .training import QUANTITIES
+
+
+def learning_rate_factor(warmup: int, total: int, cosine_floor: float | None):
+    """The learning rate's factor at step s (``LambdaLR``): rising linearly over the first ``warmup`` steps,
+    ((s + 1) / warmup), then, with ``cosine_floor`` (min_lr / lr), falling as a cosine from 1 to the floor at step
+    ``total``; else 1."""
+    import math
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if cosine_floor is None:
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return cosine_floor + (1 - cosine_floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
 
 
 class Trainer(Checkpoints):
@@ -97,22 +115,40 @@ class Trainer(Checkpoints):
             self.reference_note = self.reference_energies_line("kept", energies)
         o, sch = config["optimizer"], config["schedule"]
         self.optimizer = torch.optim.AdamW(self.strategy.parameters, lr=o["lr"], weight_decay=o["weight_decay"])
+        self.steps_per_epoch = -(-len(self.train_set) // config["batch_size"])
+        self.total_steps = config["epochs"] * self.steps_per_epoch
+        if config["max_steps"]:
+            self.total_steps = min(self.total_steps, config["max_steps"])
         if sch["name"] == "plateau":
+            if sch["warmup_steps"]:
+                raise ConfigError("schedule.warmup_steps: the plateau schedule sets the learning rate from the "
+                                  "validation loss; use schedule.name: cosine or none with a warm-up")
             self.scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
                 self.optimizer, factor=sch["factor"], patience=sch["patience"], min_lr=sch["min_lr"])
-        elif sch["name"] == "cosine":
-            self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
-                self.optimizer, T_max=max(1, config["epochs"]), eta_min=sch["min_lr"])
+        elif sch["name"] == "cosine" or sch["warmup_steps"]:
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, learning_rate_factor(
+                sch["warmup_steps"], self.total_steps, sch["min_lr"] / o["lr"] if sch["name"] == "cosine" else None))
         else:
             self.scheduler = None
         # the parameters only: buffers are constants (reference energies, MACE's atomic numbers, whose integers an
         # average would round down: 29 -> 28)
         self.ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(config["ema_decay"]), use_buffers=False) \
             if config["ema_decay"] > 0 else None
-        self.first_epoch, self.best, self.rows = 0, float("inf"), []
+        # where training stands: optimizer steps taken, the best validation loss, the metric rows, and the training
+        # loss summed since the last row ([sum, steps]; a row's train_loss is their mean)
+        self.step, self.best, self.rows, self.pending = 0, float("inf"), [], [0.0, 0]
         if self.resume:
             self.load_state()
-        self.last_written = f"{self.last_path} (epoch {self.first_epoch})" if self.resume else "none yet"
+        self.last_written = f"{self.last_path} ({self.position(self.step)})" if self.resume else "none yet"
+
+    def position(self, step: int) -> str:
+        """``epoch E, step S`` (E: the epochs done, a fraction mid-epoch)."""
+        return f"epoch {self.epochs_done(step)}, step {step}"
+
+    def epochs_done(self, step: int):
+        """The epochs ``step`` steps make: an int at an epoch's end, else rounded to 4 decimals."""
+        epochs = step / self.steps_per_epoch
+        return int(epochs) if step % self.steps_per_epoch == 0 else round(epochs, 4)
 
     # ------------------------------------------------------------------ reference energies
     def reference_energies_line(self, what: str, energies, before=None) -> str | None:
@@ -180,6 +216,40 @@ class Trainer(Checkpoints):
                                 "evaluation structures")
         return error_table(sums)
 
+    def validate(self, seconds: float) -> None:
+        """Score the evaluation model on the validation set at this step: a metrics.csv row (its train_loss: the
+        mean loss of the steps since the last row), the learning-rate schedule on plateau, best.pt when the
+        validation loss is the lowest yet, last.pt (written last: a run killed before it redoes these steps)."""
+        import torch
+
+        self.model.eval()
+        epoch = self.epochs_done(self.step)
+        errors = self.errors(self.evaluation_model, self.validation, f"epoch {epoch} (step {self.step})")
+        val_loss = sum(self.weights[q] * errors[f"{q}_rmse"] ** 2 for q in QUANTITIES
+                       if self.weights[q] > 0 and np.isfinite(errors[f"{q}_rmse"]))
+        if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            self.scheduler.step(val_loss)
+        self.rows.append(dict(epoch=epoch, step=self.step, train_loss=self.pending[0] / max(self.pending[1], 1),
+                              val_loss=val_loss, lr=self.lr, seconds=seconds, **errors))
+        self.pending = [0.0, 0]
+        improved = val_loss < self.best
+        self.best = min(self.best, val_loss)
+        if self.root:
+            write_metrics(self.directory, self.rows)
+        if improved:
+            self.save(self.directory / "best.pt", self.step)
+        self.save(self.last_path, self.step)
+        self.last_written = f"{self.last_path} ({self.position(self.step)})"
+
+    def progress_count(self, total: bool = False):
+        """The progress bar's count now (``total``: its (total, initial, unit)): epochs where validation ends
+        each epoch and the run ends with one, else steps."""
+        by_epoch = not self.config["validate_every"] and self.total_steps % self.steps_per_epoch == 0
+        if total:
+            return ((self.total_steps // self.steps_per_epoch, self.step // self.steps_per_epoch, "epoch") if by_epoch
+                    else (self.total_steps, self.step, "step"))
+        return self.step // self.steps_per_epoch if by_epoch else self.step
+
     # -------------------------------------------------------------------- run
     def fit(self) -> list:
         """Train ``epochs`` epochs (from where a resumed run stopped); write checkpoints, metrics.csv, the
@@ -200,7 +270,7 @@ class Trainer(Checkpoints):
         from potentials.files import atomic_write, naming_errors
 
         from ..model_section import section_options
-        from .outputs import format_errors, plot_learning_curve, species_text, write_metrics
+        from .outputs import format_errors, plot_learning_curve, species_text
 
         config, procs, root = self.config, self.procs, self.root
         count = np.array([float(sum(p.numel() for p in self.strategy.parameters)),  # trained, of all weights:
@@ -217,8 +287,8 @@ class Trainer(Checkpoints):
                 with atomic_write(self.shards / "layout.json", "w") as f:
                     json.dump({"stages": self.pipeline.stages, "boundaries": self.pipeline.boundaries}, f)
             from ..progress import Progress
-            bar = Progress("mlip-train", config["epochs"], self.first_epoch, "epoch",
-                           None if config["output"]["progress"] else "off", every_seconds=0)
+            bar = Progress("mlip-train", *self.progress_count(total=True), None if config["output"]["progress"] else
+                           "off", every_seconds=0)
             layout = f", stages at blocks {self.pipeline.boundaries}" if self.pipeline is not None else ""
             start = "" if self.starting is None else f" from {self.starting} {section[self.starting]}" + "".join(
                 f" ({key} {value})" for key, value in section_options(section, self.starting).items())
@@ -231,45 +301,36 @@ class Trainer(Checkpoints):
             if self.reference_note:
                 print(self.reference_note, flush=True)
         procs.barrier()  # the output directory exists before any rank writes into it
-        batch_size, rows = config["batch_size"], self.rows
-        for epoch in range(self.first_epoch, config["epochs"]):
-            start = time.perf_counter()
+        every, checkpoint_every = config["validate_every"], config["output"]["checkpoint_every"]
+        batch_size, per_epoch, order, start = config["batch_size"], self.steps_per_epoch, None, time.perf_counter()
+        while self.step < self.total_steps:
+            epoch, b = divmod(self.step, per_epoch)
+            if order is None or b == 0:  # each epoch its own order, from the seed and the epoch alone
+                order = np.random.default_rng([config["seed"], epoch]).permutation(len(self.train_set))
             self.model.train()
-            order = np.random.default_rng([config["seed"], epoch]).permutation(len(self.train_set))
-            loss_sum, batches = 0.0, 0
-            for b in range(0, len(order), batch_size):
-                global_batch = take(self.train_set, order[b:b + batch_size])  # a streamed set: read when used
-                self.optimizer.zero_grad(set_to_none=False)
-                loss_sum += self.strategy.step(global_batch, self.optimizer, epoch + 1)
-                batches += 1
-                if self.ema is not None:
-                    self.ema.update_parameters(self.model)
-            self.model.eval()
-            errors = self.errors(self.evaluation_model, self.validation, f"epoch {epoch + 1}")
-            val_loss = sum(self.weights[q] * errors[f"{q}_rmse"] ** 2 for q in QUANTITIES
-                           if self.weights[q] > 0 and np.isfinite(errors[f"{q}_rmse"]))
-            lr = self.optimizer.param_groups[0]["lr"]
-            if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-                self.scheduler.step(val_loss)
-            elif self.scheduler is not None:
+            global_batch = take(self.train_set, order[b * batch_size:(b + 1) * batch_size])  # streamed: read when used
+            self.optimizer.zero_grad(set_to_none=False)
+            self.pending[0] += self.strategy.step(global_batch, self.optimizer, epoch + 1)
+            self.pending[1] += 1
+            self.lr = self.optimizer.param_groups[0]["lr"]  # this step's
+            self.step += 1
+            if self.ema is not None:
+                self.ema.update_parameters(self.model)
+            if isinstance(self.scheduler, torch.optim.lr_scheduler.LambdaLR):
                 self.scheduler.step()
-            rows.append(dict(epoch=epoch + 1, train_loss=loss_sum / max(batches, 1), val_loss=val_loss, lr=lr,
-                             seconds=time.perf_counter() - start, **errors))
-            improved = val_loss < self.best
-            self.best = min(self.best, val_loss)
-            # last.pt last: a run killed before it is complete redoes the epoch, and writes all three again
-            if root:
-                write_metrics(self.directory, rows)
-            if improved:
-                self.save(self.directory / "best.pt", epoch + 1)
-            self.save(self.last_path, epoch + 1)
-            self.last_written = f"{self.last_path} (epoch {epoch + 1})"
-            if root:
-                bar.update(epoch + 1, val_loss=f"{val_loss:.3g}", F_mae=f"{errors['forces_mae'] * 1e3:.1f} meV/A")
-            procs.barrier()
+            if (self.step % every == 0 if every else self.step % per_epoch == 0) or self.step == self.total_steps:
+                self.validate(time.perf_counter() - start)
+                start = time.perf_counter()
+                if root:
+                    bar.update(self.progress_count(), val_loss=f"{self.rows[-1]['val_loss']:.3g}",
+                               F_mae=f"{self.rows[-1]['forces_mae'] * 1e3:.1f} meV/A")
+                procs.barrier()
+            elif checkpoint_every and self.step % checkpoint_every == 0:
+                self.save(self.last_path, self.step)
+                self.last_written = f"{self.last_path} ({self.position(self.step)})"
         if root:
             bar.close()
-            plot_learning_curve(self.directory, rows)
+            plot_learning_curve(self.directory, self.rows)
         if self.test and procs.bcast((self.directory / "best.pt").exists()):
             parts = None if self.pipeline is None else self.model.parts  # pipeline: each stage reads its own parts
             best_model = potentials.load(self.directory / "best.pt", map_location=self.device, parts=parts)
@@ -281,4 +342,4 @@ class Trainer(Checkpoints):
             written = ["best.pt"] + ([native] if native else []) + ["last.pt", "metrics.csv", "learning_curve.png"] + \
                 (["pipeline/"] if self.pipeline else [])
             print(f"mlip-train: output in {self.directory}: {', '.join(written)}", flush=True)
-        return rows
+        return self.rows

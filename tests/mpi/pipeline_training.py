@@ -47,7 +47,7 @@ def job(directory, epochs, **changes):
 def shards(directory, costs=False):
     """Every stage's training state; without its measured sweep costs and warm-up timings (timings differ
     from run to run) unless ``costs``."""
-    paths = sorted(glob.glob(os.path.join(OUT, directory, "pipeline", "stage*.epoch*.pt")),  # one per stage
+    paths = sorted(glob.glob(os.path.join(OUT, directory, "pipeline", "stage*.step*.pt")),  # one per stage
                    key=lambda p: int(os.path.basename(p)[5:].split(".")[0]))
     states = [torch.load(path, weights_only=True)["training"] for path in paths]
     if not costs:
