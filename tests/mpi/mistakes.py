@@ -193,6 +193,9 @@ def train_cases():
     cases = [
         ("zero epochs", job(epochs=0), ["epochs", ">= 1", "0"]),
         ("zero batch size", job(batch_size=0), ["batch_size", ">= 1"]),
+        ("negative max_steps", job(max_steps=-1), ["max_steps", ">= 0", "-1"]),
+        ("a warm-up under plateau", job(schedule={"name": "plateau", "warmup_steps": 5}),
+         ["schedule.warmup_steps", "plateau", "cosine"]),
         ("nan learning rate", job(optimizer={"lr": float("nan")}), ["optimizer.lr", "nan"]),
         ("zero learning rate", job(optimizer={"lr": 0}), ["optimizer.lr", "> 0"]),
         ("infinite energy weight", job(loss={"energy_weight": float("inf")}), ["loss.energy_weight", "inf"]),
@@ -334,6 +337,9 @@ def train_accepted():
         ("no gradient clipping", {"optimizer": {"gradient_clip": 0.0}}),
         ("cosine schedule", {"schedule": {"name": "cosine"}, "epochs": 2}),
         ("no schedule", {"schedule": {"name": "none"}}),
+        ("a step or two: one max step, a warm-up longer than the run, validation and last.pt every step",
+         {"max_steps": 1, "validate_every": 1, "schedule": {"name": "cosine", "warmup_steps": 50},
+          "output": {"checkpoint_every": 1}}),
         ("the stress alone", {"loss": {"energy_weight": 0.0, "forces_weight": 0.0, "stress_weight": 1.0}}),
         ("a tiny learning rate", {"optimizer": {"lr": 1e-12}}),
         ("float64", {"model": {**base["model"], "dtype": "float64"}}),
@@ -350,7 +356,7 @@ def train_accepted():
     for label, changes in cases:
         config = {key: dict(value) if isinstance(value, dict) else value for key, value in base.items()}
         config.update(changes)
-        config["output"] = {"directory": "out"}
+        config["output"] = {**changes.get("output", {}), "directory": "out"}
         yield label, config, ["out/best.pt", "out/last.pt", "out/metrics.csv"]
 
 
