@@ -1,7 +1,8 @@
 """Training data read lazily (``mlip_parallel.train.sources``) against ``ase.io.read`` of the whole file: the one-time
 index of an extxyz against reading it with ASE (goal: at most 1.5×), a random structure read through the index, and
 ``mlip-train eval``'s and one epoch of ``mlip-train``'s peak memory over files of N and 10 N structures (streamed:
-flat; the whole file in memory: growing with N), and a streamed run's start-up (its checks and fits: one survey of the
+flat; the whole file in memory: growing with N), training throughput streamed with 0, 1 and 2 worker processes
+against the data held with its graphs (the compute-only ceiling), and a streamed run's start-up (its checks and fits: one survey of the
 data, ``train.survey``) against one plain pass reading every structure, each in a fresh process, one thread.
 
     python benchmarks/training_data.py [--structures 2000] [--atoms 32]
@@ -79,6 +80,22 @@ def worker(args):
         start = time.perf_counter()
         Trainer(validate(config, SCHEMA, RULES))
         result = {"seconds": time.perf_counter() - start, "one_pass": one_pass}
+    elif args.what.startswith("throughput"):  # epoch 2's structures per second: streamed with W workers, or held
+        import csv
+
+        from mlip_parallel.train.cli import RULES, SCHEMA, train, validate
+
+        workers = args.what.split("-")[1]
+        directory = Path(args.cache) / args.what
+        config = {"data": {"train": args.path, "validation_fraction": 0.02, "stream": workers != "held",
+                           "workers": 0 if workers == "held" else int(workers)},
+                  "model": {"name": "SchNet", "cutoff": 5.0, "hyperparameters": {"features": 32, "layers": 2}},
+                  "epochs": 2, "batch_size": 16, "ema_decay": 0.0,
+                  "output": {"directory": str(directory), "progress": False, "overwrite": True}}
+        train(validate(config, SCHEMA, RULES))
+        with open(directory / "metrics.csv") as f:
+            seconds = float(list(csv.DictReader(f))[1]["seconds"])
+        result = {"seconds": seconds}
     elif args.what in ("train", "train-stream"):  # one epoch of a small SchNet, the data held or streamed
         from mlip_parallel.train.cli import RULES, SCHEMA, train, validate
 
@@ -140,6 +157,14 @@ def main():
               f"the index {index['seconds']:.2f} s = {index['seconds'] / read['seconds']:.3f}x (goal <= 1.5); "
               f"a structure through the index {index['read_one_s'] * 1e3:.2f} ms "
               f"(ase.io.read: {read['seconds'] / read['structures'] * 1e3:.2f} ms per structure)")
+        small = tmp / f"data_{sizes[0]}.extxyz"
+        rates = {w: sizes[0] * 0.98 / run(f"throughput-{w}", small, tmp / "cache")["seconds"]
+                 for w in ("held", "0", "1", "2")}
+        print(f"training throughput, {sizes[0]} structures, SchNet F=32 L=2, 5 A, batch 16, epoch 2: held in memory "
+              f"with its graphs (the compute-only ceiling) {rates['held']:.0f} structures/s; streamed with 0, 1, 2 "
+              f"workers {rates['0']:.0f}, {rates['1']:.0f}, {rates['2']:.0f} structures/s = "
+              f"{rates['0'] / rates['held']:.2f}, {rates['1'] / rates['held']:.2f}, {rates['2'] / rates['held']:.2f} "
+              f"of the ceiling (goal >= 0.9 where a core is free for the workers)")
         startup = run("startup", big, tmp / "cache")
         print(f"mlip-train start-up, data.stream: true, {sizes[1]} structures: {startup['seconds']:.2f} s = "
               f"{startup['seconds'] / startup['one_pass']:.2f}x one pass reading every structure "

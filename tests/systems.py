@@ -412,9 +412,6 @@ def labelled_alloys(count: int, seed: int) -> list:
     """``count`` small Cu/Ag structures labelled by ASE's EMT (energy, forces; stress where periodic), in
     turn: an 8-atom orthorhombic cell, an 8-atom sheared (triclinic) cell, and two 4-atom clusters 12 Å apart,
     not periodic (a rank between them owns no atom)."""
-    from ase.calculators.emt import EMT
-    from ase.calculators.singlepoint import SinglePointCalculator
-
     rng = np.random.default_rng(seed)
     frames = []
     for k in range(count):
@@ -434,13 +431,21 @@ def labelled_alloys(count: int, seed: int) -> list:
         numbers[rng.random(len(atoms)) < 0.35] = 47
         atoms.numbers = numbers
         atoms.rattle(0.08, seed=int(rng.integers(1 << 30)))
-        atoms.calc = EMT()
-        results = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces()}
-        if atoms.pbc.all():
-            results["stress"] = atoms.get_stress()
-        atoms.calc = SinglePointCalculator(atoms, **results)
-        frames.append(atoms)
+        frames.append(emt_labelled(atoms))
     return frames
+
+
+def emt_labelled(atoms):
+    """``atoms`` with ASE's EMT energy, forces and (periodic) stress held as fixed results (a SinglePointCalculator)."""
+    from ase.calculators.emt import EMT
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    atoms.calc = EMT()
+    results = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces()}
+    if atoms.pbc.all():
+        results["stress"] = atoms.get_stress()
+    atoms.calc = SinglePointCalculator(atoms, **results)
+    return atoms
 
 
 def write_small_mace(path, seed: int = 0, interaction: str = "RealAgnosticResidualInteractionBlock",

@@ -12,10 +12,9 @@ import pytest
 
 import potentials
 from ase.build import bulk
-from ase.calculators.emt import EMT
-from ase.calculators.singlepoint import SinglePointCalculator
 from ase.io import read, write
 
+from systems import emt_labelled
 from mlip_parallel.train import sources
 from mlip_parallel.train.cli import RULES, SCHEMA, evaluate_model, train, validate
 from mlip_parallel.train.training import DataError, error_sums, error_table, read_structures
@@ -36,10 +35,7 @@ def frames(count=12, seed=0):
     for k in range(count):
         atoms = bulk("Cu", cubic=True).repeat((1, 1, 1 + k % 2))
         atoms.positions += rng.normal(0, 0.08, atoms.positions.shape)
-        atoms.calc = EMT()
-        atoms.calc = SinglePointCalculator(atoms, energy=atoms.get_potential_energy(), forces=atoms.get_forces(),
-                                           stress=atoms.get_stress())
-        out.append(atoms)
+        out.append(emt_labelled(atoms))
     return out
 
 
@@ -179,3 +175,37 @@ def test_eval_holds_one_batch_at_a_time(tmp_path, monkeypatch):
     whole = error_table(error_sums(model, read_structures(path), 4, model.device))
     for key, value in whole.items():
         assert streamed[key] == pytest.approx(value, rel=1e-6), key  # (float32 cu-emt: sums in another order)
+
+
+def test_workers_read_ahead_what_each_rank_uses_with_its_neighbour_lists(tmp_path):
+    """global_batches with 2 worker processes: the same global batches, step for step, as reading when used (from
+    step 3 on: a resumed run); each step's structures of this rank (even positions of the batch) arrive read, with
+    the neighbour lists vesin gives; a structure that cannot be read is its own one-line DataError from the model's
+    process."""
+    from mlip_parallel.train.loader import ReadAhead, StepBatches, global_batches
+    from potentials.graph import neighbour_list
+
+    path = tmp_path / "data.extxyz"
+    write(path, frames(12), format="extxyz")
+    source = sources.open_source(str(path))
+    batches = StepBatches(len(source), 5, seed=4)  # 3 steps an epoch: 5, 5, 2
+
+    def mine(positions):
+        return positions[0::2]
+
+    plain = list(global_batches(source, batches, 3, 9, 0, mine, None))
+    ahead = list(global_batches(source, batches, 3, 9, 2, mine, 4.0))
+    assert len(plain) == len(ahead) == 6
+    for a, b in zip(plain, ahead):
+        np.testing.assert_array_equal(a.indices, b.indices)
+        assert isinstance(b.structures, ReadAhead) and set(b.structures.ready) == set(int(k) for k in a.indices[0::2])
+        for k, s in b.structures.ready.items():
+            same(s, source[k])
+            assert s._edges is not None and s._edges[0] == 4.0
+            for x, y in zip(s._edges[1], neighbour_list(s.positions, s.cell, s.pbc, 4.0)):
+                np.testing.assert_array_equal(x, y)
+    with open(path, "a") as f:
+        f.write('0\nProperties=species:S:1:pos:R:3 energy=1.0 pbc="F F F"\n')
+    broken = sources.open_source(str(path))
+    with pytest.raises(DataError, match=r"data.extxyz:12: a structure with no atoms$"):
+        list(global_batches(broken, StepBatches(len(broken), 13, seed=0), 0, 1, 1, lambda positions: positions, 4.0))

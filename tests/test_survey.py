@@ -5,11 +5,11 @@ name the same structures as a look at every structure would."""
 import numpy as np
 import pytest
 from ase.build import bulk
-from ase.calculators.emt import EMT
 from ase.calculators.singlepoint import SinglePointCalculator
 from ase.io import read, write
 
 import potentials
+from systems import emt_labelled
 from mlip_parallel.train import survey as survey_module
 from mlip_parallel.train.cli import RULES, SCHEMA, validate
 from mlip_parallel.train.sources import open_source
@@ -31,10 +31,7 @@ def alloy_frames(count, seed=0):
         atoms = bulk("Cu", "fcc", a=3.7, cubic=True).repeat((1, 1 + k % 2, 1 + (k // 2) % 2))
         atoms.numbers = rng.choice([29, 47, 79], size=len(atoms), p=[0.5, 0.3, 0.2])
         atoms.positions += rng.normal(0, 0.05, atoms.positions.shape)
-        atoms.calc = EMT()
-        atoms.calc = SinglePointCalculator(atoms, energy=atoms.get_potential_energy(), forces=atoms.get_forces(),
-                                           stress=atoms.get_stress())
-        out.append(atoms)
+        out.append(emt_labelled(atoms))
     return out
 
 

@@ -45,6 +45,8 @@ SECTIONS = {
         "stream": (bool, False, "read the structures from disk at each use instead of holding them: memory that does "
                                 "not grow with the data set, each structure parsed again at every use (extxyz through "
                                 "an index of its frames; only each rank's share of a data-parallel batch is read)"),
+        "workers": (int, 0, "data.stream: worker processes per rank that read the training structures and build "
+                            "their neighbour lists ahead of the model (0: read when used)"),
         "keys": (dict, None, "the labels' names in the files, e.g. {energy: REF_energy, forces: REF_forces, stress: "
                              "REF_stress} (default: energy, forces, stress; a calculator's results, info or arrays)"),
         "validation_fraction": (float, 0.1, "share of train held out for validation when no validation file"),

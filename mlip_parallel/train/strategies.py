@@ -93,6 +93,12 @@ class DataParallel:
     def share(self, structures) -> list:
         return structures[self.procs.rank::self.procs.size]
 
+    builds_edges = True  # a step's graphs are Batches of whole structures (their cached neighbour lists)
+
+    def reads(self, positions):
+        """The positions of a global batch whose structures this rank reads in a step."""
+        return positions[self.procs.rank::self.procs.size]
+
     def error_sums(self, net, structures) -> np.ndarray:
         from .training import error_sums
 
@@ -126,6 +132,11 @@ class GraphParallel(DataParallel):
     def share(self, structures) -> list:
         return structures if self.procs.rank == 0 else []
 
+    builds_edges = False  # each structure is decomposed over the ranks: no whole-structure neighbour list
+
+    def reads(self, positions):
+        return positions
+
 
 class PipelineParallel:
     """The model's blocks over pipeline stages (``pipeline.PipelineTrainer``; ``model`` holds this stage's
@@ -157,6 +168,11 @@ class PipelineParallel:
 
     def error_sums(self, net, structures) -> np.ndarray:
         return self.pipeline.error_sums(structures, self.batch_size, net)
+
+    builds_edges = True
+
+    def reads(self, positions):
+        return positions  # (a stage's replica reads its share of the micro-batches; the first stage all of them)
 
     def state_dict(self) -> dict:
         return self.pipeline.state_dict()

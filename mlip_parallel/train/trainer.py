@@ -18,7 +18,7 @@ from .model_setup import build_model, check_freeze, check_new_model_size, fit_sc
     starting_model
 from .survey import survey
 from .processes import Processes
-from .sources import take
+from .loader import StepBatches, global_batches
 from .strategies import DataParallel, GraphParallel, PipelineParallel, pipeline_trainer
 from .outputs import write_metrics
 from .training import QUANTITIES
@@ -60,6 +60,9 @@ class Trainer(Checkpoints):
         self.procs = procs = Processes(config["parallel"])
         self.root = procs.rank == 0
         self.train_set, self.validation, self.test, self.weights = load_data(config)
+        if config["data"]["workers"] and not config["data"]["stream"]:
+            raise ConfigError("data.workers reads structures ahead from disk: it needs data.stream: true (held "
+                              "structures keep their neighbour lists after the first epoch)")
         # one pass over each part, the ranks sharing it: the label and species checks, the memory check's
         # structures, a new model's species and fits
         self.surveys = [survey(part, procs) for part in (self.train_set, self.validation, self.test)]
@@ -302,13 +305,13 @@ class Trainer(Checkpoints):
                 print(self.reference_note, flush=True)
         procs.barrier()  # the output directory exists before any rank writes into it
         every, checkpoint_every = config["validate_every"], config["output"]["checkpoint_every"]
-        batch_size, per_epoch, order, start = config["batch_size"], self.steps_per_epoch, None, time.perf_counter()
-        while self.step < self.total_steps:
-            epoch, b = divmod(self.step, per_epoch)
-            if order is None or b == 0:  # each epoch its own order, from the seed and the epoch alone
-                order = np.random.default_rng([config["seed"], epoch]).permutation(len(self.train_set))
+        per_epoch, start = self.steps_per_epoch, time.perf_counter()
+        batches = global_batches(self.train_set, StepBatches(len(self.train_set), config["batch_size"], config["seed"]),
+                                 self.step, self.total_steps, config["data"]["workers"], self.strategy.reads,
+                                 self.model.cutoff if self.strategy.builds_edges else None)
+        for global_batch in batches:
+            epoch = self.step // per_epoch
             self.model.train()
-            global_batch = take(self.train_set, order[b * batch_size:(b + 1) * batch_size])  # streamed: read when used
             self.optimizer.zero_grad(set_to_none=False)
             self.pending[0] += self.strategy.step(global_batch, self.optimizer, epoch + 1)
             self.pending[1] += 1
