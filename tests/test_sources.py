@@ -209,3 +209,64 @@ def test_workers_read_ahead_what_each_rank_uses_with_its_neighbour_lists(tmp_pat
     broken = sources.open_source(str(path))
     with pytest.raises(DataError, match=r"data.extxyz:12: a structure with no atoms$"):
         list(global_batches(broken, StepBatches(len(broken), 13, seed=0), 0, 1, 1, lambda positions: positions, 4.0))
+
+
+def test_batches_of_at_most_so_many_atoms():
+    """batch_atoms 20 over structures of 4 to 24 atoms: each epoch takes every structure once, in its seeded order, cut
+    where the next structure would pass 20 atoms (a 24-atom one alone); a batch's positions largest first, so ranks
+    dealt rank, rank + P, ... hold about as many atoms; steps map to (epoch, batch) and back across epochs."""
+    from mlip_parallel.train.loader import StepBatches
+
+    atoms = np.random.default_rng(0).choice([4, 8, 12, 24], size=40)
+    batches = StepBatches(40, 999, seed=2, atoms=atoms, batch_atoms=20)
+    step = 0
+    for epoch in range(3):
+        order = np.random.default_rng([2, epoch]).permutation(40)
+        assert batches.first_step(epoch) == step
+        seen = []
+        for b in range(batches.batches_in(epoch)):
+            assert batches.locate(step) == (epoch, b)
+            positions = batches(step)
+            assert list(atoms[positions]) == sorted(atoms[positions], reverse=True)
+            assert atoms[positions].sum() <= 20 or len(positions) == 1
+            if len(seen) + len(positions) < 40:  # greedy: the next structure would not have fitted
+                assert atoms[positions].sum() + atoms[order[len(seen) + len(positions)]] > 20
+            seen.extend(sorted(positions, key=lambda k: list(order).index(k)))
+            step += 1
+        assert seen == list(order)  # contiguous runs of the epoch's order, none left out
+    assert batches.epochs_done(batches.first_step(2)) == 2
+    assert 1 < batches.epochs_done(batches.first_step(1) + 1) < 2
+    plain = StepBatches(40, 6, seed=2)
+    assert plain.first_step(3) == 21 and plain.locate(20) == (2, 6) and len(plain(20)) == 4
+
+
+def test_a_structure_unreadable_mid_run_stops_the_job_in_one_line(tmp_path, monkeypatch, capsys):
+    """A streamed file garbled after start-up (it was read whole then): training stops at the first structure it cannot
+    read, naming it and the last checkpoint (DataErrorMidRun); mlip-train prints that one line and exits 2, through
+    the path that ends every rank of a job (launch.end_job: one rank found it)."""
+    import yaml
+
+    from mlip_parallel.train import cli
+    from mlip_parallel.train.trainer import Trainer
+    from mlip_parallel.train.training import DataErrorMidRun
+
+    path = tmp_path / "data.extxyz"
+    write(path, frames(12), format="extxyz")
+    config = {"data": {"train": str(path), "validation_fraction": 0.25, "stream": True},
+              "model": {"name": "SchNet", "cutoff": 4.0, "hyperparameters": {"features": 4, "layers": 1}},
+              "epochs": 2, "batch_size": 3, "output": {"directory": str(tmp_path / "run"), "checkpoint_every": 2}}
+    trainer = Trainer(validate(config, SCHEMA, RULES))
+    text = path.read_bytes()
+    path.write_bytes(text[:len(text) // 2] + b"x" * (len(text) - len(text) // 2))  # its second half garbled
+    with pytest.raises(DataErrorMidRun, match=r"data.extxyz: structure \d+ \(counting from 0\) cannot be read: .*; "
+                                              r"training stopped; last checkpoint written: (none yet|.*last.pt \(epoch)"):
+        trainer.fit()
+
+    def stopped(_):
+        raise DataErrorMidRun("data.extxyz: structure 7 cannot be read; training stopped; last checkpoint written: x")
+
+    monkeypatch.setattr(cli, "train", stopped)
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(dict(config, output={"directory": str(tmp_path / "other")})))
+    assert cli.main([str(tmp_path / "job.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("mlip-train: error:") == 1 and "structure 7 cannot be read; training stopped" in err, err

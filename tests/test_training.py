@@ -92,16 +92,18 @@ class Killed(Exception):
     """A stand-in for the process being killed (raised out of an optimizer step)."""
 
 
-def test_killed_mid_epoch_and_resumed_equals_a_straight_run(quick_data, tmp_path, monkeypatch):
+@pytest.mark.parametrize("batching", [{"batch_size": 3}, {"batch_atoms": 10}])
+def test_killed_mid_epoch_and_resumed_equals_a_straight_run(quick_data, tmp_path, monkeypatch, batching):
     """Step-based training on streamed data: 4 steps an epoch (10 structures, batch 3), validation every 5 steps and at
     the end (metrics rows at steps 5, 10, 15, 16), last.pt every 3 steps, 7 warm-up steps then cosine. A run killed at
     its 8th and 16th step attempts (one step past last.pt of step 6, mid-epoch 2, and of step 12) and resumed each
     time ends with the straight run's last.pt, best.pt and metrics, bit for bit; the cut run redid 2 steps. The cut
-    run reads ahead in 2 worker processes (data.workers), the straight one reads when a step uses a structure."""
+    run reads ahead in 2 worker processes (data.workers), the straight one reads when a step uses a structure. Also
+    in batches of at most 10 atoms (of 3- and 4-atom structures: epochs of unequal step counts)."""
     from mlip_parallel.train import strategies
 
     def config(directory, workers=2):
-        settings = job(directory, quick_data, epochs=4, batch_size=3, validate_every=5, resume=True,
+        settings = job(directory, quick_data, epochs=4, **batching, validate_every=5, resume=True,
                        schedule={"name": "cosine", "warmup_steps": 7, "min_lr": 1e-4},
                        output={"directory": str(directory), "checkpoint_every": 3})
         settings["data"].update(stream=True, workers=workers)
@@ -125,13 +127,17 @@ def test_killed_mid_epoch_and_resumed_equals_a_straight_run(quick_data, tmp_path
             outcomes.append("finished")
         except Killed:
             outcomes.append("killed")
-    assert outcomes == ["killed", "killed", "finished"] and len(attempts) == 16 + 2 + 2, (outcomes, len(attempts))
     rows = metrics(straight)
-    assert [(r["epoch"], r["step"]) for r in rows] == [(1.25, 5), (2.5, 10), (3.75, 15), (4, 16)], rows
+    steps = int(rows[-1]["step"])
+    assert outcomes == ["killed", "killed", "finished"] and len(attempts) == steps + 2 + 2, (outcomes, len(attempts))
+    if "batch_size" in batching:
+        assert [(r["epoch"], r["step"]) for r in rows] == [(1.25, 5), (2.5, 10), (3.75, 15), (4, 16)], rows
+    else:
+        assert steps > 16 and [r["step"] for r in rows] == list(range(5, steps, 5)) + [steps] and rows[-1]["epoch"] == 4
     assert metrics(cut) == rows
     for name in ("last.pt", "best.pt"):
         a, b = (torch.load(d / name, weights_only=True) for d in (straight, cut))
-        assert a["training"]["step"] == b["training"]["step"] == (16 if name == "last.pt" else a["training"]["step"])
+        assert a["training"]["step"] == b["training"]["step"] == (steps if name == "last.pt" else a["training"]["step"])
         for part in ("model", "ema"):
             for key in a["training"][part]:
                 assert torch.equal(a["training"][part][key], b["training"][part][key]), (name, part, key)
@@ -175,13 +181,16 @@ def test_two_ranks_equal_one_process(mpirun, torchrun, quick_data, tmp_path, par
     the order predicted fastest under the measured costs), four sweeps, pipelined validation. Graph parallel also under
     torchrun: the halo over the torch.distributed backend, no MPI. ``stream`` (a number: data.workers): the 2-rank run
     reads its structures from disk at each use (data.stream; data parallel: each rank only its share, read ahead by a
-    worker process of each rank), the one-process run holds them."""
+    worker process of each rank, in batches of at most 20 atoms), the one-process run holds them."""
     serial, distributed = tmp_path / "serial", tmp_path / "distributed"
-    config = job(serial, quick_data, epochs=3, parallel="data", optimizer={"lr": 0.005, "gradient_clip": 1.0})
+    config = job(serial, quick_data, epochs=3, parallel="data", optimizer={"lr": 0.005, "gradient_clip": 1.0},
+                 batch_atoms=20 if stream else 0)
     train(validate(config, SCHEMA, RULES))
     config = dict(config, parallel=parallel, output={"directory": str(distributed)},
                   pipeline={"stages": 2, "microbatches": 4, "schedule": "auto"})  # 10 structures: 4 + 4 + 2
     config["data"] = dict(config["data"], stream=stream is not False, workers=stream or 0)
+    if stream:  # and batches by size: of at most 20 atoms (the structures have 3 and 4)
+        config["batch_atoms"] = 20
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
     run = torchrun if launcher == "torchrun" else mpirun
     rc, out, _ = run(2, "-m", "mlip_parallel.train.cli", tmp_path / "job.yaml")

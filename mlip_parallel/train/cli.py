@@ -92,6 +92,8 @@ SECTIONS = {
     "validate_every": (int, 0, "validate (a metrics.csv row, best.pt, last.pt) every this many steps, and at the "
                                "run's end (0: at each epoch's end)"),
     "batch_size": (int, 8, "structures per global batch (split over the ranks in data parallel)"),
+    "batch_atoms": (int, 0, "instead of batch_size: global batches of at most this many atoms (a larger structure "
+                            "alone), each rank's share of about as many atoms; for data of mixed sizes (0: off)"),
     "seed": (int, 0, "seed of the split, the shuffling and the initial weights"),
     "parallel": (str, "data", "data (each rank a share of every batch), graph (each structure split by space) "
                               "or pipeline (the model's blocks split over stages; see pipeline)"),
@@ -319,8 +321,11 @@ def main(argv=None) -> int:
     except OutputError as exc:  # this rank could not write: one line, and the whole job ends
         end_job("mlip-train", exc)
         return 1
-    except MLIPError as exc:  # bad config or data: raised alike on every rank, before any collective
-        report_error("mlip-train", exc)
+    except MLIPError as exc:  # bad config or data: raised alike on every rank, before any collective ...
+        if getattr(exc, "ends_job", False):  # ... but this one, found by this rank alone: the whole job ends
+            end_job("mlip-train", exc, 2)
+        else:
+            report_error("mlip-train", exc)
         return 2
     return 0
 

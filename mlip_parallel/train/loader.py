@@ -1,8 +1,8 @@
 """The global batches of an ``mlip-train`` run, step by step, and the structures a rank reads for them.
 
-Step s is batch b = s mod E of epoch e = s div E (E batches an epoch); an epoch's order is a permutation drawn from
-the seed and the epoch alone (``StepBatches``), so any step's batch is known without the steps before it: a resumed
-run picks up mid-epoch, and every rank count sees the same global batches.
+An epoch's order is a permutation drawn from the seed and the epoch alone, cut into batches of ``batch_size``
+structures or of at most ``batch_atoms`` atoms (``StepBatches``), so any step's batch is known from the data and the
+seed: a resumed run picks up mid-epoch, and every rank count sees the same global batches.
 
 With ``data.workers: W`` > 0 (a streamed set) ``W`` worker processes per rank read the structures this rank will
 use (``strategy.reads``) and build their neighbour lists (vesin, as ``Structure.edges``), ``PREFETCH`` steps per
@@ -19,20 +19,65 @@ PREFETCH = 2  # steps each worker prepares ahead
 
 
 class StepBatches:
-    """The training set's positions in each step's global batch: ``len(self)`` structures, ``batch_size`` a batch
-    (an epoch's last may be smaller), epoch e ordered by ``default_rng([seed, e]).permutation``."""
+    """The training set's positions in each step's global batch. Epoch e's order is ``default_rng([seed,
+    e]).permutation(size)``, cut into batches of ``batch_size`` structures (an epoch's last may be smaller), or, with
+    ``batch_atoms`` > 0, greedily into batches of at most ``batch_atoms`` atoms (``atoms`` [size]: each structure's
+    count; a larger structure is a batch of its own), each batch's positions then ordered by atom count, largest
+    first, so that the ranks' shares (rank, rank + P, ...) hold about as many atoms."""
 
-    def __init__(self, size: int, batch_size: int, seed: int):
-        self.size, self.batch_size, self.seed = size, batch_size, seed
-        self.per_epoch = -(-size // batch_size)
-        self._epoch, self._order = None, None
+    def __init__(self, size: int, batch_size: int, seed: int, atoms=None, batch_atoms: int = 0):
+        self.size, self.batch_size, self.seed, self.batch_atoms = size, batch_size, seed, batch_atoms
+        self.atoms = None if atoms is None else np.asarray(atoms, dtype=np.int64)
+        self._epoch, self._order, self._cuts = None, None, None
+        self._starts = [0]  # first step of each epoch counted so far
+
+    def _epoch_batches(self, epoch: int):
+        """(order [size], cuts [batches + 1]) of ``epoch``."""
+        if epoch != self._epoch:
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.size)
+            if self.batch_atoms:
+                total = np.cumsum(self.atoms[order])
+                cuts, start = [0], 0
+                while start < self.size:  # the furthest end that keeps the batch within batch_atoms (at least one)
+                    below = total[start - 1] if start else 0
+                    start = max(start + 1, int(np.searchsorted(total, below + self.batch_atoms, side="right")))
+                    cuts.append(min(start, self.size))
+            else:
+                cuts = list(range(0, self.size, self.batch_size)) + [self.size]
+            self._epoch, self._order, self._cuts = epoch, order, np.asarray(cuts)
+        return self._order, self._cuts
+
+    def batches_in(self, epoch: int) -> int:
+        return len(self._epoch_batches(epoch)[1]) - 1
+
+    def first_step(self, epoch: int) -> int:
+        """The step that starts ``epoch`` (the steps of the epochs before it)."""
+        while len(self._starts) <= epoch:
+            self._starts.append(self._starts[-1] + self.batches_in(len(self._starts) - 1))
+        return self._starts[epoch]
+
+    def locate(self, step: int) -> tuple:
+        """(epoch, batch within it) of ``step``."""
+        if not self.batch_atoms:
+            return divmod(step, -(-self.size // self.batch_size))
+        epoch = 0
+        while self.first_step(epoch + 1) <= step:
+            epoch += 1
+        return epoch, step - self.first_step(epoch)
+
+    def epochs_done(self, step: int):
+        """The epochs ``step`` steps make: an int at an epoch's end, else a fraction rounded to 4 decimals."""
+        epoch, b = self.locate(step)
+        return epoch if b == 0 else round(epoch + b / self.batches_in(epoch), 4)
 
     def __call__(self, step: int) -> np.ndarray:
         """[≤ batch_size] positions of step ``step``'s global batch."""
-        epoch, b = divmod(step, self.per_epoch)
-        if epoch != self._epoch:
-            self._epoch, self._order = epoch, np.random.default_rng([self.seed, epoch]).permutation(self.size)
-        return self._order[b * self.batch_size:(b + 1) * self.batch_size]
+        epoch, b = self.locate(step)
+        order, cuts = self._epoch_batches(epoch)
+        positions = order[cuts[b]:cuts[b + 1]]
+        if self.batch_atoms:
+            positions = positions[np.argsort(-self.atoms[positions], kind="stable")]
+        return positions
 
 
 class ReadAhead:

@@ -5,6 +5,7 @@ once, by all ranks together, however many checks and fits need it.
 A ``Survey`` of one part (training, validation or test) holds:
 
 * its elements, each with the first structure that holds it (a new model's species; the species check);
+* each structure's atom count (batches of at most ``batch_atoms`` atoms);
 * per label (energy, forces, stress), how many structures lack it and the first that does (the label check);
 * the least squares of the labelled energies on the element counts (``LeastSquares``: a new model's reference
   energies) and the sum of squared force components (its energy scale);
@@ -80,6 +81,7 @@ class Survey:
     force_components: int = 0
     candidates: dict = field(default_factory=lambda: {"atoms": [], "density": []})  # heaps of (key, position, s)
     error: tuple | None = None  # (position, message) of the first structure that could not be read
+    atoms: np.ndarray | None = None  # [len(part)] each structure's atom count (batches by size); 0: not this share
 
     @property
     def elements(self) -> list:
@@ -105,6 +107,8 @@ class Survey:
         # the volume the atoms fill: the cell's when periodic, else their bounding box's (a ranking, not a model)
         volume = abs(np.linalg.det(s.cell)) if s.pbc.all() else float(np.prod(np.ptp(s.positions, axis=0) + 1.0))
         n = len(s.numbers)
+        if self.atoms is not None:
+            self.atoms[position] = n
         for ranking, key in (("atoms", float(n)), ("density", n * n / volume)):
             self._keep(ranking, (key, -position, s))
 
@@ -123,6 +127,8 @@ class Survey:
             if q in other.first_missing:
                 self.first_missing[q] = min(self.first_missing.get(q, other.first_missing[q]), other.first_missing[q])
         self.energies.merge(other.energies)
+        if self.atoms is not None:
+            self.atoms += other.atoms
         self.force_squares += other.force_squares
         self.force_components += other.force_components
         for ranking, heap in other.candidates.items():
@@ -174,7 +180,7 @@ class Survey:
 def survey_share(structures, rank: int, size: int) -> Survey:
     """The ``Survey`` of the structures at positions rank, rank + size, ... of ``structures`` (a list, a
     ``sources.Source`` or ``Subset``); one that cannot be read ends the share, its error kept."""
-    mine = Survey()
+    mine = Survey(atoms=np.zeros(len(structures), dtype=np.int32))
     for position in range(rank, len(structures), size):
         try:
             mine.look_at(position, structures[position])

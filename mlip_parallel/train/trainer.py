@@ -100,7 +100,12 @@ class Trainer(Checkpoints):
             raise ConfigError(f"model.freeze {section['freeze']} keeps every weight of the model fixed: nothing to train")
         for part, role in zip(self.surveys, ("training", "validation", "test")):
             part.check_species(model, role, error=ConfigError)
+        self.batches = StepBatches(len(self.train_set), config["batch_size"], config["seed"], self.surveys[0].atoms,
+                                   config["batch_atoms"])
         batch = min(config["batch_size"], len(self.train_set))  # structures a step's graphs hold, per rank:
+        if config["batch_atoms"]:  # as many of the largest structures as a batch of that many atoms holds
+            largest = max(len(s.numbers) for s in self.surveys[0].memory_candidates)
+            batch = max(1, config["batch_atoms"] // largest)
         per_step = {"data": -(-batch // procs.size), "graph": 1,
                     "pipeline": -(-batch // config["pipeline"]["microbatches"])}[procs.parallel]
         check_training_memory(procs.backend, model, [s for part in self.surveys for s in part.memory_candidates],
@@ -118,8 +123,7 @@ class Trainer(Checkpoints):
             self.reference_note = self.reference_energies_line("kept", energies)
         o, sch = config["optimizer"], config["schedule"]
         self.optimizer = torch.optim.AdamW(self.strategy.parameters, lr=o["lr"], weight_decay=o["weight_decay"])
-        self.steps_per_epoch = -(-len(self.train_set) // config["batch_size"])
-        self.total_steps = config["epochs"] * self.steps_per_epoch
+        self.total_steps = self.batches.first_step(config["epochs"])
         if config["max_steps"]:
             self.total_steps = min(self.total_steps, config["max_steps"])
         if sch["name"] == "plateau":
@@ -149,9 +153,8 @@ class Trainer(Checkpoints):
         return f"epoch {self.epochs_done(step)}, step {step}"
 
     def epochs_done(self, step: int):
-        """The epochs ``step`` steps make: an int at an epoch's end, else rounded to 4 decimals."""
-        epochs = step / self.steps_per_epoch
-        return int(epochs) if step % self.steps_per_epoch == 0 else round(epochs, 4)
+        """The epochs ``step`` steps make: an int at an epoch's end, else a fraction rounded to 4 decimals."""
+        return self.batches.epochs_done(step)
 
     # ------------------------------------------------------------------ reference energies
     def reference_energies_line(self, what: str, energies, before=None) -> str | None:
@@ -247,23 +250,28 @@ class Trainer(Checkpoints):
     def progress_count(self, total: bool = False):
         """The progress bar's count now (``total``: its (total, initial, unit)): epochs where validation ends
         each epoch and the run ends with one, else steps."""
-        by_epoch = not self.config["validate_every"] and self.total_steps % self.steps_per_epoch == 0
+        by_epoch = not self.config["validate_every"] and self.batches.locate(self.total_steps)[1] == 0
         if total:
-            return ((self.total_steps // self.steps_per_epoch, self.step // self.steps_per_epoch, "epoch") if by_epoch
+            return ((self.batches.locate(self.total_steps)[0], self.batches.locate(self.step)[0], "epoch") if by_epoch
                     else (self.total_steps, self.step, "step"))
-        return self.step // self.steps_per_epoch if by_epoch else self.step
+        return self.batches.locate(self.step)[0] if by_epoch else self.step
 
     # -------------------------------------------------------------------- run
     def fit(self) -> list:
         """Train ``epochs`` epochs (from where a resumed run stopped); write checkpoints, metrics.csv, the
         learning curve; score the test set with best.pt. Returns the metric rows (every rank). An output
-        file that cannot be written raises OutputError naming it, the reason and the last checkpoint."""
+        file that cannot be written raises OutputError naming it, the reason and the last checkpoint; a structure
+        that cannot be read (the files changed since start-up) DataErrorMidRun, naming it and the last checkpoint."""
         from potentials.errors import OutputError
+
+        from .training import DataError, DataErrorMidRun
 
         try:
             return self._fit()
         except OutputError as exc:
             raise OutputError(f"{exc}; last checkpoint written: {self.last_written}") from None
+        except DataError as exc:
+            raise DataErrorMidRun(f"{exc}; training stopped; last checkpoint written: {self.last_written}") from None
 
     def _fit(self) -> list:
         import torch
@@ -305,12 +313,12 @@ class Trainer(Checkpoints):
                 print(self.reference_note, flush=True)
         procs.barrier()  # the output directory exists before any rank writes into it
         every, checkpoint_every = config["validate_every"], config["output"]["checkpoint_every"]
-        per_epoch, start = self.steps_per_epoch, time.perf_counter()
-        batches = global_batches(self.train_set, StepBatches(len(self.train_set), config["batch_size"], config["seed"]),
-                                 self.step, self.total_steps, config["data"]["workers"], self.strategy.reads,
+        start = time.perf_counter()
+        batches = global_batches(self.train_set, self.batches, self.step, self.total_steps, config["data"]["workers"],
+                                 self.strategy.reads,
                                  self.model.cutoff if self.strategy.builds_edges else None)
         for global_batch in batches:
-            epoch = self.step // per_epoch
+            epoch = self.batches.locate(self.step)[0]
             self.model.train()
             self.optimizer.zero_grad(set_to_none=False)
             self.pending[0] += self.strategy.step(global_batch, self.optimizer, epoch + 1)
@@ -321,7 +329,8 @@ class Trainer(Checkpoints):
                 self.ema.update_parameters(self.model)
             if isinstance(self.scheduler, torch.optim.lr_scheduler.LambdaLR):
                 self.scheduler.step()
-            if (self.step % every == 0 if every else self.step % per_epoch == 0) or self.step == self.total_steps:
+            epoch_ends = self.batches.locate(self.step)[1] == 0
+            if (self.step % every == 0 if every else epoch_ends) or self.step == self.total_steps:
                 self.validate(time.perf_counter() - start)
                 start = time.perf_counter()
                 if root:

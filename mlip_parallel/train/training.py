@@ -27,6 +27,13 @@ class DataError(MLIPError, ValueError):
     """Training data that cannot be used; the message names the file and the structure."""
 
 
+class DataErrorMidRun(DataError):
+    """A structure that could not be read once training ran (a streamed file changed under the run), found by the
+    rank that read it: the whole job ends (``launch.end_job``); the message names the last checkpoint."""
+
+    ends_job = True
+
+
 @dataclass
 class Structure:
     """One labelled structure. numbers [n]; positions [n, 3] Å; cell [3, 3]; pbc [3]; energy (eV) or
