@@ -234,6 +234,8 @@ def test_batches_of_at_most_so_many_atoms():
             seen.extend(sorted(positions, key=lambda k: list(order).index(k)))
             step += 1
         assert seen == list(order)  # contiguous runs of the epoch's order, none left out
+    assert batches.total_steps(3) == batches.first_step(3) and batches.total_steps(100, max_steps=7) == 7
+    assert batches.total_steps(2, max_steps=10 ** 6) == batches.first_step(2)
     assert batches.epochs_done(batches.first_step(2)) == 2
     assert 1 < batches.epochs_done(batches.first_step(1) + 1) < 2
     plain = StepBatches(40, 6, seed=2)

@@ -43,16 +43,19 @@ def whole_set_fit(frames, numbers):
     return np.linalg.lstsq(counts, energies, rcond=None)[0], float(np.sqrt(np.mean(forces ** 2)))
 
 
-@pytest.mark.parametrize("case", ["full rank", "collinear"])
-def test_least_squares_in_chunks_and_shares_equals_lstsq(case):
+@pytest.mark.parametrize("case, rows", [("full rank", 3 * survey_module.CHUNK + 17), ("1:2", 3 * survey_module.CHUNK + 17),
+                                        ("2:3", 10 * survey_module.CHUNK + 17)])
+def test_least_squares_in_chunks_and_shares_equals_lstsq(case, rows):
     """More rows than a chunk, split over three shares and merged: numpy's solution on all the rows, also its
-    minimum-norm one where two columns always move together."""
+    minimum-norm one where two elements always come in one ratio (water's 1:2; alumina's 2:3 over 5,000 rows)."""
     rng = np.random.default_rng(3)
-    rows = 3 * survey_module.CHUNK + 17
     counts = np.zeros((rows, ELEMENTS))
     counts[:, [1, 8, 29, 47]] = rng.integers(0, 20, size=(rows, 4))
-    if case == "collinear":
+    if case == "1:2":
         counts[:, 8] = 2 * counts[:, 1]  # water-like: H always twice O
+    elif case == "2:3":
+        counts[:, 13] = 2 * rng.integers(1, 10, size=rows)  # Al2O3 units
+        counts[:, 8] = 1.5 * counts[:, 13]
     y = counts @ rng.normal(-3, 1, ELEMENTS) + rng.normal(0, 0.01, rows)
     shares = [LeastSquares(ELEMENTS) for _ in range(3)]
     for k in range(rows):

@@ -127,6 +127,7 @@ def test_killed_mid_epoch_and_resumed_equals_a_straight_run(quick_data, tmp_path
             outcomes.append("finished")
         except Killed:
             outcomes.append("killed")
+    train(config(cut))  # requeued once more after it finished: nothing to do (no worker started), nothing changed
     rows = metrics(straight)
     steps = int(rows[-1]["step"])
     assert outcomes == ["killed", "killed", "finished"] and len(attempts) == steps + 2 + 2, (outcomes, len(attempts))

@@ -32,7 +32,10 @@ class Checkpoints:
         if self.root:
             try:
                 step = int(torch.load(self.last_path, map_location="cpu", weights_only=True, mmap=True)["step"])
-            except (OSError, RuntimeError, KeyError, ValueError) as exc:
+            except KeyError:
+                step = (f"resume: {self.last_path} was written by an older mlip-train that counted epochs, not steps: "
+                        "start a new run from it with model.checkpoint")
+            except (OSError, RuntimeError, ValueError) as exc:
                 step = f"resume: cannot read the step of {self.last_path}: {exc}"
         step = self.procs.bcast(step)
         if isinstance(step, str):

@@ -121,8 +121,8 @@ SECTIONS = {
         "overwrite": (bool, False, "write into a non-empty output directory"),
         "checkpoint_every": (int, 0, "also write last.pt every this many steps, for an exact resume mid-epoch (0: at "
                                      "each validation only)"),
-        "progress": (bool, True, "report progress on stderr: a bar on a terminal, a line per epoch in a log file "
-                                 "(epoch, rate, ETA, validation errors); false (or --no-progress): none"),
+        "progress": (bool, True, "report progress on stderr: a bar on a terminal, a line per validation in a log "
+                                 "file (epoch or step, rate, ETA, validation errors); false (or --no-progress): none"),
     },
 }
 # allowed values (a tuple) or the range of a number (mlip_parallel.config.obeys); other numbers: finite, >= 0

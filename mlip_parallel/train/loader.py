@@ -52,9 +52,21 @@ class StepBatches:
 
     def first_step(self, epoch: int) -> int:
         """The step that starts ``epoch`` (the steps of the epochs before it)."""
+        if not self.batch_atoms:
+            return epoch * -(-self.size // self.batch_size)
         while len(self._starts) <= epoch:
             self._starts.append(self._starts[-1] + self.batches_in(len(self._starts) - 1))
         return self._starts[epoch]
+
+    def total_steps(self, epochs: int, max_steps: int = 0) -> int:
+        """The steps of ``epochs`` epochs, or ``max_steps`` where fewer (0: no limit); with batches by atoms, only the
+        epochs up to ``max_steps`` are cut."""
+        if max_steps:
+            epoch = 0
+            while epoch < epochs and self.first_step(epoch + 1) < max_steps:
+                epoch += 1
+            return min(self.first_step(min(epoch + 1, epochs)), max_steps)
+        return self.first_step(epochs)
 
     def locate(self, step: int) -> tuple:
         """(epoch, batch within it) of ``step``."""
@@ -130,6 +142,8 @@ def global_batches(structures, batches: StepBatches, first: int, last: int, work
     """Steps ``first`` .. ``last - 1``'s global batches (``sources.take`` views of ``structures``), each with this
     rank's structures (``reads(positions)``) read ahead by ``workers`` processes, their neighbour lists built at
     ``cutoff`` (None: none); ``workers`` 0: read when used."""
+    if first >= last:  # a resumed run already at its end: no step, no worker started
+        return
     if not workers:
         for step in range(first, last):
             yield take(structures, batches(step))

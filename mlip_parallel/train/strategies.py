@@ -172,7 +172,7 @@ class PipelineParallel:
     builds_edges = True
 
     def reads(self, positions):
-        return positions  # (a stage's replica reads its share of the micro-batches; the first stage all of them)
+        return positions  # every structure: the loss's counts are the global batch's (a replica's graphs: its share)
 
     def state_dict(self) -> dict:
         return self.pipeline.state_dict()

@@ -60,7 +60,10 @@ class LeastSquares:
         self._fold(np.array(self.pending).reshape(-1, self.columns + 1))
         if not len(self.factor):
             return np.zeros(self.columns)
-        return np.linalg.lstsq(self.factor[:, :-1], self.factor[:, -1], rcond=None)[0]
+        # the singular-value cut-off numpy's lstsq takes on all the rows (eps × max(rows, columns)), not R's own
+        # (eps × columns): R's rounding grows with the rows folded in (in the tests, exact dependences stay exact)
+        cutoff = np.finfo(np.float64).eps * max(self.rows, self.columns)
+        return np.linalg.lstsq(self.factor[:, :-1], self.factor[:, -1], rcond=cutoff)[0]
 
 
 def element_counts(numbers) -> np.ndarray:
@@ -81,7 +84,7 @@ class Survey:
     force_components: int = 0
     candidates: dict = field(default_factory=lambda: {"atoms": [], "density": []})  # heaps of (key, position, s)
     error: tuple | None = None  # (position, message) of the first structure that could not be read
-    atoms: np.ndarray | None = None  # [len(part)] each structure's atom count (batches by size); 0: not this share
+    atoms: list = field(default_factory=list)  # a share's atom counts in its order; merged: [len(part)] all of them
 
     @property
     def elements(self) -> list:
@@ -107,8 +110,7 @@ class Survey:
         # the volume the atoms fill: the cell's when periodic, else their bounding box's (a ranking, not a model)
         volume = abs(np.linalg.det(s.cell)) if s.pbc.all() else float(np.prod(np.ptp(s.positions, axis=0) + 1.0))
         n = len(s.numbers)
-        if self.atoms is not None:
-            self.atoms[position] = n
+        self.atoms.append(n)
         for ranking, key in (("atoms", float(n)), ("density", n * n / volume)):
             self._keep(ranking, (key, -position, s))
 
@@ -127,8 +129,6 @@ class Survey:
             if q in other.first_missing:
                 self.first_missing[q] = min(self.first_missing.get(q, other.first_missing[q]), other.first_missing[q])
         self.energies.merge(other.energies)
-        if self.atoms is not None:
-            self.atoms += other.atoms
         self.force_squares += other.force_squares
         self.force_components += other.force_components
         for ranking, heap in other.candidates.items():
@@ -180,7 +180,7 @@ class Survey:
 def survey_share(structures, rank: int, size: int) -> Survey:
     """The ``Survey`` of the structures at positions rank, rank + size, ... of ``structures`` (a list, a
     ``sources.Source`` or ``Subset``); one that cannot be read ends the share, its error kept."""
-    mine = Survey(atoms=np.zeros(len(structures), dtype=np.int32))
+    mine = Survey()
     for position in range(rank, len(structures), size):
         try:
             mine.look_at(position, structures[position])
@@ -191,12 +191,17 @@ def survey_share(structures, rank: int, size: int) -> Survey:
 
 
 def merged(shares) -> Survey:
-    """The ranks' shares (in rank order) as one survey; DataError: the first structure that could not be read."""
+    """The ranks' shares (in rank order; share r holds positions r, r + P, ...) as one survey; DataError: the first
+    structure that could not be read."""
+    atoms = np.zeros(sum(len(share.atoms) for share in shares), dtype=np.int32)
     whole = shares[0]
     for other in shares[1:]:
         whole.merge(other)
     if whole.error is not None:
         raise DataError(whole.error[1])
+    for r, share in enumerate(shares):  # (every share complete: no error)
+        atoms[r::len(shares)] = share.atoms
+    whole.atoms = atoms
     return whole
 
 

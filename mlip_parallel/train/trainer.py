@@ -123,9 +123,7 @@ class Trainer(Checkpoints):
             self.reference_note = self.reference_energies_line("kept", energies)
         o, sch = config["optimizer"], config["schedule"]
         self.optimizer = torch.optim.AdamW(self.strategy.parameters, lr=o["lr"], weight_decay=o["weight_decay"])
-        self.total_steps = self.batches.first_step(config["epochs"])
-        if config["max_steps"]:
-            self.total_steps = min(self.total_steps, config["max_steps"])
+        self.total_steps = self.batches.total_steps(config["epochs"], config["max_steps"])
         if sch["name"] == "plateau":
             if sch["warmup_steps"]:
                 raise ConfigError("schedule.warmup_steps: the plateau schedule sets the learning rate from the "
