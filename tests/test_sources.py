@@ -242,6 +242,68 @@ def test_batches_of_at_most_so_many_atoms():
     assert plain.first_step(3) == 21 and plain.locate(20) == (2, 6) and len(plain(20)) == 4
 
 
+def test_a_mixture_samples_its_shares():
+    """Positions 0-29 whole, 30-79 sampled at 0.2 and 80-89 at 0.1: every epoch holds each whole position once and
+    round(s × 30 / 0.7) draws of each sampled range (9 and 4), a sampled range's structures each drawn once before
+    any is drawn again (50 over 5.6 epochs; 10 over 2.5), no position outside its range; batches cover the epoch's
+    members exactly; without a mixture an epoch is the plain seeded permutation of before."""
+    from mlip_parallel.train.loader import StepBatches
+
+    batches = StepBatches(90, 5, seed=3, mixture=[(30, 80, 0.2), (80, 90, 0.1)])
+    assert batches.draws == [9, 4] and batches.epoch_size == 43 and batches.first_step(2) == 2 * 9
+    drawn = {0: [], 1: []}
+    for epoch in range(12):
+        members = batches.members(epoch)
+        np.testing.assert_array_equal(np.sort(members[:30]), np.arange(30))
+        first, second = members[30:39], members[39:]
+        assert ((30 <= first) & (first < 80)).all() and ((80 <= second) & (second < 90)).all()
+        drawn[0].extend(first)
+        drawn[1].extend(second)
+        seen = np.concatenate([batches(step) for step in range(batches.first_step(epoch),
+                                                                batches.first_step(epoch + 1))])
+        np.testing.assert_array_equal(np.sort(seen), np.sort(members))
+    for sequence, (start, stop) in ((drawn[0], (30, 80)), (drawn[1], (80, 90))):
+        size = stop - start
+        for cycle in range(len(sequence) // size):  # each full pass over the range: a permutation of it
+            assert sorted(sequence[cycle * size:(cycle + 1) * size]) == list(range(start, stop))
+    assert batches.members(5).tolist() == batches.members(5).tolist()  # from the seed alone
+    plain = StepBatches(40, 6, seed=2)
+    np.testing.assert_array_equal(np.concatenate([plain(s) for s in range(7)]),
+                                  np.random.default_rng([2, 0]).permutation(40))
+
+
+def test_mlip_train_draws_each_epoch_from_the_sampled_file(tmp_path, monkeypatch, capsys):
+    """data.train [own (12 structures), {file: replay (20), share: 0.25}], validation_fraction 0.25: the 9 own
+    training structures and 3 replay ones an epoch (0.25 of 12), the validation set all own; the log states it."""
+    from mlip_parallel.train import strategies
+
+    write(tmp_path / "own.extxyz", frames(12), format="extxyz")
+    write(tmp_path / "replay.extxyz", frames(20, seed=1), format="extxyz")
+    used, original = [], strategies.DataParallel.step
+
+    def step(self, global_batch, *args):
+        used.append([s.source for s in global_batch])
+        return original(self, global_batch, *args)
+
+    monkeypatch.setattr(strategies.DataParallel, "step", step)
+    config = {"data": {"train": [str(tmp_path / "own.extxyz"), {"file": str(tmp_path / "replay.extxyz"),
+                                                                 "share": 0.25}],
+                       "validation_fraction": 0.25, "stream": True},
+              "model": {"name": "SchNet", "cutoff": 4.0, "hyperparameters": {"features": 8, "layers": 1}},
+              "epochs": 4, "batch_size": 4, "output": {"directory": str(tmp_path / "out"), "progress": False}}
+    train(validate(config, SCHEMA, RULES))
+    assert "12 per epoch (9 whole, 3 of 20 sampled (0.25)) training / 3 validation" in capsys.readouterr().out
+    assert len(used) == 4 * 3
+    replay = []
+    for epoch in range(4):
+        sources_ = [s for batch in used[3 * epoch:3 * epoch + 3] for s in batch]
+        own = sorted(s for s in sources_ if "own.extxyz" in s)
+        assert len(own) == 9 == len(set(own)), own
+        replay.extend(s for s in sources_ if "replay.extxyz" in s)
+        assert len(replay) == 3 * (epoch + 1)
+    assert len(set(replay)) == 12  # 12 of the 20 drawn, none twice yet
+
+
 def test_a_structure_unreadable_mid_run_stops_the_job_in_one_line(tmp_path, monkeypatch, capsys):
     """A streamed file garbled after start-up (it was read whole then): training stops at the first structure it cannot
     read, naming it and the last checkpoint (DataErrorMidRun); mlip-train prints that one line and exits 2, through

@@ -34,6 +34,14 @@ def quick_data(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def replay_data(tmp_path_factory):
+    """Other structures, for a file sampled at a share (data.train's mixtures)."""
+    path = tmp_path_factory.mktemp("replay") / "cu_replay.extxyz"
+    write(path, generator.generate(seed=1, quick=True), format="extxyz")
+    return path
+
+
 def job(directory, data, **changes):
     config = {"data": {"train": str(data), "validation_fraction": 0.25},
               "model": {"name": "SchNet", "cutoff": 4.0, "hyperparameters": {"features": 8, "layers": 2},
@@ -93,13 +101,14 @@ class Killed(Exception):
 
 
 @pytest.mark.parametrize("batching", [{"batch_size": 3}, {"batch_atoms": 10}])
-def test_killed_mid_epoch_and_resumed_equals_a_straight_run(quick_data, tmp_path, monkeypatch, batching):
+def test_killed_mid_epoch_and_resumed_equals_a_straight_run(quick_data, replay_data, tmp_path, monkeypatch, batching):
     """Step-based training on streamed data: 4 steps an epoch (10 structures, batch 3), validation every 5 steps and at
     the end (metrics rows at steps 5, 10, 15, 16), last.pt every 3 steps, 7 warm-up steps then cosine. A run killed at
     its 8th and 16th step attempts (one step past last.pt of step 6, mid-epoch 2, and of step 12) and resumed each
     time ends with the straight run's last.pt, best.pt and metrics, bit for bit; the cut run redid 2 steps. The cut
     run reads ahead in 2 worker processes (data.workers), the straight one reads when a step uses a structure. Also
-    in batches of at most 10 atoms (of 3- and 4-atom structures: epochs of unequal step counts)."""
+    in batches of at most 10 atoms (of 3- and 4-atom structures: epochs of unequal step counts), with another file
+    sampled at a share of 0.2 (each epoch its own draws)."""
     from mlip_parallel.train import strategies
 
     def config(directory, workers=2):
@@ -107,6 +116,8 @@ def test_killed_mid_epoch_and_resumed_equals_a_straight_run(quick_data, tmp_path
                        schedule={"name": "cosine", "warmup_steps": 7, "min_lr": 1e-4},
                        output={"directory": str(directory), "checkpoint_every": 3})
         settings["data"].update(stream=True, workers=workers)
+        if "batch_atoms" in batching:
+            settings["data"]["train"] = [str(quick_data), {"file": str(replay_data), "share": 0.2}]
         return validate(settings, SCHEMA, RULES)
 
     straight, cut = tmp_path / "straight", tmp_path / "cut"
@@ -175,17 +186,20 @@ def test_max_steps_and_the_warm_up_and_cosine_schedule_of_torch(quick_data, tmp_
 @pytest.mark.parametrize("parallel, launcher, stream", [("data", "mpiexec", False), ("graph", "mpiexec", False),
                                                        ("pipeline", "mpiexec", False), ("graph", "torchrun", False),
                                                        ("data", "mpiexec", 1), ("pipeline", "mpiexec", 0)])
-def test_two_ranks_equal_one_process(mpirun, torchrun, quick_data, tmp_path, parallel, launcher, stream):
+def test_two_ranks_equal_one_process(mpirun, torchrun, quick_data, replay_data, tmp_path, parallel, launcher, stream):
     """Same global batch, float64: parameters after 9 optimizer steps (gradient clipping and EMA on)
     equal the single-process run. Pipeline: 2 stage-local models, up to 4 micro-batches (the last batch
     of each epoch has 2 structures), schedule auto (five timed warm-up steps, then
     the order predicted fastest under the measured costs), four sweeps, pipelined validation. Graph parallel also under
     torchrun: the halo over the torch.distributed backend, no MPI. ``stream`` (a number: data.workers): the 2-rank run
     reads its structures from disk at each use (data.stream; data parallel: each rank only its share, read ahead by a
-    worker process of each rank, in batches of at most 20 atoms), the one-process run holds them."""
+    worker process of each rank, in batches of at most 20 atoms, another file sampled at a share of 0.3), the
+    one-process run holds them."""
     serial, distributed = tmp_path / "serial", tmp_path / "distributed"
     config = job(serial, quick_data, epochs=3, parallel="data", optimizer={"lr": 0.005, "gradient_clip": 1.0},
                  batch_atoms=20 if stream else 0)
+    if stream:
+        config["data"]["train"] = [str(quick_data), {"file": str(replay_data), "share": 0.3}]
     train(validate(config, SCHEMA, RULES))
     config = dict(config, parallel=parallel, output={"directory": str(distributed)},
                   pipeline={"stages": 2, "microbatches": 4, "schedule": "auto"})  # 10 structures: 4 + 4 + 2

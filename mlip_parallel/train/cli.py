@@ -38,7 +38,9 @@ SECTIONS = {
     "data": {
         "train": ((str, list), None, "training structures: a file with energy/forces/stress (extxyz and xyz indexed "
                                      "once and read a structure at a time, ASE db, fairchem's ASE-LMDB .aselmdb, "
-                                     "any other ASE-readable file), or a list of files read as one set in order"),
+                                     "any other ASE-readable file), or a list of files read as one set in order; an "
+                                     "entry {file: PATH, share: S} is a file sampled at that fraction of each "
+                                     "epoch's structures (docs/training.md: mixtures)"),
         "validation": ((str, list), None, "validation file(s) (default: validation_fraction of train)"),
         "test": ((str, list), None, "test file(s) (default: test_fraction of train), evaluated with best.pt at the "
                                     "end"),

@@ -16,34 +16,66 @@ import numpy as np
 from .sources import take
 
 PREFETCH = 2  # steps each worker prepares ahead
+DRAWS = 0x5A3D  # the seed word of a sampled file's draws (an epoch's order: [seed, epoch])
 
 
 class StepBatches:
-    """The training set's positions in each step's global batch. Epoch e's order is ``default_rng([seed,
-    e]).permutation(size)``, cut into batches of ``batch_size`` structures (an epoch's last may be smaller), or, with
-    ``batch_atoms`` > 0, greedily into batches of at most ``batch_atoms`` atoms (``atoms`` [size]: each structure's
-    count; a larger structure is a batch of its own), each batch's positions then ordered by atom count, largest
-    first, so that the ranks' shares (rank, rank + P, ...) hold about as many atoms."""
+    """The training set's positions in each step's global batch.
 
-    def __init__(self, size: int, batch_size: int, seed: int, atoms=None, batch_atoms: int = 0):
+    An epoch's members: every position of the training set, or, with ``mixture`` (a list of ``(start, stop,
+    share)``: the positions start..stop-1 are a file sampled at that share), every position outside those ranges
+    and ``epoch_draws`` of each sampled range's. Epoch e's order is those members permuted by ``default_rng([seed,
+    e])``, cut into batches of ``batch_size`` structures (an epoch's last may be smaller), or, with ``batch_atoms`` >
+    0, greedily into batches of at most ``batch_atoms`` atoms (``atoms`` [size]: each structure's count; a larger
+    structure is a batch of its own), each batch's positions then ordered by atom count, largest first, so that the
+    ranks' shares (rank, rank + P, ...) hold about as many atoms."""
+
+    def __init__(self, size: int, batch_size: int, seed: int, atoms=None, batch_atoms: int = 0, mixture=()):
         self.size, self.batch_size, self.seed, self.batch_atoms = size, batch_size, seed, batch_atoms
         self.atoms = None if atoms is None else np.asarray(atoms, dtype=np.int64)
+        self.mixture = [(int(a), int(b), float(share)) for a, b, share in mixture]
+        sampled = np.zeros(size, dtype=bool)
+        for start, stop, _ in self.mixture:
+            sampled[start:stop] = True
+        self.whole = np.flatnonzero(~sampled)  # positions every epoch holds once
+        rest = 1.0 - sum(share for _, _, share in self.mixture)
+        # structures drawn from each sampled range per epoch: share s of the epoch, whose other structures are whole
+        self.draws = [max(1, int(round(share * len(self.whole) / rest))) for _, _, share in self.mixture]
+        self.epoch_size = len(self.whole) + sum(self.draws)
         self._epoch, self._order, self._cuts = None, None, None
         self._starts = [0]  # first step of each epoch counted so far
 
+    def members(self, epoch: int) -> np.ndarray:
+        """[epoch_size] the positions epoch ``epoch`` trains on, before shuffling: the whole ranges' positions, then
+        each sampled range's draws — epoch e takes draws e·n .. (e+1)·n - 1 of the range's endless sequence of
+        permutations (``default_rng([seed, DRAWS, range, cycle])``), so each structure of a sampled file is drawn
+        once before any is drawn again."""
+        if not self.mixture:
+            return np.arange(self.size)
+        parts = [self.whole]
+        for g, ((start, stop, _), n) in enumerate(zip(self.mixture, self.draws)):
+            size, first = stop - start, epoch * n
+            cycles = range(first // size, (first + n - 1) // size + 1)
+            sequence = np.concatenate([np.random.default_rng([self.seed, DRAWS, g, c]).permutation(size)
+                                       for c in cycles])
+            offset = first - cycles[0] * size
+            parts.append(start + sequence[offset:offset + n])
+        return np.concatenate(parts)
+
     def _epoch_batches(self, epoch: int):
-        """(order [size], cuts [batches + 1]) of ``epoch``."""
+        """(order [epoch_size], cuts [batches + 1]) of ``epoch``."""
         if epoch != self._epoch:
-            order = np.random.default_rng([self.seed, epoch]).permutation(self.size)
+            members = self.members(epoch)
+            order = members[np.random.default_rng([self.seed, epoch]).permutation(len(members))]
             if self.batch_atoms:
                 total = np.cumsum(self.atoms[order])
                 cuts, start = [0], 0
-                while start < self.size:  # the furthest end that keeps the batch within batch_atoms (at least one)
+                while start < len(order):  # the furthest end that keeps the batch within batch_atoms (at least one)
                     below = total[start - 1] if start else 0
                     start = max(start + 1, int(np.searchsorted(total, below + self.batch_atoms, side="right")))
-                    cuts.append(min(start, self.size))
+                    cuts.append(min(start, len(order)))
             else:
-                cuts = list(range(0, self.size, self.batch_size)) + [self.size]
+                cuts = list(range(0, len(order), self.batch_size)) + [len(order)]
             self._epoch, self._order, self._cuts = epoch, order, np.asarray(cuts)
         return self._order, self._cuts
 
@@ -53,7 +85,7 @@ class StepBatches:
     def first_step(self, epoch: int) -> int:
         """The step that starts ``epoch`` (the steps of the epochs before it)."""
         if not self.batch_atoms:
-            return epoch * -(-self.size // self.batch_size)
+            return epoch * -(-self.epoch_size // self.batch_size)
         while len(self._starts) <= epoch:
             self._starts.append(self._starts[-1] + self.batches_in(len(self._starts) - 1))
         return self._starts[epoch]
@@ -71,7 +103,7 @@ class StepBatches:
     def locate(self, step: int) -> tuple:
         """(epoch, batch within it) of ``step``."""
         if not self.batch_atoms:
-            return divmod(step, -(-self.size // self.batch_size))
+            return divmod(step, -(-self.epoch_size // self.batch_size))
         epoch = 0
         while self.first_step(epoch + 1) <= step:
             epoch += 1

@@ -3,6 +3,8 @@ or the starting model a model family's key names, in a pipeline stage only its p
 memory, ``model.freeze``), a new model's scale and shift fitted to the data, and the data sets from the config."""
 from __future__ import annotations
 
+import numpy as np
+
 from ..config import ConfigError
 from ..preflight import check_parameter_memory
 from .training import QUANTITIES
@@ -107,25 +109,63 @@ def fit_scale_shift(model, training) -> None:
     model.scale_shift.scale.fill_(max(scale, 1e-3))
 
 
+def training_entries(train) -> tuple:
+    """(files read whole [path, ...], sampled files [(path, share), ...]) of ``data.train``: a path, or a list of
+    paths and ``{file: PATH, share: s}`` entries (0 < s < 1; the shares sum below 1 and at least one file is read
+    whole); ConfigError naming an entry that is not one of these."""
+    entries = [train] if not isinstance(train, list) else train
+    whole, sampled = [], []
+    for i, entry in enumerate(entries):
+        if isinstance(entry, dict):
+            if set(entry) != {"file", "share"}:
+                raise ConfigError(f"data.train[{i}]: a sampled file is {{file: PATH, share: S}}, got keys "
+                                  f"{sorted(entry)}")
+            share = entry["share"]
+            if not isinstance(entry["file"], str) or isinstance(share, bool) or not isinstance(share, (int, float)) \
+                    or not 0 < share < 1:
+                raise ConfigError(f"data.train[{i}]: file must be a path and share a number in (0, 1) (the fraction "
+                                  f"of each epoch's structures drawn from it), got {entry}")
+            sampled.append((entry["file"], float(share)))
+        else:
+            whole.append(entry)
+    if sampled and not whole:
+        raise ConfigError("data.train: every file has a share; at least one file is read whole (the shares are "
+                          "fractions of an epoch whose other structures are those files')")
+    if sum(share for _, share in sampled) >= 1:
+        raise ConfigError(f"data.train: the shares sum to {sum(share for _, share in sampled):g}; they must sum "
+                          f"below 1 (the rest of each epoch is the files read whole)")
+    return whole, sampled
+
+
 def load_data(config):
-    """(train, validation, test) structures of the data section: lists held in memory, or with ``data.stream``
-    ``sources.Subset`` views read from disk at each use (memory flat in the data set's size)."""
-    from .sources import open_source
+    """(train, validation, test, weights, mixture) of the data section: structures held in memory (lists), or with
+    ``data.stream`` ``sources`` views read from disk at each use (memory flat in the data set's size). The files
+    read whole are split into train / validation / test; each sampled file (``training_entries``) joins the
+    training set whole, after them, and ``mixture`` holds its positions there and its share (``loader.StepBatches``).
+    """
+    from .sources import Source, open_source
     from .training import split
 
     d = config["data"]
     if d["train"] is None:
         raise ConfigError("data.train is required: a file of labelled structures")
+    whole, sampled = training_entries(d["train"])
 
     def structures(paths):
         source = open_source(paths, d["keys"])
         return source if d["stream"] else list(source)
 
-    train = structures(d["train"])
+    train = structures(whole)
     fractions = [0.0 if d["validation"] else d["validation_fraction"], 0.0 if d["test"] else d["test_fraction"]]
     if sum(fractions) >= 1:
         raise ConfigError(f"data.validation_fraction + data.test_fraction must be < 1, got {sum(fractions)}")
     train, validation, test = split(train, fractions, config["seed"])
+    mixture = []
+    if sampled:
+        parts = [train] + [structures(path) for path, _ in sampled]
+        starts = np.cumsum([0] + [len(p) for p in parts])
+        mixture = [(int(starts[i + 1]), int(starts[i + 2]), share) for i, (_, share) in enumerate(sampled)]
+        train = [s for part in parts for s in part] if not d["stream"] else Source(parts)
     if d["validation"]:
         validation = structures(d["validation"])
     if d["test"]:
@@ -136,4 +176,4 @@ def load_data(config):
     weights = {q: config["loss"][f"{q}_weight"] for q in QUANTITIES}
     if not any(weights.values()):
         raise ConfigError(f"loss: every weight is 0 ({', '.join(f'{q}_weight' for q in QUANTITIES)}): nothing to fit")
-    return train, validation, test, weights
+    return train, validation, test, weights, mixture

@@ -56,13 +56,15 @@ class Source:
     """A data set's structures by index (``len``, ``[k]``, iteration); read from disk at every access."""
 
     def __init__(self, parts):
-        self.parts = list(parts)  # FileSource each
+        self.parts = list(parts)  # FileSource (or Subset) each
         self.starts = np.cumsum([0] + [len(p) for p in self.parts])
 
     def __len__(self) -> int:
         return int(self.starts[-1])
 
-    def __getitem__(self, k: int):
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return Subset(self, np.arange(len(self))[k])
         if not -len(self) <= k < len(self):
             raise IndexError(f"structure {k} of {len(self)}")
         k = k % len(self)
@@ -74,9 +76,11 @@ class Source:
             for k in range(len(part)):
                 yield part[k]
 
+
     @property
     def name(self) -> str:
-        return ", ".join(p.path for p in self.parts)
+        """The files, comma-separated."""
+        return ", ".join(p.path if isinstance(p, FileSource) else p.structures.name for p in self.parts)
 
 
 class Subset:

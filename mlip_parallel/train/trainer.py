@@ -59,7 +59,7 @@ class Trainer(Checkpoints):
         self.starting = starting_model(section)  # (the config alone: before any process group exists)
         self.procs = procs = Processes(config["parallel"])
         self.root = procs.rank == 0
-        self.train_set, self.validation, self.test, self.weights = load_data(config)
+        self.train_set, self.validation, self.test, self.weights, mixture = load_data(config)
         if config["data"]["workers"] and not config["data"]["stream"]:
             raise ConfigError("data.workers reads structures ahead from disk: it needs data.stream: true (held "
                               "structures keep their neighbour lists after the first epoch)")
@@ -101,7 +101,7 @@ class Trainer(Checkpoints):
         for part, role in zip(self.surveys, ("training", "validation", "test")):
             part.check_species(model, role, error=ConfigError)
         self.batches = StepBatches(len(self.train_set), config["batch_size"], config["seed"], self.surveys[0].atoms,
-                                   config["batch_atoms"])
+                                   config["batch_atoms"], mixture)
         batch = min(config["batch_size"], len(self.train_set))  # structures a step's graphs hold, per rank:
         if config["batch_atoms"]:  # as many of the largest structures as a batch of that many atoms holds
             largest = max(len(s.numbers) for s in self.surveys[0].memory_candidates)
@@ -145,6 +145,15 @@ class Trainer(Checkpoints):
         if self.resume:
             self.load_state()
         self.last_written = f"{self.last_path} ({self.position(self.step)})" if self.resume else "none yet"
+
+    def training_count(self) -> str:
+        """The training set's size, for the log: with sampled files, an epoch's composition."""
+        b = self.batches
+        if not b.mixture:
+            return str(len(self.train_set))
+        drawn = ", ".join(f"{n} of {stop - start} sampled ({share:g})" for (start, stop, share), n
+                          in zip(b.mixture, b.draws))
+        return f"{b.epoch_size} per epoch ({len(b.whole)} whole, {drawn})"
 
     def position(self, step: int) -> str:
         """``epoch E, step S`` (E: the epochs done, a fraction mid-epoch)."""
@@ -304,7 +313,7 @@ class Trainer(Checkpoints):
             trained = f"{int(count[0])} parameters" if count[0] == count[1] else \
                 f"{int(count[0])} of {int(count[1])} parameters trained (model.freeze {section['freeze']})"
             print(f"mlip-train: {type(self.model).__name__}{start} {species_text(self.model.species)}, {trained}, "
-                  f"{len(self.train_set)} training / {len(self.validation)} validation / {len(self.test)} test "
+                  f"{self.training_count()} training / {len(self.validation)} validation / {len(self.test)} test "
                   f"structures\nmlip-train: {procs.size} rank(s) x {torch.get_num_threads()} thread(s), "
                   f"{procs.parallel} parallel{layout}", flush=True)
             if self.reference_note:

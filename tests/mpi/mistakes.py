@@ -221,6 +221,14 @@ def train_cases():
         ("a label key that is no label", job(data={"keys": {"charge": "q"}}),
          ["data.keys", "'charge' is not a label"]),
         ("a data list entry that is no path", job(data={"train": [data, 3]}), ["a data file is a path", "3"]),
+        ("a sampled file without its share", job(data={"train": [data, {"file": data}]}),
+         ["data.train[1]", "{file: PATH, share: S}"]),
+        ("a share of one", job(data={"train": [data, {"file": data, "share": 1.0}]}),
+         ["data.train[1]", "share", "(0, 1)"]),
+        ("shares summing to one", job(data={"train": [data, {"file": data, "share": 0.5},
+                                                       {"file": data, "share": 0.5}]}), ["data.train", "sum to 1"]),
+        ("every file sampled", job(data={"train": [{"file": data, "share": 0.5}]}),
+         ["data.train", "every file has a share"]),
         ("the forces under a name the file lacks", job(data={"keys": {"forces": "REF_forces"}, "stream": True}),
          ["labelled.extxyz", "structure", "no forces", "REF_forces"]),
         ("negative features", job(model={"hyperparameters": {"features": -4}}), ["model", "features"]),
@@ -352,6 +360,8 @@ def train_accepted():
         ("streamed, two files as one set, the labels' names given", {"data": {
             "train": [data, validation], "validation_fraction": 0.25, "stream": True,
             "keys": {"energy": "energy", "forces": "forces", "stress": "stress"}}}),
+        ("a file sampled at a tiny share (one structure an epoch), streamed", {"data": {
+            "train": [data, {"file": validation, "share": 0.01}], "validation_fraction": 0.34, "stream": True}}),
     ]
     for label, changes in cases:
         config = {key: dict(value) if isinstance(value, dict) else value for key, value in base.items()}
