@@ -12,8 +12,9 @@ import potentials
 from systems import emt_labelled
 from mlip_parallel.train import survey as survey_module
 from mlip_parallel.train.cli import RULES, SCHEMA, validate
+from mlip_parallel.train import sources
 from mlip_parallel.train.sources import open_source
-from mlip_parallel.train.survey import ELEMENTS, LeastSquares, merged, survey_share
+from mlip_parallel.train.survey import ELEMENTS, LeastSquares, Survey, merged_facts, share_facts
 from mlip_parallel.train.trainer import Trainer
 from mlip_parallel.train.training import DataError
 
@@ -33,6 +34,11 @@ def alloy_frames(count, seed=0):
         atoms.positions += rng.normal(0, 0.05, atoms.positions.shape)
         out.append(emt_labelled(atoms))
     return out
+
+
+def surveyed(structures, shares):
+    """The survey of ``structures`` read in ``shares`` strided shares (as so many ranks) and merged."""
+    return Survey(structures, merged_facts([share_facts(structures, r, shares) for r in range(shares)]))
 
 
 def whole_set_fit(frames, numbers):
@@ -80,11 +86,12 @@ def test_streamed_fit_equals_the_fit_held_in_memory(tmp_path):
     numbers = [29, 47, 79]
     shift, scale = whole_set_fit(read(path, ":"), numbers)  # the numbers as the file holds them
     source = open_source(str(path))
-    whole = merged([survey_share(source, r, 3) for r in range(3)])
+    whole = surveyed(source, 3)
     assert whole.size == 40 and whole.elements == numbers and whole.energies.rows == 40
     assert np.max(np.abs(whole.reference_energies(numbers) - shift)) < 1e-10 * np.max(np.abs(shift))
     assert whole.force_rms == pytest.approx(scale, rel=1e-12)
-    half = survey_share(source, 0, 2).reference_energies(numbers)  # one rank's share alone is another fit
+    positions, share, _ = share_facts(source, 0, 2)
+    half = Survey(sources.Subset(source, positions), share).reference_energies(numbers)  # a rank's share: another fit
     assert np.max(np.abs(half - shift)) > 1e-6
     for stream in (False, True):
         config = {"data": {"train": str(path), "validation": str(path), "stream": stream},
@@ -108,7 +115,7 @@ def test_checks_name_the_first_structure_of_the_part(tmp_path):
     frames[9] = big
     path = tmp_path / "data.extxyz"
     write(path, frames, format="extxyz")
-    whole = merged([survey_share(open_source(str(path)), r, 2) for r in range(2)])
+    whole = surveyed(open_source(str(path)), 2)
     with pytest.raises(DataError, match=r"data.extxyz: structure 5 \(counting from 0\) has no energy, but the energy "
                                         r"weight is 1.0; 3 of these 12 structures lack energy"):
         whole.check_labels({"energy": 1.0, "forces": 1.0, "stress": 0.0})
@@ -130,4 +137,48 @@ def test_a_structure_that_cannot_be_read_is_the_same_error_from_every_share(tmp_
     write(path, frames[3:], format="extxyz", append=True)
     for size in (1, 2, 3):
         with pytest.raises(DataError, match="structure with no atoms"):
-            merged([survey_share(open_source(str(path)), r, size) for r in range(size)])
+            surveyed(open_source(str(path)), size)
+
+
+def test_a_files_facts_are_read_once_and_again_when_it_changes(tmp_path, monkeypatch):
+    """mlip-train's start-up survey of a streamed file reads its structures once; a second survey (the next run, a
+    resume) reads none (the memory check then reads its 16 a part), and gives the same survey; the file rewritten, or read under other
+    label names, is read again. The split parts (training, validation) share the file's one reading."""
+    from mlip_parallel.train.survey import surveys
+    from mlip_parallel.train.training import split
+
+    path = tmp_path / "alloys.extxyz"
+    write(path, alloy_frames(40), format="extxyz")
+    reads = []
+    original = sources.ExtxyzSource.__getitem__
+
+    def counted(self, k):
+        reads.append(k)
+        return original(self, k)
+
+    monkeypatch.setattr(sources.ExtxyzSource, "__getitem__", counted)
+
+    def survey_now(keys=None):
+        reads.clear()
+        train, validation = split(open_source(str(path), keys), [0.25], seed=1)
+        found = surveys((train, validation), None)
+        surveying = len(reads)
+        candidates = sum(len(part.memory_candidates) for part in found)  # read when the memory check asks
+        assert len(reads) == surveying + candidates
+        return found, surveying, candidates
+
+    first, read_first, _ = survey_now()
+    assert read_first == 40  # every structure once, for both parts
+    again, read_again, candidates = survey_now()
+    assert read_again == 0 and 0 < candidates <= 2 * 16
+    for a, b in zip(first, again):
+        assert a.size == b.size and a.first_element == b.first_element and a.missing == b.missing
+        np.testing.assert_array_equal(a.atoms, b.atoms)
+        np.testing.assert_array_equal(a.energies.solve(), b.energies.solve())
+        assert a.force_rms == b.force_rms and a.candidate_positions == b.candidate_positions
+    assert survey_now({"energy": "energy"})[1] == 0  # the same names: the same facts
+    frames = alloy_frames(41, seed=5)
+    write(path, frames, format="extxyz")  # rewritten: another size and time
+    changed, read_changed, _ = survey_now()
+    assert read_changed == 41 and changed[0].size + changed[1].size == 41
+    assert survey_now({"forces": "REF_forces"})[1] == 41  # other names: read again (and these lack forces)

@@ -1,8 +1,15 @@
-"""What ``mlip-train`` must know of a data set before its first step, from one pass over it: each rank reads a
-strided share (structures rank, rank + P, ...) and the shares are merged over the ranks, so a streamed set is read
-once, by all ranks together, however many checks and fits need it.
+"""What ``mlip-train`` must know of a data set before its first step, from one pass over its files, shared by the
+ranks and kept on disk, so that a data set is read once — not once per check, per rank or per run.
 
-A ``Survey`` of one part (training, validation or test) holds:
+``facts(structures, procs)``: each structure's ``Facts`` — its atom count, energy label, which labels it lacks,
+its squared forces, its atoms per volume and its element counts ([n] arrays, a few tens of bytes a structure). Each
+file's facts are read once: every rank reads a strided share (structures rank, rank + P, ...) and the shares are
+merged; then they are kept in the cache directory beside the extxyz index (``sources.cache_directory``, under the
+file's path, size, modification time and label names), so a run on the same files reads none of them again before
+its first step. A data part (training, validation, test: a shuffled split's view, or files read whole) takes its
+structures' facts by position.
+
+A ``Survey`` of one part, from its facts:
 
 * its elements, each with the first structure that holds it (a new model's species; the species check);
 * each structure's atom count (batches of at most ``batch_atoms`` atoms);
@@ -10,21 +17,25 @@ A ``Survey`` of one part (training, validation or test) holds:
 * the least squares of the labelled energies on the element counts (``LeastSquares``: a new model's reference
   energies) and the sum of squared force components (its energy scale);
 * the structures the memory check weighs: the ``MEMORY_CANDIDATES`` largest by atom count and by atom count ×
-  atoms per volume (the cell's, or a cluster's bounding box's: a structure's pair count grows with both), so that
-  the check runs on 16 structures per part, not on every one.
+  atoms per volume (the cell's, or a cluster's bounding box's: a structure's pair count grows with both), read
+  again by position, so that the check runs on 16 structures per part, not on every one.
 
 "First" is by position in the part (its own order: a shuffled split's). A structure that cannot be read stops the
-pass on every rank with the same error (the first such structure's).
+pass on every rank with the same error (the first such structure of its file).
 """
 from __future__ import annotations
 
-import heapq
-from dataclasses import dataclass, field
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
 from .training import QUANTITIES, DataError
 
+FACTS_VERSION = 1  # of the cached facts' layout; another version is read again
 MEMORY_CANDIDATES = 8  # structures kept per ranking for the memory check
 ELEMENTS = 119  # least-squares columns: atomic numbers 0..118
 CHUNK = 512  # rows folded into the QR factor at a time
@@ -50,6 +61,13 @@ class LeastSquares:
         stacked = np.vstack([self.factor, rows])
         self.factor = np.linalg.qr(stacked, mode="r") if len(stacked) else stacked
 
+    def add_rows(self, rows: np.ndarray, values: np.ndarray) -> None:
+        """Add the rows ``rows`` [m, c] with values [m] (as ``add`` each)."""
+        if len(rows):
+            self._fold(np.vstack([np.array(self.pending).reshape(-1, self.columns + 1),
+                                  np.column_stack([rows, values])]))
+            self.rows += len(rows)
+
     def merge(self, other: "LeastSquares") -> None:
         other._fold(np.array(other.pending).reshape(-1, other.columns + 1))
         self._fold(np.vstack([np.array(self.pending).reshape(-1, self.columns + 1), other.factor]))
@@ -71,77 +89,228 @@ def element_counts(numbers) -> np.ndarray:
     return np.bincount(numbers, minlength=ELEMENTS).astype(np.float64)
 
 
-@dataclass
-class Survey:
-    """One part of a data set, surveyed (see the module docstring). ``first_*``: (position in the part, source)."""
+LACKS = {"energy": 1, "forces": 2, "stress": 4}  # the bits of Facts.lacks
 
-    size: int = 0
-    first_element: dict = field(default_factory=dict)  # Z -> (position, source)
-    missing: dict = field(default_factory=lambda: dict.fromkeys(QUANTITIES, 0))
-    first_missing: dict = field(default_factory=dict)  # quantity -> (position, source)
-    energies: LeastSquares = field(default_factory=lambda: LeastSquares(ELEMENTS))
-    force_squares: float = 0.0
-    force_components: int = 0
-    candidates: dict = field(default_factory=lambda: {"atoms": [], "density": []})  # heaps of (key, position, s)
-    error: tuple | None = None  # (position, message) of the first structure that could not be read
-    atoms: list = field(default_factory=list)  # a share's atom counts in its order; merged: [len(part)] all of them
+
+@dataclass
+class Facts:
+    """What the survey needs of n structures ([n] arrays, in their order): ``atoms`` (count), ``energy`` (the label;
+    NaN: none), ``lacks`` (``LACKS`` bits: no energy, no forces or not one 3-vector per atom, no stress on a periodic
+    structure), ``force_squares`` (sum of squared force components; 0: none), ``density`` (atoms² per volume: the
+    cell's, or a cluster's bounding box's), and the element counts as rows ``element_start`` [n + 1] into
+    ``element_numbers`` / ``element_counts`` (each structure's atomic numbers, ascending, and their counts)."""
+
+    atoms: np.ndarray
+    energy: np.ndarray
+    lacks: np.ndarray
+    force_squares: np.ndarray
+    density: np.ndarray
+    element_start: np.ndarray
+    element_numbers: np.ndarray
+    element_counts: np.ndarray
+
+    FIELDS = ("atoms", "energy", "lacks", "force_squares", "density", "element_start", "element_numbers",
+              "element_counts")
+
+    def __len__(self) -> int:
+        return len(self.atoms)
+
+    @classmethod
+    def of(cls, structures) -> "Facts":
+        """The facts of ``structures`` (``training.Structure`` each, an iterable)."""
+        rows = {name: [] for name in ("atoms", "energy", "lacks", "force_squares", "density")}
+        numbers, counts, lengths = [], [], []
+        for s in structures:
+            n = len(s.numbers)
+            lacks = (LACKS["energy"] * (s.energy is None)
+                     + LACKS["forces"] * (s.forces is None or s.forces.shape != s.positions.shape)
+                     + LACKS["stress"] * bool(s.pbc.all() and s.stress is None))
+            volume = abs(np.linalg.det(s.cell)) if s.pbc.all() else float(np.prod(np.ptp(s.positions, axis=0) + 1.0))
+            for name, value in (("atoms", n), ("energy", np.nan if s.energy is None else s.energy),
+                                ("lacks", lacks), ("force_squares", 0.0 if s.forces is None else np.sum(s.forces ** 2)),
+                                ("density", n * n / volume)):
+                rows[name].append(value)
+            z, c = np.unique(s.numbers, return_counts=True)
+            numbers.append(z)
+            counts.append(c)
+            lengths.append(len(z))
+        return cls(np.asarray(rows["atoms"], dtype=np.int32), np.asarray(rows["energy"], dtype=np.float64),
+                   np.asarray(rows["lacks"], dtype=np.uint8), np.asarray(rows["force_squares"], dtype=np.float64),
+                   np.asarray(rows["density"], dtype=np.float64),
+                   np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64),
+                   np.concatenate(numbers or [[]]).astype(np.uint8), np.concatenate(counts or [[]]).astype(np.int32))
+
+    def take(self, indices) -> "Facts":
+        """The facts of the structures at ``indices`` [m], in that order."""
+        indices = np.asarray(indices, dtype=np.int64)
+        first, lengths = self.element_start[indices], np.diff(self.element_start)[indices]
+        start = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        flat = np.repeat(first - start[:-1], lengths) + np.arange(start[-1], dtype=np.int64)
+        return Facts(self.atoms[indices], self.energy[indices], self.lacks[indices], self.force_squares[indices],
+                     self.density[indices], start, self.element_numbers[flat], self.element_counts[flat])
+
+    @staticmethod
+    def joined(parts) -> "Facts":
+        """The facts of ``parts`` (Facts each) one after another."""
+        starts = [p.element_start[:-1] + offset for p, offset in
+                  zip(parts, np.cumsum([0] + [p.element_start[-1] for p in parts]))]
+        total = sum(int(p.element_start[-1]) for p in parts)
+        return Facts(*(np.concatenate([getattr(p, name) for p in parts]) for name in ("atoms", "energy", "lacks",
+                                                                                       "force_squares", "density")),
+                     np.concatenate(starts + [[total]]).astype(np.int64),
+                     *(np.concatenate([getattr(p, name) for p in parts]) for name in ("element_numbers",
+                                                                                      "element_counts")))
+
+    def count_rows(self, lo: int, hi: int) -> np.ndarray:
+        """[hi - lo, ELEMENTS] the element counts of structures lo .. hi - 1."""
+        dense = np.zeros((hi - lo, ELEMENTS))
+        a, b = self.element_start[lo], self.element_start[hi]
+        rows = np.repeat(np.arange(hi - lo), np.diff(self.element_start[lo:hi + 1]))
+        dense[rows, self.element_numbers[a:b]] = self.element_counts[a:b]
+        return dense
+
+
+def share_facts(structures, rank: int, size: int) -> tuple:
+    """(positions [m], Facts, error) of the structures at positions rank, rank + size, ... of ``structures``; one
+    that cannot be read ends the share: ``error`` = (position, message), else None."""
+    from .training import DataError
+
+    positions, read, error = [], [], None
+    for position in range(rank, len(structures), size):
+        try:
+            read.append(structures[position])
+        except DataError as exc:
+            error = (position, str(exc))
+            break
+        positions.append(position)
+    return np.asarray(positions, dtype=np.int64), Facts.of(read), error
+
+
+def merged_facts(shares) -> Facts:
+    """The ranks' ``share_facts`` as the facts of the whole; DataError: the first structure that could not be
+    read (every rank alike)."""
+    errors = [share[2] for share in shares if share[2] is not None]
+    if errors:
+        raise DataError(min(errors)[1])
+    positions = np.concatenate([share[0] for share in shares])
+    return Facts.joined([share[1] for share in shares]).take(np.argsort(positions, kind="stable"))
+
+
+def shared(procs, mine) -> list:
+    """Every rank's ``mine`` in rank order (``procs`` None or of one rank: [mine]); collective."""
+    return procs.allgather(mine) if procs is not None and procs.size > 1 else [mine]
+
+
+def read_facts(structures, procs) -> Facts:
+    """The facts of ``structures``, each of ``procs``' ranks reading its share (collective)."""
+    rank, size = (0, 1) if procs is None else (procs.rank, procs.size)
+    return merged_facts(shared(procs, share_facts(structures, rank, size)))
+
+
+def facts_cache(part):
+    """(path of the cached facts of file part ``part``, its stamp [size, mtime]) in the cache directory, keyed by
+    the file's absolute path, the labels' names and ``FACTS_VERSION``; (None, None) where the file is gone."""
+    from .sources import cache_directory
+
+    path = os.path.abspath(part.path)
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None, None
+    key = json.dumps([path, part.keys, FACTS_VERSION], sort_keys=True)
+    name = hashlib.sha256(key.encode()).hexdigest()[:32]
+    return cache_directory() / f"{name}.facts.npz", np.array([stat.st_size, stat.st_mtime_ns], dtype=np.int64)
+
+
+def file_facts(part, procs) -> Facts:
+    """The facts of one file's structures (a ``sources.FileSource``): from the cache when every rank's holds this
+    very file's, else read (the ranks sharing it) and cached by the first rank, where writable (collective)."""
+    cached, stamp = facts_cache(part)
+    found = None
+    if cached is not None:
+        try:
+            with np.load(cached) as saved:
+                if np.array_equal(saved["stamp"], stamp) and len(saved["atoms"]) == len(part):
+                    found = Facts(*(saved[name] for name in Facts.FIELDS))
+        except (OSError, KeyError, ValueError):
+            pass
+    if all(shared(procs, found is not None)):  # every rank found them (ranks may have caches of their own)
+        return found
+    found = read_facts(part, procs)
+    if cached is not None and (procs is None or procs.rank == 0):
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            partial = cached.with_name(f"{cached.stem}.{os.getpid()}.partial.npz")
+            np.savez(partial, stamp=stamp, **{name: getattr(found, name) for name in Facts.FIELDS})
+            os.replace(partial, cached)
+        except OSError:  # a read-only cache: read again next time
+            pass
+    return found
+
+
+def facts(structures, procs, known=None) -> Facts:
+    """The facts of ``structures`` (a list, a ``sources.Source``, ``Subset`` or file part), by position; each file's
+    read once (``file_facts``) and kept in ``known`` ({id: Facts}) for the other parts of the same files.
+    Collective."""
+    from .sources import FileSource, Source, Subset
+
+    known = {} if known is None else known
+    key = id(structures)
+    if key not in known:
+        if isinstance(structures, Subset):
+            known[key] = facts(structures.structures, procs, known).take(structures.indices)
+        elif isinstance(structures, Source):
+            known[key] = Facts.joined([facts(part, procs, known) for part in structures.parts])
+        elif isinstance(structures, FileSource):
+            known[key] = file_facts(structures, procs)
+        else:  # structures held in memory
+            known[key] = read_facts(structures, procs)
+    return known[key]
+
+
+class Survey:
+    """One part of a data set (``structures``), surveyed from its ``Facts`` (see the module docstring)."""
+
+    def __init__(self, structures, part_facts: Facts):
+        self.structures = structures
+        self.facts = f = part_facts
+        self.size = len(f)
+        self.atoms = f.atoms
+        rows = np.repeat(np.arange(len(f)), np.diff(f.element_start))
+        numbers, first = np.unique(f.element_numbers, return_index=True)
+        self.first_element = {int(z): int(rows[k]) for z, k in zip(numbers, first)}  # Z -> first position
+        self.missing, self.first_missing = {}, {}
+        for q, bit in LACKS.items():
+            lacking = np.flatnonzero(f.lacks & bit)
+            self.missing[q] = len(lacking)
+            if len(lacking):
+                self.first_missing[q] = int(lacking[0])
+        self.energies = LeastSquares(ELEMENTS)
+        labelled = np.flatnonzero(~np.isnan(f.energy))
+        for lo in range(0, len(labelled), 8 * CHUNK):
+            chunk = labelled[lo:lo + 8 * CHUNK]
+            some = f.take(chunk)
+            self.energies.add_rows(some.count_rows(0, len(chunk)), some.energy)
+        has_forces = (f.lacks & LACKS["forces"]) == 0
+        self.force_squares = float(np.sum(f.force_squares[has_forces]))
+        self.force_components = int(3 * np.sum(f.atoms[has_forces], dtype=np.int64))
+        # the largest by each ranking, ties to the earlier structure
+        self.candidate_positions = sorted({int(p) for key in (f.atoms, f.density)
+                                           for p in np.lexsort((np.arange(len(f)), -key))[:MEMORY_CANDIDATES]})
+
+    def source(self, position: int) -> str:
+        """The name (``PATH:k``) of the structure at ``position``."""
+        return self.structures[position].source
 
     @property
     def elements(self) -> list:
         """The atomic numbers present, sorted."""
         return sorted(self.first_element)
 
-    def look_at(self, position: int, s) -> None:
-        """Add structure ``s`` (a ``training.Structure``) at ``position`` in the part."""
-        self.size += 1
-        for z in np.unique(s.numbers):
-            if int(z) not in self.first_element:
-                self.first_element[int(z)] = (position, s.source)
-        for q, lacks in (("energy", s.energy is None), ("forces", s.forces is None or s.forces.shape != s.positions.shape),
-                         ("stress", s.pbc.all() and s.stress is None)):
-            if lacks:
-                self.missing[q] += 1
-                self.first_missing.setdefault(q, (position, s.source))
-        if s.energy is not None:
-            self.energies.add(element_counts(s.numbers), s.energy)
-        if s.forces is not None:
-            self.force_squares += float(np.sum(s.forces ** 2))
-            self.force_components += s.forces.size
-        # the volume the atoms fill: the cell's when periodic, else their bounding box's (a ranking, not a model)
-        volume = abs(np.linalg.det(s.cell)) if s.pbc.all() else float(np.prod(np.ptp(s.positions, axis=0) + 1.0))
-        n = len(s.numbers)
-        self.atoms.append(n)
-        for ranking, key in (("atoms", float(n)), ("density", n * n / volume)):
-            self._keep(ranking, (key, -position, s))
-
-    def _keep(self, ranking: str, entry) -> None:
-        heap = self.candidates[ranking]
-        entry = (entry[0], entry[1], id(entry[2]), entry[2])  # ties: the earlier structure; never compare structures
-        (heapq.heappush if len(heap) < MEMORY_CANDIDATES else heapq.heappushpop)(heap, entry)
-
-    def merge(self, other: "Survey") -> None:
-        """Add another rank's survey of the other structures of the same part."""
-        self.size += other.size
-        for z, first in other.first_element.items():
-            self.first_element[z] = min(self.first_element.get(z, first), first)
-        for q in QUANTITIES:
-            self.missing[q] += other.missing[q]
-            if q in other.first_missing:
-                self.first_missing[q] = min(self.first_missing.get(q, other.first_missing[q]), other.first_missing[q])
-        self.energies.merge(other.energies)
-        self.force_squares += other.force_squares
-        self.force_components += other.force_components
-        for ranking, heap in other.candidates.items():
-            for key, minus_position, _, s in heap:
-                self._keep(ranking, (key, minus_position, s))
-        if other.error is not None and (self.error is None or other.error < self.error):
-            self.error = other.error
-
-    @property
+    @cached_property
     def memory_candidates(self) -> list:
-        """The structures the memory check weighs (each once, in the part's order)."""
-        kept = {-e[1]: e[3] for heap in self.candidates.values() for e in heap}
-        return [kept[p] for p in sorted(kept)]
+        """The structures the memory check weighs (each once, in the part's order; read again, once)."""
+        return [self.structures[p] for p in self.candidate_positions]
 
     # ----------------------------------------------------------------- checks and fits
     def check_labels(self, weights: dict, keys: dict | None = None) -> None:
@@ -151,7 +320,7 @@ class Survey:
                 "stress": "no stress (a periodic structure)"}
         for q in QUANTITIES:
             if weights[q] > 0 and self.missing[q]:
-                path, _, index = self.first_missing[q][1].rpartition(":")
+                path, _, index = self.source(self.first_missing[q]).rpartition(":")
                 named = f" under the name {keys[q]!r}" if keys and keys.get(q, q) != q else ""
                 raise DataError(f"{path}: structure {index} (counting from 0) has {what[q]}{named}, but the {q} weight "
                                 f"is {weights[q]}; {self.missing[q]} of these {self.size} structures lack {q}")
@@ -160,11 +329,11 @@ class Survey:
         """``error`` naming the first structure that holds an element ``model`` does not know."""
         from potentials.errors import UnknownSpeciesError
 
-        for z, (_, source) in sorted(self.first_element.items(), key=lambda item: item[1]):
+        for z, position in sorted(self.first_element.items(), key=lambda item: item[1]):
             try:
                 model.species_index(np.array([z]))
             except UnknownSpeciesError as exc:
-                raise error(f"{source} ({role}): {exc}") from None
+                raise error(f"{self.source(position)} ({role}): {exc}") from None
 
     def reference_energies(self, numbers) -> np.ndarray:
         """Per-element reference energies [len(numbers)] (eV) of the atomic numbers ``numbers``: the least squares
@@ -177,39 +346,11 @@ class Survey:
         return float(np.sqrt(self.force_squares / self.force_components)) if self.force_components else None
 
 
-def survey_share(structures, rank: int, size: int) -> Survey:
-    """The ``Survey`` of the structures at positions rank, rank + size, ... of ``structures`` (a list, a
-    ``sources.Source`` or ``Subset``); one that cannot be read ends the share, its error kept."""
-    mine = Survey()
-    for position in range(rank, len(structures), size):
-        try:
-            mine.look_at(position, structures[position])
-        except DataError as exc:
-            mine.error = (position, str(exc))
-            break
-    return mine
-
-
-def merged(shares) -> Survey:
-    """The ranks' shares (in rank order; share r holds positions r, r + P, ...) as one survey; DataError: the first
-    structure that could not be read."""
-    atoms = np.zeros(sum(len(share.atoms) for share in shares), dtype=np.int32)
-    whole = shares[0]
-    for other in shares[1:]:
-        whole.merge(other)
-    if whole.error is not None:
-        raise DataError(whole.error[1])
-    for r, share in enumerate(shares):  # (every share complete: no error)
-        atoms[r::len(shares)] = share.atoms
-    whole.atoms = atoms
-    return whole
-
-
-def survey(structures, procs) -> Survey:
-    """The ``Survey`` of ``structures``, each of ``procs``' ranks reading its share (collective: every rank returns
-    the same survey, or raises the same DataError)."""
-    mine = survey_share(structures, procs.rank, procs.size)
-    return merged(procs.allgather(mine) if procs.size > 1 else [mine])
+def surveys(parts, procs) -> list:
+    """The ``Survey`` of each of ``parts`` (training, validation, test), every file read at most once (collective:
+    every rank returns the same surveys, or raises the same DataError)."""
+    known = {}
+    return [Survey(part, facts(part, procs, known)) for part in parts]
 
 
 def energy_residuals(model, structures, procs, batch_size: int, device) -> LeastSquares:
@@ -225,9 +366,7 @@ def energy_residuals(model, structures, procs, batch_size: int, device) -> Least
         if labelled:
             for s, e in zip(labelled, predicted_energies(model, labelled, batch_size, device)):
                 mine.add(element_counts(s.numbers), s.energy - e)
-    if size == 1:
-        return mine
-    shares = procs.allgather(mine)
-    for other in shares[1:]:
-        shares[0].merge(other)
-    return shares[0]
+    whole, *others = shared(procs, mine)
+    for other in others:
+        whole.merge(other)
+    return whole

@@ -16,7 +16,7 @@ from ..preflight import check_training_memory
 from .checkpoints import Checkpoints
 from .model_setup import build_model, check_freeze, check_new_model_size, fit_scale_shift, load_data, model_species, \
     starting_model
-from .survey import survey
+from .survey import surveys
 from .processes import Processes
 from .loader import StepBatches, global_batches
 from .strategies import DataParallel, GraphParallel, PipelineParallel, pipeline_trainer
@@ -65,7 +65,7 @@ class Trainer(Checkpoints):
                               "structures keep their neighbour lists after the first epoch)")
         # one pass over each part, the ranks sharing it: the label and species checks, the memory check's
         # structures, a new model's species and fits
-        self.surveys = [survey(part, procs) for part in (self.train_set, self.validation, self.test)]
+        self.surveys = surveys((self.train_set, self.validation, self.test), procs)
         for part in self.surveys:
             part.check_labels(self.weights, config["data"]["keys"])
         self.last_path, self.shards = self.directory / "last.pt", self.directory / "pipeline"
@@ -104,7 +104,7 @@ class Trainer(Checkpoints):
                                    config["batch_atoms"], mixture)
         batch = min(config["batch_size"], len(self.train_set))  # structures a step's graphs hold, per rank:
         if config["batch_atoms"]:  # as many of the largest structures as a batch of that many atoms holds
-            largest = max(len(s.numbers) for s in self.surveys[0].memory_candidates)
+            largest = int(self.surveys[0].atoms.max())
             batch = max(1, config["batch_atoms"] // largest)
         per_step = {"data": -(-batch // procs.size), "graph": 1,
                     "pipeline": -(-batch // config["pipeline"]["microbatches"])}[procs.parallel]
