@@ -68,7 +68,7 @@ class Checkpoints:
                 rows = [{k: int(v) if k == "step" else float(v) for k, v in r.items()} for r in csv.DictReader(f)]
         except (OSError, ValueError) as exc:
             raise ConfigError(f"resume: cannot read {self.directory / 'metrics.csv'}: {exc}") from None
-        rows = [{**r, "epoch": self.epochs_done(r["step"])} for r in rows if r["step"] <= self.step]
+        rows = [{**r, "epoch": self.batches.epochs_done(r["step"])} for r in rows if r["step"] <= self.step]
         # metrics.csv is written before the checkpoints of its step: it may hold rows past last.pt's, never fewer
         if self.pending[1] == 0 and self.step and (not rows or rows[-1]["step"] != self.step):
             raise ConfigError(f"resume: {self.directory / 'metrics.csv'} holds no row of step {self.step} of {path}: "

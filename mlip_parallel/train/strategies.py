@@ -172,7 +172,7 @@ class PipelineParallel:
     builds_edges = True
 
     def reads(self, positions):
-        return positions  # every structure: the loss's counts are the global batch's (a replica's graphs: its share)
+        return positions[self.pipeline.replica::self.pipeline.replicas]  # this replica's share (every stage of it)
 
     def state_dict(self) -> dict:
         return self.pipeline.state_dict()

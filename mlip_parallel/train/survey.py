@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from array import array
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -119,7 +120,7 @@ class Facts:
     def of(cls, structures) -> "Facts":
         """The facts of ``structures`` (``training.Structure`` each, an iterable)."""
         rows = {name: [] for name in ("atoms", "energy", "lacks", "force_squares", "density")}
-        numbers, counts, lengths = [], [], []
+        numbers, counts, lengths = array("B"), array("i"), []  # compact: a few bytes an element
         for s in structures:
             n = len(s.numbers)
             lacks = (LACKS["energy"] * (s.energy is None)
@@ -131,14 +132,14 @@ class Facts:
                                 ("density", n * n / volume)):
                 rows[name].append(value)
             z, c = np.unique(s.numbers, return_counts=True)
-            numbers.append(z)
-            counts.append(c)
+            numbers.extend(z.tolist())
+            counts.extend(c.tolist())
             lengths.append(len(z))
         return cls(np.asarray(rows["atoms"], dtype=np.int32), np.asarray(rows["energy"], dtype=np.float64),
                    np.asarray(rows["lacks"], dtype=np.uint8), np.asarray(rows["force_squares"], dtype=np.float64),
                    np.asarray(rows["density"], dtype=np.float64),
                    np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64),
-                   np.concatenate(numbers or [[]]).astype(np.uint8), np.concatenate(counts or [[]]).astype(np.int32))
+                   np.frombuffer(numbers, dtype=np.uint8).copy(), np.frombuffer(counts, dtype=np.intc).astype(np.int32))
 
     def take(self, indices) -> "Facts":
         """The facts of the structures at ``indices`` [m], in that order."""
@@ -175,15 +176,21 @@ def share_facts(structures, rank: int, size: int) -> tuple:
     that cannot be read ends the share: ``error`` = (position, message), else None."""
     from .training import DataError
 
-    positions, read, error = [], [], None
-    for position in range(rank, len(structures), size):
-        try:
-            read.append(structures[position])
-        except DataError as exc:
-            error = (position, str(exc))
-            break
-        positions.append(position)
-    return np.asarray(positions, dtype=np.int64), Facts.of(read), error
+    positions, error = [], None
+
+    def read():  # one structure at a time: none is kept
+        nonlocal error
+        for position in range(rank, len(structures), size):
+            try:
+                s = structures[position]
+            except DataError as exc:
+                error = (position, str(exc))
+                return
+            positions.append(position)
+            yield s
+
+    found = Facts.of(read())
+    return np.asarray(positions, dtype=np.int64), found, error
 
 
 def merged_facts(shares) -> Facts:

@@ -157,11 +157,7 @@ class Trainer(Checkpoints):
 
     def position(self, step: int) -> str:
         """``epoch E, step S`` (E: the epochs done, a fraction mid-epoch)."""
-        return f"epoch {self.epochs_done(step)}, step {step}"
-
-    def epochs_done(self, step: int):
-        """The epochs ``step`` steps make: an int at an epoch's end, else a fraction rounded to 4 decimals."""
-        return self.batches.epochs_done(step)
+        return f"epoch {self.batches.epochs_done(step)}, step {step}"
 
     # ------------------------------------------------------------------ reference energies
     def reference_energies_line(self, what: str, energies, before=None) -> str | None:
@@ -236,7 +232,7 @@ class Trainer(Checkpoints):
         import torch
 
         self.model.eval()
-        epoch = self.epochs_done(self.step)
+        epoch = self.batches.epochs_done(self.step)
         errors = self.errors(self.evaluation_model, self.validation, f"epoch {epoch} (step {self.step})")
         val_loss = sum(self.weights[q] * errors[f"{q}_rmse"] ** 2 for q in QUANTITIES
                        if self.weights[q] > 0 and np.isfinite(errors[f"{q}_rmse"]))
@@ -324,8 +320,8 @@ class Trainer(Checkpoints):
         batches = global_batches(self.train_set, self.batches, self.step, self.total_steps, config["data"]["workers"],
                                  self.strategy.reads,
                                  self.model.cutoff if self.strategy.builds_edges else None)
+        epoch = self.batches.locate(self.step)[0]
         for global_batch in batches:
-            epoch = self.batches.locate(self.step)[0]
             self.model.train()
             self.optimizer.zero_grad(set_to_none=False)
             self.pending[0] += self.strategy.step(global_batch, self.optimizer, epoch + 1)
@@ -336,7 +332,8 @@ class Trainer(Checkpoints):
                 self.ema.update_parameters(self.model)
             if isinstance(self.scheduler, torch.optim.lr_scheduler.LambdaLR):
                 self.scheduler.step()
-            epoch_ends = self.batches.locate(self.step)[1] == 0
+            epoch, within = self.batches.locate(self.step)  # of the next step
+            epoch_ends = within == 0
             if (self.step % every == 0 if every else epoch_ends) or self.step == self.total_steps:
                 self.validate(time.perf_counter() - start)
                 start = time.perf_counter()

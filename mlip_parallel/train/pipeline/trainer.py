@@ -257,8 +257,11 @@ class PipelineTrainer:
         return lists[self.stage.stage]
 
     def _micro_batches(self, structures, model) -> list:
-        """``structures`` in at most ``self.microbatches`` micro-batches (fewer when there are fewer structures)."""
-        chunks = np.array_split(np.arange(len(structures)), min(self.microbatches, len(structures)))
+        """``structures`` in at most ``self.microbatches`` micro-batches (fewer when there are fewer structures),
+        dealt round: micro-batch m takes structures m, m + M, ... (of a batch by size, ordered largest first, each
+        about as many atoms)."""
+        count = min(self.microbatches, len(structures))
+        chunks = [np.arange(m, len(structures), count) for m in range(count)]
         return [Batch([structures[k] for k in chunk], model, model.device) for chunk in chunks]
 
     def _latency(self, batches) -> float | None:
@@ -340,9 +343,13 @@ class PipelineTrainer:
 
         for p in self.parameters:
             p.grad = None
-        mine = structures[self.replica::self.replicas]
+        mine = list(structures[self.replica::self.replicas])  # (of a streamed batch's view: read here, once)
         loss, measured = 0.0, None
         size = len(structures)  # the same on every rank
+        # the global batch's counts from the replicas' shares (each counted by its replica's every stage)
+        sums = torch.as_tensor(Counts.sums(mine), dtype=torch.float64)
+        dist.all_reduce(sums)
+        counts = Counts.of_sums(sums.numpy() / self.stages)
         if self.costs is None and size > self._timed_size:
             self._timed_size, self._warm_up = size, []
         timed = self.costs is None and size == self._timed_size
@@ -350,7 +357,7 @@ class PipelineTrainer:
             batches = self._micro_batches(mine, self.model)
             self.stage.measuring = timed
             try:
-                loss = self.stage.run(self.actions(len(batches), self.sweeps), batches, Counts.of(structures), weights)
+                loss = self.stage.run(self.actions(len(batches), self.sweeps), batches, counts, weights)
             finally:
                 self.stage.measuring = False
             if timed:
