@@ -182,3 +182,25 @@ def test_a_files_facts_are_read_once_and_again_when_it_changes(tmp_path, monkeyp
     changed, read_changed, _ = survey_now()
     assert read_changed == 41 and changed[0].size + changed[1].size == 41
     assert survey_now({"forces": "REF_forces"})[1] == 41  # other names: read again (and these lack forces)
+
+
+def test_a_shuffled_part_names_its_lowest_structure(tmp_path):
+    """In a shuffled split every structure of which lacks energy, the label check names the lowest index of the file
+    among the part's structures (not the split's first, an arbitrary one); so does the species check."""
+    from mlip_parallel.train.survey import surveys
+    from mlip_parallel.train.training import split
+
+    frames = alloy_frames(14)
+    for atoms in frames:
+        atoms.calc = SinglePointCalculator(atoms, forces=atoms.get_forces(), stress=atoms.get_stress())
+    path = tmp_path / "data.extxyz"
+    write(path, frames, format="extxyz")
+    train, validation = split(open_source(str(path)), [0.25], seed=3)
+    assert train.indices[0] != min(train.indices)  # the split's first is not its lowest
+    part = surveys((train, validation), None)[0]
+    with pytest.raises(DataError, match=rf"structure {min(train.indices)} \(counting from 0\) has no energy.* "
+                                        rf"{len(train)} of these {len(train)} structures lack energy"):
+        part.check_labels({"energy": 1.0, "forces": 1.0, "stress": 0.0})
+    first_gold = min(k for k in train.indices if 79 in frames[k].numbers)
+    with pytest.raises(DataError, match=rf"data.extxyz:{first_gold} \(training\):"):
+        part.check_species(potentials.SchNet(species=["Cu", "Ag"], cutoff=4.0, features=4, layers=1), "training")

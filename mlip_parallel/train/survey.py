@@ -20,8 +20,9 @@ A ``Survey`` of one part, from its facts:
   atoms per volume (the cell's, or a cluster's bounding box's: a structure's pair count grows with both), read
   again by position, so that the check runs on 16 structures per part, not on every one.
 
-"First" is by position in the part (its own order: a shuffled split's). A structure that cannot be read stops the
-pass on every rank with the same error (the first such structure of its file).
+"First" is in the files' order (of a shuffled split's part: its structures' places in the data set, so that an error
+names the lowest index that fails). A structure that cannot be read stops the pass on every rank with the same error
+(the first such structure of its file).
 """
 from __future__ import annotations
 
@@ -283,15 +284,20 @@ class Survey:
         self.facts = f = part_facts
         self.size = len(f)
         self.atoms = f.atoms
+        from .sources import Subset
+
+        # "first": in the files' order (a shuffled split's structures by their place in the data set)
+        self.order = order = structures.indices if isinstance(structures, Subset) else np.arange(len(f))
         rows = np.repeat(np.arange(len(f)), np.diff(f.element_start))
-        numbers, first = np.unique(f.element_numbers, return_index=True)
-        self.first_element = {int(z): int(rows[k]) for z, k in zip(numbers, first)}  # Z -> first position
+        by_element = np.lexsort((order[rows], f.element_numbers))
+        numbers, first = np.unique(f.element_numbers[by_element], return_index=True)
+        self.first_element = {int(z): int(rows[by_element[k]]) for z, k in zip(numbers, first)}  # Z -> position
         self.missing, self.first_missing = {}, {}
         for q, bit in LACKS.items():
             lacking = np.flatnonzero(f.lacks & bit)
             self.missing[q] = len(lacking)
             if len(lacking):
-                self.first_missing[q] = int(lacking[0])
+                self.first_missing[q] = int(lacking[np.argmin(order[lacking])])
         self.energies = LeastSquares(ELEMENTS)
         labelled = np.flatnonzero(~np.isnan(f.energy))
         for lo in range(0, len(labelled), 8 * CHUNK):
@@ -336,7 +342,7 @@ class Survey:
         """``error`` naming the first structure that holds an element ``model`` does not know."""
         from potentials.errors import UnknownSpeciesError
 
-        for z, position in sorted(self.first_element.items(), key=lambda item: item[1]):
+        for z, position in sorted(self.first_element.items(), key=lambda item: self.order[item[1]]):
             try:
                 model.species_index(np.array([z]))
             except UnknownSpeciesError as exc:
