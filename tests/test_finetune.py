@@ -535,6 +535,24 @@ def test_refit_reference_energies_is_least_squares_of_the_residual(files):
     assert f"Cu {expected[0]:.6g} (was {before[0]:.6g}), Ag {expected[1]:.6g}" in trainer.reference_note
 
 
+@needs("nequip")
+def test_fit_reference_energies_is_least_squares_of_the_labels(files):
+    """model.reference_energies: fit (MACE's E0s average) sets each element's reference energy to numpy's least
+    squares of the training set's energy labels on its element counts, before any training; the log shows both."""
+    from mlip_parallel.train.trainer import Trainer
+
+    frames = read(files["train"], ":")
+    counts = np.array([[np.sum(a.numbers == 29), np.sum(a.numbers == 47)] for a in frames], dtype=float)
+    expected = np.linalg.lstsq(counts, np.array([a.get_potential_energy() for a in frames]), rcond=None)[0]
+    before = potentials.NequIPFramework(files["nequip"][1]).reference_energies()
+    trainer = Trainer(validate(job(files, "nequip", files["root"] / "fit", model={"reference_energies": "fit"}),
+                               SCHEMA, RULES))
+    assert np.allclose(trainer.model.reference_energies(), expected, rtol=1e-10, atol=1e-10)
+    assert np.max(np.abs(expected - before)) > 1e-3  # not the file's
+    assert f"fitted by least squares to the labels of {len(frames)} training structures" in trainer.reference_note
+    assert f"Cu {expected[0]:.6g} (was {before[0]:.6g}), Ag {expected[1]:.6g}" in trainer.reference_note
+
+
 @needs("mace")
 def test_multi_head_mace_written_under_e3nn_044_fine_tunes(files, tmp_path):
     """MACE's two-head fixture (saved under e3nn 0.4.4, as every MACE foundation model): head "pbe" fine-tuned
@@ -581,7 +599,7 @@ def test_bad_fine_tuning_input_is_one_line_and_writes_nothing(files, tmp_path, c
          r"pipeline.stages = 3: a stage holds at least one interaction block and the model has 2"),
         ({"model": {"checkpoint": str(files["mace"][1]), "mace": None}},
          r"model.checkpoint: .*a MACE model file, not a potentials checkpoint: name it with the key mace"),
-        ({"model": {"reference_energies": "estimated"}}, r"model.reference_energies must be one of \('keep', 'refit'\)"),
+        ({"model": {"reference_energies": "estimated"}}, r"model.reference_energies must be one of \('keep', 'refit', 'fit'\)"),
     ]
     for k, (changes, message) in enumerate(cases):
         output = tmp_path / f"out{k}"

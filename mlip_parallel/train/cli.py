@@ -65,9 +65,11 @@ SECTIONS = {
                              "'interactions.*') that stay fixed; a pattern matching nothing is an error that lists the "
                              "groups"),
         "reference_energies": (str, "keep", "a starting model's per-element reference energies (its E0s or per-type "
-                                            "energy shifts): keep them, or refit them by least squares of the model's "
-                                            "energy residual per element on the training set (a new model's are "
-                                            "always fitted)"),
+                                            "energy shifts): keep them (MACE's E0s foundation), refit: add the least "
+                                            "squares of the model's energy residual per element on the training set "
+                                            "(E0s estimated), or fit: the least squares of the energy labels on the "
+                                            "element counts, before training (E0s average; a new model's are always "
+                                            "fitted so)"),
     },
     "loss": {
         "energy_weight": (float, 1.0, "weight of the energy-per-atom MSE (eV²)"),
@@ -128,7 +130,7 @@ SECTIONS = {
     },
 }
 # allowed values (a tuple) or the range of a number (mlip_parallel.config.obeys); other numbers: finite, >= 0
-RULES = {"model.name": tuple(ARCHITECTURES), "model.reference_energies": ("keep", "refit"),
+RULES = {"model.name": tuple(ARCHITECTURES), "model.reference_energies": ("keep", "refit", "fit"),
          "schedule.name": ("plateau", "cosine", "none"), "parallel": ("data", "graph", "pipeline"),
          "pipeline.schedule": ("auto", "gpipe", "1f1b"),
          "data.validation_fraction": "[0, 1)", "data.test_fraction": "[0, 1)", "model.cutoff": "> 0",

@@ -304,6 +304,7 @@ class Survey:
             chunk = labelled[lo:lo + 8 * CHUNK]
             some = f.take(chunk)
             self.energies.add_rows(some.count_rows(0, len(chunk)), some.energy)
+        self.labelled_elements = set(np.unique(f.take(labelled).element_numbers).tolist())  # of those with energy
         has_forces = (f.lacks & LACKS["forces"]) == 0
         self.force_squares = float(np.sum(f.force_squares[has_forces]))
         self.force_components = int(3 * np.sum(f.atoms[has_forces], dtype=np.int64))

@@ -116,6 +116,8 @@ class Trainer(Checkpoints):
                 fit_scale_shift(model, self.surveys[0])
         elif section["reference_energies"] == "refit":  # also on resume: the saved state may hold their shape
             self.refit_reference_energies()
+        elif section["reference_energies"] == "fit":
+            self.fit_reference_energies()
         else:
             energies = model.reference_energies()
             if self.pipeline is not None:  # the stage that holds them (the readout's, for most models)
@@ -172,6 +174,28 @@ class Trainer(Checkpoints):
                  if x in present]
         shown = ", ".join(pairs[:12]) + (f", ... ({len(pairs)} elements)" if len(pairs) > 12 else "")
         return f"mlip-train: reference energies {what} (eV per atom, the training set's elements): {shown}"
+
+    def fit_reference_energies(self) -> None:
+        """``model.reference_energies: fit``: each element of the labelled training structures gets the least
+        squares of the energy labels on the element counts (the start-up survey's; MACE's ``E0s: average``);
+        other elements keep theirs."""
+        from ase.data import atomic_numbers
+
+        model, survey = self.model, self.surveys[0]
+        before = model.reference_energies()
+        if self.pipeline is not None:  # the stage that holds them
+            before = next((e for e in self.procs.allgather(before) if e is not None), None)
+        if before is None:
+            raise ConfigError(f"model.reference_energies: fit: this {type(model).__name__} has no per-element "
+                              f"reference energies")
+        if not survey.energies.rows:
+            raise ConfigError("model.reference_energies: fit needs training structures with energies")
+        solved, labelled = survey.energies.solve(), survey.labelled_elements
+        numbers = [atomic_numbers[x] for x in model.species]
+        after = np.array([solved[z] if z in labelled else e for z, e in zip(numbers, before)])
+        model.set_reference_energies(after)  # (a pipeline stage that does not hold them leaves them)
+        self.reference_note = self.reference_energies_line(
+            f"fitted by least squares to the labels of {survey.energies.rows} training structures", after, before)
 
     def refit_reference_energies(self) -> None:
         """``model.reference_energies: refit``: add to each element's reference energy the least-squares fit of
