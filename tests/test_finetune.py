@@ -202,20 +202,26 @@ def sevenn_own(path):
 OWN = {"mace": mace_own, "nequip": nequip_own, "allegro": nequip_own, "sevennet": sevenn_own}
 
 
-def loss(energy, forces, stress, frames):
+def loss(energy, forces, stress, frames, huber_delta=None):
     """mlip-train's documented loss of one batch: weights × (MSE of the energy per atom, of the force
-    components, of the stress components of the periodic structures)."""
+    components, of the stress components of the periodic structures); with ``huber_delta``, torch's
+    ``HuberLoss(delta=huber_delta)`` in place of each mean squared error (loss.type: huber)."""
+    if huber_delta is None:
+        def mean(x, y):
+            return torch.nn.functional.mse_loss(x, y, reduction="mean")
+    else:
+        mean = torch.nn.HuberLoss(reduction="mean", delta=huber_delta)
     atoms = torch.tensor([len(a) for a in frames], dtype=torch.float64)
     e_ref = torch.tensor([a.get_potential_energy() for a in frames])
     f_ref = torch.tensor(np.concatenate([a.get_forces() for a in frames]))
     periodic = [k for k, a in enumerate(frames) if a.pbc.all()]
     s_ref = torch.tensor(np.array([voigt_6_to_full_3x3_stress(frames[k].get_stress()) for k in periodic]))
-    return (WEIGHTS["energy"] * (((energy - e_ref) / atoms) ** 2).mean()
-            + WEIGHTS["forces"] * ((forces - f_ref) ** 2).mean()
-            + WEIGHTS["stress"] * ((stress[periodic] - s_ref) ** 2).sum() / (9 * max(1, len(periodic))))
+    stress_term = mean(stress[periodic], s_ref) if periodic else torch.zeros((), dtype=torch.float64)
+    return (WEIGHTS["energy"] * mean(energy / atoms, e_ref / atoms) + WEIGHTS["forces"] * mean(forces, f_ref)
+            + WEIGHTS["stress"] * stress_term)
 
 
-def own_training_losses(family, path, train_file) -> list:
+def own_training_losses(family, path, train_file, huber_delta=None, amsgrad=False) -> list:
     """The train_loss of each epoch of the package's own forward + this loss + AdamW (gradient clipping as
     mlip-train's), over mlip-train's batches: the structures shuffled by the seed, then each epoch's order."""
     before = torch.get_default_dtype()
@@ -225,7 +231,7 @@ def own_training_losses(family, path, train_file) -> list:
         frames = read(train_file, ":")
         frames = [frames[k] for k in np.random.default_rng(SEED).permutation(len(frames))]
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+        optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, amsgrad=amsgrad)
         losses = []
         for epoch in range(EPOCHS):
             order = np.random.default_rng([SEED, epoch]).permutation(len(frames))
@@ -233,7 +239,7 @@ def own_training_losses(family, path, train_file) -> list:
             for start in range(0, len(order), BATCH):
                 batch = [frames[k] for k in order[start:start + BATCH]]
                 optimizer.zero_grad()
-                value = loss(*predict(batch), batch)
+                value = loss(*predict(batch), batch, huber_delta)
                 value.backward()
                 torch.nn.utils.clip_grad_norm_(params, CLIP)
                 optimizer.step()
@@ -252,6 +258,24 @@ def test_one_process_equals_the_packages_own_training(files, one_process, family
     theirs = own_training_losses(family, files[family][1], files["train"])
     assert len(ours) == len(theirs) == EPOCHS and ours[-1] < ours[0], ours
     assert max(abs(a - b) / abs(b) for a, b in zip(ours, theirs)) < 1e-8, (ours, theirs)
+
+
+@needs("nequip")
+def test_huber_loss_and_amsgrad_equal_torchs(files):
+    """loss.type huber (delta 0.02) and optimizer.amsgrad: the train_loss of every epoch equals the nequip
+    framework's own forward + torch.nn.HuberLoss in place of each mean squared error + torch's AdamW(amsgrad=True),
+    float64, to 1e-8 relative (the MSE run's losses differ by more than 1e-3); last.pt holds AMSGrad's state."""
+    directory = files["root"] / "huber"
+    rows = train(validate(job(files, "nequip", directory, loss={"type": "huber", "huber_delta": 0.02},
+                              optimizer={"lr": LR, "gradient_clip": CLIP, "amsgrad": True}), SCHEMA, RULES))
+    ours = [row["train_loss"] for row in rows]
+    theirs = own_training_losses("nequip", files["nequip"][1], files["train"], huber_delta=0.02, amsgrad=True)
+    assert max(abs(a - b) / abs(b) for a, b in zip(ours, theirs)) < 1e-8, (ours, theirs)
+    state = torch.load(directory / "last.pt", weights_only=True)["training"]["optimizer"]["state"].values()
+    assert all((s["max_exp_avg_sq"] >= s["exp_avg_sq"]).all() for s in state)  # AMSGrad's running maximum, kept
+    assert any((s["max_exp_avg_sq"] > s["exp_avg_sq"]).any() for s in state)  # and used
+    mse = own_training_losses("nequip", files["nequip"][1], files["train"], amsgrad=True)
+    assert max(abs(a - b) / abs(b) for a, b in zip(ours, mse)) > 1e-3, (ours, mse)
 
 
 # ------------------------------------------------------------------ data, graph and pipeline parallel

@@ -185,12 +185,40 @@ def test_max_steps_and_the_warm_up_and_cosine_schedule_of_torch(quick_data, tmp_
     assert rows[0]["lr"] == pytest.approx(0.005 / 3) and rows[3]["lr"] == pytest.approx(0.005)
 
 
+def test_early_stopping_on_a_patience_and_under_resume(quick_data, tmp_path, capsys):
+    """early_stopping.patience 3, a validation every step, up to 40 steps at a learning rate that makes the
+    validation loss jump: the run ends at the first validation where the last 3 are none below the best before them
+    (the rule checked on metrics.csv's rows, and that it held at no earlier row), says so, and best.pt is the best
+    row's; a run stopped at step 6 and resumed stops at the same step with the same rows; resumed after its stop,
+    it trains no further."""
+    def config(directory, max_steps=40):
+        return validate(job(directory, quick_data, epochs=100, max_steps=max_steps, validate_every=1, ema_decay=0.0,
+                            optimizer={"lr": 0.05}, schedule={"name": "none"}, early_stopping={"patience": 3},
+                            resume=True), SCHEMA, RULES)
+
+    def stalls(losses):
+        return len(losses) > 3 and min(losses[-3:]) >= min(losses[:-3])
+
+    straight = tmp_path / "straight"
+    rows = train(config(straight))
+    losses = [r["val_loss"] for r in rows]
+    assert len(rows) < 40 and stalls(losses) and not any(stalls(losses[:k]) for k in range(1, len(losses)))
+    assert f"stopped early at epoch {rows[-1]['epoch']}, step {len(rows)}: 3 validations" in capsys.readouterr().out
+    best = min(rows, key=lambda r: r["val_loss"])
+    assert torch.load(straight / "best.pt", weights_only=True)["training"]["step"] == best["step"]
+    cut = tmp_path / "cut"
+    train(config(cut, max_steps=6))
+    train(config(cut))
+    assert metrics(cut) == metrics(straight)
+    assert train(config(straight)) == rows and len(metrics(straight)) == len(rows)
+
+
 @pytest.mark.parametrize("parallel, launcher, stream", [("data", "mpiexec", False), ("graph", "mpiexec", False),
                                                        ("pipeline", "mpiexec", False), ("graph", "torchrun", False),
                                                        ("data", "mpiexec", 1), ("pipeline", "mpiexec", 0)])
 def test_two_ranks_equal_one_process(mpirun, torchrun, quick_data, replay_data, tmp_path, parallel, launcher, stream):
-    """Same global batch, float64: parameters after 9 optimizer steps (gradient clipping and EMA on)
-    equal the single-process run. Pipeline: 2 stage-local models, up to 4 micro-batches (the last batch
+    """Same global batch, float64: parameters after 9 optimizer steps (gradient clipping, EMA, AMSGrad and the
+    Huber loss on) equal the single-process run. Pipeline: 2 stage-local models, up to 4 micro-batches (the last batch
     of each epoch has 2 structures), schedule auto (five timed warm-up steps, then
     the order predicted fastest under the measured costs), four sweeps, pipelined validation. Graph parallel also under
     torchrun: the halo over the torch.distributed backend, no MPI. ``stream`` (a number: data.workers): the 2-rank run
@@ -198,8 +226,10 @@ def test_two_ranks_equal_one_process(mpirun, torchrun, quick_data, replay_data, 
     worker process of each rank, in batches of at most 20 atoms, another file sampled at a share of 0.3), the
     one-process run holds them."""
     serial, distributed = tmp_path / "serial", tmp_path / "distributed"
-    config = job(serial, quick_data, epochs=3, parallel="data", optimizer={"lr": 0.005, "gradient_clip": 1.0},
-                 batch_atoms=20 if stream else 0)
+    config = job(serial, quick_data, epochs=3, parallel="data", batch_atoms=20 if stream else 0,
+                 optimizer={"lr": 0.005, "gradient_clip": 1.0, "amsgrad": True},
+                 loss={"energy_weight": 1.0, "forces_weight": 10.0, "stress_weight": 1.0, "type": "huber",
+                       "huber_delta": 0.05})
     if stream:
         config["data"]["train"] = [str(quick_data), {"file": str(replay_data), "share": 0.3}]
     train(validate(config, SCHEMA, RULES))

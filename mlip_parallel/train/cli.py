@@ -75,9 +75,15 @@ SECTIONS = {
         "energy_weight": (float, 1.0, "weight of the energy-per-atom MSE (eV²)"),
         "forces_weight": (float, 10.0, "weight of the force-component MSE (eV²/Å²)"),
         "stress_weight": (float, 0.0, "weight of the stress-component MSE (eV²/Å⁶)"),
+        "type": (str, "mse", "mse (mean squared errors), or huber: each error's Huber loss (torch's: x²/2 within "
+                             "huber_delta, linear beyond) in place of its square; val_loss stays the weighted MSE"),
+        "huber_delta": (float, 0.01, "loss.type huber: the threshold between its quadratic and linear parts (in each "
+                                     "error's unit: eV/atom, eV/Å, eV/Å³)"),
     },
     "optimizer": {
         "lr": (float, 1e-3, "AdamW learning rate"),
+        "amsgrad": (bool, False, "AdamW's AMSGrad variant (the running maximum of the second moment; MACE's "
+                                 "--amsgrad)"),
         "weight_decay": (float, 0.0, "AdamW weight decay"),
         "gradient_clip": (float, 10.0, "clip the gradient norm to this (0: no clipping)"),
     },
@@ -88,6 +94,10 @@ SECTIONS = {
         "min_lr": (float, 1e-5, "plateau/cosine: lowest learning rate"),
         "warmup_steps": (int, 0, "cosine/none: the learning rate rises linearly over this many first steps (0: none); "
                                  "cosine then falls to min_lr over the run's remaining steps"),
+    },
+    "early_stopping": {
+        "patience": (int, 0, "end the run when this many validations in a row have not lowered the validation loss "
+                             "below the best before them (0: never); best.pt holds the best"),
     },
     "ema_decay": (float, 0.99, "exponential moving average of the weights (0: none); best.pt/last.pt hold the average"),
     "epochs": (int, 100, "number of epochs"),
@@ -132,6 +142,7 @@ SECTIONS = {
 # allowed values (a tuple) or the range of a number (mlip_parallel.config.obeys); other numbers: finite, >= 0
 RULES = {"model.name": tuple(ARCHITECTURES), "model.reference_energies": ("keep", "refit", "fit"),
          "schedule.name": ("plateau", "cosine", "none"), "parallel": ("data", "graph", "pipeline"),
+         "loss.type": ("mse", "huber"), "loss.huber_delta": "> 0",
          "pipeline.schedule": ("auto", "gpipe", "1f1b"),
          "data.validation_fraction": "[0, 1)", "data.test_fraction": "[0, 1)", "model.cutoff": "> 0",
          "optimizer.lr": "> 0", "schedule.factor": "(0, 1)", "ema_decay": "[0, 1)", "epochs": ">= 1",

@@ -176,4 +176,6 @@ def load_data(config):
     weights = {q: config["loss"][f"{q}_weight"] for q in QUANTITIES}
     if not any(weights.values()):
         raise ConfigError(f"loss: every weight is 0 ({', '.join(f'{q}_weight' for q in QUANTITIES)}): nothing to fit")
+    loss = config["loss"]
+    weights["huber_delta"] = loss["huber_delta"] if loss["type"] == "huber" else 0.0  # (training.loss_terms)
     return train, validation, test, weights, mixture

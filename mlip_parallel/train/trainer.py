@@ -124,7 +124,8 @@ class Trainer(Checkpoints):
                 energies = next((e for e in procs.allgather(energies) if e is not None), None)
             self.reference_note = self.reference_energies_line("kept", energies)
         o, sch = config["optimizer"], config["schedule"]
-        self.optimizer = torch.optim.AdamW(self.strategy.parameters, lr=o["lr"], weight_decay=o["weight_decay"])
+        self.optimizer = torch.optim.AdamW(self.strategy.parameters, lr=o["lr"], weight_decay=o["weight_decay"],
+                                           amsgrad=o["amsgrad"])
         self.total_steps = self.batches.total_steps(config["epochs"], config["max_steps"])
         if sch["name"] == "plateau":
             if sch["warmup_steps"]:
@@ -274,6 +275,15 @@ class Trainer(Checkpoints):
         self.save(self.last_path, self.step)
         self.last_written = f"{self.last_path} ({self.position(self.step)})"
 
+    def stalled(self) -> bool:
+        """Early stopping: each of the last ``early_stopping.patience`` validations' loss is no lower than the best
+        before them (from the metric rows alone, which a resumed run restores: exact under resume)."""
+        patience = self.config["early_stopping"]["patience"]
+        if not patience or len(self.rows) <= patience:
+            return False
+        best_before = min(row["val_loss"] for row in self.rows[:-patience])
+        return all(row["val_loss"] >= best_before for row in self.rows[-patience:])
+
     def progress_count(self, total: bool = False):
         """The progress bar's count now (``total``: its (total, initial, unit)): epochs where validation ends
         each epoch and the run ends with one, else steps."""
@@ -341,7 +351,8 @@ class Trainer(Checkpoints):
         procs.barrier()  # the output directory exists before any rank writes into it
         every, checkpoint_every = config["validate_every"], config["output"]["checkpoint_every"]
         start = time.perf_counter()
-        batches = global_batches(self.train_set, self.batches, self.step, self.total_steps, config["data"]["workers"],
+        last = self.step if self.stalled() else self.total_steps  # (a run that stopped early, resumed: no step)
+        batches = global_batches(self.train_set, self.batches, self.step, last, config["data"]["workers"],
                                  self.strategy.reads,
                                  self.model.cutoff if self.strategy.builds_edges else None)
         epoch = self.batches.locate(self.step)[0]
@@ -365,11 +376,19 @@ class Trainer(Checkpoints):
                     bar.update(self.progress_count(), val_loss=f"{self.rows[-1]['val_loss']:.3g}",
                                F_mae=f"{self.rows[-1]['forces_mae'] * 1e3:.1f} meV/A")
                 procs.barrier()
+                if self.stalled():
+                    break
             elif checkpoint_every and self.step % checkpoint_every == 0:
                 self.save(self.last_path, self.step)
                 self.last_written = f"{self.last_path} ({self.position(self.step)})"
+        batches.close()  # (after an early stop: the read-ahead workers end now)
         if root:
             bar.close()
+            if self.stalled():
+                best = min(self.rows, key=lambda row: row["val_loss"])
+                print(f"mlip-train: stopped early at {self.position(self.step)}: {config['early_stopping']['patience']}"
+                      f" validations without a lower validation loss than {best['val_loss']:.6g} (step "
+                      f"{best['step']}, best.pt)", flush=True)
             plot_learning_curve(self.directory, self.rows)
         if self.test and procs.bcast((self.directory / "best.pt").exists()):
             parts = None if self.pipeline is None else self.model.parts  # pipeline: each stage reads its own parts

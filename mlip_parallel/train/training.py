@@ -244,15 +244,24 @@ class Counts:
         return cls(*(max(1.0, float(x)) for x in sums))
 
 
-def loss_terms(energy, forces, stress, batch: Labels, counts: Counts) -> dict:
-    """Summed squared errors of this batch divided by the global counts: energy per atom, force
-    components, stress components (/9). Unlabelled entries are left out (label masks); a non-finite
-    prediction of a labelled entry makes the loss non-finite."""
+def penalty(errors, huber_delta: float = 0.0):
+    """Each error's penalty: its square, or with ``huber_delta`` > 0 torch's Huber loss of it (x²/2 where |x| <
+    delta, else delta (|x| − delta/2): ``loss.type: huber``), as a tensor of the errors' shape."""
+    if huber_delta > 0:
+        return torch.nn.functional.huber_loss(errors, torch.zeros_like(errors), reduction="none", delta=huber_delta)
+    return errors ** 2
+
+
+def loss_terms(energy, forces, stress, batch: Labels, counts: Counts, huber_delta: float = 0.0) -> dict:
+    """Summed penalties (``penalty``: squares, or Huber's) of this batch's errors divided by the global counts:
+    energy per atom, force components, stress components (/9). Unlabelled entries are left out (label masks); a
+    non-finite prediction of a labelled entry makes the loss non-finite."""
     de = ((energy - batch.energy) / batch.atoms_per_structure)[batch.has_energy]
     df = (forces - batch.forces)[batch.has_forces]
     ds = (stress - batch.stress)[batch.has_stress]
-    return {"energy": (de**2).sum() / counts.energies, "forces": (df**2).sum() / counts.force_components,
-            "stress": (ds**2).sum() / (9 * counts.stresses)}
+    return {"energy": penalty(de, huber_delta).sum() / counts.energies,
+            "forces": penalty(df, huber_delta).sum() / counts.force_components,
+            "stress": penalty(ds, huber_delta).sum() / (9 * counts.stresses)}
 
 
 def total_loss(terms: dict, weights: dict):
@@ -266,7 +275,7 @@ def batch_gradients(model, batch: Batch, counts: Counts, weights: dict, paramete
     which require grad: the force loss's second derivatives in them are read by nobody (9 % of a SchNet
     step). Returns (loss, (energy, forces, stress))."""
     predictions = predict_batch(model, batch)
-    loss = total_loss(loss_terms(*predictions, batch, counts), weights)
+    loss = total_loss(loss_terms(*predictions, batch, counts, weights.get("huber_delta", 0.0)), weights)
     loss.backward(inputs=list(parameters))
     return loss, predictions
 
@@ -308,7 +317,8 @@ def graph_parallel_loss(model, structure: Structure, weights: dict, counts: Coun
     virial = dE_dstrain + (torch.as_tensor(totals.virial, device=dE_dstrain.device) - dE_dstrain.detach())
     volume = torch.tensor([abs(np.linalg.det(structure.cell))], dtype=torch.float64, device=virial.device)
     labels = Labels([structure], forces.device, rows=part.owned)
-    local = loss_terms(energy[None], forces, symmetric_stress(virial[None], volume), labels, counts)
+    local = loss_terms(energy[None], forces, symmetric_stress(virial[None], volume), labels, counts,
+                       weights.get("huber_delta", 0.0))
     terms = {q: float(local[q]) for q in QUANTITIES}
     terms["forces"] = float(backend.allreduce(np.array([terms["forces"]]))[0])  # force rows are split
     return total_loss(local, weights), terms

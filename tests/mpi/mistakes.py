@@ -200,6 +200,8 @@ def train_cases():
         ("zero learning rate", job(optimizer={"lr": 0}), ["optimizer.lr", "> 0"]),
         ("infinite energy weight", job(loss={"energy_weight": float("inf")}), ["loss.energy_weight", "inf"]),
         ("negative forces weight", job(loss={"forces_weight": -1}), ["loss.forces_weight", "-1"]),
+        ("a loss no trainer knows", job(loss={"type": "l1"}), ["loss.type", "mse", "huber", "l1"]),
+        ("a Huber threshold of zero", job(loss={"type": "huber", "huber_delta": 0.0}), ["loss.huber_delta", "> 0"]),
         ("every weight zero", job(loss={"energy_weight": 0, "forces_weight": 0}), ["loss", "every weight is 0"]),
         ("nan gradient clip", job(optimizer={"gradient_clip": float("nan")}), ["optimizer.gradient_clip", "nan"]),
         ("ema decay of one", job(ema_decay=1.0), ["ema_decay", "[0, 1)"]),
@@ -343,6 +345,9 @@ def train_accepted():
         ("a test share", {"data": {"train": data, "validation_fraction": 0.34, "test_fraction": 0.17}}),
         ("no EMA", {"ema_decay": 0.0}),
         ("no gradient clipping", {"optimizer": {"gradient_clip": 0.0}}),
+        ("the Huber loss with AMSGrad, reference energies fitted to the labels", {
+            "loss": {"type": "huber", "huber_delta": 1e-6}, "optimizer": {"amsgrad": True},
+            "model": {"checkpoint": "cu-emt", "reference_energies": "fit"}}),
         ("cosine schedule", {"schedule": {"name": "cosine"}, "epochs": 2}),
         ("no schedule", {"schedule": {"name": "none"}}),
         ("a step or two: one max step, a warm-up longer than the run, validation and last.pt every step",

@@ -246,7 +246,8 @@ class PipelineStage:
             self.errors[m] = self.errors.get(m, 0) + errors
             return
         carry_pos.requires_grad_(True), carry_strain.requires_grad_(True)
-        terms = loss_terms(batch.energy, -carry_pos, symmetric_stress(carry_strain, batch.volumes), batch, self.counts)
+        terms = loss_terms(batch.energy, -carry_pos, symmetric_stress(carry_strain, batch.volumes), batch, self.counts,
+                           self.weights.get("huber_delta", 0.0))
         part = self.weights["forces"] * terms["forces"] + self.weights["stress"] * terms["stress"]
         self.losses[m] = float(part.detach())
         s["cot_f"] = torch.autograd.grad(part, [carry_pos, carry_strain])
@@ -289,7 +290,8 @@ class PipelineStage:
         out = s.pop("out")
         if self.last:  # the energy term of the loss, and its cotangent w.r.t. E
             energy = out.detach().requires_grad_(True)
-            part = self.weights["energy"] * loss_terms(energy, batch.forces, batch.stress, batch, self.counts)["energy"]
+            part = self.weights["energy"] * loss_terms(energy, batch.forces, batch.stress, batch, self.counts,
+                                                       self.weights.get("huber_delta", 0.0))["energy"]
             self.losses[m] = self.losses.get(m, 0.0) + float(part.detach())
             seed = torch.autograd.grad(part, energy)[0]
         else:
