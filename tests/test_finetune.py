@@ -221,7 +221,7 @@ def loss(energy, forces, stress, frames, huber_delta=None):
             + WEIGHTS["stress"] * stress_term)
 
 
-def own_training_losses(family, path, train_file, huber_delta=None, amsgrad=False) -> list:
+def own_training_losses(family, path, train_file, huber_delta=None, amsgrad=False, lr_factors=None) -> list:
     """The train_loss of each epoch of the package's own forward + this loss + AdamW (gradient clipping as
     mlip-train's), over mlip-train's batches: the structures shuffled by the seed, then each epoch's order."""
     before = torch.get_default_dtype()
@@ -231,7 +231,17 @@ def own_training_losses(family, path, train_file, huber_delta=None, amsgrad=Fals
         frames = read(train_file, ":")
         frames = [frames[k] for k in np.random.default_rng(SEED).permutation(len(frames))]
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, amsgrad=amsgrad)
+        groups = [{"params": params, "lr": LR}]
+        if lr_factors:  # a group per glob over the package's own parameter names (the first glob that matches)
+            from fnmatch import fnmatchcase
+
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            groups = [{"params": [p for n, p in named if not any(fnmatchcase(n, g) for g in lr_factors)], "lr": LR}]
+            for k, (glob, factor) in enumerate(lr_factors.items()):
+                groups.append({"params": [p for n, p in named if fnmatchcase(n, glob) and not any(
+                    fnmatchcase(n, g) for g in list(lr_factors)[:k])], "lr": LR * factor})
+            assert all(group["params"] for group in groups), [len(g["params"]) for g in groups]
+        optimizer = torch.optim.AdamW(groups, lr=LR, weight_decay=0.0, amsgrad=amsgrad)
         losses = []
         for epoch in range(EPOCHS):
             order = np.random.default_rng([SEED, epoch]).permutation(len(frames))
@@ -261,16 +271,27 @@ def test_one_process_equals_the_packages_own_training(files, one_process, family
 
 
 @needs("nequip")
-def test_huber_loss_and_amsgrad_equal_torchs(files):
-    """loss.type huber (delta 0.02) and optimizer.amsgrad: the train_loss of every epoch equals the nequip
-    framework's own forward + torch.nn.HuberLoss in place of each mean squared error + torch's AdamW(amsgrad=True),
-    float64, to 1e-8 relative (the MSE run's losses differ by more than 1e-3); last.pt holds AMSGrad's state."""
-    directory = files["root"] / "huber"
+def test_huber_loss_amsgrad_and_lr_factors_equal_torchs(files):
+    """loss.type huber (delta 0.02), optimizer.amsgrad and optimizer.lr_factors (the first interaction fixed at
+    factor 0, the readout at 3×): the train_loss of every epoch equals the nequip framework's own forward +
+    torch.nn.HuberLoss in place of each mean squared error + torch's AdamW(amsgrad=True) over parameter groups at
+    those learning rates, float64, to 1e-8 relative (without the factors, and with the MSE, the losses differ);
+    last.pt holds AMSGrad's state."""
+    directory, factors = files["root"] / "huber", {"*layer0_convnet*": 0.0, "*readout*": 3.0}
     rows = train(validate(job(files, "nequip", directory, loss={"type": "huber", "huber_delta": 0.02},
-                              optimizer={"lr": LR, "gradient_clip": CLIP, "amsgrad": True}), SCHEMA, RULES))
+                              optimizer={"lr": LR, "gradient_clip": CLIP, "amsgrad": True, "lr_factors": factors}),
+                          SCHEMA, RULES))
     ours = [row["train_loss"] for row in rows]
-    theirs = own_training_losses("nequip", files["nequip"][1], files["train"], huber_delta=0.02, amsgrad=True)
+    theirs = own_training_losses("nequip", files["nequip"][1], files["train"], huber_delta=0.02, amsgrad=True,
+                                 lr_factors=factors)
     assert max(abs(a - b) / abs(b) for a, b in zip(ours, theirs)) < 1e-8, (ours, theirs)
+    alike = own_training_losses("nequip", files["nequip"][1], files["train"], huber_delta=0.02, amsgrad=True)
+    assert max(abs(a - b) / abs(b) for a, b in zip(ours, alike)) > 1e-6, (ours, alike)
+    start, end = potentials.NequIPFramework(files["nequip"][1]), potentials.load(directory / "last.pt")
+    fixed = dict(start.named_weights())
+    for name, weight in end.named_weights():
+        moved = not torch.equal(weight.detach().cpu(), fixed[name].detach().cpu())
+        assert moved != ("layer0_convnet" in name), name  # factor 0: unchanged (the EMA of a constant)
     state = torch.load(directory / "last.pt", weights_only=True)["training"]["optimizer"]["state"].values()
     assert all((s["max_exp_avg_sq"] >= s["exp_avg_sq"]).all() for s in state)  # AMSGrad's running maximum, kept
     assert any((s["max_exp_avg_sq"] > s["exp_avg_sq"]).any() for s in state)  # and used

@@ -82,6 +82,9 @@ SECTIONS = {
     },
     "optimizer": {
         "lr": (float, 1e-3, "AdamW learning rate"),
+        "lr_factors": (dict, None, "{glob: factor} over the weights' names (as model.freeze names them): a matched "
+                                   "weight learns at lr x factor (the first glob that matches; e.g. {'readouts.*': "
+                                   "10}); the schedule scales every group alike"),
         "amsgrad": (bool, False, "AdamW's AMSGrad variant (the running maximum of the second moment; MACE's "
                                  "--amsgrad)"),
         "weight_decay": (float, 0.0, "AdamW weight decay"),

@@ -81,9 +81,9 @@ def check_new_model_size(section, species, config, procs, device) -> None:
     check_parameter_memory(procs.backend, cls.__name__, construct, hyperparameters, defaults, device, itemsize, stages)
 
 
-def check_freeze(model, freeze, procs) -> None:
-    """ConfigError naming a ``model.freeze`` pattern that matches no weight of the model on any rank
-    (pipeline stages each hold some parts), with the model's parameter groups (collective)."""
+def check_freeze(model, freeze, procs, key: str = "model.freeze") -> None:
+    """ConfigError naming a pattern of ``freeze`` (the config's ``key``) that matches no weight of the model on
+    any rank (pipeline stages each hold some parts), with the model's parameter groups (collective)."""
     from fnmatch import fnmatchcase
 
     from potentials.base import weight_groups
@@ -91,8 +91,28 @@ def check_freeze(model, freeze, procs) -> None:
     names = [name for held in procs.allgather([name for name, _ in model.named_weights()]) for name in held]
     for pattern in freeze:
         if not any(fnmatchcase(name, pattern) for name in names):
-            raise ConfigError(f"model.freeze: pattern {pattern!r} matches none of the {type(model).__name__}'s "
+            raise ConfigError(f"{key}: pattern {pattern!r} matches none of the {type(model).__name__}'s "
                               f"weights; its parameter groups are {', '.join(weight_groups(names))}")
+
+
+def parameter_groups(model, parameters, lr: float, factors: dict | None) -> list:
+    """The optimizer's parameter groups: ``parameters`` (the trained ones, in their order) at ``lr``, except those
+    whose name (``model.named_weights``) matches a glob of ``factors`` ({glob: factor}; the first that matches
+    wins), at lr × factor, a group per glob (the first group: the unmatched ones, possibly none)."""
+    from fnmatch import fnmatchcase
+
+    factors = dict(factors or {})
+    for pattern, factor in factors.items():
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 <= factor < float("inf"):
+            raise ConfigError(f"optimizer.lr_factors.{pattern}: a factor of the learning rate is a number >= 0, got "
+                              f"{factor!r}")
+    names = {id(p): name for name, p in model.named_weights()}
+    groups = [{"params": [], "lr": lr}] + [{"params": [], "lr": lr * f} for f in factors.values()]
+    for p in parameters:
+        name = names.get(id(p), "")
+        k = next((k for k, pattern in enumerate(factors, start=1) if fnmatchcase(name, pattern)), 0)
+        groups[k]["params"].append(p)
+    return groups
 
 
 def fit_scale_shift(model, training) -> None:

@@ -15,7 +15,7 @@ from ..config import ConfigError, check_output_directory
 from ..preflight import check_training_memory
 from .checkpoints import Checkpoints
 from .model_setup import build_model, check_freeze, check_new_model_size, fit_scale_shift, load_data, model_species, \
-    starting_model
+    parameter_groups, starting_model
 from .survey import surveys
 from .processes import Processes
 from .loader import StepBatches, global_batches
@@ -96,6 +96,7 @@ class Trainer(Checkpoints):
             self.strategy = kind(procs, model, device, config, self.weights)
         self.model = model = self.strategy.model
         check_freeze(model, section["freeze"], procs)
+        check_freeze(model, list(config["optimizer"]["lr_factors"] or {}), procs, "optimizer.lr_factors")
         if not self.strategy.parameters:
             raise ConfigError(f"model.freeze {section['freeze']} keeps every weight of the model fixed: nothing to train")
         for part, role in zip(self.surveys, ("training", "validation", "test")):
@@ -124,8 +125,8 @@ class Trainer(Checkpoints):
                 energies = next((e for e in procs.allgather(energies) if e is not None), None)
             self.reference_note = self.reference_energies_line("kept", energies)
         o, sch = config["optimizer"], config["schedule"]
-        self.optimizer = torch.optim.AdamW(self.strategy.parameters, lr=o["lr"], weight_decay=o["weight_decay"],
-                                           amsgrad=o["amsgrad"])
+        self.optimizer = torch.optim.AdamW(parameter_groups(model, self.strategy.parameters, o["lr"], o["lr_factors"]),
+                                           lr=o["lr"], weight_decay=o["weight_decay"], amsgrad=o["amsgrad"])
         self.total_steps = self.batches.total_steps(config["epochs"], config["max_steps"])
         if sch["name"] == "plateau":
             if sch["warmup_steps"]:
@@ -374,6 +375,7 @@ class Trainer(Checkpoints):
                 start = time.perf_counter()
                 if root:
                     bar.update(self.progress_count(), val_loss=f"{self.rows[-1]['val_loss']:.3g}",
+                               E_mae=f"{self.rows[-1]['energy_mae'] * 1e3:.1f} meV/atom",
                                F_mae=f"{self.rows[-1]['forces_mae'] * 1e3:.1f} meV/A")
                 procs.barrier()
                 if self.stalled():
