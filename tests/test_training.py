@@ -217,8 +217,9 @@ def test_early_stopping_on_a_patience_and_under_resume(quick_data, tmp_path, cap
                                                        ("pipeline", "mpiexec", False), ("graph", "torchrun", False),
                                                        ("data", "mpiexec", 1), ("pipeline", "mpiexec", 0)])
 def test_two_ranks_equal_one_process(mpirun, torchrun, quick_data, replay_data, tmp_path, parallel, launcher, stream):
-    """Same global batch, float64: parameters after 9 optimizer steps (gradient clipping, EMA, AMSGrad and the
-    Huber loss on) equal the single-process run. Pipeline: 2 stage-local models, up to 4 micro-batches (the last batch
+    """Same global batch, float64: parameters after 9 optimizer steps (gradient clipping, EMA, AMSGrad, the
+    Huber loss and learning-rate factors on: in pipeline, each stage holds some of the groups) equal the
+    single-process run. Pipeline: 2 stage-local models, up to 4 micro-batches (the last batch
     of each epoch has 2 structures), schedule auto (five timed warm-up steps, then
     the order predicted fastest under the measured costs), four sweeps, pipelined validation. Graph parallel also under
     torchrun: the halo over the torch.distributed backend, no MPI. ``stream`` (a number: data.workers): the 2-rank run
@@ -227,7 +228,8 @@ def test_two_ranks_equal_one_process(mpirun, torchrun, quick_data, replay_data, 
     one-process run holds them."""
     serial, distributed = tmp_path / "serial", tmp_path / "distributed"
     config = job(serial, quick_data, epochs=3, parallel="data", batch_atoms=20 if stream else 0,
-                 optimizer={"lr": 0.005, "gradient_clip": 1.0, "amsgrad": True},
+                 optimizer={"lr": 0.005, "gradient_clip": 1.0, "amsgrad": True,
+                            "lr_factors": {"interactions.1.*": 0.5, "readout.*": 2.0}},
                  loss={"energy_weight": 1.0, "forces_weight": 10.0, "stress_weight": 1.0, "type": "huber",
                        "huber_delta": 0.05})
     if stream:
