@@ -213,6 +213,39 @@ def test_early_stopping_on_a_patience_and_under_resume(quick_data, tmp_path, cap
     assert train(config(straight)) == rows and len(metrics(straight)) == len(rows)
 
 
+def test_tensorboard_and_wandb_log_the_metric_rows(quick_data, tmp_path, monkeypatch):
+    """output.tensorboard and output.wandb (offline, no network): TensorBoard's event files hold each metrics.csv
+    row's values at its step (read back with tensorboard's own reader); a W&B offline run is written and a resumed
+    run continues the same run id; a wandb section of other keys is one named line."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    out = tmp_path / "run"
+
+    def config(epochs):
+        return validate(job(out, quick_data, epochs=epochs, resume=True,
+                            output={"directory": str(out), "tensorboard": True, "wandb": {"project": "tests"}}),
+                        SCHEMA, RULES)
+
+    train(config(2))
+    run_id = (out / "wandb_id").read_text()
+    train(config(3))  # resumed: the same run, one more row
+    rows = metrics(out)
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    for name in ("train_loss", "val_loss", "forces_mae", "lr"):
+        logged = [(e.step, e.value) for e in events.Scalars(name)]
+        assert [step for step, _ in logged] == [int(r["step"]) for r in rows], (name, logged)
+        assert np.allclose([v for _, v in logged], [r[name] for r in rows], rtol=1e-6), name
+    assert (out / "wandb_id").read_text() == run_id and "WANDB_SERVICE" not in os.environ  # the process put back
+    assert len(list((out / "wandb").glob(f"offline-run-*-{run_id}"))) == 2  # one directory per launch, one id
+    with pytest.raises(ConfigError, match=r"output.wandb: \{project: NAME"):
+        train(validate(job(tmp_path / "bad", quick_data, output={"directory": str(tmp_path / "bad"),
+                                                                 "wandb": {"entity": "me"}}), SCHEMA, RULES))
+    assert not (tmp_path / "bad").exists()
+
+
 @pytest.mark.parametrize("parallel, launcher, stream", [("data", "mpiexec", False), ("graph", "mpiexec", False),
                                                        ("pipeline", "mpiexec", False), ("graph", "torchrun", False),
                                                        ("data", "mpiexec", 1), ("pipeline", "mpiexec", 0)])

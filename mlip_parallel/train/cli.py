@@ -138,6 +138,10 @@ SECTIONS = {
         "overwrite": (bool, False, "write into a non-empty output directory"),
         "checkpoint_every": (int, 0, "also write last.pt every this many steps, for an exact resume mid-epoch (0: at "
                                      "each validation only)"),
+        "tensorboard": (bool, False, "also log each metrics.csv row to TensorBoard event files in OUTPUT/tensorboard"),
+        "wandb": (dict, None, "also log each metrics.csv row to Weights & Biases: {project: NAME, mode: offline | online "
+                              "(default offline unless WANDB_MODE, or WANDB_API_KEY for online), name: RUN}; the run "
+                              "files in OUTPUT/wandb, a resumed run continues the same run"),
         "progress": (bool, True, "report progress on stderr: a bar on a terminal, a line per validation in a log "
                                  "file (epoch or step, rate, ETA, validation errors); false (or --no-progress): none"),
     },

@@ -1,5 +1,5 @@
 """What a training run writes and prints: OUTPUT/metrics.csv (one row per validation, atomically), the learning
-curve (OUTPUT/learning_curve.png) and the error table of a scored model."""
+curve (OUTPUT/learning_curve.png), TensorBoard and W&B logs, and the error table of a scored model."""
 from __future__ import annotations
 
 import csv
@@ -19,6 +19,74 @@ def write_metrics(directory: Path, rows) -> None:
         writer.writeheader()
         for row in rows:
             writer.writerow({k: row[k] for k in METRIC_COLUMNS})
+
+
+class MetricLoggers:
+    """The metric rows sent on to TensorBoard (``output.tensorboard``: event files in OUTPUT/tensorboard, through
+    ``torch.utils.tensorboard``) and Weights & Biases (``output.wandb: {project, mode}``: a run in OUTPUT/wandb,
+    offline unless ``mode`` — else WANDB_MODE, else "online" where WANDB_API_KEY is set — says otherwise; its id
+    kept in OUTPUT/wandb_id, so a resumed run continues it). Each scalar is logged at its row's step; a run resumed
+    at step S first drops what a killed run logged after S. ConfigError where the package is missing. Rank 0's."""
+
+    @staticmethod
+    def check(output: dict) -> None:
+        """ConfigError for an ``output.wandb`` section of other keys, or a logger whose package is missing (before
+        anything is written, on every rank)."""
+        import importlib.util
+
+        from ..config import ConfigError
+
+        if output["tensorboard"] and importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError("output.tensorboard: needs the tensorboard package (pip install tensorboard)")
+        if output["wandb"] is not None:
+            settings = output["wandb"]
+            if set(settings) - {"project", "mode", "name"} or not isinstance(settings.get("project"), str) or \
+                    settings.get("mode") not in (None, "offline", "online"):
+                raise ConfigError(f"output.wandb: {{project: NAME, mode: offline | online, name: RUN}} (project "
+                                  f"required), got {settings}")
+            if importlib.util.find_spec("wandb") is None:
+                raise ConfigError("output.wandb: needs the wandb package (pip install wandb)")
+
+    def __init__(self, output: dict, directory: Path, step: int, config: dict):
+        import os
+        import secrets
+
+        self.board, self.run = None, None
+        if output["tensorboard"]:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.board = SummaryWriter(log_dir=str(directory / "tensorboard"), purge_step=step + 1 if step else None)
+        if output["wandb"] is not None:
+            import wandb
+
+            settings = output["wandb"]
+            mode = settings.get("mode") or os.environ.get("WANDB_MODE") or \
+                ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+            id_file = directory / "wandb_id"
+            run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
+            id_file.write_text(run_id)
+            from potentials.adapters.process import process_kept
+
+            self.kept = process_kept(warning_filters=True)  # wandb's service variable and warning filters: until
+            self.kept.__enter__()  # the run is finished (close), then put back
+            self.run = wandb.init(project=settings["project"], name=settings.get("name"), mode=mode, id=run_id,
+                                  resume="allow", dir=str(directory), config=config)
+
+    def log(self, row: dict) -> None:
+        values = {k: row[k] for k in METRIC_COLUMNS if k not in ("step", "seconds")}
+        if self.board is not None:
+            for k, v in values.items():
+                self.board.add_scalar(k, v, row["step"])
+            self.board.flush()
+        if self.run is not None:
+            self.run.log(values, step=row["step"])
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
+        if self.run is not None:
+            self.run.finish()
+            self.kept.__exit__(None, None, None)
 
 
 def plot_learning_curve(directory: Path, rows) -> None:

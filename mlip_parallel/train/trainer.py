@@ -20,7 +20,7 @@ from .survey import surveys
 from .processes import Processes
 from .loader import StepBatches, global_batches
 from .strategies import DataParallel, GraphParallel, PipelineParallel, pipeline_trainer
-from .outputs import write_metrics
+from .outputs import MetricLoggers, write_metrics
 from .training import QUANTITIES
 
 
@@ -55,6 +55,7 @@ class Trainer(Checkpoints):
         self.directory = Path(config["output"]["directory"])
         if not config["resume"]:
             check_output_directory(self.directory, config["output"]["overwrite"])
+        MetricLoggers.check(config["output"])
         section = config["model"]
         self.starting = starting_model(section)  # (the config alone: before any process group exists)
         self.procs = procs = Processes(config["parallel"])
@@ -271,6 +272,7 @@ class Trainer(Checkpoints):
         self.best = min(self.best, val_loss)
         if self.root:
             write_metrics(self.directory, self.rows)
+            self.loggers.log(self.rows[-1])
         if improved:
             self.save(self.directory / "best.pt", self.step)
         self.save(self.last_path, self.step)
@@ -335,6 +337,7 @@ class Trainer(Checkpoints):
                     self.shards.mkdir(exist_ok=True)
                 with atomic_write(self.shards / "layout.json", "w") as f:
                     json.dump({"stages": self.pipeline.stages, "boundaries": self.pipeline.boundaries}, f)
+            self.loggers = MetricLoggers(config["output"], self.directory, self.step, config)
             from ..progress import Progress
             bar = Progress("mlip-train", *self.progress_count(total=True), None if config["output"]["progress"] else
                            "off", every_seconds=0)
@@ -392,6 +395,7 @@ class Trainer(Checkpoints):
                       f" validations without a lower validation loss than {best['val_loss']:.6g} (step "
                       f"{best['step']}, best.pt)", flush=True)
             plot_learning_curve(self.directory, self.rows)
+            self.loggers.close()
         if self.test and procs.bcast((self.directory / "best.pt").exists()):
             parts = None if self.pipeline is None else self.model.parts  # pipeline: each stage reads its own parts
             best_model = potentials.load(self.directory / "best.pt", map_location=self.device, parts=parts)
