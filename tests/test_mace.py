@@ -8,6 +8,7 @@ import os
 import pickle
 import zipfile
 
+import numpy as np
 import pytest
 import torch
 
@@ -362,3 +363,63 @@ def test_parts_chained_equal_maces_forward(fixtures, name):
     with pytest.raises(MACEModelError, match="a pipeline stage"):
         stages[0].save_native("never.model")
     assert sum(p.numel() for s in stages for p in s.parameters()) == sum(p.numel() for p in model.parameters())
+
+
+def test_a_model_mace_run_train_writes_loads_in_every_tool(tmp_path, restore_environment):
+    """mace_run_train itself, in this environment (1 epoch on 14 EMT-labelled Cu structures under MACE users' label
+    names REF_energy / REF_forces / REF_stress, float64), writes tiny.model: the calculator on it equals
+    MACECalculator to 1e-9; mlip-md runs it; mlip-train reads the same file under the same label names and fine-tunes
+    it; mlip-train eval scores it."""
+    import subprocess
+    import sys
+
+    import yaml
+    from ase.build import bulk
+    from ase.io import write
+    from mace.calculators import MACECalculator
+
+    from md.cli import main as md_main
+    from mlip_parallel.train.cli import RULES, SCHEMA, evaluate_model, train, validate
+
+    spec = importlib.util.spec_from_file_location("generator", mlip_parallel.__path__[0] + "/../examples/"
+                                                  "generate_cu_emt_data.py")
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    frames = generator.generate(seed=0, quick=True)
+    for atoms in frames:  # the labels under MACE's usual names, no calculator
+        atoms.info["REF_energy"], atoms.arrays["REF_forces"] = atoms.get_potential_energy(), atoms.get_forces()
+        atoms.info["REF_stress"] = atoms.get_stress()
+        atoms.calc = None
+    write(tmp_path / "train.xyz", frames, format="extxyz")
+    keys = {"energy": "REF_energy", "forces": "REF_forces", "stress": "REF_stress"}
+    command = [sys.executable, "-c", "from mace.cli.run_train import main; main()", "--name", "tiny",
+               "--train_file", "train.xyz", "--valid_fraction", "0.2", "--E0s", "average", "--model", "MACE",
+               "--hidden_irreps", "8x0e + 8x1o", "--r_max", "4.0", "--batch_size", "2", "--valid_batch_size", "2",
+               "--max_num_epochs", "1", "--device", "cpu", "--default_dtype", "float64", "--num_interactions", "2",
+               "--correlation", "2", "--max_L", "1", "--num_radial_basis", "4", "--seed", "1",
+               *[f"--{q}_key={name}" for q, name in keys.items()]]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    path = tmp_path / "tiny.model"
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((2, 2, 2))
+    atoms.rattle(0.05, seed=3)
+    default = torch.get_default_dtype()
+    atoms.calc = MACECalculator(model_paths=str(path), device="cpu", default_dtype="float64")
+    reference = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(), "stress": atoms.get_stress()}
+    torch.set_default_dtype(default)  # MACE's calculator sets it for the process
+    atoms.calc = MLIPCalculator(potentials.MACE(path))
+    ours = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(), "stress": atoms.get_stress()}
+    assert max(mace_errors(ours, reference, atoms).values()) < 1e-9
+    md = {"model": {"mace": str(path)}, "structure": {"element": "Cu", "crystal": "fcc", "a": 3.6,
+                                                       "repeat": [2, 2, 2]},
+          "temperature_K": 300, "ensemble": "nve", "timestep_fs": 1.0, "steps": 4, "seed": 1,
+          "output": {"directory": str(tmp_path / "md"), "thermo_every": 2}}
+    (tmp_path / "md.yaml").write_text(yaml.safe_dump(md))
+    assert md_main([str(tmp_path / "md.yaml")]) == 0
+    rows = train(validate({"data": {"train": str(tmp_path / "train.xyz"), "validation_fraction": 0.25, "keys": keys},
+                           "model": {"mace": str(path), "dtype": "float64"}, "epochs": 1, "batch_size": 4,
+                           "output": {"directory": str(tmp_path / "finetuned"), "progress": False}}, SCHEMA, RULES))
+    assert len(rows) == 1 and np.isfinite(rows[0]["val_loss"]) and (tmp_path / "finetuned" / "best.model").exists()
+    errors = evaluate_model(f"mace:{path}", str(tmp_path / "train.xyz"), keys=keys)
+    assert np.isfinite(errors["forces_mae"]) and errors["forces_mae"] > 0
