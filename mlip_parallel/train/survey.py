@@ -63,12 +63,13 @@ class LeastSquares:
         stacked = np.vstack([self.factor, rows])
         self.factor = np.linalg.qr(stacked, mode="r") if len(stacked) else stacked
 
-    def add_rows(self, rows: np.ndarray, values: np.ndarray) -> None:
-        """Add the rows ``rows`` [m, c] with values [m] (as ``add`` each)."""
+    def add_rows(self, rows: np.ndarray, values: np.ndarray, count: int | None = None) -> None:
+        """Add the rows ``rows`` [m, c] with values [m] (as ``add`` each); ``count``: how many rows they stand for
+        (m identical-row groups, each as one row √n·a, √n·mean(y): the same least squares), default m."""
         if len(rows):
             self._fold(np.vstack([np.array(self.pending).reshape(-1, self.columns + 1),
                                   np.column_stack([rows, values])]))
-            self.rows += len(rows)
+            self.rows += len(rows) if count is None else count
 
     def merge(self, other: "LeastSquares") -> None:
         other._fold(np.array(other.pending).reshape(-1, other.columns + 1))
@@ -298,12 +299,21 @@ class Survey:
             self.missing[q] = len(lacking)
             if len(lacking):
                 self.first_missing[q] = int(lacking[np.argmin(order[lacking])])
+        # the least squares of the energies on the element counts, a chunk of structures at a time, each chunk's
+        # structures of one composition as one row (√n × counts, √n × their mean energy: the same minimum)
         self.energies = LeastSquares(ELEMENTS)
         labelled = np.flatnonzero(~np.isnan(f.energy))
-        for lo in range(0, len(labelled), 8 * CHUNK):
-            chunk = labelled[lo:lo + 8 * CHUNK]
-            some = f.take(chunk)
-            self.energies.add_rows(some.count_rows(0, len(chunk)), some.energy)
+        present = np.unique(f.element_numbers)
+        for lo in range(0, len(labelled), 128 * CHUNK):
+            some = f.take(labelled[lo:lo + 128 * CHUNK])
+            counts = some.count_rows(0, len(some))[:, present]
+            compositions, group = np.unique(counts, axis=0, return_inverse=True)
+            group = group.reshape(-1)
+            n = np.bincount(group).astype(np.float64)
+            mean = np.bincount(group, weights=some.energy) / n
+            rows = np.zeros((len(compositions), ELEMENTS))
+            rows[:, present] = compositions * np.sqrt(n)[:, None]
+            self.energies.add_rows(rows, mean * np.sqrt(n), count=len(some))
         self.labelled_elements = set(np.unique(f.take(labelled).element_numbers).tolist())  # of those with energy
         has_forces = (f.lacks & LACKS["forces"]) == 0
         self.force_squares = float(np.sum(f.force_squares[has_forces]))
