@@ -81,15 +81,16 @@ def check_new_model_size(section, species, config, procs, device) -> None:
     check_parameter_memory(procs.backend, cls.__name__, construct, hyperparameters, defaults, device, itemsize, stages)
 
 
-def check_freeze(model, freeze, procs, key: str = "model.freeze") -> None:
-    """ConfigError naming a pattern of ``freeze`` (the config's ``key``) that matches no weight of the model on
-    any rank (pipeline stages each hold some parts), with the model's parameter groups (collective)."""
+def check_patterns(model, patterns, procs, key: str = "model.freeze") -> None:
+    """ConfigError naming a glob of ``patterns`` (the config's ``key``: model.freeze, optimizer.lr_factors) that
+    matches no weight of the model on any rank (pipeline stages each hold some parts), with the model's parameter
+    groups (collective)."""
     from fnmatch import fnmatchcase
 
     from potentials.base import weight_groups
 
     names = [name for held in procs.allgather([name for name, _ in model.named_weights()]) for name in held]
-    for pattern in freeze:
+    for pattern in patterns:
         if not any(fnmatchcase(name, pattern) for name in names):
             raise ConfigError(f"{key}: pattern {pattern!r} matches none of the {type(model).__name__}'s "
                               f"weights; its parameter groups are {', '.join(weight_groups(names))}")

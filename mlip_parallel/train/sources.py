@@ -230,27 +230,51 @@ def open_source(paths, keys=None) -> Source:
     return Source(parts)
 
 
+def cached_file(key: str, suffix: str) -> Path:
+    """Where the cache keeps what was learnt of a file under ``key`` (text naming the file and what it holds)."""
+    return cache_directory() / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}{suffix}"
+
+
+def file_stamp(path) -> np.ndarray:
+    """[size, modification time in ns] of a file: a cached entry of another stamp is of another file."""
+    stat = os.stat(path)
+    return np.array([stat.st_size, stat.st_mtime_ns], dtype=np.int64)
+
+
+def load_cached(cached: Path, stamp) -> dict | None:
+    """The arrays cached at ``cached`` when they were saved under ``stamp``, else None (none, another stamp, a
+    damaged file)."""
+    try:
+        with np.load(cached) as saved:
+            if np.array_equal(saved["stamp"], stamp):
+                return {name: saved[name] for name in saved.files if name != "stamp"}
+    except (OSError, KeyError, ValueError):
+        pass
+    return None
+
+
+def save_cached(cached: Path, stamp, arrays: dict) -> None:
+    """Keep ``arrays`` at ``cached`` under ``stamp``, atomically; where the cache is not writable, nothing (they are
+    computed again next time)."""
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_name(f"{cached.stem}.{os.getpid()}.partial.npz")
+        np.savez(partial, stamp=stamp, **arrays)
+        os.replace(partial, cached)
+    except OSError:
+        pass
+
+
 def extxyz_offsets(path) -> np.ndarray:
     """[frames + 1] byte offsets of an extxyz file's frames (and its end): from the cache when it holds the index of
     this very file (its path, size and modification time), else ``index_extxyz`` (then cached, where writable)."""
     path = os.path.abspath(path)
-    stat = os.stat(path)
-    name = hashlib.sha256(path.encode()).hexdigest()[:32]
-    cached = cache_directory() / f"{name}.npz"
-    try:
-        with np.load(cached) as saved:
-            if int(saved["size"]) == stat.st_size and int(saved["mtime_ns"]) == stat.st_mtime_ns:
-                return saved["offsets"]
-    except (OSError, KeyError, ValueError):
-        pass
+    cached, stamp = cached_file(path, ".npz"), file_stamp(path)
+    found = load_cached(cached, stamp)
+    if found is not None:
+        return found["offsets"]
     offsets = index_extxyz(path)
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        partial = cached.with_name(f"{cached.stem}.{os.getpid()}.partial.npz")
-        np.savez(partial, offsets=offsets, size=stat.st_size, mtime_ns=stat.st_mtime_ns)
-        os.replace(partial, cached)
-    except OSError:  # a read-only home: the index is rebuilt next time
-        pass
+    save_cached(cached, stamp, {"offsets": offsets})
     return offsets
 
 

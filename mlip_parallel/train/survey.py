@@ -26,7 +26,6 @@ names the lowest index that fails). A structure that cannot be read stops the pa
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from array import array
@@ -164,20 +163,16 @@ class Facts:
                      *(np.concatenate([getattr(p, name) for p in parts]) for name in ("element_numbers",
                                                                                       "element_counts")))
 
-    def count_rows(self, lo: int, hi: int) -> np.ndarray:
-        """[hi - lo, ELEMENTS] the element counts of structures lo .. hi - 1."""
-        dense = np.zeros((hi - lo, ELEMENTS))
-        a, b = self.element_start[lo], self.element_start[hi]
-        rows = np.repeat(np.arange(hi - lo), np.diff(self.element_start[lo:hi + 1]))
-        dense[rows, self.element_numbers[a:b]] = self.element_counts[a:b]
+    def count_rows(self) -> np.ndarray:
+        """[n, ELEMENTS] each structure's element counts."""
+        dense = np.zeros((len(self), ELEMENTS))
+        dense[np.repeat(np.arange(len(self)), np.diff(self.element_start)), self.element_numbers] = self.element_counts
         return dense
 
 
 def share_facts(structures, rank: int, size: int) -> tuple:
     """(positions [m], Facts, error) of the structures at positions rank, rank + size, ... of ``structures``; one
     that cannot be read ends the share: ``error`` = (position, message), else None."""
-    from .training import DataError
-
     positions, error = [], None
 
     def read():  # one structure at a time: none is kept
@@ -216,44 +211,23 @@ def read_facts(structures, procs) -> Facts:
     return merged_facts(shared(procs, share_facts(structures, rank, size)))
 
 
-def facts_cache(part):
-    """(path of the cached facts of file part ``part``, its stamp [size, mtime]) in the cache directory, keyed by
-    the file's absolute path, the labels' names and ``FACTS_VERSION``; (None, None) where the file is gone."""
-    from .sources import cache_directory
+def file_facts(part, procs) -> Facts:
+    """The facts of one file's structures (a ``sources.FileSource``): from the cache (``sources.load_cached``, keyed
+    by the file's absolute path, the labels' names and ``FACTS_VERSION``) when every rank's holds this very file's,
+    else read (the ranks sharing it) and cached by the first rank, where writable (collective)."""
+    from .sources import cached_file, file_stamp, load_cached, save_cached
 
     path = os.path.abspath(part.path)
-    try:
-        stat = os.stat(path)
-    except OSError:
-        return None, None
-    key = json.dumps([path, part.keys, FACTS_VERSION], sort_keys=True)
-    name = hashlib.sha256(key.encode()).hexdigest()[:32]
-    return cache_directory() / f"{name}.facts.npz", np.array([stat.st_size, stat.st_mtime_ns], dtype=np.int64)
-
-
-def file_facts(part, procs) -> Facts:
-    """The facts of one file's structures (a ``sources.FileSource``): from the cache when every rank's holds this
-    very file's, else read (the ranks sharing it) and cached by the first rank, where writable (collective)."""
-    cached, stamp = facts_cache(part)
-    found = None
-    if cached is not None:
-        try:
-            with np.load(cached) as saved:
-                if np.array_equal(saved["stamp"], stamp) and len(saved["atoms"]) == len(part):
-                    found = Facts(*(saved[name] for name in Facts.FIELDS))
-        except (OSError, KeyError, ValueError):
-            pass
+    cached = cached_file(json.dumps([path, part.keys, FACTS_VERSION], sort_keys=True), ".facts.npz")
+    stamp = file_stamp(path)
+    saved = load_cached(cached, stamp)
+    found = Facts(*(saved[name] for name in Facts.FIELDS)) \
+        if saved is not None and len(saved.get("atoms", ())) == len(part) else None
     if all(shared(procs, found is not None)):  # every rank found them (ranks may have caches of their own)
         return found
     found = read_facts(part, procs)
-    if cached is not None and (procs is None or procs.rank == 0):
-        try:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            partial = cached.with_name(f"{cached.stem}.{os.getpid()}.partial.npz")
-            np.savez(partial, stamp=stamp, **{name: getattr(found, name) for name in Facts.FIELDS})
-            os.replace(partial, cached)
-        except OSError:  # a read-only cache: read again next time
-            pass
+    if procs is None or procs.rank == 0:
+        save_cached(cached, stamp, {name: getattr(found, name) for name in Facts.FIELDS})
     return found
 
 
@@ -281,8 +255,7 @@ class Survey:
     """One part of a data set (``structures``), surveyed from its ``Facts`` (see the module docstring)."""
 
     def __init__(self, structures, part_facts: Facts):
-        self.structures = structures
-        self.facts = f = part_facts
+        self.structures, f = structures, part_facts
         self.size = len(f)
         self.atoms = f.atoms
         from .sources import Subset
@@ -302,19 +275,19 @@ class Survey:
         # the least squares of the energies on the element counts, a chunk of structures at a time, each chunk's
         # structures of one composition as one row (√n × counts, √n × their mean energy: the same minimum)
         self.energies = LeastSquares(ELEMENTS)
+        self.labelled_elements = set()  # the atomic numbers of the structures with an energy
         labelled = np.flatnonzero(~np.isnan(f.energy))
         present = np.unique(f.element_numbers)
         for lo in range(0, len(labelled), 128 * CHUNK):
             some = f.take(labelled[lo:lo + 128 * CHUNK])
-            counts = some.count_rows(0, len(some))[:, present]
-            compositions, group = np.unique(counts, axis=0, return_inverse=True)
+            compositions, group = np.unique(some.count_rows()[:, present], axis=0, return_inverse=True)
             group = group.reshape(-1)
             n = np.bincount(group).astype(np.float64)
             mean = np.bincount(group, weights=some.energy) / n
             rows = np.zeros((len(compositions), ELEMENTS))
             rows[:, present] = compositions * np.sqrt(n)[:, None]
             self.energies.add_rows(rows, mean * np.sqrt(n), count=len(some))
-        self.labelled_elements = set(np.unique(f.take(labelled).element_numbers).tolist())  # of those with energy
+            self.labelled_elements.update(present[(compositions > 0).any(axis=0)].tolist())
         has_forces = (f.lacks & LACKS["forces"]) == 0
         self.force_squares = float(np.sum(f.force_squares[has_forces]))
         self.force_components = int(3 * np.sum(f.atoms[has_forces], dtype=np.int64))

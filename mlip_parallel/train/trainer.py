@@ -14,7 +14,7 @@ import numpy as np
 from ..config import ConfigError, check_output_directory
 from ..preflight import check_training_memory
 from .checkpoints import Checkpoints
-from .model_setup import build_model, check_freeze, check_new_model_size, fit_scale_shift, load_data, model_species, \
+from .model_setup import build_model, check_patterns, check_new_model_size, fit_scale_shift, load_data, model_species, \
     parameter_groups, starting_model
 from .survey import surveys
 from .processes import Processes
@@ -96,8 +96,8 @@ class Trainer(Checkpoints):
             kind = GraphParallel if procs.parallel == "graph" else DataParallel
             self.strategy = kind(procs, model, device, config, self.weights)
         self.model = model = self.strategy.model
-        check_freeze(model, section["freeze"], procs)
-        check_freeze(model, list(config["optimizer"]["lr_factors"] or {}), procs, "optimizer.lr_factors")
+        check_patterns(model, section["freeze"], procs)
+        check_patterns(model, list(config["optimizer"]["lr_factors"] or {}), procs, "optimizer.lr_factors")
         if not self.strategy.parameters:
             raise ConfigError(f"model.freeze {section['freeze']} keeps every weight of the model fixed: nothing to train")
         for part, role in zip(self.surveys, ("training", "validation", "test")):
@@ -121,10 +121,7 @@ class Trainer(Checkpoints):
         elif section["reference_energies"] == "fit":
             self.fit_reference_energies()
         else:
-            energies = model.reference_energies()
-            if self.pipeline is not None:  # the stage that holds them (the readout's, for most models)
-                energies = next((e for e in procs.allgather(energies) if e is not None), None)
-            self.reference_note = self.reference_energies_line("kept", energies)
+            self.reference_note = self.reference_energies_line("kept", self.held_reference_energies())
         o, sch = config["optimizer"], config["schedule"]
         self.optimizer = torch.optim.AdamW(parameter_groups(model, self.strategy.parameters, o["lr"], o["lr_factors"]),
                                            lr=o["lr"], weight_decay=o["weight_decay"], amsgrad=o["amsgrad"])
@@ -178,6 +175,14 @@ class Trainer(Checkpoints):
         shown = ", ".join(pairs[:12]) + (f", ... ({len(pairs)} elements)" if len(pairs) > 12 else "")
         return f"mlip-train: reference energies {what} (eV per atom, the training set's elements): {shown}"
 
+    def held_reference_energies(self):
+        """The model's per-element reference energies (None: it has none); in pipeline mode the stage's that holds
+        them (the readout's, for most models), on every rank (collective there)."""
+        energies = self.model.reference_energies()
+        if self.pipeline is not None:
+            energies = next((e for e in self.procs.allgather(energies) if e is not None), None)
+        return energies
+
     def fit_reference_energies(self) -> None:
         """``model.reference_energies: fit``: each element of the labelled training structures gets the least
         squares of the energy labels on the element counts (the start-up survey's; MACE's ``E0s: average``);
@@ -185,9 +190,7 @@ class Trainer(Checkpoints):
         from ase.data import atomic_numbers
 
         model, survey = self.model, self.surveys[0]
-        before = model.reference_energies()
-        if self.pipeline is not None:  # the stage that holds them
-            before = next((e for e in self.procs.allgather(before) if e is not None), None)
+        before = self.held_reference_energies()
         if before is None:
             raise ConfigError(f"model.reference_energies: fit: this {type(model).__name__} has no per-element "
                               f"reference energies")
