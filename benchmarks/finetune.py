@@ -150,7 +150,7 @@ def ours(spec, frames, dtype):
     import torch
 
     import potentials
-    from mlip_parallel.train.training import Batch, Counts, Structure, batch_gradients
+    from mlip_parallel.train.training import Batch, Counts, LossRule, Structure, batch_gradients
 
     model = potentials.load_model(spec, dtype=dtype).train()
     params = potentials.base.select_weights(model)
@@ -161,7 +161,7 @@ def ours(spec, frames, dtype):
     def step():
         optimizer.zero_grad()
         batch = Batch(structures, model, model.device)
-        batch_gradients(model, batch, Counts.of(structures), WEIGHTS, params)
+        batch_gradients(model, batch, Counts.of(structures), LossRule(**WEIGHTS), params)
         optimizer.step()
 
     return step

@@ -53,7 +53,7 @@ def worker(args):
 
     import potentials
     from mlip_parallel.train.cli import keep_freed_memory
-    from mlip_parallel.train.training import Batch, Counts, batch_gradients
+    from mlip_parallel.train.training import Batch, Counts, LossRule, batch_gradients
 
     torch.set_num_threads(1)
     keep_freed_memory()  # as mlip-train does (its default), on both sides
@@ -63,7 +63,7 @@ def worker(args):
         return potentials.SchNet(["Cu"], cutoff=4.5, features=args.features, layers=args.blocks, parts=parts, seed=0)
 
     model = build() if args.stages == 1 and args.layout != "sequential" else None
-    weights = {"energy": 1.0, "forces": 10.0, "stress": 1.0}
+    weights = LossRule(energy=1.0, forces=10.0, stress=1.0)
     steps = 3
     if args.stages == 1 and args.layout == "sequential":
         step = in_sequence(build, structures, args, weights)

@@ -52,11 +52,11 @@ def worker(args):
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
     import potentials
-    from mlip_parallel.train.training import Batch, Counts, batch_gradients
+    from mlip_parallel.train.training import Batch, Counts, LossRule, batch_gradients
 
     torch.set_num_threads(1)
     structures = cu_structures(args.structures, 32)
-    weights = {"energy": 1.0, "forces": 10.0, "stress": 1.0}
+    weights = LossRule(energy=1.0, forces=10.0, stress=1.0)
 
     def build(parts=None):
         if args.mace_file or args.sevennet or args.allegro_file:  # its trained weights, as mlip-train selects them

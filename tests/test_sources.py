@@ -144,7 +144,7 @@ def test_label_names_and_bad_files_are_named(tmp_path):
     cases = [(garbage, None, r"garbage.extxyz: cannot read structures: line 5: expected the atom count of a frame "
                              r"\(extxyz\), got 'not a count'"),
              (truncated, None, r"truncated.extxyz: cannot read structures: frame 0 \(counting from 0\) ends early"),
-             (path, {"charge": "q"}, r"data.keys: 'charge' is not a label \(the labels: energy, forces, stress\)"),
+             (path, {"charge": "q"}, r"data.keys: 'charge' is not a key it takes \(energy, forces, stress, config_type\)"),
              ([str(path), 3], None, r"a data file is a path, got 3"),
              ([], None, r"no data file given")]
     for data, keys, message in cases:

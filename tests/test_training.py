@@ -29,8 +29,12 @@ spec.loader.exec_module(generator)
 
 @pytest.fixture(scope="module")
 def quick_data(tmp_path_factory):
+    """EMT-labelled Cu structures, of three config_types in turn."""
     path = tmp_path_factory.mktemp("data") / "cu_quick.extxyz"
-    write(path, generator.generate(seed=0, quick=True), format="extxyz")
+    frames = generator.generate(seed=0, quick=True)
+    for k, atoms in enumerate(frames):
+        atoms.info["config_type"] = ("bulk", "rattled", "strained")[k % 3]
+    write(path, frames, format="extxyz")
     return path
 
 
@@ -109,7 +113,8 @@ def test_killed_mid_epoch_and_resumed_equals_a_straight_run(quick_data, replay_d
     metrics, bit for bit; the cut run redid 2 steps. The cut
     run reads ahead in 2 worker processes (data.workers), the straight one reads when a step uses a structure. Also
     in batches of at most 10 atoms (of 3- and 4-atom structures: epochs of unequal step counts), with another file
-    sampled at a share of 0.2 (each epoch its own draws)."""
+    sampled at a share of 0.2 (each epoch its own draws); in batches of 3, a second stage from epoch 3 (other
+    weights, a constant rate, the weights averaged at each of its epochs' ends) and config_type weights."""
     from mlip_parallel.train import strategies
 
     def config(directory, workers=2):
@@ -117,6 +122,9 @@ def test_killed_mid_epoch_and_resumed_equals_a_straight_run(quick_data, replay_d
                        schedule={"name": "cosine", "warmup_steps": 7, "min_lr": 1e-4},
                        output={"directory": str(directory), "checkpoint_every": 3})
         settings["data"].update(stream=True, workers=workers)
+        if "batch_size" in batching:  # and a second stage from epoch 3: other weights, its own rate, averaged
+            settings["stage_two"] = {"start_epoch": 3, "forces_weight": 3.0, "lr": 0.001, "average": True}
+            settings["loss"].update(type="universal", config_type_weights={"rattled": 2.0, "bulk": 0.5})
         if "batch_atoms" in batching:
             settings["data"]["train"] = [str(quick_data), {"file": str(replay_data), "share": 0.2}]
         return validate(settings, SCHEMA, RULES)
@@ -152,7 +160,7 @@ def test_killed_mid_epoch_and_resumed_equals_a_straight_run(quick_data, replay_d
     for name in ("last.pt", "best.pt"):
         a, b = (torch.load(d / name, weights_only=True) for d in (straight, cut))
         assert a["training"]["step"] == b["training"]["step"] == (steps if name == "last.pt" else a["training"]["step"])
-        for part in ("model", "ema"):
+        for part in ("model", "ema", "average"):
             for key in a["training"][part]:
                 assert torch.equal(a["training"][part][key], b["training"][part][key]), (name, part, key)
         for state_a, state_b in zip(a["training"]["optimizer"]["state"].values(),
@@ -251,7 +259,8 @@ def test_tensorboard_and_wandb_log_the_metric_rows(quick_data, tmp_path, monkeyp
                                                        ("data", "mpiexec", 1), ("pipeline", "mpiexec", 0)])
 def test_two_ranks_equal_one_process(mpirun, torchrun, quick_data, replay_data, tmp_path, parallel, launcher, stream):
     """Same global batch, float64: parameters after 9 optimizer steps (gradient clipping, EMA, AMSGrad, the
-    Huber loss and learning-rate factors on: in pipeline, each stage holds some of the groups) equal the
+    universal loss with config_type weights, a second stage in epoch 3 with its weight average, and learning-rate
+    factors on: in pipeline, each stage holds some of the groups) equal the
     single-process run. Pipeline: 2 stage-local models, up to 4 micro-batches (the last batch
     of each epoch has 2 structures), schedule auto (five timed warm-up steps, then
     the order predicted fastest under the measured costs), four sweeps, pipelined validation. Graph parallel also under
@@ -263,8 +272,10 @@ def test_two_ranks_equal_one_process(mpirun, torchrun, quick_data, replay_data, 
     config = job(serial, quick_data, epochs=3, parallel="data", batch_atoms=20 if stream else 0,
                  optimizer={"lr": 0.005, "gradient_clip": 1.0, "amsgrad": True,
                             "lr_factors": {"interactions.1.*": 0.5, "readout.*": 2.0}},
-                 loss={"energy_weight": 1.0, "forces_weight": 10.0, "stress_weight": 1.0, "type": "huber",
-                       "huber_delta": 0.05})
+                 loss={"energy_weight": 1.0, "forces_weight": 10.0, "stress_weight": 1.0, "type": "universal",
+                       "huber_delta": 0.05, "config_type_weights": {"rattled": 3.0, "strained": 0.5}},
+                 stage_two={"start_epoch": 3, "energy_weight": 5.0, "forces_weight": 2.0, "lr": 0.002,
+                            "average": True})
     if stream:
         config["data"]["train"] = [str(quick_data), {"file": str(replay_data), "share": 0.3}]
     train(validate(config, SCHEMA, RULES))
@@ -287,7 +298,10 @@ def test_two_ranks_equal_one_process(mpirun, torchrun, quick_data, replay_data, 
     for key in a:
         scale = max(float(a[key].abs().max()), 1e-12)
         assert float((a[key] - b[key]).abs().max()) / scale < 1e-8, key
-    assert metrics(serial)[-1]["forces_mae"] == pytest.approx(metrics(distributed)[-1]["forces_mae"], rel=1e-8)
+    assert re.search(r"mlip-train: stage two from epoch 2, step \d+: loss weights energy 5, forces 2, stress 1, "
+                     r"learning rate 0.002\n", out), out
+    for name in ("forces_mae", "train_forces_mae", "train_energy_rmse", "lr"):
+        assert metrics(serial)[-1][name] == pytest.approx(metrics(distributed)[-1][name], rel=1e-8), name
 
 
 def test_pipeline_resume_merged_checkpoint_and_restaging(mpirun, quick_data, tmp_path):
@@ -421,6 +435,81 @@ def test_bad_data_and_config_are_named(quick_data, tmp_path):
         train(validate(dict(job(tmp_path / "m", no_forces), data={"train": str(no_forces), "validation": str(no_forces)}),
                        SCHEMA, RULES))
     assert "4 of these 4 structures lack forces" in str(info.value)
+
+
+def test_losses_equal_maces_weighted_mse_huber_and_universal_losses(quick_data):
+    """loss_terms under each loss.type equals MACE's own loss module of that name (mace.modules.loss: its weighted
+    energy/forces/stress MSE with per-configuration weights, its Huber loss, its universal loss, whose force
+    threshold shrinks in bands of the labelled force's norm), float64, on structures whose labelled forces reach each
+    band and whose predictions err on both sides of each threshold; config_type weights are read by data.keys'
+    name. Fault shown: the universal loss with one threshold (plain Huber) differs."""
+    from dataclasses import replace
+
+    mace_loss = pytest.importorskip("mace.modules.loss")
+    from mlip_parallel.train.training import Counts, Labels, LossRule, loss_terms, read_structures, total_loss
+
+    structures = read_structures(quick_data, keys={"config_type": "config_type"})[:6]
+    assert [s.config_type for s in structures] == ["bulk", "rattled", "strained"] * 2
+    structures[1].forces[0] = [150.0, 0.0, 0.0]  # labelled forces in every band of the universal loss
+    structures[2].forces[1] = [0.0, 220.0, -10.0]
+    structures[3].forces[2] = [310.0, 40.0, 0.0]
+    rng = np.random.default_rng(3)
+    labels = Labels(structures, "cpu")
+    energy = labels.energy + torch.as_tensor(rng.normal(0, 0.03, len(structures))) * labels.atoms_per_structure
+    forces = labels.forces + torch.as_tensor(rng.normal(0, 0.02, labels.forces.shape))
+    stress = labels.stress + torch.as_tensor(rng.normal(0, 0.01, labels.stress.shape))
+    counts = Counts.of(structures)
+
+    class Reference(dict):  # MACE's batch: labels by key, per-configuration weights by attribute
+        __getattr__ = dict.__getitem__
+
+    sizes = labels.atoms_per_structure.long()
+    ones = torch.ones(len(structures), dtype=torch.float64)
+    config_weights = {"rattled": 3.0, "strained": 0.5}
+    theirs = Reference(energy=labels.energy, forces=labels.forces, stress=labels.stress,
+                       ptr=torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)]),
+                       weight=torch.tensor([config_weights.get(s.config_type, 1.0) for s in structures],
+                                           dtype=torch.float64),
+                       energy_weight=ones, forces_weight=ones, stress_weight=ones)
+    predicted = {"energy": energy, "forces": forces, "stress": stress}
+    w = {"energy": 2.0, "forces": 10.0, "stress": 3.0}
+    cases = [("mse", config_weights, mace_loss.WeightedEnergyForcesStressLoss(**{f"{q}_weight": v for q, v in w.items()})),
+             ("huber", {}, mace_loss.WeightedHuberEnergyForcesStressLoss(**{f"{q}_weight": v for q, v in w.items()},
+                                                                          huber_delta=0.01)),
+             ("universal", {}, mace_loss.UniversalLoss(**{f"{q}_weight": v for q, v in w.items()}, huber_delta=0.01))]
+    for kind, factors, module in cases:
+        rule = LossRule(**w, type=kind, huber_delta=0.01, config_type_weights=factors)
+        ours = float(total_loss(loss_terms(energy, forces, stress, labels, counts, rule), rule))
+        reference = float(module(theirs, predicted))
+        assert ours == pytest.approx(reference, rel=1e-12), kind
+    plain = replace(rule, type="huber")
+    assert float(total_loss(loss_terms(energy, forces, stress, labels, counts, plain), plain)) != \
+        pytest.approx(reference, rel=1e-6)  # the bands matter here
+
+
+def test_stage_two_weights_rate_and_average(quick_data, tmp_path):
+    """stage_two from epoch 2 of 3 (average on): the rows of epochs 2 and 3 score val_loss with stage two's weights
+    (Σ w rmse² of the row's errors) and train at its learning rate, epoch 1 at stage one's; best.pt and last.pt hold
+    the average of the trained weights at the ends of epochs 2 and 3 (read from a run of 2 epochs resumed to 3, whose
+    last.pt training states hold them), not the EMA; a stage-two key without start_epoch is named."""
+    two = {"start_epoch": 2, "energy_weight": 4.0, "forces_weight": 1.0, "stress_weight": 0.0, "lr": 0.0007,
+           "average": True}
+    out = tmp_path / "run"
+    train(validate(job(out, quick_data, epochs=2, stage_two=two), SCHEMA, RULES))
+    at_two = torch.load(out / "last.pt", weights_only=True)["training"]["model"]
+    rows = train(validate(job(out, quick_data, epochs=3, stage_two=two, resume=True), SCHEMA, RULES))
+    at_three = torch.load(out / "last.pt", weights_only=True)["training"]["model"]
+    assert [r["lr"] for r in rows] == [0.005, 0.0007, 0.0007]
+    weights = [{"energy": 1.0, "forces": 10.0, "stress": 1.0}] + [{"energy": 4.0, "forces": 1.0, "stress": 0.0}] * 2
+    for row, w in zip(rows, weights):
+        assert row["val_loss"] == pytest.approx(sum(w[q] * row[f"{q}_rmse"] ** 2 for q in w if w[q]), rel=1e-12)
+        assert np.isfinite(row["train_forces_mae"]) and row["train_forces_mae"] != row["forces_mae"]
+    for name in ("last.pt", "best.pt"):
+        saved = potentials.load(out / name).state_dict()
+        for key, value in at_three.items():
+            assert torch.allclose(saved[key], (at_two[key] + at_three[key]) / 2, rtol=1e-12, atol=0), (name, key)
+    with pytest.raises(ConfigError, match=re.escape("stage_two: set stage_two.start_epoch")):
+        train(validate(job(tmp_path / "bad", quick_data, stage_two={"lr": 0.001}), SCHEMA, RULES))
 
 
 def test_nan_is_never_masked(quick_data, tmp_path):

@@ -18,7 +18,9 @@ class Checkpoints:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": step,
                 "best": self.best, "pending": list(self.pending),
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
-                "ema": self.ema.state_dict() if self.ema is not None else {}, "pipeline": self.strategy.state_dict()}
+                "ema": self.ema.state_dict() if self.ema is not None else {},
+                "average": self.average.state_dict() if self.average is not None else {},
+                "pipeline": self.strategy.state_dict()}
 
     def shard(self, step: int) -> Path:
         """This pipeline stage's resume state after ``step`` optimizer steps (written by replica 0)."""
@@ -58,6 +60,11 @@ class Checkpoints:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.ema is not None:
             self.ema.load_state_dict(state["ema"])
+        if self.average is not None:
+            if not state.get("average"):
+                raise ConfigError(f"resume: {path} holds no stage-two weight average: resume with the run's "
+                                  "stage_two.average")
+            self.average.load_state_dict(state["average"])
         self.strategy.load_state_dict(state["pipeline"])
         if "step" not in state:
             raise ConfigError(f"resume: {path} was written by an older mlip-train that counted epochs, not steps: "

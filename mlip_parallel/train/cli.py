@@ -50,7 +50,8 @@ SECTIONS = {
         "workers": (int, 0, "data.stream: worker processes per rank that read the training structures and build "
                             "their neighbour lists ahead of the model (0: read when used)"),
         "keys": (dict, None, "the labels' names in the files, e.g. {energy: REF_energy, forces: REF_forces, stress: "
-                             "REF_stress} (default: energy, forces, stress; a calculator's results, info or arrays)"),
+                             "REF_stress, config_type: kind} (default: energy, forces, stress, config_type; a "
+                             "calculator's results, info or arrays; config_type: an info entry)"),
         "validation_fraction": (float, 0.1, "share of train held out for validation when no validation file"),
         "test_fraction": (float, 0.0, "share of train held out for the test when no test file"),
     },
@@ -75,10 +76,27 @@ SECTIONS = {
         "energy_weight": (float, 1.0, "weight of the energy-per-atom MSE (eV²)"),
         "forces_weight": (float, 10.0, "weight of the force-component MSE (eV²/Å²)"),
         "stress_weight": (float, 0.0, "weight of the stress-component MSE (eV²/Å⁶)"),
-        "type": (str, "mse", "mse (mean squared errors), or huber: each error's Huber loss (torch's: x²/2 within "
-                             "huber_delta, linear beyond) in place of its square; val_loss stays the weighted MSE"),
-        "huber_delta": (float, 0.01, "loss.type huber: the threshold between its quadratic and linear parts (in each "
-                                     "error's unit: eV/atom, eV/Å, eV/Å³)"),
+        "type": (str, "mse", "mse (mean squared errors); huber: each error's Huber loss (torch's: x²/2 within "
+                             "huber_delta, linear beyond) in place of its square; universal: MACE's, Huber's with the "
+                             "force threshold 0.7, 0.4, 0.1 x huber_delta where the labelled force is over 100, 200, "
+                             "300 eV/Å; val_loss stays the weighted MSE"),
+        "huber_delta": (float, 0.01, "loss.type huber or universal: the threshold between its quadratic and linear "
+                                     "parts (in each error's unit: eV/atom, eV/Å, eV/Å³)"),
+        "config_type_weights": (dict, None, "{config_type: weight}: each penalty of a structure of that config_type "
+                                            "(an atoms.info entry; data.keys.config_type names it) times the weight, "
+                                            "others 1 (MACE's --config_type_weights)"),
+    },
+    "stage_two": {
+        "start_epoch": (int, 0, "from this epoch on (counting from 1) train with stage two's loss weights and "
+                                "learning rate (MACE's --stage_two / --swa with --start_swa); best.pt and early "
+                                "stopping then compare stage two's validation losses only (0: one stage)"),
+        "energy_weight": (float, None, "stage two's loss.energy_weight (default: stage one's)"),
+        "forces_weight": (float, None, "stage two's loss.forces_weight (default: stage one's)"),
+        "stress_weight": (float, None, "stage two's loss.stress_weight (default: stage one's)"),
+        "lr": (float, None, "stage two's learning rate, constant from its first step (x each group's "
+                            "optimizer.lr_factors; the schedule stops); default: the schedule goes on"),
+        "average": (bool, False, "score and save the average of the weights at each stage-two epoch's end "
+                                 "(stochastic weight averaging, MACE's SWA model) instead of the EMA"),
     },
     "optimizer": {
         "lr": (float, 1e-3, "AdamW learning rate"),
@@ -102,6 +120,9 @@ SECTIONS = {
         "patience": (int, 0, "end the run when this many validations in a row have not lowered the validation loss "
                              "below the best before them (0: never); best.pt holds the best"),
     },
+    "training_errors": (int, 256, "at each validation also score the evaluation model on this many training "
+                                  "structures (a fixed seeded subset, read as the training set is): metrics.csv's "
+                                  "train_* columns (0: none)"),
     "ema_decay": (float, 0.99, "exponential moving average of the weights (0: none); best.pt/last.pt hold the average"),
     "epochs": (int, 100, "number of epochs"),
     "max_steps": (int, 0, "end after this many optimizer steps if epochs have not ended it first (0: epochs alone); "
@@ -149,7 +170,8 @@ SECTIONS = {
 # allowed values (a tuple) or the range of a number (mlip_parallel.config.obeys); other numbers: finite, >= 0
 RULES = {"model.name": tuple(ARCHITECTURES), "model.reference_energies": ("keep", "refit", "fit"),
          "schedule.name": ("plateau", "cosine", "none"), "parallel": ("data", "graph", "pipeline"),
-         "loss.type": ("mse", "huber"), "loss.huber_delta": "> 0",
+         "loss.type": ("mse", "huber", "universal"), "loss.huber_delta": "> 0",
+         "stage_two.lr": "> 0",
          "pipeline.schedule": ("auto", "gpipe", "1f1b"),
          "data.validation_fraction": "[0, 1)", "data.test_fraction": "[0, 1)", "model.cutoff": "> 0",
          "optimizer.lr": "> 0", "schedule.factor": "(0, 1)", "ema_decay": "[0, 1)", "epochs": ">= 1",

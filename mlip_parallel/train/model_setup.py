@@ -99,7 +99,8 @@ def check_patterns(model, patterns, procs, key: str = "model.freeze") -> None:
 def parameter_groups(model, parameters, lr: float, factors: dict | None) -> list:
     """The optimizer's parameter groups: ``parameters`` (the trained ones, in their order) at ``lr``, except those
     whose name (``model.named_weights``) matches a glob of ``factors`` ({glob: factor}; the first that matches
-    wins), at lr × factor, a group per glob (the first group: the unmatched ones, possibly none)."""
+    wins), at lr × factor, a group per glob (the first group: the unmatched ones, possibly none); each group's
+    ``lr_factor`` is kept (stage two's learning rate is set through it)."""
     from fnmatch import fnmatchcase
 
     factors = dict(factors or {})
@@ -108,7 +109,8 @@ def parameter_groups(model, parameters, lr: float, factors: dict | None) -> list
             raise ConfigError(f"optimizer.lr_factors.{pattern}: a factor of the learning rate is a number >= 0, got "
                               f"{factor!r}")
     names = {id(p): name for name, p in model.named_weights()}
-    groups = [{"params": [], "lr": lr}] + [{"params": [], "lr": lr * f} for f in factors.values()]
+    groups = [{"params": [], "lr": lr, "lr_factor": 1.0}] + [{"params": [], "lr": lr * f, "lr_factor": f}
+                                                              for f in factors.values()]
     for p in parameters:
         name = names.get(id(p), "")
         k = next((k for k, pattern in enumerate(factors, start=1) if fnmatchcase(name, pattern)), 0)
@@ -159,7 +161,7 @@ def training_entries(train) -> tuple:
 
 
 def load_data(config):
-    """(train, validation, test, weights, mixture) of the data section: structures held in memory (lists), or with
+    """(train, validation, test, mixture) of the data section: structures held in memory (lists), or with
     ``data.stream`` ``sources`` views read from disk at each use (memory flat in the data set's size). The files
     read whole are split into train / validation / test; each sampled file (``training_entries``) joins the
     training set whole, after them, and ``mixture`` holds its positions there and its share (``loader.StepBatches``).
@@ -194,9 +196,29 @@ def load_data(config):
     if not len(train) or not len(validation):
         raise ConfigError(f"need at least one training and one validation structure, got {len(train)} and "
                           f"{len(validation)} (set data.validation or a larger data.validation_fraction)")
-    weights = {q: config["loss"][f"{q}_weight"] for q in QUANTITIES}
-    if not any(weights.values()):
-        raise ConfigError(f"loss: every weight is 0 ({', '.join(f'{q}_weight' for q in QUANTITIES)}): nothing to fit")
-    loss = config["loss"]
-    weights["huber_delta"] = loss["huber_delta"] if loss["type"] == "huber" else 0.0  # (training.loss_terms)
-    return train, validation, test, weights, mixture
+    return train, validation, test, mixture
+
+
+def loss_rules(config):
+    """(stage one's ``training.LossRule``, stage two's or None) of the loss and stage_two sections; ConfigError for
+    weights that fit nothing or a config_type weight that is not a number >= 0."""
+    from .training import LossRule
+
+    loss, two = config["loss"], config["stage_two"]
+    factors = dict(loss["config_type_weights"] or {})
+    for name, factor in factors.items():
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 <= factor < float("inf"):
+            raise ConfigError(f"loss.config_type_weights.{name}: a weight is a number >= 0, got {factor!r}")
+    rule = LossRule(**{q: loss[f"{q}_weight"] for q in QUANTITIES}, type=loss["type"], huber_delta=loss["huber_delta"],
+                    config_type_weights={str(k): float(v) for k, v in factors.items()})
+    second = None
+    if two["start_epoch"]:
+        second = rule.weighted(**{q: two[f"{q}_weight"] for q in QUANTITIES if two[f"{q}_weight"] is not None})
+    elif any(v not in (None, False) for k, v in two.items()):
+        raise ConfigError("stage_two: set stage_two.start_epoch (the first epoch of the second stage) for its "
+                          "other keys to take effect")
+    for name, r in (("loss", rule), ("stage_two", second)):
+        if r is not None and not any(r[q] for q in QUANTITIES):
+            raise ConfigError(f"{name}: every weight is 0 ({', '.join(f'{q}_weight' for q in QUANTITIES)}): "
+                              "nothing to fit")
+    return rule, second

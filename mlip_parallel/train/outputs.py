@@ -7,8 +7,10 @@ from pathlib import Path
 
 from potentials.files import atomic_write
 
-METRIC_COLUMNS = ("epoch", "step", "train_loss", "val_loss", "energy_mae", "energy_rmse", "forces_mae", "forces_rmse",
-                  "stress_mae", "stress_rmse", "lr", "seconds")
+ERROR_COLUMNS = ("energy_mae", "energy_rmse", "forces_mae", "forces_rmse", "stress_mae", "stress_rmse")
+# the validation set's errors, then the training subset's (training_errors; NaN: none scored)
+METRIC_COLUMNS = ("epoch", "step", "train_loss", "val_loss", *ERROR_COLUMNS, *(f"train_{k}" for k in ERROR_COLUMNS),
+                  "lr", "seconds")
 
 
 def write_metrics(directory: Path, rows) -> None:
@@ -18,7 +20,7 @@ def write_metrics(directory: Path, rows) -> None:
         writer = csv.DictWriter(f, fieldnames=METRIC_COLUMNS)
         writer.writeheader()
         for row in rows:
-            writer.writerow({k: row[k] for k in METRIC_COLUMNS})
+            writer.writerow({k: row.get(k, float("nan")) for k in METRIC_COLUMNS})  # (a resumed older run's rows)
 
 
 class MetricLoggers:
@@ -73,7 +75,7 @@ class MetricLoggers:
                                   resume="allow", dir=str(directory), config=config)
 
     def log(self, row: dict) -> None:
-        values = {k: row[k] for k in METRIC_COLUMNS if k not in ("step", "seconds")}
+        values = {k: row[k] for k in METRIC_COLUMNS if k in row and k not in ("step", "seconds")}
         if self.board is not None:
             for k, v in values.items():
                 self.board.add_scalar(k, v, row["step"])

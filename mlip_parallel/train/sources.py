@@ -39,17 +39,20 @@ def cache_directory() -> Path:
     return Path(os.environ.get("MLIP_PARALLEL_CACHE") or Path.home() / ".cache" / "mlip-parallel") / "index"
 
 
+KEYS = QUANTITIES + ("config_type",)  # what data.keys names: the labels, and each structure's kind
+
+
 def check_keys(keys) -> dict:
-    """``keys`` as {quantity: name} for the three quantities (missing ones: their own names); DataError for an
-    unknown quantity or a name that is not text."""
+    """``keys`` as {key: name} for the labels and config_type (missing ones: their own names); DataError for an
+    unknown key or a name that is not text."""
     keys = dict(keys or {})
-    unknown = sorted(set(keys) - set(QUANTITIES))
+    unknown = sorted(set(keys) - set(KEYS))
     if unknown:
-        raise DataError(f"data.keys: {unknown[0]!r} is not a label (the labels: {', '.join(QUANTITIES)})")
+        raise DataError(f"data.keys: {unknown[0]!r} is not a key it takes ({', '.join(KEYS)})")
     for quantity, name in keys.items():
         if not isinstance(name, str) or not name:
             raise DataError(f"data.keys.{quantity}: the name of a label in the files, got {name!r}")
-    return {q: keys.get(q, q) for q in QUANTITIES}
+    return {q: keys.get(q, q) for q in KEYS}
 
 
 class Source:

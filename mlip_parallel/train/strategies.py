@@ -17,7 +17,8 @@ from ..config import ConfigError
 
 
 def pipeline_trainer(config, procs, build, train_set, weights, resume_layout):
-    """The ``PipelineTrainer`` of this rank (its stage's model: ``trainer.model``). On resume the stage
+    """The ``PipelineTrainer`` of this rank (its stage's model: ``trainer.model``); ``weights`` {quantity: the
+    largest weight of any stage of training} (an energy-only loss needs no force sweeps). On resume the stage
     layout of the interrupted run (``resume_layout``) is kept; a different one is refused."""
     from .pipeline import PipelineError, PipelineTrainer
 
@@ -49,9 +50,9 @@ class DataParallel:
     """Each rank takes structures rank, rank + P, … of every global batch; gradients are summed over ranks
     (one process: P = 1). Validation and test: each rank scores its share."""
 
-    def __init__(self, procs, model, device, config, weights):
+    def __init__(self, procs, model, device, config, rule):
         self.procs, self.model, self.device = procs, model, device
-        self.weights, self.clip, self.batch_size = weights, config["optimizer"]["gradient_clip"], config["batch_size"]
+        self.rule, self.clip, self.batch_size = rule, config["optimizer"]["gradient_clip"], config["batch_size"]
         self.parameters = [p for p in model.parameters() if p.requires_grad]
 
     def gradients(self, global_batch, epoch) -> float:
@@ -63,7 +64,7 @@ class DataParallel:
         value, bad = 0.0, []
         if mine:
             batch = Batch(mine, self.model, self.device)
-            loss, predictions = batch_gradients(self.model, batch, counts, self.weights, self.parameters)
+            loss, predictions = batch_gradients(self.model, batch, counts, self.rule, self.parameters)
             value = loss.item()
             bad = [] if np.isfinite(value) else nonfinite_structures(batch, *predictions)
         value = float(procs.sum(np.array([value]))[0])
@@ -121,9 +122,9 @@ class GraphParallel(DataParallel):
 
         value, counts = 0.0, Counts.of(global_batch)
         for s in global_batch:
-            surrogate, terms = graph_parallel_loss(self.model, s, self.weights, counts, self.procs.backend)
+            surrogate, terms = graph_parallel_loss(self.model, s, self.rule, counts, self.procs.backend)
             surrogate.backward(inputs=self.parameters)
-            loss = total_loss(terms, self.weights)
+            loss = total_loss(terms, self.rule)
             if not np.isfinite(loss):  # terms are global: every rank agrees
                 raise TrainingError(f"epoch {epoch}: the loss of {s.source} is not finite")
             value += loss
@@ -144,9 +145,9 @@ class PipelineParallel:
     trainer has measured its sweep costs, rank 0 prints the schedule of a full global batch once, with
     its predicted step time."""
 
-    def __init__(self, pipeline, config, weights):
+    def __init__(self, pipeline, config, rule):
         self.pipeline, self.model = pipeline, pipeline.model
-        self.weights, self.clip, self.batch_size = weights, config["optimizer"]["gradient_clip"], config["batch_size"]
+        self.rule, self.clip, self.batch_size = rule, config["optimizer"]["gradient_clip"], config["batch_size"]
         self.parameters = pipeline.parameters
         self.reported = False
 
@@ -154,7 +155,7 @@ class PipelineParallel:
         from .training import TrainingError
 
         try:
-            loss = self.pipeline.step(global_batch, self.weights, optimizer, self.clip)
+            loss = self.pipeline.step(global_batch, self.rule, optimizer, self.clip)
         except TrainingError as exc:
             raise TrainingError(f"epoch {epoch}: {exc}") from None
         if not self.reported and self.pipeline.costs is not None:

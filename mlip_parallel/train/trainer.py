@@ -14,13 +14,14 @@ import numpy as np
 from ..config import ConfigError, check_output_directory
 from ..preflight import check_training_memory
 from .checkpoints import Checkpoints
-from .model_setup import build_model, check_patterns, check_new_model_size, fit_scale_shift, load_data, model_species, \
-    parameter_groups, starting_model
+from .model_setup import build_model, check_patterns, check_new_model_size, fit_scale_shift, load_data, loss_rules, \
+    model_species, parameter_groups, starting_model
 from .survey import surveys
 from .processes import Processes
 from .loader import StepBatches, global_batches
 from .strategies import DataParallel, GraphParallel, PipelineParallel, pipeline_trainer
 from .outputs import MetricLoggers, write_metrics
+from .sources import take
 from .training import QUANTITIES
 
 
@@ -60,7 +61,10 @@ class Trainer(Checkpoints):
         self.starting = starting_model(section)  # (the config alone: before any process group exists)
         self.procs = procs = Processes(config["parallel"])
         self.root = procs.rank == 0
-        self.train_set, self.validation, self.test, self.weights, mixture = load_data(config)
+        self.train_set, self.validation, self.test, mixture = load_data(config)
+        self.rules = loss_rules(config)  # (stage one's, stage two's or None)
+        # the labels either stage reads
+        needed = {q: max(r[q] for r in self.rules if r is not None) for q in QUANTITIES}
         if config["data"]["workers"] and not config["data"]["stream"]:
             raise ConfigError("data.workers reads structures ahead from disk: it needs data.stream: true (held "
                               "structures keep their neighbour lists after the first epoch)")
@@ -68,7 +72,7 @@ class Trainer(Checkpoints):
         # structures, a new model's species and fits
         self.surveys = surveys((self.train_set, self.validation, self.test), procs)
         for part in self.surveys:
-            part.check_labels(self.weights, config["data"]["keys"])
+            part.check_labels(needed, config["data"]["keys"])
         self.last_path, self.shards = self.directory / "last.pt", self.directory / "pipeline"
         self.resume = bool(procs.bcast(config["resume"] and self.last_path.exists()))  # rank 0's disk decides
         self.device = device = rank_device(procs.backend)
@@ -89,12 +93,12 @@ class Trainer(Checkpoints):
             layout = None
             if self.resume:
                 layout = procs.bcast(json.loads((self.shards / "layout.json").read_text()) if self.root else None)
-            self.pipeline = pipeline_trainer(config, procs, build, self.train_set, self.weights, layout)
-            self.strategy = PipelineParallel(self.pipeline, config, self.weights)
+            self.pipeline = pipeline_trainer(config, procs, build, self.train_set, needed, layout)
+            self.strategy = PipelineParallel(self.pipeline, config, self.rules[0])
         else:
             model = build()
             kind = GraphParallel if procs.parallel == "graph" else DataParallel
-            self.strategy = kind(procs, model, device, config, self.weights)
+            self.strategy = kind(procs, model, device, config, self.rules[0])
         self.model = model = self.strategy.model
         check_patterns(model, section["freeze"], procs)
         check_patterns(model, list(config["optimizer"]["lr_factors"] or {}), procs, "optimizer.lr_factors")
@@ -102,6 +106,9 @@ class Trainer(Checkpoints):
             raise ConfigError(f"model.freeze {section['freeze']} keeps every weight of the model fixed: nothing to train")
         for part, role in zip(self.surveys, ("training", "validation", "test")):
             part.check_species(model, role, error=ConfigError)
+        n = min(config["training_errors"], len(self.train_set))  # the training structures scored at validation
+        self.train_sample = take(self.train_set, np.sort(np.random.default_rng(config["seed"]).permutation(
+            len(self.train_set))[:n])) if n else None
         self.batches = StepBatches(len(self.train_set), config["batch_size"], config["seed"], self.surveys[0].atoms,
                                    config["batch_atoms"], mixture)
         batch = min(config["batch_size"], len(self.train_set))  # structures a step's graphs hold, per rank:
@@ -141,6 +148,8 @@ class Trainer(Checkpoints):
         # average would round down: 29 -> 28)
         self.ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(config["ema_decay"]), use_buffers=False) \
             if config["ema_decay"] > 0 else None
+        # stage two's weight average (SWA: equal weights, one sample per stage-two epoch)
+        self.average = AveragedModel(model, use_buffers=False) if config["stage_two"]["average"] else None
         # where training stands: optimizer steps taken, the best validation loss, the metric rows, and the training
         # loss summed since the last row ([sum, steps]; a row's train_loss is their mean)
         self.step, self.best, self.rows, self.pending = 0, float("inf"), [], [0.0, 0]
@@ -238,8 +247,32 @@ class Trainer(Checkpoints):
     # ------------------------------------------------------------------ state
     @property
     def evaluation_model(self):
-        """The weights that are scored and saved: the EMA when there is one."""
+        """The weights that are scored and saved: stage two's average once it holds one, else the EMA when there
+        is one."""
+        if self.average is not None and int(self.average.n_averaged) > 0:
+            return self.average.module
         return self.ema.module if self.ema is not None else self.model
+
+    # ------------------------------------------------------------------ stage two
+    def stage(self, steps: int) -> int:
+        """The stage (1 or 2) of the training ``steps`` steps make: 2 once a step of epoch stage_two.start_epoch
+        (counting from 1) has run; the step numbered s (from 0) is of stage ``stage(s + 1)``."""
+        start = self.config["stage_two"]["start_epoch"]
+        return 2 if start and steps > self.batches.first_step(start - 1) else 1
+
+    def enter_stage(self, stage: int) -> None:
+        """Set the loss rule of ``stage`` for the next step, and stage two's constant learning rate (times each
+        parameter group's factor) where stage_two.lr is set."""
+        self.strategy.rule = self.rules[stage - 1]
+        lr = self.config["stage_two"]["lr"]
+        if stage == 2 and lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr * group["lr_factor"]
+
+    def scheduled(self) -> bool:
+        """Whether the learning-rate schedule sets the rate now (not once stage two sets its own)."""
+        return self.scheduler is not None and not (self.stage(self.step) == 2 and
+                                                   self.config["stage_two"]["lr"] is not None)
 
     # ----------------------------------------------------------------- scoring
     def errors(self, net, structures, when: str) -> dict:
@@ -264,10 +297,17 @@ class Trainer(Checkpoints):
         self.model.eval()
         epoch = self.batches.epochs_done(self.step)
         errors = self.errors(self.evaluation_model, self.validation, f"epoch {epoch} (step {self.step})")
-        val_loss = sum(self.weights[q] * errors[f"{q}_rmse"] ** 2 for q in QUANTITIES
-                       if self.weights[q] > 0 and np.isfinite(errors[f"{q}_rmse"]))
-        if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        if self.train_sample is not None:
+            errors.update({f"train_{k}": v for k, v in self.errors(
+                self.evaluation_model, self.train_sample, f"epoch {epoch} (step {self.step}), training errors").items()})
+        stage = self.stage(self.step)
+        rule = self.rules[stage - 1]
+        val_loss = sum(rule[q] * errors[f"{q}_rmse"] ** 2 for q in QUANTITIES
+                       if rule[q] > 0 and np.isfinite(errors[f"{q}_rmse"]))
+        if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and self.scheduled():
             self.scheduler.step(val_loss)
+        if stage == 2 and (not self.rows or self.stage(self.rows[-1]["step"]) == 1):
+            self.best = float("inf")  # stage two's validation losses (of its weights) are compared among themselves
         self.rows.append(dict(epoch=epoch, step=self.step, train_loss=self.pending[0] / max(self.pending[1], 1),
                               val_loss=val_loss, lr=self.lr, seconds=seconds, **errors))
         self.pending = [0.0, 0]
@@ -285,10 +325,11 @@ class Trainer(Checkpoints):
         """Early stopping: each of the last ``early_stopping.patience`` validations' loss is no lower than the best
         before them (from the metric rows alone, which a resumed run restores: exact under resume)."""
         patience = self.config["early_stopping"]["patience"]
-        if not patience or len(self.rows) <= patience:
+        rows = [row for row in self.rows if self.stage(row["step"]) == self.stage(self.step)]  # this stage's
+        if not patience or len(rows) <= patience:
             return False
-        best_before = min(row["val_loss"] for row in self.rows[:-patience])
-        return all(row["val_loss"] >= best_before for row in self.rows[-patience:])
+        best_before = min(row["val_loss"] for row in rows[:-patience])
+        return all(row["val_loss"] >= best_before for row in rows[-patience:])
 
     def progress_count(self, total: bool = False):
         """The progress bar's count now (``total``: its (total, initial, unit)): epochs where validation ends
@@ -364,6 +405,13 @@ class Trainer(Checkpoints):
                                  self.model.cutoff if self.strategy.builds_edges else None)
         epoch = self.batches.locate(self.step)[0]
         for global_batch in batches:
+            stage = self.stage(self.step + 1)
+            if stage == 2 and self.stage(self.step) == 1 and root:
+                two = config["stage_two"]
+                lr = "" if two["lr"] is None else f", learning rate {two['lr']:g}"
+                print(f"mlip-train: stage two from {self.position(self.step)}: loss weights " + ", ".join(
+                      f"{q} {self.rules[1][q]:g}" for q in QUANTITIES) + lr, flush=True)
+            self.enter_stage(stage)
             self.model.train()
             self.optimizer.zero_grad(set_to_none=False)
             self.pending[0] += self.strategy.step(global_batch, self.optimizer, epoch + 1)
@@ -372,10 +420,12 @@ class Trainer(Checkpoints):
             self.step += 1
             if self.ema is not None:
                 self.ema.update_parameters(self.model)
-            if isinstance(self.scheduler, torch.optim.lr_scheduler.LambdaLR):
+            if isinstance(self.scheduler, torch.optim.lr_scheduler.LambdaLR) and self.scheduled():
                 self.scheduler.step()
             epoch, within = self.batches.locate(self.step)  # of the next step
             epoch_ends = within == 0
+            if self.average is not None and epoch_ends and self.stage(self.step) == 2:
+                self.average.update_parameters(self.model)
             if (self.step % every == 0 if every else epoch_ends) or self.step == self.total_steps:
                 self.validate(time.perf_counter() - start)
                 start = time.perf_counter()

@@ -9,7 +9,7 @@ exactly the single-process gradient (up to summation order).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -47,6 +47,7 @@ class Structure:
     forces: np.ndarray | None
     stress: np.ndarray | None
     source: str
+    config_type: str | None = None  # its kind, for ``loss.config_type_weights`` (MACE's and nequip's config_type)
     _edges: tuple | None = None
 
     def edges(self, cutoff: float):
@@ -86,7 +87,8 @@ def label(atoms, results: dict, name: str):
 
 def structure_of(atoms, path: str, k: int, keys: dict | None = None) -> Structure:
     """Frame ``k`` of ``path`` (ASE Atoms) as a ``Structure`` named ``path:k``, its labels by ``keys`` ({quantity:
-    name}; default their own names); DataError for no atoms, bad positions or cell, or a non-finite label."""
+    name}, and config_type's, an ``atoms.info`` entry; default their own names); DataError for no atoms, bad
+    positions or cell, or a non-finite label."""
     keys = keys or {}
     results = dict(atoms.calc.results) if atoms.calc is not None else {}
     energy, forces, stress = (label(atoms, results, keys.get(q, q)) for q in ("energy", "forces", "stress"))
@@ -110,10 +112,11 @@ def structure_of(atoms, path: str, k: int, keys: dict | None = None) -> Structur
     def contiguous(values):  # the same memory layout from every format: the same order of numpy's sums
         return None if values is None else np.ascontiguousarray(values, dtype=np.float64)
 
+    config_type = atoms.info.get(keys.get("config_type", "config_type"))
     return Structure(np.ascontiguousarray(atoms.numbers, dtype=np.int64), contiguous(positions), contiguous(cell),
                      np.array(atoms.pbc, dtype=bool), None if energy is None else float(np.asarray(energy).reshape(())),
                      contiguous(forces), contiguous(_full_stress(stress)) if stress is not None and atoms.pbc.all()
-                     else None, source)
+                     else None, source, None if config_type is None else str(config_type))
 
 
 def split(structures, fractions, seed: int):
@@ -135,8 +138,9 @@ def split(structures, fractions, seed: int):
 class Labels:
     """The labels of ``structures`` on ``device``, as ``loss_terms`` reads them: energy [B] eV,
     ``atoms_per_structure`` [B], forces [N, 3] eV/Å, stress [B, 3, 3] eV/Å³ (NaN where absent) and the
-    masks ``has_energy`` [B], ``has_forces`` [N], ``has_stress`` [B] (bool). ``rows``: of one structure,
-    only these atoms' forces (a rank's owned atoms in graph-parallel training)."""
+    masks ``has_energy`` [B], ``has_forces`` [N], ``has_stress`` [B] (bool), ``row_structure`` [N] the structure of
+    each force row, ``config_types`` [B] (str or None). ``rows``: of one structure, only these atoms' forces (a
+    rank's owned atoms in graph-parallel training)."""
 
     def __init__(self, structures, device, rows=None):
         f64 = dict(dtype=torch.float64, device=device)
@@ -144,9 +148,13 @@ class Labels:
         self.energy = torch.tensor([np.nan if s.energy is None else s.energy for s in structures], **f64)
         forces = np.concatenate([np.full((len(s.numbers), 3), np.nan) if s.forces is None else s.forces
                                  for s in structures])
-        has_forces = np.repeat([s.forces is not None for s in structures], [len(s.numbers) for s in structures])
+        sizes = [len(s.numbers) for s in structures]
+        has_forces = np.repeat([s.forces is not None for s in structures], sizes)
+        row_structure = np.repeat(np.arange(len(structures)), sizes)
         if rows is not None:
-            forces, has_forces = forces[rows], has_forces[rows]
+            forces, has_forces, row_structure = forces[rows], has_forces[rows], row_structure[rows]
+        self.row_structure = torch.as_tensor(row_structure, device=device)
+        self.config_types = [s.config_type for s in structures]
         self.forces = torch.as_tensor(forces, **f64)
         self.stress = torch.as_tensor(np.stack(
             [np.full((3, 3), np.nan) if s.stress is None else s.stress for s in structures]), **f64)
@@ -244,38 +252,84 @@ class Counts:
         return cls(*(max(1.0, float(x)) for x in sums))
 
 
-def penalty(errors, huber_delta: float = 0.0):
-    """Each error's penalty: its square, or with ``huber_delta`` > 0 torch's Huber loss of it (x²/2 where |x| <
-    delta, else delta (|x| − delta/2): ``loss.type: huber``), as a tensor of the errors' shape."""
-    if huber_delta > 0:
-        return torch.nn.functional.huber_loss(errors, torch.zeros_like(errors), reduction="none", delta=huber_delta)
-    return errors ** 2
+LOSS_TYPES = ("mse", "huber", "universal")
+UNIVERSAL_BANDS = (100.0, 200.0, 300.0)  # eV/Å: the reference force norms where universal's threshold shrinks ...
+UNIVERSAL_FACTORS = (1.0, 0.7, 0.4, 0.1)  # ... to these fractions of huber_delta (MACE's conditional_huber_forces)
 
 
-def loss_terms(energy, forces, stress, batch: Labels, counts: Counts, huber_delta: float = 0.0) -> dict:
-    """Summed penalties (``penalty``: squares, or Huber's) of this batch's errors divided by the global counts:
-    energy per atom, force components, stress components (/9). Unlabelled entries are left out (label masks); a
-    non-finite prediction of a labelled entry makes the loss non-finite."""
+@dataclass(frozen=True)
+class LossRule:
+    """The loss section, as the loss reads it: each quantity's weight (``rule[q]``); ``type``, each error's
+    penalty: ``mse`` its square, ``huber`` torch's Huber loss (x²/2 within ``huber_delta``, delta (|x| − delta/2)
+    beyond), ``universal`` MACE's: Huber's, with the force threshold shrunk where the reference force is large
+    (``UNIVERSAL_BANDS``, ``UNIVERSAL_FACTORS``); ``config_type_weights``: a structure's factor on each of its
+    penalties by its ``config_type`` (others 1)."""
+
+    energy: float = 1.0
+    forces: float = 10.0
+    stress: float = 0.0
+    type: str = "mse"
+    huber_delta: float = 0.01
+    config_type_weights: dict = field(default_factory=dict)
+
+    def __getitem__(self, quantity: str) -> float:
+        return getattr(self, quantity)
+
+    def weighted(self, **weights) -> "LossRule":
+        """The same rule with other quantity weights (``stage_two``)."""
+        return replace(self, **weights)
+
+    def penalty(self, errors, reference=None):
+        """Each error's penalty (tensor of the errors' shape); ``reference`` [n, 3]: the labelled forces of
+        force errors [n, 3] (``universal`` reads their norms)."""
+        if self.type == "mse":
+            return errors ** 2
+        if self.type == "huber" or reference is None:
+            return torch.nn.functional.huber_loss(errors, torch.zeros_like(errors), reduction="none",
+                                                  delta=self.huber_delta)
+        band = torch.bucketize(torch.linalg.vector_norm(reference, dim=-1),
+                               torch.tensor(UNIVERSAL_BANDS, dtype=reference.dtype, device=reference.device), right=True)
+        delta = self.huber_delta * torch.tensor(UNIVERSAL_FACTORS, dtype=errors.dtype, device=errors.device)[band, None]
+        size = errors.abs()
+        return torch.where(size < delta, 0.5 * errors ** 2, delta * (size - 0.5 * delta))
+
+    def structure_weights(self, config_types) -> np.ndarray | None:
+        """[B] each structure's factor by its config_type (None: no config_type_weights, every factor 1)."""
+        if not self.config_type_weights:
+            return None
+        return np.array([float(self.config_type_weights.get(c, 1.0)) for c in config_types])
+
+
+def loss_terms(energy, forces, stress, batch: Labels, counts: Counts, rule: LossRule = LossRule()) -> dict:
+    """Summed penalties (``rule.penalty``) of this batch's errors, each times its structure's config_type weight,
+    divided by the global counts: energy per atom, force components, stress components (/9). Unlabelled entries are
+    left out (label masks); a non-finite prediction of a labelled entry makes the loss non-finite."""
     de = ((energy - batch.energy) / batch.atoms_per_structure)[batch.has_energy]
     df = (forces - batch.forces)[batch.has_forces]
     ds = (stress - batch.stress)[batch.has_stress]
-    return {"energy": penalty(de, huber_delta).sum() / counts.energies,
-            "forces": penalty(df, huber_delta).sum() / counts.force_components,
-            "stress": penalty(ds, huber_delta).sum() / (9 * counts.stresses)}
+    penalties = (rule.penalty(de), rule.penalty(df, batch.forces[batch.has_forces]), rule.penalty(ds))
+    factors = rule.structure_weights(batch.config_types)
+    if factors is not None:
+        w = torch.as_tensor(factors, dtype=torch.float64, device=de.device)
+        penalties = (penalties[0] * w[batch.has_energy], penalties[1] * w[batch.row_structure][batch.has_forces, None],
+                     penalties[2] * w[batch.has_stress][:, None, None])
+    return {"energy": penalties[0].sum() / counts.energies,
+            "forces": penalties[1].sum() / counts.force_components,
+            "stress": penalties[2].sum() / (9 * counts.stresses)}
 
 
-def total_loss(terms: dict, weights: dict):
-    """Σ weight × term over the quantities (tensors or floats)."""
+def total_loss(terms: dict, weights):
+    """Σ weight × term over the quantities (tensors or floats); ``weights``: a LossRule or {quantity: weight}."""
     return sum(weights[q] * terms[q] for q in QUANTITIES)
 
 
-def batch_gradients(model, batch: Batch, counts: Counts, weights: dict, parameters):
-    """One process's training step on ``batch``: the loss (``loss_terms`` over the global ``counts``)
+def batch_gradients(model, batch: Batch, counts: Counts, rule: LossRule, parameters):
+    """One process's training step on ``batch``: the loss (``loss_terms`` under ``rule`` over the global ``counts``)
     back-propagated into ``parameters`` only, adding to their ``.grad``. Not into the positions and strain,
     which require grad: the force loss's second derivatives in them are read by nobody (9 % of a SchNet
     step). Returns (loss, (energy, forces, stress))."""
     predictions = predict_batch(model, batch)
-    loss = total_loss(loss_terms(*predictions, batch, counts, weights.get("huber_delta", 0.0)), weights)
+    loss = total_loss(loss_terms(*predictions, batch, counts, rule), rule)
     loss.backward(inputs=list(parameters))
     return loss, predictions
 
@@ -300,7 +354,7 @@ def check_species(model, structures, role: str, error=DataError) -> None:
             raise error(f"{s.source} ({role}): {exc}") from None
 
 
-def graph_parallel_loss(model, structure: Structure, weights: dict, counts: Counts, backend, mode="layerwise"):
+def graph_parallel_loss(model, structure: Structure, rule: LossRule, counts: Counts, backend, mode="layerwise"):
     """This rank's share of one structure's loss, decomposed over ``backend``'s ranks (collective).
 
     Returns (surrogate, terms). The loss is ``loss_terms``'s, on this rank's owned atoms' forces and on
@@ -317,11 +371,10 @@ def graph_parallel_loss(model, structure: Structure, weights: dict, counts: Coun
     virial = dE_dstrain + (torch.as_tensor(totals.virial, device=dE_dstrain.device) - dE_dstrain.detach())
     volume = torch.tensor([abs(np.linalg.det(structure.cell))], dtype=torch.float64, device=virial.device)
     labels = Labels([structure], forces.device, rows=part.owned)
-    local = loss_terms(energy[None], forces, symmetric_stress(virial[None], volume), labels, counts,
-                       weights.get("huber_delta", 0.0))
+    local = loss_terms(energy[None], forces, symmetric_stress(virial[None], volume), labels, counts, rule)
     terms = {q: float(local[q]) for q in QUANTITIES}
     terms["forces"] = float(backend.allreduce(np.array([terms["forces"]]))[0])  # force rows are split
-    return total_loss(local, weights), terms
+    return total_loss(local, rule), terms
 
 
 # ----------------------------------------------------------------------------- errors

@@ -65,7 +65,7 @@ for name in ("fcc_bulk", "sheared", "clusters", "small_cell"):
             print(f"{name:12s} {mode:9s} owned per rank {owned} failures so far {len(failures)}", flush=True)
 
 # the training code's graph-parallel loss (energy + forces + stress labels) vs its single-process loss
-WEIGHTS = {"energy": 1.0, "forces": 10.0, "stress": 5.0}
+WEIGHTS = training.LossRule(energy=1.0, forces=10.0, stress=5.0)
 for name in ("fcc_bulk", "sheared", "small_cell"):
     atoms = GEOMETRIES[name]()
     rng = np.random.default_rng(1)

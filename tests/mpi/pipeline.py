@@ -43,7 +43,7 @@ from mlip_parallel.train.pipeline import WARM_UP_STEPS, PipelineTrainer  # noqa:
 from mlip_parallel.train.pipeline.schedule import (SWEEPS, Costs, check, defer_tail, gpipe, one_f_one_b,  # noqa: E402
                                           split, sweeps_of)
 from mlip_parallel.train.processes import Processes  # noqa: E402
-from mlip_parallel.train.training import Batch, Counts, Structure, error_sums, loss_terms, predict_batch, \
+from mlip_parallel.train.training import Batch, Counts, LossRule, Structure, error_sums, loss_terms, predict_batch, \
     total_loss  # noqa: E402
 
 torch.set_num_threads(1)
@@ -73,8 +73,8 @@ MODELS = {"SchNet": lambda parts=None: potentials.SchNet(["Cu"], cutoff=4.0, fea
           "NequIP": lambda parts=None: potentials.NequIP(["Cu"], cutoff=4.0, l_max=1, features=2, layers=4, radial=4,
                                                          radial_hidden=8, parts=parts, seed=3).double()}
 DATA = structures()
-WEIGHTS = {"energy": 1.0, "forces": 10.0, "stress": 5.0}
-ENERGY_ONLY = {"energy": 1.0, "forces": 0.0, "stress": 0.0}
+WEIGHTS = LossRule(energy=1.0, forces=10.0, stress=5.0)
+ENERGY_ONLY = LossRule(energy=1.0, forces=0.0, stress=0.0)
 REFERENCES = {name: build() for name, build in MODELS.items()}  # the whole models, for comparison only
 
 

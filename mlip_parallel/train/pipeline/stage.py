@@ -44,7 +44,7 @@ class PipelineStage:
     between its forward and its first backward sweep, and recompute the stage's forward then
     (activation recomputation).
 
-    ``run(actions, batches, counts, weights)`` executes this stage's schedule actions, accumulating the
+    ``run(actions, batches, counts, rule)`` executes this stage's schedule actions, accumulating the
     parameters' gradients; ``evaluate(actions, batches, model)`` runs F and B1 without a double-backward
     graph and returns this stage's error sums. Where ``actions`` hold WA(m) / WB(m), A / B of micro-batch m
     compute only what the neighbours wait for and WA / WB the deferred parameter gradients (``backward_split``).
@@ -247,8 +247,8 @@ class PipelineStage:
             return
         carry_pos.requires_grad_(True), carry_strain.requires_grad_(True)
         terms = loss_terms(batch.energy, -carry_pos, symmetric_stress(carry_strain, batch.volumes), batch, self.counts,
-                           self.weights.get("huber_delta", 0.0))
-        part = self.weights["forces"] * terms["forces"] + self.weights["stress"] * terms["stress"]
+                           self.rule)
+        part = self.rule["forces"] * terms["forces"] + self.rule["stress"] * terms["stress"]
         self.losses[m] = float(part.detach())
         s["cot_f"] = torch.autograd.grad(part, [carry_pos, carry_strain])
 
@@ -290,8 +290,8 @@ class PipelineStage:
         out = s.pop("out")
         if self.last:  # the energy term of the loss, and its cotangent w.r.t. E
             energy = out.detach().requires_grad_(True)
-            part = self.weights["energy"] * loss_terms(energy, batch.forces, batch.stress, batch, self.counts,
-                                                       self.weights.get("huber_delta", 0.0))["energy"]
+            part = self.rule["energy"] * loss_terms(energy, batch.forces, batch.stress, batch, self.counts,
+                                                       self.rule)["energy"]
             self.losses[m] = self.losses.get(m, 0.0) + float(part.detach())
             seed = torch.autograd.grad(part, energy)[0]
         else:
@@ -346,12 +346,12 @@ class PipelineStage:
             self.pending, self.batches, self.inbox, self.state = [], None, {}, {}
         self.run_seconds = time.perf_counter() - start  # of which wait_seconds blocked in receives
 
-    def run(self, actions, batches, counts: Counts, weights: dict) -> float:
+    def run(self, actions, batches, counts: Counts, rule) -> float:
         """Execute this stage's ``actions`` (schedule order) over ``batches``; gradients accumulate
         into the parameters' ``.grad``. Returns this stage's part of the loss (the force and stress
         terms on stage 0, the energy term on the last; sum over stages for the total), summed in
         micro-batch order whatever the schedule."""
-        self.counts, self.weights, self.losses = counts, weights, {}
+        self.counts, self.rule, self.losses = counts, rule, {}
         self._execute(actions, batches)
         return float(sum(self.losses[m] for m in sorted(self.losses)))
 

@@ -333,7 +333,7 @@ class PipelineTrainer:
         self.costs = Costs(tuple(seconds), float(np.median(latencies)) if latencies else 0.0, tuple(memory))
         self._actions = {}
 
-    def gradients(self, structures, weights: dict) -> float:
+    def gradients(self, structures, rule) -> float:
         """Accumulate d loss / d parameters of the global batch ``structures`` into this stage's
         parameters' ``.grad`` (zeroed first); return the loss (every rank). Replica d takes structures
         d, d + R, …; a replica with none adds zero gradients. The first steps on global batches as
@@ -357,7 +357,7 @@ class PipelineTrainer:
             batches = self._micro_batches(mine, self.model)
             self.stage.measuring = timed
             try:
-                loss = self.stage.run(self.actions(len(batches), self.sweeps), batches, counts, weights)
+                loss = self.stage.run(self.actions(len(batches), self.sweeps), batches, counts, rule)
             finally:
                 self.stage.measuring = False
             if timed:
@@ -381,7 +381,7 @@ class PipelineTrainer:
         dist.all_reduce(total)
         return float(total[0])
 
-    def step(self, structures, weights: dict, optimizer, clip_norm: float = 0.0) -> float:
+    def step(self, structures, rule, optimizer, clip_norm: float = 0.0) -> float:
         """One optimizer step on the global batch ``structures`` (2BW: gradient at the previous
         weights, applied to the current ones); ``clip_norm`` > 0 clips the norm of the whole model's
         gradient (summed over stages). Returns the loss."""
@@ -390,7 +390,7 @@ class PipelineTrainer:
             with torch.no_grad():
                 for p, old in zip(self.parameters, self.stale):
                     p.copy_(old)
-        loss = self.gradients(structures, weights)
+        loss = self.gradients(structures, rule)
         if not np.isfinite(loss):  # the global loss: every rank stops here
             raise TrainingError(f"the loss is not finite (batch of {', '.join(s.source for s in structures)})")
         if self.two_bw:
