@@ -120,9 +120,10 @@ SECTIONS = {
         "patience": (int, 0, "end the run when this many validations in a row have not lowered the validation loss "
                              "below the best before them (0: never); best.pt holds the best"),
     },
-    "training_errors": (int, 256, "at each validation also score the evaluation model on this many training "
-                                  "structures (a fixed seeded subset, read as the training set is): metrics.csv's "
-                                  "train_* columns (0: none)"),
+    "training_errors": (int, None, "at each validation also score the evaluation model on this many training "
+                                   "structures (a fixed seeded subset, read as the training set is): metrics.csv's "
+                                   "train_* columns (default: as many as the validation set, so the validation's cost "
+                                   "at most doubles; 0: none)"),
     "ema_decay": (float, 0.99, "exponential moving average of the weights (0: none); best.pt/last.pt hold the average"),
     "epochs": (int, 100, "number of epochs"),
     "max_steps": (int, 0, "end after this many optimizer steps if epochs have not ended it first (0: epochs alone); "

@@ -106,7 +106,8 @@ class Trainer(Checkpoints):
             raise ConfigError(f"model.freeze {section['freeze']} keeps every weight of the model fixed: nothing to train")
         for part, role in zip(self.surveys, ("training", "validation", "test")):
             part.check_species(model, role, error=ConfigError)
-        n = min(config["training_errors"], len(self.train_set))  # the training structures scored at validation
+        n = config["training_errors"]  # the training structures scored at each validation
+        n = min(len(self.validation) if n is None else n, len(self.train_set))
         self.train_sample = take(self.train_set, np.sort(np.random.default_rng(config["seed"]).permutation(
             len(self.train_set))[:n])) if n else None
         self.batches = StepBatches(len(self.train_set), config["batch_size"], config["seed"], self.surveys[0].atoms,
