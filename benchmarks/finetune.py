@@ -12,9 +12,12 @@
   ``parallel: data`` on 2 ranks, alternately, seconds per epoch after the first (target ≥ 1.8×);
 * ``graph``: one training step of that MACE (float32) on one structure of ``--cells``³ × 4 atoms (8: 2,048)
   with ``parallel: graph`` on 1 and 2 ranks: each rank's peak resident memory above its resident size
-  after start-up, the largest rank's against one process's (target ≤ 0.6), and the seconds of the step.
+  after start-up, the largest rank's against one process's (target ≤ 0.6), and the seconds of the step;
+* ``trainers``: mlip-train against ``mace_run_train --foundation_model`` fine-tuning the same MACE file on the same
+  data and settings: CPU seconds per epoch (start-up cancelled) and the validation force MAE of each written model
+  through MACECalculator (target: ≤ 0.7× their time per epoch at equal or better error).
 
-    python benchmarks/finetune.py [step] [data] [graph] [--repeats 5] [--batch 4] [--pairs 2] [--epochs 3]
+    python benchmarks/finetune.py [step] [data] [graph] [trainers] [--repeats 5] [--batch 4] [--pairs 2] [--epochs 3]
                                   [--structures 16] [--cells 8]
 """
 import argparse
@@ -230,6 +233,105 @@ def part_data(args, work):
               f"epoch: {seconds[1] / seconds[2]:.2f}x", flush=True)
 
 
+def write_labelled(path, frames) -> None:
+    """``frames`` as extxyz with MACE's label names (REF_energy, REF_forces, REF_stress), which both trainers read."""
+    from ase.io import write
+
+    out = []
+    for atoms in frames:
+        copy = atoms.copy()
+        copy.info["REF_energy"] = atoms.get_potential_energy()
+        copy.arrays["REF_forces"] = atoms.get_forces()
+        copy.info["REF_stress"] = atoms.get_stress(voigt=True)
+        out.append(copy)
+    write(path, out, format="extxyz")
+
+
+def cpu_seconds(command, cwd, env) -> float:
+    """CPU seconds (user + system) of ``command`` and its children, run to completion in ``cwd``."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"{' '.join(map(str, command[:4]))} ... failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def force_mae(model_file, frames) -> float:
+    """Force MAE (eV/Å) of MACE's own calculator with ``model_file`` on ``frames`` (EMT's forces)."""
+    from mace.calculators import MACECalculator
+
+    calc = MACECalculator(model_paths=str(model_file), device="cpu", default_dtype="float32")
+    errors = []
+    for atoms in frames:
+        copy = atoms.copy()
+        copy.calc = calc
+        errors.append(np.abs(copy.get_forces() - atoms.get_forces()).ravel())
+    return float(np.concatenate(errors).mean())
+
+
+def part_trainers(args, work):
+    """mlip-train against ``mace_run_train --foundation_model`` on the same data and settings: fine-tuning a MACE
+    that mace_run_train wrote here (32x0e + 32x1o, correlation 3, two interactions, float32) on EMT-labelled 32-atom Cu, 56 training and 14 validation structures, batch 4,
+    lr 0.003, weights 1 / 10 / 1, E0s fitted to the labels (``average``; ours ``reference_energies: fit``), no EMA,
+    one thread each. CPU seconds per epoch = (CPU of a ``--epochs`` run − CPU of a 1-epoch run) / (epochs − 1), so
+    start-up cancels; the validation force MAE of each written model through MACE's own calculator."""
+    import yaml
+
+    frames = cu_emt_frames(70, 32)
+    train, valid = work / "train.extxyz", work / "valid.extxyz"
+    write_labelled(train, frames[:56]), write_labelled(valid, frames[56:])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    keys = {"energy": "REF_energy", "forces": "REF_forces", "stress": "REF_stress"}
+    mace_train = [sys.executable, "-c", "from mace.cli.run_train import main; main()", "--train_file", str(train),
+                  "--valid_file", str(valid), "--E0s", "average", "--energy_key", keys["energy"], "--forces_key",
+                  keys["forces"], "--stress_key", keys["stress"], "--device", "cpu", "--default_dtype", "float32",
+                  "--seed", "1", "--batch_size", "4", "--valid_batch_size", "4"]
+    # the starting model: a MACE that mace_run_train writes in this environment (1 epoch from scratch)
+    (work / "start").mkdir(exist_ok=True)
+    cpu_seconds(mace_train + ["--name", "start", "--model", "MACE", "--hidden_irreps", "32x0e + 32x1o", "--r_max",
+                              "5.0", "--num_interactions", "2", "--correlation", "3", "--max_L", "1",
+                              "--max_num_epochs", "1"], work / "start", env)
+    start = work / "start" / "start.model"
+
+    def theirs(epochs):
+        directory = work / f"mace{epochs}"
+        directory.mkdir(exist_ok=True)
+        command = mace_train + ["--name", "ft", "--foundation_model", str(start), "--multiheads_finetuning", "False",
+                                "--loss", "stress", "--energy_weight", "1", "--forces_weight", "10", "--stress_weight",
+                                "1", "--compute_stress", "True", "--lr", "0.003", "--max_num_epochs", str(epochs),
+                                "--eval_interval", "1"]
+        seconds = cpu_seconds(command, directory, env)
+        return seconds, directory / "ft.model"
+
+    def ours(epochs):
+        directory = work / f"ours{epochs}"
+        job = work / f"ours{epochs}.yaml"
+        job.write_text(yaml.safe_dump({
+            "data": {"train": str(train), "validation": str(valid), "keys": keys},
+            "model": {"mace": str(start), "reference_energies": "fit"},
+            "loss": {f"{q}_weight": w for q, w in WEIGHTS.items()}, "optimizer": {"lr": 0.003}, "ema_decay": 0.0,
+            "epochs": epochs, "batch_size": 4, "seed": 1, "training_errors": 0,
+            "output": {"directory": str(directory), "overwrite": True, "progress": False}}))
+        seconds = cpu_seconds(train_command(1, job), work, env)
+        return seconds, directory / "best.model"
+
+    print(f"fine-tuning a MACE of mace_run_train (float32) on 56 + 14 EMT Cu structures of 32 atoms, batch 4, one thread: CPU "
+          f"seconds per epoch (from runs of 1 and {args.epochs} epochs) and the validation force MAE through "
+          f"MACECalculator", flush=True)
+    for pair in range(args.pairs):
+        result = {}
+        for name, run in (("mace_run_train", theirs), ("mlip-train", ours)):
+            one, _ = run(1)
+            many, model_file = run(args.epochs)
+            result[name] = ((many - one) / (args.epochs - 1), force_mae(model_file, frames[56:]))
+        (a, fa), (b, fb) = result["mlip-train"], result["mace_run_train"]
+        print(f"  pair {pair + 1}: mlip-train {a:.2f} s/epoch, F MAE {fa * 1e3:.1f} meV/A; mace_run_train {b:.2f} "
+              f"s/epoch, F MAE {fb * 1e3:.1f} meV/A; time ratio {a / b:.2f}", flush=True)
+
+
 WORKER = """
 import json, resource, sys, time
 sys.path.insert(0, {benchmarks!r})
@@ -294,7 +396,8 @@ def part_graph(args, work):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("parts", nargs="*", default=["step", "data", "graph"], choices=["step", "data", "graph"])
+    parser.add_argument("parts", nargs="*", default=["step", "data", "graph", "trainers"],
+                        choices=["step", "data", "graph", "trainers"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--pairs", type=int, default=2)
@@ -304,7 +407,7 @@ def main():
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         for part in args.parts:
-            {"step": part_step, "data": part_data, "graph": part_graph}[part](args, Path(tmp))
+            {"step": part_step, "data": part_data, "graph": part_graph, "trainers": part_trainers}[part](args, Path(tmp))
 
 
 if __name__ == "__main__":

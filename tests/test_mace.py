@@ -367,7 +367,9 @@ def test_parts_chained_equal_maces_forward(fixtures, name):
 
 def test_a_model_mace_run_train_writes_loads_in_every_tool(tmp_path, restore_environment):
     """mace_run_train itself, in this environment (1 epoch on 14 EMT-labelled Cu structures under MACE users' label
-    names REF_energy / REF_forces / REF_stress, float64), writes tiny.model: the calculator on it equals
+    names REF_energy / REF_forces / REF_stress, float64), writes tiny.model, whose second interaction's traced tensor
+    product holds e3nn's folded constants (``_compiled_main_left_right._tensor_constant0``: a Wigner-3j times its path
+    normalisation, which a strict load once refused): the calculator on it equals
     MACECalculator to 1e-9; mlip-md runs it; mlip-train reads the same file under the same label names and fine-tunes
     it; mlip-train eval scores it."""
     import subprocess
@@ -394,14 +396,17 @@ def test_a_model_mace_run_train_writes_loads_in_every_tool(tmp_path, restore_env
     keys = {"energy": "REF_energy", "forces": "REF_forces", "stress": "REF_stress"}
     command = [sys.executable, "-c", "from mace.cli.run_train import main; main()", "--name", "tiny",
                "--train_file", "train.xyz", "--valid_fraction", "0.2", "--E0s", "average", "--model", "MACE",
-               "--hidden_irreps", "8x0e + 8x1o", "--r_max", "4.0", "--batch_size", "2", "--valid_batch_size", "2",
+               "--hidden_irreps", "32x0e + 32x1o", "--r_max", "4.0", "--batch_size", "2", "--valid_batch_size", "2",
                "--max_num_epochs", "1", "--device", "cpu", "--default_dtype", "float64", "--num_interactions", "2",
-               "--correlation", "2", "--max_L", "1", "--num_radial_basis", "4", "--seed", "1",
+               "--correlation", "3", "--max_L", "1", "--num_radial_basis", "4", "--seed", "1",
                *[f"--{q}_key={name}" for q, name in keys.items()]]
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-3000:]
     path = tmp_path / "tiny.model"
+    from potentials.adapters.pickled import codegen_tensors, read_module_tree
+    folded = [k for k in codegen_tensors(read_module_tree(path)) if "_tensor_constant" in k]
+    assert folded, "the file should hold e3nn's folded constants (the case the loader must tolerate)"
     atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((2, 2, 2))
     atoms.rattle(0.05, seed=3)
     default = torch.get_default_dtype()

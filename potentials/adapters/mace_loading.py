@@ -238,6 +238,30 @@ def build_mace(architecture: dict, where: str, dtype: torch.dtype = torch.float6
                              f"{exc})") from None
 
 
+def without_folded_constants(model, weights: dict, generated: dict, path) -> dict:
+    """``weights`` less the e3nn code-generated constants the rebuilt ``model`` does not hold: a traced tensor
+    product whose Wigner-3j buffer and path normalisation were folded into one tensor (``_tensor_constant0``, as a
+    model that MACE's training compiled holds them). Each must equal a multiple of a Wigner-3j buffer of the same
+    shape in the rebuilt module it belongs to (the same computation, its factor applied in the rebuilt code);
+    MACEModelError names one that does not."""
+    expected = model.state_dict()
+    folded = [k for k in generated if k not in expected]
+    modules = dict(model.named_modules())
+    for key in folded:
+        owner, _, name = key.rpartition(".")
+        constant = generated[key].to(torch.float64)
+        candidates = [b.to(torch.float64) for n, b in (modules[owner].named_buffers(recurse=False)
+                                                        if owner in modules else ())
+                      if n.startswith("_w3j") and b.shape == constant.shape]
+        scale = lambda b: float((constant * b).sum() / (b * b).sum())  # noqa: E731  (least squares)
+        if not any(torch.allclose(constant, scale(b) * b, rtol=1e-5, atol=1e-6 * float(constant.abs().max()))
+                   for b in candidates):
+            raise MACEModelError(f"{path}: the saved constant {key} {tuple(constant.shape)} is no multiple of a "
+                                 f"Wigner-3j tensor of the rebuilt {type(model).__name__}: this e3nn generates "
+                                 f"another computation than the one that wrote the file")
+    return {k: v for k, v in weights.items() if k not in folded}
+
+
 def load_mace(path) -> tuple:
     """(module, architecture): a MACE model from its ``.model`` file, rebuilt with mace-torch's constructors
     and the file's tensors (strict), in the file's dtype, in eval mode on the CPU, and its architecture
@@ -251,7 +275,8 @@ def load_mace(path) -> tuple:
     try:
         tree = read_module_tree(path)
         architecture = mace_architecture(*mace_config(tree, path))
-        weights = {**codegen_tensors(tree), **state_dict(tree)}
+        generated = codegen_tensors(tree)
+        weights = {**generated, **state_dict(tree)}
         dtype = tree.r_max.dtype
     except PickleFileError as exc:
         raise MACEModelError(str(exc)) from None
@@ -262,6 +287,7 @@ def load_mace(path) -> tuple:
         raise MACEModelError(f"{path}: not a complete MACE model ({type(exc).__name__}: "
                              f"{(str(exc).splitlines() or [''])[0]})") from None
     model = build_mace(architecture, path, dtype)  # in the file's dtype, as MACE built it
+    weights = without_folded_constants(model, weights, generated, path)
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as exc:
