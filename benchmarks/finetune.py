@@ -15,9 +15,12 @@
   after start-up, the largest rank's against one process's (target ≤ 0.6), and the seconds of the step;
 * ``trainers``: mlip-train against ``mace_run_train --foundation_model`` fine-tuning the same MACE file on the same
   data and settings: CPU seconds per epoch (start-up cancelled) and the validation force MAE of each written model
-  through MACECalculator (target: ≤ 0.7× their time per epoch at equal or better error).
+  through MACECalculator (target: ≤ 0.7× their time per epoch at equal or better error);
+* ``lora``: ``model.lora`` (rank 4) against full fine-tuning, one process: the training state's bytes (weights,
+  gradients, AdamW's moments) and one step's seconds.
 
-    python benchmarks/finetune.py [step] [data] [graph] [trainers] [--repeats 5] [--batch 4] [--pairs 2] [--epochs 3]
+    python benchmarks/finetune.py [step] [data] [graph] [trainers] [lora] [--repeats 5] [--batch 4] [--pairs 2]
+                                  [--epochs 3]
                                   [--structures 16] [--cells 8]
 """
 import argparse
@@ -148,15 +151,21 @@ def sevenn_theirs(frames):
     return step
 
 
-def ours(spec, frames, dtype):
-    """mlip-train's one-process step (``training.batch_gradients`` + AdamW) on the adapter of ``spec``."""
+def ours(spec, frames, dtype, lora=None):
+    """mlip-train's one-process step (``training.batch_gradients`` + AdamW) on the adapter of ``spec``; with ``lora``
+    ({targets, rank, alpha}: model.lora) only the low-rank updates train. ``step.state_bytes()``: the bytes of the
+    weights, their gradients and AdamW's moments after a step."""
     import torch
 
     import potentials
     from mlip_parallel.train.training import Batch, Counts, LossRule, Structure, batch_gradients
+    from potentials.lora import add_lora
 
     model = potentials.load_model(spec, dtype=dtype).train()
     params = potentials.base.select_weights(model)
+    if lora:
+        add_lora(model, **lora)
+        params = [p for p in model.parameters() if p.requires_grad]
     structures = [Structure(a.numbers, a.positions, a.cell[:], a.pbc, a.get_potential_energy(), a.get_forces(),
                             a.get_stress(voigt=False), f"cu:{k}") for k, a in enumerate(frames)]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
@@ -167,7 +176,41 @@ def ours(spec, frames, dtype):
         batch_gradients(model, batch, Counts.of(structures), LossRule(**WEIGHTS), params)
         optimizer.step()
 
+    def state_bytes() -> int:
+        tensors = list(model.parameters()) + [p.grad for p in params if p.grad is not None] + \
+            [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t) and t.dim()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    step.state_bytes = state_bytes
     return step
+
+
+LORA = {"MACE-MP-0-small shape, float64": {"targets": ["interactions.*.linear*.weight",
+                                                       "interactions.*.conv_tp_weights.*", "products.*.linear.weight"],
+                                           "rank": 4, "alpha": 4.0},
+        "SevenNet-0, float32": {"targets": ["*_self_interaction_*.linear.weight", "*.weight_nn.*"], "rank": 4,
+                                "alpha": 4.0}}
+
+
+def part_lora(args, work):
+    """model.lora against full fine-tuning: the training state (weights, gradients, AdamW moments) and one step's
+    median seconds, alternating, in one process."""
+    import torch
+
+    torch.set_num_threads(1)
+    frames = cu64(args.batch)
+    path = work / "mace-mp0-small-f64.model"
+    write_mace_mp0_small(path, torch.float64)
+    print(f"LoRA (rank 4) against full fine-tuning: one step on {args.batch} x 64-atom Cu, 1 thread, median of "
+          f"{args.repeats}, alternating; the training state's bytes")
+    for name, (spec, dtype) in {"MACE-MP-0-small shape, float64": (f"mace:{path}", "float64"),
+                                "SevenNet-0, float32": ("sevennet:7net-0", "float32")}.items():
+        steps = {"full": ours(spec, frames, dtype), "lora": ours(spec, frames, dtype, LORA[name])}
+        seconds = alternate(steps, args.repeats)
+        size = {k: step.state_bytes() / 2 ** 20 for k, step in steps.items()}
+        time_ratio, size_ratio = seconds["lora"] / seconds["full"], size["lora"] / size["full"]
+        print(f"  {name}: step {seconds['lora']:.3f} s with LoRA, {seconds['full']:.3f} s full ({time_ratio:.2f}x); "
+              f"training state {size['lora']:.1f} MB against {size['full']:.1f} MB ({size_ratio:.2f}x)", flush=True)
 
 
 def alternate(steps: dict, repeats: int) -> dict:
@@ -396,8 +439,8 @@ def part_graph(args, work):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("parts", nargs="*", default=["step", "data", "graph", "trainers"],
-                        choices=["step", "data", "graph", "trainers"])
+    parser.add_argument("parts", nargs="*", default=["step", "data", "graph", "trainers", "lora"],
+                        choices=["step", "data", "graph", "trainers", "lora"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--pairs", type=int, default=2)
@@ -407,7 +450,8 @@ def main():
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         for part in args.parts:
-            {"step": part_step, "data": part_data, "graph": part_graph, "trainers": part_trainers}[part](args, Path(tmp))
+            {"step": part_step, "data": part_data, "graph": part_graph, "trainers": part_trainers,
+             "lora": part_lora}[part](args, Path(tmp))
 
 
 if __name__ == "__main__":

@@ -223,6 +223,9 @@ class PackageModel:
 
         parts = {"parts": self.parts, "seed": self.seed} if isinstance(self, BlockPotential) else {}  # a stage's
         clone = self.rebuild(copy.deepcopy(self.hyperparameters, memo), self.dtype, **parts).to(self.device)
+        if getattr(self, "lora_settings", None):  # the same low-rank updates (their values: the state below)
+            from .lora import add_lora
+            add_lora(clone, **self.lora_settings)
         state, rebuilt = self.state_dict(), clone.state_dict()
         # a model loaded with its package's own copy of e3nn's generated code (a .nequip.zip) keeps that code's
         # constants as entries; the rebuilt code makes its own

@@ -494,6 +494,70 @@ def test_written_file_loads_in_the_packages_own_calculator(files, one_process, f
     assert max(max_relative_error(ours, theirs).values()) < tolerance
 
 
+LORA_TARGETS = {"mace": ["interactions.*.linear.weight", "interactions.*.conv_tp_weights.*"],
+                "nequip": ["*.conv.linear_*.weight", "*.edge_mlp.*"],
+                "sevennet": ["*_self_interaction_*.linear.weight", "*.weight_nn.*"]}
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=needs(f)) for f in LORA_TARGETS])
+def test_lora_trains_its_updates_alone_and_the_merged_file_loads_in_the_packages_own_code(files, family, tmp_path):
+    """model.lora (rank 2, alpha 4) on e3nn Linear layers (per-path blocks) and radial MLPs (matrices), 2 epochs
+    (and 1 resumed to 2: equal bit for bit): every weight and buffer of the model stays the starting file's and every
+    update trains; last.pt's model is the
+    EMA of the adapted model with each update merged, W + (alpha/rank) B A: its predictions equal the adapted model's
+    (the starting model, updates added again, the EMA state loaded) to 1e-12; the package's own file (best.model,
+    best.ckpt, checkpoint_best.pth) loads in the package's own code and equals our evaluation of best.pt to 1e-9."""
+    from potentials.lora import add_lora
+
+    key, path = files[family]
+    settings = {"targets": LORA_TARGETS[family], "rank": 2, "alpha": 4.0}
+    directory = tmp_path / family
+    train(validate(job(files, family, directory, epochs=2, model={"lora": settings}), SCHEMA, RULES))
+    state = torch.load(directory / "last.pt", weights_only=True)["training"]
+    cut = tmp_path / f"{family}-resumed"  # 1 epoch, then resumed to 2: the same updates, bit for bit
+    train(validate(job(files, family, cut, epochs=1, model={"lora": settings}), SCHEMA, RULES))
+    train(validate(job(files, family, cut, epochs=2, model={"lora": settings}, resume=True), SCHEMA, RULES))
+    resumed = torch.load(cut / "last.pt", weights_only=True)["training"]
+    for part in ("model", "ema"):
+        assert all(torch.equal(resumed[part][k], v) for k, v in state[part].items()), part
+    start = potentials.load_model(f"{key}:{path}").double().state_dict()
+    marker, trained = ".parametrizations.weight.", {}
+    for name, value in state["model"].items():
+        if marker not in name:
+            assert torch.equal(value, start[name].to(value.dtype)), name  # fixed
+        elif name.endswith(".original"):
+            assert torch.equal(value, start[name.replace(marker + "original", ".weight")]), name
+        elif ".B." in name:  # (a path whose output nothing reads keeps its zero block)
+            weight = name.split(marker)[0]
+            trained[weight] = trained.get(weight, False) or bool(value.abs().max() > 0)
+    assert trained and all(trained.values()), trained  # each adapted weight's update trained from zero
+    atoms = labelled_alloys(2, seed=7)[1]
+    atoms.calc = None
+    adapted = potentials.load_model(f"{key}:{path}").double()
+    add_lora(adapted, **settings)
+    adapted.load_state_dict({k.removeprefix("module."): v for k, v in state["ema"].items() if k != "n_averaged"})
+    merged_last = potentials.load(directory / "last.pt")
+    assert max(max_relative_error(ours_on(merged_last, atoms), ours_on(adapted, atoms)).values()) < 1e-12
+    ours = ours_on(potentials.load(directory / "best.pt"), atoms)
+    if family == "mace":
+        from mace.calculators import MACECalculator
+
+        calc = MACECalculator(model_paths=str(directory / "best.model"), device="cpu", default_dtype="float64")
+        torch.set_default_dtype(torch.float32)  # (MACE's calculator sets it for the process)
+    elif family == "nequip":
+        calc = nequip_calculator(directory / "best.ckpt")
+    else:
+        energy, forces, stress = sevenn_own(directory / "checkpoint_best.pth")[1]([atoms])
+        theirs = {"energy": energy.item(), "forces": forces.detach().numpy(), "stress": ase_voigt(stress[0])}
+        assert max(max_relative_error(ours, theirs).values()) < 1e-9
+        return
+    with warnings.catch_warnings(), default_dtype(torch.float64 if family == "nequip" else torch.get_default_dtype()):
+        warnings.simplefilter("ignore")
+        atoms.calc = calc
+        theirs = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(), "stress": atoms.get_stress()}
+    assert max(max_relative_error(ours, theirs).values()) < 1e-9
+
+
 @pytest.mark.parametrize("family", each_family())
 def test_resume_one_plus_two_epochs_equals_three(files, one_process, family):
     """A run stopped after epoch 1 and resumed (resume: true, epochs 3) ends with the uninterrupted run's

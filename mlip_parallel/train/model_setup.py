@@ -81,6 +81,36 @@ def check_new_model_size(section, species, config, procs, device) -> None:
     check_parameter_memory(procs.backend, cls.__name__, construct, hyperparameters, defaults, device, itemsize, stages)
 
 
+def lora_settings(config) -> dict | None:
+    """``model.lora`` as {targets, rank, alpha} (defaults rank 4, alpha 1.0), or None; ConfigError for other keys, no
+    targets, a rank that is not an integer >= 1, an alpha that is not a finite number > 0, or pipeline parallel."""
+    import math
+
+    lora = config["model"]["lora"]
+    if lora is None:
+        return None
+    unknown = sorted(set(lora) - {"targets", "rank", "alpha"})
+    if unknown:
+        raise ConfigError(f"model.lora: {unknown[0]!r} is not one of its keys (targets, rank, alpha)")
+    targets = lora.get("targets")
+    if isinstance(targets, str):
+        targets = [targets]
+    if not targets or not all(isinstance(t, str) and t for t in targets):
+        raise ConfigError(f"model.lora.targets: a list of glob patterns over the weights' names, got {targets!r}")
+    rank, alpha = lora.get("rank", 4), lora.get("alpha", 1.0)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ConfigError(f"model.lora.rank: an integer >= 1, got {rank!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (math.isfinite(alpha) and alpha > 0):
+        raise ConfigError(f"model.lora.alpha: a finite number > 0, got {alpha!r}")
+    if config["model"]["freeze"]:
+        raise ConfigError("model.lora with model.freeze: LoRA keeps every weight fixed already (only its updates "
+                          "train); leave model.freeze out")
+    if config["parallel"] == "pipeline":
+        raise ConfigError("model.lora: not with parallel: pipeline (each stage would adapt only its parts); use "
+                          "parallel: data or graph")
+    return {"targets": list(targets), "rank": rank, "alpha": float(alpha)}
+
+
 def check_patterns(model, patterns, procs, key: str = "model.freeze") -> None:
     """ConfigError naming a glob of ``patterns`` (the config's ``key``: model.freeze, optimizer.lr_factors) that
     matches no weight of the model on any rank (pipeline stages each hold some parts), with the model's parameter

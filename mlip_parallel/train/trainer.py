@@ -14,8 +14,8 @@ import numpy as np
 from ..config import ConfigError, check_output_directory
 from ..preflight import check_training_memory
 from .checkpoints import Checkpoints
-from .model_setup import build_model, check_patterns, check_new_model_size, fit_scale_shift, load_data, loss_rules, \
-    model_species, parameter_groups, starting_model
+from .model_setup import build_model, check_patterns, check_new_model_size, fit_scale_shift, load_data, lora_settings, \
+    loss_rules, model_species, parameter_groups, starting_model
 from .survey import surveys
 from .processes import Processes
 from .loader import StepBatches, global_batches
@@ -77,12 +77,20 @@ class Trainer(Checkpoints):
         self.resume = bool(procs.bcast(config["resume"] and self.last_path.exists()))  # rank 0's disk decides
         self.device = device = rank_device(procs.backend)
         species = model_species(section, self.surveys[0])
+        self.lora = lora_settings(config)
 
         def build(parts=None):
             from potentials.base import select_weights
+            from potentials.lora import LoRAError, add_lora
 
             model = build_model(section, species, config["seed"], parts).to(device)
             select_weights(model, section["freeze"], require_match=False)  # checked below, over every stage
+            if self.lora is not None:  # (not in pipeline mode: the whole model, every glob checked here)
+                try:
+                    self.lora["adapted"] = add_lora(model, self.lora["rank"], self.lora["alpha"],
+                                                    self.lora["targets"], seed=config["seed"])
+                except LoRAError as exc:
+                    raise ConfigError(str(exc)) from None
             return model
 
         self.build = build
@@ -299,8 +307,9 @@ class Trainer(Checkpoints):
         epoch = self.batches.epochs_done(self.step)
         errors = self.errors(self.evaluation_model, self.validation, f"epoch {epoch} (step {self.step})")
         if self.train_sample is not None:
-            errors.update({f"train_{k}": v for k, v in self.errors(
-                self.evaluation_model, self.train_sample, f"epoch {epoch} (step {self.step}), training errors").items()})
+            scored = self.errors(self.evaluation_model, self.train_sample, f"epoch {epoch} (step {self.step}), "
+                                 "training errors")
+            errors.update({f"train_{k}": v for k, v in scored.items()})
         stage = self.stage(self.step)
         rule = self.rules[stage - 1]
         val_loss = sum(rule[q] * errors[f"{q}_rmse"] ** 2 for q in QUANTITIES
@@ -391,6 +400,10 @@ class Trainer(Checkpoints):
                 f" ({key} {value})" for key, value in section_options(section, self.starting).items())
             trained = f"{int(count[0])} parameters" if count[0] == count[1] else \
                 f"{int(count[0])} of {int(count[1])} parameters trained (model.freeze {section['freeze']})"
+            if self.lora is not None:
+                trained = (f"{int(count[1] - count[0])} parameters fixed, {int(count[0])} parameters of LoRA "
+                           f"updates trained (rank {self.lora['rank']}, alpha {self.lora['alpha']:g}, on "
+                           f"{len(self.lora['adapted'])} weights)")
             print(f"mlip-train: {type(self.model).__name__}{start} {species_text(self.model.species)}, {trained}, "
                   f"{self.training_count()} training / {len(self.validation)} validation / {len(self.test)} test "
                   f"structures\nmlip-train: {procs.size} rank(s) x {torch.get_num_threads()} thread(s), "

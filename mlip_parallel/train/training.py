@@ -287,8 +287,8 @@ class LossRule:
         if self.type == "huber" or reference is None:
             return torch.nn.functional.huber_loss(errors, torch.zeros_like(errors), reduction="none",
                                                   delta=self.huber_delta)
-        band = torch.bucketize(torch.linalg.vector_norm(reference, dim=-1),
-                               torch.tensor(UNIVERSAL_BANDS, dtype=reference.dtype, device=reference.device), right=True)
+        bands = torch.tensor(UNIVERSAL_BANDS, dtype=reference.dtype, device=reference.device)
+        band = torch.bucketize(torch.linalg.vector_norm(reference, dim=-1), bands, right=True)
         delta = self.huber_delta * torch.tensor(UNIVERSAL_FACTORS, dtype=errors.dtype, device=errors.device)[band, None]
         size = errors.abs()
         return torch.where(size < delta, 0.5 * errors ** 2, delta * (size - 0.5 * delta))
