@@ -195,12 +195,7 @@ LORA = {"MACE-MP-0-small shape, float64": {"targets": ["interactions.*.linear*.w
 def part_lora(args, work):
     """model.lora against full fine-tuning: the training state (weights, gradients, AdamW moments) and one step's
     median seconds, alternating, in one process."""
-    import torch
-
-    torch.set_num_threads(1)
-    frames = cu64(args.batch)
-    path = work / "mace-mp0-small-f64.model"
-    write_mace_mp0_small(path, torch.float64)
+    frames, path = step_setup(args, work)
     print(f"LoRA (rank 4) against full fine-tuning: one step on {args.batch} x 64-atom Cu, 1 thread, median of "
           f"{args.repeats}, alternating; the training state's bytes")
     for name, (spec, dtype) in {"MACE-MP-0-small shape, float64": (f"mace:{path}", "float64"),
@@ -226,13 +221,19 @@ def alternate(steps: dict, repeats: int) -> dict:
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
-def part_step(args, work):
+def step_setup(args, work):
+    """One torch thread, ``--batch`` 64-atom Cu structures and the MACE-MP-0-small-shaped file (float64):
+    (frames, path)."""
     import torch
 
     torch.set_num_threads(1)
-    frames = cu64(args.batch)
     path = work / "mace-mp0-small-f64.model"
     write_mace_mp0_small(path, torch.float64)
+    return cu64(args.batch), path
+
+
+def part_step(args, work):
+    frames, path = step_setup(args, work)
     print(f"one training step, {args.batch} x 64-atom Cu, energy + force + stress loss, AdamW, 1 thread; median of "
           f"{args.repeats}, alternating")
     for name, (theirs, spec, dtype) in {
@@ -317,9 +318,9 @@ def force_mae(model_file, frames) -> float:
 
 def part_trainers(args, work):
     """mlip-train against ``mace_run_train --foundation_model`` on the same data and settings: fine-tuning a MACE
-    that mace_run_train wrote here (32x0e + 32x1o, correlation 3, two interactions, float32) on EMT-labelled 32-atom Cu, 56 training and 14 validation structures, batch 4,
-    lr 0.003, weights 1 / 10 / 1, E0s fitted to the labels (``average``; ours ``reference_energies: fit``), no EMA,
-    one thread each. CPU seconds per epoch = (CPU of a ``--epochs`` run − CPU of a 1-epoch run) / (epochs − 1), so
+    that mace_run_train wrote here (32x0e + 32x1o, correlation 3, two interactions, float32) on EMT-labelled 32-atom
+    Cu, 56 training and 14 validation structures, batch 4, lr 0.003, weights 1 / 10 / 1, E0s fitted to the labels
+    (``average``; ours ``reference_energies: fit``), no EMA, one thread each. CPU seconds per epoch = (CPU of a ``--epochs`` run − CPU of a 1-epoch run) / (epochs − 1), so
     start-up cancels; the validation force MAE of each written model through MACE's own calculator."""
     import yaml
 
@@ -361,8 +362,8 @@ def part_trainers(args, work):
         seconds = cpu_seconds(train_command(1, job), work, env)
         return seconds, directory / "best.model"
 
-    print(f"fine-tuning a MACE of mace_run_train (float32) on 56 + 14 EMT Cu structures of 32 atoms, batch 4, one thread: CPU "
-          f"seconds per epoch (from runs of 1 and {args.epochs} epochs) and the validation force MAE through "
+    print(f"fine-tuning a MACE of mace_run_train (float32) on 56 + 14 EMT Cu structures of 32 atoms, batch 4, one "
+          f"thread: CPU seconds per epoch (from runs of 1 and {args.epochs} epochs) and the validation force MAE through "
           f"MACECalculator", flush=True)
     for pair in range(args.pairs):
         result = {}
