@@ -16,10 +16,12 @@
 * ``trainers``: mlip-train against ``mace_run_train --foundation_model`` fine-tuning the same MACE file on the same
   data and settings: CPU seconds per epoch (start-up cancelled) and the validation force MAE of each written model
   through MACECalculator (target: ≤ 0.7× their time per epoch at equal or better error);
+* ``sevenn``: the same against ``sevenn train`` (its fine-tuning preset) fine-tuning SevenNet-0: CPU seconds per
+  epoch and the validation force MAE through SevenNetCalculator;
 * ``lora``: ``model.lora`` (rank 4) against full fine-tuning, one process: the training state's bytes (weights,
   gradients, AdamW's moments) and one step's seconds.
 
-    python benchmarks/finetune.py [step] [data] [graph] [trainers] [lora] [--repeats 5] [--batch 4] [--pairs 2]
+    python benchmarks/finetune.py [step] [data] [graph] [trainers] [sevenn] [lora] [--repeats 5] [--batch 4] [--pairs 2]
                                   [--epochs 3]
                                   [--structures 16] [--cells 8]
 """
@@ -376,6 +378,75 @@ def part_trainers(args, work):
               f"s/epoch, F MAE {fb * 1e3:.1f} meV/A; time ratio {a / b:.2f}", flush=True)
 
 
+def part_sevenn(args, work):
+    """mlip-train against ``sevenn train`` (sevenn's fine-tuning preset) fine-tuning SevenNet-0 on the same data and
+    settings: 56 + 14 EMT Cu structures of 32 atoms, float32, batch 4, Adam(W) at lr 3e-4 held constant, the Huber
+    loss (delta 0.01) on energy per atom and forces (weights 1 and 1; no stress: the two weigh its units differently),
+    SevenNet-0's shift and scale fixed, no EMA, one thread. CPU seconds per epoch as ``trainers``; the validation
+    force MAE of each written checkpoint_best.pth through SevenNetCalculator."""
+    import yaml
+    from ase.io import write
+
+    frames = cu_emt_frames(70, 32)
+    train, valid = work / "train7.extxyz", work / "valid7.extxyz"
+    write(train, frames[:56]), write(valid, frames[56:])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    preset = yaml.safe_load(subprocess.run([str(Path(sys.executable).parent / "sevenn_preset"), "fine_tune"],
+                                           capture_output=True, text=True, check=True).stdout)
+
+    def theirs(epochs):
+        directory = work / f"sevenn{epochs}"
+        directory.mkdir(exist_ok=True)
+        config = dict(preset)
+        config["train"] = dict(preset["train"], epoch=epochs, is_train_stress=False, force_loss_weight=1.0,
+                               optim_param={"lr": 3e-4}, scheduler="exponentiallr", scheduler_param={"gamma": 1.0},
+                               per_epoch=epochs, error_record=[["Energy", "RMSE"], ["Force", "RMSE"],
+                                                               ["TotalLoss", "None"]])
+        config["data"] = dict(preset["data"], batch_size=4, load_trainset_path=[str(train)],
+                              load_validset_path=[str(valid)])
+        config["data"].pop("load_testset_path", None)
+        (directory / "input.yaml").write_text(yaml.safe_dump(config))
+        seconds = cpu_seconds([str(Path(sys.executable).parent / "sevenn"), "train", "input.yaml"], directory, env)
+        return seconds, directory / "checkpoint_best.pth"
+
+    def ours(epochs):
+        directory = work / f"ours7-{epochs}"
+        job = work / f"ours7-{epochs}.yaml"
+        job.write_text(yaml.safe_dump({
+            "data": {"train": str(train), "validation": str(valid)}, "model": {"sevennet": "7net-0"},
+            "loss": {"energy_weight": 1.0, "forces_weight": 1.0, "stress_weight": 0.0, "type": "huber",
+                     "huber_delta": 0.01},
+            "optimizer": {"lr": 3e-4, "gradient_clip": 0.0}, "schedule": {"name": "none"}, "ema_decay": 0.0,
+            "epochs": epochs, "batch_size": 4, "seed": 1, "training_errors": 0,
+            "output": {"directory": str(directory), "overwrite": True, "progress": False}}))
+        seconds = cpu_seconds(train_command(1, job), work, env)
+        return seconds, directory / "checkpoint_best.pth"
+
+    def force_mae_7(checkpoint) -> float:
+        from sevenn.calculator import SevenNetCalculator
+
+        calc = SevenNetCalculator(model=str(checkpoint))
+        errors = []
+        for atoms in frames[56:]:
+            copy = atoms.copy()
+            copy.calc = calc
+            errors.append(np.abs(copy.get_forces() - atoms.get_forces()).ravel())
+        return float(np.concatenate(errors).mean())
+
+    print(f"fine-tuning SevenNet-0 (float32) on 56 + 14 EMT Cu structures of 32 atoms, batch 4, one thread: CPU "
+          f"seconds per epoch (from runs of 1 and {args.epochs} epochs) and the validation force MAE through "
+          f"SevenNetCalculator", flush=True)
+    for pair in range(args.pairs):
+        result = {}
+        for name, run in (("sevenn", theirs), ("mlip-train", ours)):
+            one, _ = run(1)
+            many, checkpoint = run(args.epochs)
+            result[name] = ((many - one) / (args.epochs - 1), force_mae_7(checkpoint))
+        (a, fa), (b, fb) = result["mlip-train"], result["sevenn"]
+        print(f"  pair {pair + 1}: mlip-train {a:.2f} s/epoch, F MAE {fa * 1e3:.1f} meV/A; sevenn {b:.2f} s/epoch, "
+              f"F MAE {fb * 1e3:.1f} meV/A; time ratio {a / b:.2f}", flush=True)
+
+
 WORKER = """
 import json, resource, sys, time
 sys.path.insert(0, {benchmarks!r})
@@ -440,8 +511,8 @@ def part_graph(args, work):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("parts", nargs="*", default=["step", "data", "graph", "trainers", "lora"],
-                        choices=["step", "data", "graph", "trainers", "lora"])
+    parser.add_argument("parts", nargs="*", default=["step", "data", "graph", "trainers", "sevenn", "lora"],
+                        choices=["step", "data", "graph", "trainers", "sevenn", "lora"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--pairs", type=int, default=2)
@@ -452,7 +523,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for part in args.parts:
             {"step": part_step, "data": part_data, "graph": part_graph, "trainers": part_trainers,
-             "lora": part_lora}[part](args, Path(tmp))
+             "sevenn": part_sevenn, "lora": part_lora}[part](args, Path(tmp))
 
 
 if __name__ == "__main__":
