@@ -305,11 +305,8 @@ def cpu_seconds(command, cwd, env) -> float:
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def force_mae(model_file, frames) -> float:
-    """Force MAE (eV/Å) of MACE's own calculator with ``model_file`` on ``frames`` (EMT's forces)."""
-    from mace.calculators import MACECalculator
-
-    calc = MACECalculator(model_paths=str(model_file), device="cpu", default_dtype="float32")
+def force_mae(calc, frames) -> float:
+    """Force MAE (eV/Å) of the ASE calculator ``calc`` on ``frames`` (EMT's forces)."""
     errors = []
     for atoms in frames:
         copy = atoms.copy()
@@ -318,13 +315,38 @@ def force_mae(model_file, frames) -> float:
     return float(np.concatenate(errors).mean())
 
 
+def mlip_train_cpu(work, name, config, env, written: str) -> tuple:
+    """(CPU seconds, OUTPUT/``written``) of one-process ``mlip-train`` on ``config`` (output in ``work``/``name``)."""
+    import yaml
+
+    job = work / f"{name}.yaml"
+    job.write_text(yaml.safe_dump(dict(config, output={"directory": str(work / name), "overwrite": True,
+                                                       "progress": False})))
+    return cpu_seconds(train_command(1, job), work, env), work / name / written
+
+
+def side_by_side(args, package: str, theirs, ours, calculator, frames) -> None:
+    """``args.pairs`` times: ``theirs(epochs)`` then ``ours(epochs)`` (each (CPU seconds, written model)) for 1 and
+    ``args.epochs`` epochs; prints CPU seconds per epoch (start-up cancels) and each model's force MAE on ``frames``
+    through ``calculator(model file)``."""
+    for pair in range(args.pairs):
+        result = {}
+        for name, run in ((package, theirs), ("mlip-train", ours)):
+            one, _ = run(1)
+            many, model_file = run(args.epochs)
+            result[name] = ((many - one) / (args.epochs - 1), force_mae(calculator(model_file), frames))
+        (a, fa), (b, fb) = result["mlip-train"], result[package]
+        print(f"  pair {pair + 1}: mlip-train {a:.2f} s/epoch, F MAE {fa * 1e3:.1f} meV/A; {package} {b:.2f} "
+              f"s/epoch, F MAE {fb * 1e3:.1f} meV/A; time ratio {a / b:.2f}", flush=True)
+
+
 def part_trainers(args, work):
     """mlip-train against ``mace_run_train --foundation_model`` on the same data and settings: fine-tuning a MACE
     that mace_run_train wrote here (32x0e + 32x1o, correlation 3, two interactions, float32) on EMT-labelled 32-atom
     Cu, 56 training and 14 validation structures, batch 4, lr 0.003, weights 1 / 10 / 1, E0s fitted to the labels
     (``average``; ours ``reference_energies: fit``), no EMA, one thread each. CPU seconds per epoch = (CPU of a ``--epochs`` run − CPU of a 1-epoch run) / (epochs − 1), so
     start-up cancels; the validation force MAE of each written model through MACE's own calculator."""
-    import yaml
+    from mace.calculators import MACECalculator
 
     frames = cu_emt_frames(70, 32)
     train, valid = work / "train.extxyz", work / "valid.extxyz"
@@ -353,29 +375,17 @@ def part_trainers(args, work):
         return seconds, directory / "ft.model"
 
     def ours(epochs):
-        directory = work / f"ours{epochs}"
-        job = work / f"ours{epochs}.yaml"
-        job.write_text(yaml.safe_dump({
+        return mlip_train_cpu(work, f"ours{epochs}", {
             "data": {"train": str(train), "validation": str(valid), "keys": keys},
             "model": {"mace": str(start), "reference_energies": "fit"},
             "loss": {f"{q}_weight": w for q, w in WEIGHTS.items()}, "optimizer": {"lr": 0.003}, "ema_decay": 0.0,
-            "epochs": epochs, "batch_size": 4, "seed": 1, "training_errors": 0,
-            "output": {"directory": str(directory), "overwrite": True, "progress": False}}))
-        seconds = cpu_seconds(train_command(1, job), work, env)
-        return seconds, directory / "best.model"
+            "epochs": epochs, "batch_size": 4, "seed": 1, "training_errors": 0}, env, "best.model")
 
     print(f"fine-tuning a MACE of mace_run_train (float32) on 56 + 14 EMT Cu structures of 32 atoms, batch 4, one "
           f"thread: CPU seconds per epoch (from runs of 1 and {args.epochs} epochs) and the validation force MAE through "
           f"MACECalculator", flush=True)
-    for pair in range(args.pairs):
-        result = {}
-        for name, run in (("mace_run_train", theirs), ("mlip-train", ours)):
-            one, _ = run(1)
-            many, model_file = run(args.epochs)
-            result[name] = ((many - one) / (args.epochs - 1), force_mae(model_file, frames[56:]))
-        (a, fa), (b, fb) = result["mlip-train"], result["mace_run_train"]
-        print(f"  pair {pair + 1}: mlip-train {a:.2f} s/epoch, F MAE {fa * 1e3:.1f} meV/A; mace_run_train {b:.2f} "
-              f"s/epoch, F MAE {fb * 1e3:.1f} meV/A; time ratio {a / b:.2f}", flush=True)
+    side_by_side(args, "mace_run_train", theirs, ours, lambda path: MACECalculator(
+        model_paths=str(path), device="cpu", default_dtype="float32"), frames[56:])
 
 
 def part_sevenn(args, work):
@@ -386,6 +396,7 @@ def part_sevenn(args, work):
     force MAE of each written checkpoint_best.pth through SevenNetCalculator."""
     import yaml
     from ase.io import write
+    from sevenn.calculator import SevenNetCalculator
 
     frames = cu_emt_frames(70, 32)
     train, valid = work / "train7.extxyz", work / "valid7.extxyz"
@@ -410,41 +421,17 @@ def part_sevenn(args, work):
         return seconds, directory / "checkpoint_best.pth"
 
     def ours(epochs):
-        directory = work / f"ours7-{epochs}"
-        job = work / f"ours7-{epochs}.yaml"
-        job.write_text(yaml.safe_dump({
+        return mlip_train_cpu(work, f"ours7-{epochs}", {
             "data": {"train": str(train), "validation": str(valid)}, "model": {"sevennet": "7net-0"},
             "loss": {"energy_weight": 1.0, "forces_weight": 1.0, "stress_weight": 0.0, "type": "huber",
                      "huber_delta": 0.01},
             "optimizer": {"lr": 3e-4, "gradient_clip": 0.0}, "schedule": {"name": "none"}, "ema_decay": 0.0,
-            "epochs": epochs, "batch_size": 4, "seed": 1, "training_errors": 0,
-            "output": {"directory": str(directory), "overwrite": True, "progress": False}}))
-        seconds = cpu_seconds(train_command(1, job), work, env)
-        return seconds, directory / "checkpoint_best.pth"
-
-    def force_mae_7(checkpoint) -> float:
-        from sevenn.calculator import SevenNetCalculator
-
-        calc = SevenNetCalculator(model=str(checkpoint))
-        errors = []
-        for atoms in frames[56:]:
-            copy = atoms.copy()
-            copy.calc = calc
-            errors.append(np.abs(copy.get_forces() - atoms.get_forces()).ravel())
-        return float(np.concatenate(errors).mean())
+            "epochs": epochs, "batch_size": 4, "seed": 1, "training_errors": 0}, env, "checkpoint_best.pth")
 
     print(f"fine-tuning SevenNet-0 (float32) on 56 + 14 EMT Cu structures of 32 atoms, batch 4, one thread: CPU "
           f"seconds per epoch (from runs of 1 and {args.epochs} epochs) and the validation force MAE through "
           f"SevenNetCalculator", flush=True)
-    for pair in range(args.pairs):
-        result = {}
-        for name, run in (("sevenn", theirs), ("mlip-train", ours)):
-            one, _ = run(1)
-            many, checkpoint = run(args.epochs)
-            result[name] = ((many - one) / (args.epochs - 1), force_mae_7(checkpoint))
-        (a, fa), (b, fb) = result["mlip-train"], result["sevenn"]
-        print(f"  pair {pair + 1}: mlip-train {a:.2f} s/epoch, F MAE {fa * 1e3:.1f} meV/A; sevenn {b:.2f} s/epoch, "
-              f"F MAE {fb * 1e3:.1f} meV/A; time ratio {a / b:.2f}", flush=True)
+    side_by_side(args, "sevenn", theirs, ours, lambda path: SevenNetCalculator(model=str(path)), frames[56:])
 
 
 WORKER = """
