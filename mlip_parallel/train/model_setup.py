@@ -126,6 +126,16 @@ def check_patterns(model, patterns, procs, key: str = "model.freeze") -> None:
                               f"weights; its parameter groups are {', '.join(weight_groups(names))}")
 
 
+def check_factors(factors, key: str, what: str) -> dict:
+    """``factors`` ({name: number} or None) as a dict; ConfigError naming ``key``.name for a value that is not a
+    finite number >= 0 (``what`` it is)."""
+    factors = dict(factors or {})
+    for name, factor in factors.items():
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 <= factor < float("inf"):
+            raise ConfigError(f"{key}.{name}: {what} is a number >= 0, got {factor!r}")
+    return factors
+
+
 def parameter_groups(model, parameters, lr: float, factors: dict | None) -> list:
     """The optimizer's parameter groups: ``parameters`` (the trained ones, in their order) at ``lr``, except those
     whose name (``model.named_weights``) matches a glob of ``factors`` ({glob: factor}; the first that matches
@@ -133,11 +143,7 @@ def parameter_groups(model, parameters, lr: float, factors: dict | None) -> list
     ``lr_factor`` is kept (stage two's learning rate is set through it)."""
     from fnmatch import fnmatchcase
 
-    factors = dict(factors or {})
-    for pattern, factor in factors.items():
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 <= factor < float("inf"):
-            raise ConfigError(f"optimizer.lr_factors.{pattern}: a factor of the learning rate is a number >= 0, got "
-                              f"{factor!r}")
+    factors = check_factors(factors, "optimizer.lr_factors", "a factor of the learning rate")
     names = {id(p): name for name, p in model.named_weights()}
     groups = [{"params": [], "lr": lr, "lr_factor": 1.0}] + [{"params": [], "lr": lr * f, "lr_factor": f}
                                                               for f in factors.values()]
@@ -235,10 +241,7 @@ def loss_rules(config):
     from .training import LossRule
 
     loss, two = config["loss"], config["stage_two"]
-    factors = dict(loss["config_type_weights"] or {})
-    for name, factor in factors.items():
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 <= factor < float("inf"):
-            raise ConfigError(f"loss.config_type_weights.{name}: a weight is a number >= 0, got {factor!r}")
+    factors = check_factors(loss["config_type_weights"], "loss.config_type_weights", "a weight")
     rule = LossRule(**{q: loss[f"{q}_weight"] for q in QUANTITIES}, type=loss["type"], huber_delta=loss["huber_delta"],
                     config_type_weights={str(k): float(v) for k, v in factors.items()})
     second = None

@@ -248,7 +248,7 @@ def without_folded_constants(model, weights: dict, generated: dict, path) -> dic
     folded = [k for k in generated if k not in expected]
     modules = dict(model.named_modules())
     for key in folded:
-        owner, _, name = key.rpartition(".")
+        owner = key.rpartition(".")[0]
         constant = generated[key].to(torch.float64)
         candidates = [b.to(torch.float64) for n, b in (modules[owner].named_buffers(recurse=False)
                                                         if owner in modules else ())
