@@ -408,21 +408,28 @@ def test_files_assembled_from_the_stages_load_in_the_packages_own_code(files, pa
     directory = parallel["root"] / f"{run}-pipeline"
     atoms = read(files["validation"], 0 if run == "2-mace" else 1)
     ours = ours_on(potentials.load(directory / "best.pt"), atoms)
-    if run == "2-mace":
+    theirs = packages_own(run.split("-")[1], directory, atoms)
+    assert max(max_relative_error(ours, theirs).values()) < 1e-9
+
+
+def packages_own(family: str, directory, atoms) -> dict:
+    """Energy, forces and stress of the package's own file that mlip-train wrote in ``directory`` (best.model,
+    checkpoint_best.pth, else best.ckpt), through the package's own code, float64: MACECalculator, sevenn's own
+    model, the nequip framework's NequIPCalculator."""
+    atoms = atoms.copy()
+    if family == "mace":
         from mace.calculators import MACECalculator
 
         atoms.calc = MACECalculator(model_paths=str(directory / "best.model"), device="cpu", default_dtype="float64")
         theirs = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(), "stress": atoms.get_stress()}
         torch.set_default_dtype(torch.float32)  # (MACE's calculator sets it for the process)
-    elif run == "2-sevennet":
+        return theirs
+    if family == "sevennet":
         energy, forces, stress = sevenn_own(directory / "checkpoint_best.pth")[1]([atoms])
-        theirs = {"energy": energy.item(), "forces": forces.detach().numpy(), "stress": ase_voigt(stress[0])}
-    else:
-        atoms.calc = nequip_calculator(directory / "best.ckpt")
-        with default_dtype(torch.float64):  # (the framework's calculator runs in its global dtype, float64)
-            theirs = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(),
-                      "stress": atoms.get_stress()}
-    assert max(max_relative_error(ours, theirs).values()) < 1e-9
+        return {"energy": energy.item(), "forces": forces.detach().numpy(), "stress": ase_voigt(stress[0])}
+    atoms.calc = nequip_calculator(directory / "best.ckpt")
+    with default_dtype(torch.float64):  # (the framework's calculator runs in its global dtype, float64)
+        return {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(), "stress": atoms.get_stress()}
 
 
 def ase_voigt(stress: torch.Tensor) -> np.ndarray:
@@ -539,22 +546,9 @@ def test_lora_trains_its_updates_alone_and_the_merged_file_loads_in_the_packages
     merged_last = potentials.load(directory / "last.pt")
     assert max(max_relative_error(ours_on(merged_last, atoms), ours_on(adapted, atoms)).values()) < 1e-12
     ours = ours_on(potentials.load(directory / "best.pt"), atoms)
-    if family == "mace":
-        from mace.calculators import MACECalculator
-
-        calc = MACECalculator(model_paths=str(directory / "best.model"), device="cpu", default_dtype="float64")
-        torch.set_default_dtype(torch.float32)  # (MACE's calculator sets it for the process)
-    elif family == "nequip":
-        calc = nequip_calculator(directory / "best.ckpt")
-    else:
-        energy, forces, stress = sevenn_own(directory / "checkpoint_best.pth")[1]([atoms])
-        theirs = {"energy": energy.item(), "forces": forces.detach().numpy(), "stress": ase_voigt(stress[0])}
-        assert max(max_relative_error(ours, theirs).values()) < 1e-9
-        return
-    with warnings.catch_warnings(), default_dtype(torch.float64 if family == "nequip" else torch.get_default_dtype()):
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        atoms.calc = calc
-        theirs = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(), "stress": atoms.get_stress()}
+        theirs = packages_own(family, directory, atoms)
     assert max(max_relative_error(ours, theirs).values()) < 1e-9
 
 
