@@ -26,8 +26,8 @@ class LoRAError(MLIPError, ValueError):
 
 
 class LowRankUpdate(torch.nn.Module):
-    """The parametrization W → W + scale · ΔW of one weight: ``blocks`` (offset, rows, cols) of the flattened W,
-    each updated by B [rows, rank] @ A [rank, cols]; A drawn from N(0, 1/cols) by ``generator``, B zero."""
+    """The parametrization W → W + scale · ΔW of one weight: ``blocks`` (offset, rows, cols) tiling the flattened W
+    in order, each updated by B [rows, rank] @ A [rank, cols]; A drawn from N(0, 1/cols) by ``generator``, B zero."""
 
     def __init__(self, weight: torch.Tensor, blocks, rank: int, alpha: float, generator: torch.Generator):
         super().__init__()
@@ -40,17 +40,8 @@ class LowRankUpdate(torch.nn.Module):
                                         for _, rows, _ in self.blocks)
 
     def delta(self) -> torch.Tensor:
-        """ΔW × scale, in W's shape."""
-        parts, end = [], 0
-        flat_size = self.shape.numel()
-        for (offset, rows, cols), a, b in zip(self.blocks, self.A, self.B):
-            if offset > end:
-                parts.append(a.new_zeros(offset - end))
-            parts.append((b @ a).reshape(-1))
-            end = offset + rows * cols
-        if end < flat_size:
-            parts.append(self.A[0].new_zeros(flat_size - end))
-        return (self.scale * torch.cat(parts)).reshape(self.shape)
+        """ΔW × scale, in W's shape (the blocks tile the flattened W in order: ``weight_blocks``)."""
+        return (self.scale * torch.cat([(b @ a).reshape(-1) for a, b in zip(self.A, self.B)])).reshape(self.shape)
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         return weight + self.delta()
