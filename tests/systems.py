@@ -541,11 +541,17 @@ def fairchem_model(name: str, dtype=torch.float64, **changes):
     return potentials.FAIRChem(str(FAIRCHEM_DIR / f"{name}.pt"), dtype=dtype, **{**FAIRCHEM_FIXTURES[name], **changes})
 
 
-def fairchem_reference(name: str, atoms, dtype=torch.float64, merge_mole: bool = False, **changes) -> dict:
+def fairchem_reference(name: str, atoms, dtype=torch.float64, merge_mole: bool = False, path=None,
+                       **changes) -> dict:
     """fairchem's own FAIRChemCalculator on ``atoms`` (energy, forces, and stress where the cell has a volume) with
     the fixture's task, charge and spin (``changes`` replace them), fairchem's inference settings in ``dtype``
-    (no compilation; ``merge_mole``: experts merged for this composition, as fairchem's fast presets do)."""
+    (no compilation; ``merge_mole``: experts merged for this composition, as fairchem's fast presets do). ``path``:
+    another checkpoint than the fixture (one fine-tuned from it), built by fairchem in ``dtype`` (float64 weights
+    load unrounded)."""
+    import contextlib
     import logging
+
+    from potentials.adapters.exchange import default_dtype
 
     from fairchem.core.calculate.ase_calculator import FAIRChemCalculator
     from fairchem.core.units.mlip_unit import load_predict_unit
@@ -555,11 +561,12 @@ def fairchem_reference(name: str, atoms, dtype=torch.float64, merge_mole: bool =
     level = logging.root.manager.disable
     logging.disable(logging.WARNING)
     try:
-        key = (name, dtype, merge_mole)
-        if key not in _FAIRCHEM_UNITS or merge_mole:  # a merged model serves one composition
+        key = (name, dtype, merge_mole, path)
+        if key not in _FAIRCHEM_UNITS or merge_mole or path:  # a merged model serves one composition
             settings = InferenceSettings(base_precision_dtype=dtype, merge_mole=merge_mole, compile=False, tf32=False)
-            _FAIRCHEM_UNITS[key] = load_predict_unit(str(FAIRCHEM_DIR / f"{name}.pt"), inference_settings=settings,
-                                                     device="cpu")
+            with default_dtype(dtype) if path else contextlib.nullcontext():
+                _FAIRCHEM_UNITS[key] = load_predict_unit(str(path or FAIRCHEM_DIR / f"{name}.pt"),
+                                                         inference_settings=settings, device="cpu")
         atoms = atoms.copy()
         for key_ in ("charge", "spin"):
             if key_ in options:

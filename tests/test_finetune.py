@@ -14,6 +14,7 @@ nequip-framework fixtures (tests/data/nequip), a small SevenNet (``systems.write
 MACE's multi-head fixture written under e3nn 0.4.4. Data: Cu/Ag structures labelled by ASE's EMT, among
 them triclinic cells and a pair of clusters with empty space between them (a rank of the 3 owns no atom).
 """
+import functools
 import importlib.util
 import json
 import re
@@ -31,16 +32,20 @@ from conftest import MPI_DIR
 from mlip_parallel.train.cli import RULES, SCHEMA, main, train, validate
 from potentials.adapters.exchange import default_dtype
 from test_training import trained_parameters  # (last.pt's state, or the pipeline stages' shards)
-from systems import (ALLEGRO_PRUNED, MACE_DIR, NEQUIP_DIR, allegro_architecture, labelled_alloys, max_relative_error,
-                     write_framework_model, write_small_mace, write_small_sevennet)
+from systems import (ALLEGRO_PRUNED, FAIRCHEM_DIR, FAIRCHEM_FIXTURES, MACE_DIR, NEQUIP_DIR, allegro_architecture,
+                     fairchem_reference, labelled_alloys, max_relative_error, write_framework_model, write_small_mace,
+                     write_small_sevennet)
 
 # the packages' own warnings (deprecations in their code) are not this suite's to read
 pytestmark = pytest.mark.filterwarnings("ignore:::(mace|e3nn|nequip|allegro|sevenn|lightning|torch_geometric)")
 
 SEED, EPOCHS, BATCH, LR, CLIP = 1, 3, 3, 0.003, 1.0
-FAMILIES = ("mace", "nequip", "allegro", "sevennet")
+FAIRCHEM = ("esen", "uma-moe", "uma-dense")  # tests/data/fairchem's checkpoints, run with systems.FAIRCHEM_FIXTURES
+FAMILIES = ("mace", "nequip", "allegro", "sevennet") + FAIRCHEM
+PARALLEL = tuple(f for f in FAMILIES if f != "esen")  # (eSEN's code is UMA's without experts: UMA's runs cover it)
 PACKAGES = {"mace": ("mace",), "nequip": ("nequip",), "allegro": ("nequip", "allegro"), "sevennet": ("sevenn",),
-            "mace3": ("mace",), "allegro3": ("nequip", "allegro")}  # the modules each family's tests need
+            "mace3": ("mace",), "allegro3": ("nequip", "allegro"),
+            **{name: ("fairchem",) for name in FAIRCHEM}}  # the modules each family's tests need
 
 
 def installed(family: str) -> bool:
@@ -52,8 +57,8 @@ def needs(family: str):
     return pytest.mark.skipif(not installed(family), reason=f"{family} fine-tuning needs {PACKAGES[family]}")
 
 
-def each_family():
-    return [pytest.param(family, marks=needs(family)) for family in FAMILIES]
+def each_family(families=FAMILIES):
+    return [pytest.param(family, marks=needs(family)) for family in families]
 
 
 @pytest.fixture(autouse=True)
@@ -78,13 +83,14 @@ def files(tmp_path_factory):
     return {"root": root, "train": root / "train.extxyz", "validation": root / "validation.extxyz",
             "mace": ("mace", root / "small.model"), "mace3": ("mace", root / "small3.model"), "nequip": ("nequip", NEQUIP_DIR / "nequip-zbl.ckpt"),
             "allegro": ("nequip", NEQUIP_DIR / "allegro.nequip.zip"), "allegro3": ("nequip", root / "allegro3.ckpt"),
-            "sevennet": ("sevennet", root / "small-sevennet.pth")}
+            "sevennet": ("sevennet", root / "small-sevennet.pth"),
+            **{name: ("fairchem", FAIRCHEM_DIR / f"{name}.pt") for name in FAIRCHEM}}
 
 
 def job(files, family, directory, **changes) -> dict:
     key, path = files[family]
     config = {"data": {"train": str(files["train"]), "validation": str(files["validation"])},
-              "model": {key: str(path), "dtype": "float64"},
+              "model": {key: str(path), "dtype": "float64", **FAIRCHEM_FIXTURES.get(family, {})},
               "loss": {f"{q}_weight": w for q, w in WEIGHTS.items()},
               "optimizer": {"lr": LR, "gradient_clip": CLIP}, "schedule": {"name": "none"}, "ema_decay": 0.9,
               "epochs": EPOCHS, "batch_size": BATCH, "seed": SEED, "output": {"directory": str(directory)}}
@@ -199,7 +205,46 @@ def sevenn_own(path):
     return model, predict
 
 
-OWN = {"mace": mace_own, "nequip": nequip_own, "allegro": nequip_own, "sevennet": sevenn_own}
+def fairchem_own(path, task, charge=None, spin=None):
+    """fairchem's HydraModel built by fairchem from the checkpoint with its EMA weights (``load_inference_model``,
+    as ``load_predict_unit`` builds it, in float64) in training mode, on a batch of fairchem's own AtomicData (its
+    charge and spin read from atoms.info, its graph built by the backbone); the task's outputs denormalised by
+    fairchem's own task normaliser and element references (as ``MLIPPredictUnit`` applies them)."""
+    from fairchem.core.datasets.atomic_data import AtomicData, atomicdata_list_to_batch
+    from fairchem.core.units.mlip_unit.utils import load_inference_model, load_tasks
+
+    from potentials.adapters.fairchem import import_fairchem
+
+    import_fairchem()
+    with default_dtype(torch.float64):
+        model = load_inference_model(str(path), overrides={"backbone": {"always_use_pbc": False}}, use_ema=True,
+                                     return_checkpoint=False).module.train()
+        tasks = [t for t in load_tasks(str(path)) if task in t.datasets]
+    info = {k: v for k, v in (("charge", charge), ("spin", spin)) if v is not None}
+
+    def predict(frames):
+        data = []
+        for atoms in frames:
+            atoms = atoms.copy()
+            atoms.info.update(info)
+            data.append(AtomicData.from_ase(atoms, task_name=task, r_edges=False, radius=model.backbone.cutoff,
+                                            max_neigh=model.backbone.max_neighbors, target_dtype=torch.float64,
+                                            r_data_keys=["charge", "spin"]))
+        batch = atomicdata_list_to_batch(data)
+        batch.pos, batch.cell = batch.pos.double(), batch.cell.double()
+        out = model(batch)
+        result = {}
+        for t in tasks:
+            value = out[t.name if t.name in out else t.property][t.property]
+            value = t.normalizer.denorm(value)
+            result[t.property] = value if t.element_references is None else t.element_references.undo_refs(batch, value)
+        return result["energy"].reshape(-1), result["forces"], result["stress"].reshape(-1, 3, 3)
+
+    return model, predict
+
+
+OWN = {"mace": mace_own, "nequip": nequip_own, "allegro": nequip_own, "sevennet": sevenn_own,
+       **{name: functools.partial(fairchem_own, **FAIRCHEM_FIXTURES[name]) for name in FAIRCHEM}}
 
 
 def loss(energy, forces, stress, frames, huber_delta=None):
@@ -335,7 +380,7 @@ def parallel(files, one_process, mpirun, torchrun):
             train(validate(job(files, family, references[family], **changes), SCHEMA, RULES))
     for ranks, launcher in ((2, torchrun), (3, mpirun)):
         configs = []
-        for family in filter(installed, FAMILIES):
+        for family in filter(installed, PARALLEL):
             for parallel in ("data", "graph"):
                 path = root / f"{ranks}-{family}-{parallel}.yaml"
                 streamed = {"data": {"stream": True, "workers": int(parallel == "data")}} if ranks == 3 else {}
@@ -363,7 +408,7 @@ def parallel(files, one_process, mpirun, torchrun):
 
 @pytest.mark.parametrize("ranks", (2, 3))
 @pytest.mark.parametrize("strategy", ("data", "graph"))
-@pytest.mark.parametrize("family", each_family())
+@pytest.mark.parametrize("family", each_family(PARALLEL))
 def test_data_and_graph_parallel_equal_one_process(parallel, family, strategy, ranks):
     """The trained weights after 3 epochs (9 steps, gradient clipping), data or graph parallel on 2 ranks (torchrun)
     or 3 (mpiexec, a rank without atoms; the data streamed from disk, data parallel read ahead by a worker process
@@ -480,6 +525,16 @@ def test_written_file_loads_in_the_packages_own_calculator(files, one_process, f
                                   str(packaged)], capture_output=True, text=True)
             assert run.returncode == 0, run.stderr[-2000:]
             assert max(max_relative_error(ours_on(potentials.NequIPFramework(packaged), atoms), ours).values()) < 1e-12
+    elif family in FAIRCHEM:  # fairchem's load_predict_unit and FAIRChemCalculator, on the fixture's task
+        native = directory / "inference_ckpt.pt"
+        assert max(max_relative_error(ours_on(potentials.load_model(f"fairchem:{native}", dtype="float64",
+                                                                    **FAIRCHEM_FIXTURES[family]), atoms),
+                                      ours).values()) < 1e-12
+        theirs = fairchem_reference(family, atoms, path=native)
+        assert max(max_relative_error(ours, theirs).values()) < 1e-9
+        start = fairchem_reference(family, atoms)  # (the fixture's own: training changed the predictions)
+        assert max(max_relative_error(start, theirs).values()) > 1e-4
+        return
     else:
         from sevenn.calculator import SevenNetCalculator
 
@@ -552,7 +607,7 @@ def test_lora_trains_its_updates_alone_and_the_merged_file_loads_in_the_packages
     assert max(max_relative_error(ours, theirs).values()) < 1e-9
 
 
-@pytest.mark.parametrize("family", each_family())
+@pytest.mark.parametrize("family", each_family(("mace", "nequip", "allegro", "sevennet", "uma-moe")))
 def test_resume_one_plus_two_epochs_equals_three(files, one_process, family):
     """A run stopped after epoch 1 and resumed (resume: true, epochs 3) ends with the uninterrupted run's
     weights, optimizer state, EMA and metrics, bit for bit (nequip with refit reference energies: the

@@ -217,9 +217,23 @@ def predict_batch(model, batch: Batch, create_graph: bool = True):
     """Energies [B], forces [N, 3] and stress [B, 3, 3] (torch float64), differentiable w.r.t. the
     model's parameters when ``create_graph`` (a force loss needs it)."""
     pos, strain, graph = batch_geometry(batch)
-    energy = structure_energies(batch, model(graph))
+    energy = structure_energies(batch, atom_energies(model, batch, graph))
     dE_dpos, dE_dstrain = torch.autograd.grad(energy.sum(), [pos, strain], create_graph=create_graph)
     return energy, -dE_dpos, symmetric_stress(dE_dstrain, batch.volumes)
+
+
+def atom_energies(model, batch: Batch, graph: AtomGraph) -> torch.Tensor:
+    """Per-atom energies [N]: the model on the batch's graph, or, for a model that reads the whole structure
+    (``WHOLE_STRUCTURE``: fairchem's experts routed by the composition), on each structure's own graph in turn (its
+    rows and its edges, which the batch holds contiguously), the structures' energies concatenated."""
+    if not model.WHOLE_STRUCTURE or batch.size == 1:
+        return model(graph)
+    rows = np.concatenate([[0], np.cumsum(batch.n_atoms)])
+    edges = np.concatenate([[0], np.cumsum(torch.bincount(batch.edge_batch, minlength=batch.size).tolist())])
+    return torch.cat([model(AtomGraph(species=graph.species[rows[b]:rows[b + 1]],
+                                      edge_index=graph.edge_index[:, edges[b]:edges[b + 1]] - int(rows[b]),
+                                      edge_vec=graph.edge_vec[edges[b]:edges[b + 1]], n_local=int(batch.n_atoms[b])))
+                      for b in range(batch.size)])
 
 
 def symmetric_stress(dE_dstrain: torch.Tensor, volumes: torch.Tensor) -> torch.Tensor:

@@ -235,7 +235,9 @@ class FAIRChem(PackageModel, Potential):
     refused for the others. ``dtype``: float32 (fairchem's default precision) or float64; the weights are the
     checkpoint's EMA weights. Or ``architecture`` ({"model_config", "tasks_config"} in ``plain.encode``'s JSON form)
     instead of a checkpoint: built by fairchem's constructors with untrained weights, for a state dict to be loaded
-    into it. Evaluation only: not trainable here yet (``named_weights`` is empty)."""
+    into it. Trainable (``mlip-train``): every HydraModel parameter by fairchem's name, the task's element references,
+    written back as fairchem's ``inference_ckpt.pt``; a batch of several structures is evaluated a structure at a
+    time (``WHOLE_STRUCTURE``: the experts are routed by each structure's own composition)."""
 
     WHOLE_STRUCTURE = True
     # edges per chunk at least, whatever the budget: at UMA-S's size 1,024-edge chunks ran 5 % faster than 256-edge ones
@@ -270,6 +272,8 @@ class FAIRChem(PackageModel, Potential):
 
         with process_kept(random=True, warning_filters=True):  # what fairchem's import and construction set
             self.hydra = self._build(config, saved["ema_state_dict"], dtype, where)
+        # what fairchem's constructors leave fixed (e.g. a dataset embedding built with enable_grad False) never trains
+        self._fixed = frozenset(name for name, p in self.hydra.named_parameters() if not p.requires_grad)
         _mix_experts_once(self.backbone)
         self.register_buffer("numbers", torch.arange(1, len(self.species) + 1), persistent=False)
         self.task = self.dataset = outputs.task
@@ -345,6 +349,7 @@ class FAIRChem(PackageModel, Potential):
                 model = HydraModel(**kwargs)
                 if ema_state is None:  # an architecture alone: the weights fairchem's constructors drew
                     return model
+                _check_unmerged(model, ema_state, where)
                 averaged = torch.optim.swa_utils.AveragedModel(model)
                 state = dict(ema_state)
                 mine = averaged.state_dict()
@@ -353,6 +358,8 @@ class FAIRChem(PackageModel, Potential):
                 matched = match_state_dict(mine, state)
                 matched["n_averaged"] = n_averaged
                 load_state_dict(averaged, matched, strict=True)
+        except FAIRChemModelError:
+            raise
         except (RuntimeError, KeyError, TypeError, ValueError, AssertionError) as exc:
             raise FAIRChemModelError(f"{where}: fairchem could not build the model from its config and weights: "
                                      f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
@@ -360,8 +367,52 @@ class FAIRChem(PackageModel, Potential):
             logging.disable(level)
         return averaged.module
 
+    # ------------------------------------------------------------------ training contract
     def named_weights(self):
-        return []
+        """Every parameter of fairchem's HydraModel, named as fairchem names them (``backbone.blocks.0...``,
+        ``output_heads.energyandforcehead...``), but those fairchem's constructors leave fixed: ``model.freeze`` globs
+        match these names."""
+        return [(name, p) for name, p in self.hydra.named_parameters() if name not in self._fixed]
+
+    def reference_energies(self):
+        """The task's element references [len(species)] (eV per atom, by the species' order: atomic numbers 1...)."""
+        return self.element_references[1: len(self.species) + 1].numpy().copy()
+
+    def set_reference_energies(self, energies) -> None:
+        """Replace the task's element references; the tasks config (the hyperparameters' architecture, written to
+        ``inference_ckpt.pt``) holds them too, so that a checkpoint rebuilds them."""
+        from .plain import decode, encode
+
+        refs = self.element_references.clone()
+        refs[1: len(self.species) + 1] = torch.as_tensor(np.asarray(energies, dtype=np.float64))
+        self.element_references = refs
+        tasks = decode(self.hyperparameters["architecture"]["tasks_config"])
+        for config in tasks:
+            if config.get("property") == "energy" and self.task in (config.get("datasets") or ()):
+                config["element_references"] = {
+                    "_target_": "fairchem.core.modules.normalization.element_references.ElementReferences",
+                    "element_references": {"_target_": "torch.DoubleTensor", "_args_": [refs.tolist()]}}
+        self.hyperparameters = dict(self.hyperparameters, architecture=dict(
+            self.hyperparameters["architecture"], tasks_config=encode(tasks, "tasks_config")))
+
+    def save_native(self, path, data=None) -> None:
+        """``path``: fairchem's inference checkpoint (``MLIPInferenceCheckpoint``: the model config, these weights
+        as both its model and its EMA state dict, the tasks config with this model's element references), as
+        fairchem's training writes ``inference_ckpt.pt``: ``load_predict_unit`` and ``FAIRChemCalculator`` load it.
+        The weights keep this model's dtype (float64 ones load unrounded where fairchem builds in float64)."""
+        from fairchem.core.units.mlip_unit.api.inference import MLIPInferenceCheckpoint
+
+        from ..files import atomic_write
+        from .plain import decode
+
+        architecture = decode(self.hyperparameters["architecture"])
+        state = {k: v.detach().cpu().clone() for k, v in self.hydra.state_dict().items()}
+        ema = {f"module.{k}": v for k, v in state.items()}
+        ema["n_averaged"] = torch.tensor(1, dtype=torch.long)
+        checkpoint = MLIPInferenceCheckpoint(model_config=architecture["model_config"], model_state_dict=state,
+                                             ema_state_dict=ema, tasks_config=architecture["tasks_config"])
+        with atomic_write(path) as f:
+            torch.save(checkpoint, f)
 
     # ------------------------------------------------------------------ forward
     def forward(self, graph: AtomGraph) -> torch.Tensor:
@@ -426,7 +477,8 @@ class FAIRChem(PackageModel, Potential):
         bb = self.backbone
         vec = vec.to(self.dtype)
         distance = torch.linalg.norm(vec, dim=-1)
-        wigner, wigner_inv = bb._get_rotmat_and_wigner(vec)
+        with fixed_roll(vec.device):
+            wigner, wigner_inv = bb._get_rotmat_and_wigner(vec)
         index = bb.coefficient_index if bb.mmax != bb.lmax else None
         wigner, wigner_inv = bb.backend.prepare_wigner(wigner, wigner_inv, bb.mappingReduced, index)
         envelope = bb.envelope(distance / bb.cutoff).reshape(-1, 1)
@@ -483,6 +535,36 @@ class FAIRChem(PackageModel, Potential):
         block = (head.head if hasattr(head, "head") else head).energy_block
         raw = block(scalars).view(-1).to(torch.float64)
         return raw * self.rmsd + self.element_references.to(raw.device)[numbers]
+
+
+ROLL_SEED = 0  # the seed of the edges' roll angles (fixed_roll)
+
+
+@contextlib.contextmanager
+def fixed_roll(device: torch.device):
+    """Within: torch's random numbers on ``device`` drawn from ``ROLL_SEED``, and the process's random state put back
+    after. fairchem's edge rotations draw a random roll about each edge (``init_edge_rot_euler_angles``): the
+    result does not depend on it, but its last bits do, and drawing from the process's generator would change every
+    later draw (a thermostat's, a training run's). A fixed roll makes each evaluation a function of its input:
+    repeatable runs, bit-exact restarts, a backward's recomputed chunks the same as their forward."""
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        generator = torch.cuda.default_generators[devices[0]] if devices else torch.random.default_generator
+        generator.manual_seed(ROLL_SEED)
+        yield
+
+
+def _check_unmerged(model, state: dict, where: str) -> None:
+    """FAIRChemModelError when the weights ``state`` (an EMA state dict, keys "module."-prefixed) hold merged experts
+    where ``model`` (built from the config) has a mixture of experts: fairchem's ``merge_mole`` mixes each expert
+    layer's ``weights`` [experts, out, in] into one ``weight`` for one composition and drops the routing."""
+    experts = [name for name, _ in model.named_parameters() if name.endswith(".weights")]
+    merged = [name for name in experts if f"module.{name[:-1]}" in state and f"module.{name}" not in state]
+    if merged:
+        raise FAIRChemModelError(f"{where}: its experts are merged ({merged[0][:-1]} where the config has the experts' "
+                                 f"{merged[0].rsplit('.', 1)[1]}: fairchem's merge_mole mixes them for one composition "
+                                 f"and drops the routing); a merged model serves only that composition and cannot be "
+                                 f"fine-tuned or run on others: use the checkpoint it was merged from")
 
 
 def _mix_experts_once(backbone) -> None:

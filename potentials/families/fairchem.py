@@ -17,7 +17,7 @@ def recognise(path: str):
 
 
 FAMILY = Family(
-    "fairchem", load, recognise=recognise,
+    "fairchem", load, recognise=recognise, native_file="inference_ckpt.pt",
     options={
         "task": Option(str, None, "the task (omat, omol, oc20, odac, omc; as FAIRChemCalculator's task_name; default: "
                                   "the checkpoint's only one)"),
@@ -26,5 +26,5 @@ FAMILY = Family(
     },
     help="a fairchem UMA or eSEN checkpoint (the file fairchem's load_predict_unit reads; read without running the "
          "pickle's code; needs the fairchem extra)",
-    trainable=False,
+    model_classes={"FAIRChem": "potentials.adapters.fairchem:FAIRChem"},
 )
