@@ -114,6 +114,11 @@ class Potential(torch.nn.Module):
         """Replace the reference energies by ``energies`` [len(species)] (eV per atom); a model without them,
         or a pipeline stage that does not hold them, leaves them."""
 
+    def untrained_quantity(self, quantity: str) -> str | None:
+        """Why the model's package would not train ``quantity`` ("energy", "forces", "stress") into this model (a
+        fairchem task without that output), or None: every quantity trains (the default)."""
+        return None
+
     def native_file(self, stem: str) -> str | None:
         """The file name under which ``save_native`` writes a model called ``stem`` ("best") in its package's
         own format (its family's ``native_file``, e.g. "best.model" for MACE), or None where this package's
@@ -135,6 +140,7 @@ class Trainable(Protocol):
     def named_weights(self) -> list: ...
     def reference_energies(self) -> np.ndarray | None: ...
     def set_reference_energies(self, energies) -> None: ...
+    def untrained_quantity(self, quantity: str) -> str | None: ...
     def native_file(self, stem: str) -> str | None: ...
     def save_native(self, path, data=None) -> None: ...
 

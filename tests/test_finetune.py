@@ -788,3 +788,88 @@ def test_another_packages_file_as_a_checkpoint_is_named(files):
     with pytest.raises(potentials.CheckpointError, match=rf"a mace model spec, not a checkpoint path: .*key mace "
                                                          rf"\(model: \{{mace: {re.escape(str(files['mace'][1]))}\}}\)"):
         potentials.load(spec)
+
+
+@needs("uma-moe")
+def test_bad_fairchem_fine_tuning_input_is_one_line_and_writes_nothing(files, tmp_path, capsys, monkeypatch):
+    """fairchem checkpoints mlip-train refuses, each in one line before anything is written: a direct-force model,
+    merged experts (fairchem's merge_mole of the fixture for one composition, saved with its config), a task without
+    a stress output while the loss weighs stress, pipeline parallel; and fairchem not installed (the extra named)."""
+    from fairchem.core.datasets.atomic_data import AtomicData, atomicdata_list_to_batch
+    from fairchem.core.units.mlip_unit.api.inference import MLIPInferenceCheckpoint
+    from fairchem.core.units.mlip_unit.utils import load_inference_model
+
+    saved = torch.load(FAIRCHEM_DIR / "uma-moe.pt", weights_only=False)
+    config, tasks = saved.model_config, saved.tasks_config
+
+    def checkpoint(name, model_config=config, tasks_config=tasks, ema=saved.ema_state_dict):
+        path = tmp_path / f"{name}.pt"
+        torch.save(MLIPInferenceCheckpoint(model_config=model_config, model_state_dict=saved.model_state_dict,
+                                           ema_state_dict=ema, tasks_config=tasks_config), path)
+        return str(path)
+
+    model = load_inference_model(str(FAIRCHEM_DIR / "uma-moe.pt"), use_ema=True, return_checkpoint=False)
+    copper = read(files["train"], 0)
+    data = atomicdata_list_to_batch([AtomicData.from_ase(copper, task_name="omat", radius=5.0, max_neigh=300)])
+    model.module.backbone = model.module.backbone.merge_MOLE_model(data)
+    direct = dict(config, backbone=dict(config["backbone"], direct_forces=True))
+    no_stress = [t for t in tasks if not (t["property"] == "stress" and "omat" in t["datasets"])]
+    cases = [
+        ({"model": {"fairchem": checkpoint("direct", direct)}}, r"model.fairchem: .*direct-force model"),
+        ({"model": {"fairchem": checkpoint("merged", ema=model.state_dict())}},
+         r"model.fairchem: .*its experts are merged \(backbone.blocks.0.edge_wise.so2_conv_1.fc_m0.weight where the "
+         r"config has the experts' weights.*cannot be fine-tuned"),
+        ({"model": {"fairchem": checkpoint("no-stress", tasks_config=no_stress)}},
+         r"loss.stress_weight is 1.0, but the fairchem checkpoint's task omat has no stress output \(its outputs: "
+         r"energy, forces; .*set loss.stress_weight: 0"),
+        ({"parallel": "pipeline", "pipeline": {"stages": 2}}, r"a fairchem model does not split into pipeline stages"),
+    ]
+    for k, (changes, message) in enumerate(cases):
+        output = tmp_path / f"out{k}"
+        (tmp_path / "bad.yaml").write_text(yaml.safe_dump(job(files, "uma-moe", output, **changes)))
+        assert main([str(tmp_path / "bad.yaml")]) == 2, changes
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and re.search(message, err[0]), (message, err)
+        assert not output.exists(), changes
+    from importlib.metadata import PackageNotFoundError
+
+    def missing(name):
+        raise PackageNotFoundError(name)
+
+    monkeypatch.setattr("importlib.metadata.version", missing)
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(job(files, "uma-moe", tmp_path / "out-missing")))
+    assert main([str(tmp_path / "bad.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(r"model.fairchem: fairchem models need fairchem-core: pip install -e "
+                                       r"\.\[fairchem\]", err[0]), err
+    assert not (tmp_path / "out-missing").exists()
+
+
+@needs("uma-dense")
+def test_fairchem_refit_reference_energies_are_written_back(files, tmp_path):
+    """model.reference_energies: refit on a fairchem model changes its task's element references of the training
+    set's elements by the least squares of the residual (EMT energy − FAIRChemCalculator's, on the element counts),
+    the others kept; best.pt rebuilds them, and inference_ckpt.pt's tasks config holds them: FAIRChemCalculator
+    on it equals our evaluation of best.pt (1e-9, float64)."""
+    from ase.data import atomic_numbers
+
+    from mlip_parallel.train.trainer import Trainer
+
+    frames = read(files["train"], ":")
+    residual = [a.get_potential_energy() - fairchem_reference("uma-dense", a)["energy"] for a in frames]
+    counts = np.array([[np.sum(a.numbers == 29), np.sum(a.numbers == 47)] for a in frames], dtype=float)
+    before = potentials.FAIRChem(files["uma-dense"][1], dtype=torch.float64,
+                                 **FAIRCHEM_FIXTURES["uma-dense"]).reference_energies()
+    cu, ag = atomic_numbers["Cu"] - 1, atomic_numbers["Ag"] - 1  # (the species are the elements 1, 2, ...)
+    expected = before.copy()
+    expected[[cu, ag]] += np.linalg.lstsq(counts, np.array(residual), rcond=None)[0]
+    trainer = Trainer(validate(job(files, "uma-dense", tmp_path, epochs=1, model=REFIT), SCHEMA, RULES))
+    assert np.allclose(trainer.model.reference_energies(), expected, rtol=1e-10, atol=1e-10)
+    assert np.max(np.abs(expected - before)) > 1e-2
+    trainer.fit()
+    best = potentials.load(tmp_path / "best.pt")
+    assert np.array_equal(best.reference_energies(), trainer.model.reference_energies())
+    atoms = labelled_alloys(2, seed=7)[1]
+    atoms.calc = None
+    theirs = fairchem_reference("uma-dense", atoms, path=tmp_path / "inference_ckpt.pt")
+    assert max(max_relative_error(ours_on(best, atoms), theirs).values()) < 1e-9

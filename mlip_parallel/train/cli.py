@@ -257,8 +257,6 @@ def evaluate_model(model_path, data_path, batch_size: int = 8, progress: bool = 
     except (potentials.MLIPError, ImportError) as exc:
         raise ConfigError(str(exc)) from None
     committee = len(specs) > 1
-    if model.WHOLE_STRUCTURE:  # it reads the structure's composition: one structure per graph
-        batch_size = 1
     structures = open_source(data_path, keys)
     if progress:
         what = f"a committee of {len(specs)}" if committee else type(model).__name__

@@ -114,6 +114,10 @@ class Trainer(Checkpoints):
             raise ConfigError(f"model.freeze {section['freeze']} keeps every weight of the model fixed: nothing to train")
         for part, role in zip(self.surveys, ("training", "validation", "test")):
             part.check_species(model, role, error=ConfigError)
+        for q in QUANTITIES:
+            problem = model.untrained_quantity(q) if needed[q] > 0 else None
+            if problem is not None:
+                raise ConfigError(f"loss.{q}_weight is {needed[q]}, but {problem}: set loss.{q}_weight: 0")
         n = config["training_errors"]  # the training structures scored at each validation
         n = min(len(self.validation) if n is None else n, len(self.train_set))
         self.train_sample = take(self.train_set, np.sort(np.random.default_rng(config["seed"]).permutation(

@@ -415,7 +415,8 @@ def predicted_energies(model, structures, batch_size: int, device) -> np.ndarray
     with torch.no_grad():
         for start in range(0, len(structures), batch_size):
             batch = Batch(structures[start:start + batch_size], model, device)
-            out.append(structure_energies(batch, model(batch_geometry(batch).graph)).cpu().numpy())
+            energies = atom_energies(model, batch, batch_geometry(batch).graph)
+            out.append(structure_energies(batch, energies).cpu().numpy())
     return np.concatenate(out) if out else np.zeros(0)
 
 

@@ -175,6 +175,8 @@ class TaskOutputs:
         if task not in energy:
             raise FAIRChemModelError(f"{where}: no task {task!r}; the checkpoint's tasks are {known}")
         self.task = task
+        self.properties = ["energy"] + [c["property"] for c in tasks_config if c.get("property") in ("forces", "stress")
+                                        and task in (c.get("datasets") or ())]  # what fairchem reports for it
         self.mean, self.rmsd = self._normaliser(energy[task], where)
         refs = (energy[task].get("element_references") or {}).get("element_references")
         self.references = None if refs is None else _floats(refs, f"{where}: {task} element references")
@@ -283,6 +285,7 @@ class FAIRChem(PackageModel, Potential):
         self.max_neighbors = int(self.backbone.max_neighbors)
         self.experts = int(getattr(self.backbone, "num_experts", 0) or 0)
         self.rmsd, self.mean = outputs.rmsd, outputs.mean
+        self.outputs = outputs.properties
         refs = np.zeros(len(self.species) + 1) if outputs.references is None else outputs.references
         refs = np.concatenate([refs, np.zeros(max(0, len(self.species) + 1 - len(refs)))])
         self.element_references = torch.as_tensor(refs, dtype=torch.float64)  # eV, by atomic number (kept float64)
@@ -394,6 +397,12 @@ class FAIRChem(PackageModel, Potential):
                     "element_references": {"_target_": "torch.DoubleTensor", "_args_": [refs.tolist()]}}
         self.hyperparameters = dict(self.hyperparameters, architecture=dict(
             self.hyperparameters["architecture"], tasks_config=encode(tasks, "tasks_config")))
+
+    def untrained_quantity(self, quantity: str) -> str | None:
+        if quantity in self.outputs:
+            return None
+        return (f"the fairchem checkpoint's task {self.task} has no {quantity} output (its outputs: "
+                f"{', '.join(self.outputs)}; fairchem's calculator reports none for it)")
 
     def save_native(self, path, data=None) -> None:
         """``path``: fairchem's inference checkpoint (``MLIPInferenceCheckpoint``: the model config, these weights
