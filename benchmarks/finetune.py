@@ -19,11 +19,14 @@
 * ``sevenn``: the same against ``sevenn train`` (its fine-tuning preset) fine-tuning SevenNet-0: CPU seconds per
   epoch and the validation force MAE through SevenNetCalculator;
 * ``lora``: ``model.lora`` (rank 4) against full fine-tuning, one process: the training state's bytes (weights,
-  gradients, AdamW's moments) and one step's seconds.
+  gradients, AdamW's moments) and one step's seconds;
+* ``fairchem``: a UMA-S-shaped model (``--uma-channels`` channels, 4 layers, 8 experts, float32, random weights):
+  ``step`` against fairchem's own training forward (its HydraModel in training mode on its AtomicData batch, the
+  task's denormalisation, the loss, backward, AdamW), then ``data`` and ``graph`` with it (a fairchem training step
+  keeps ~280 KB per edge: ``--cells 4``, 256 atoms, fits this 24 GB host where 2,048 atoms would not).
 
-    python benchmarks/finetune.py [step] [data] [graph] [trainers] [sevenn] [lora] [--repeats 5] [--batch 4] [--pairs 2]
-                                  [--epochs 3]
-                                  [--structures 16] [--cells 8]
+    python benchmarks/finetune.py [step] [data] [graph] [trainers] [sevenn] [lora] [fairchem] [--repeats 5] [--batch 4]
+                                  [--pairs 2] [--epochs 3] [--structures 16] [--cells 8] [--uma-channels 64]
 """
 import argparse
 import csv
@@ -153,7 +156,7 @@ def sevenn_theirs(frames):
     return step
 
 
-def ours(spec, frames, dtype, lora=None):
+def ours(spec, frames, dtype, lora=None, **options):
     """mlip-train's one-process step (``training.batch_gradients`` + AdamW) on the adapter of ``spec``; with ``lora``
     ({targets, rank, alpha}: model.lora) only the low-rank updates train. ``step.state_bytes()``: the bytes of the
     weights, their gradients and AdamW's moments after a step."""
@@ -163,7 +166,7 @@ def ours(spec, frames, dtype, lora=None):
     from mlip_parallel.train.training import Batch, Counts, LossRule, Structure, batch_gradients
     from potentials.lora import add_lora
 
-    model = potentials.load_model(spec, dtype=dtype).train()
+    model = potentials.load_model(spec, dtype=dtype, **options).train()
     params = potentials.base.select_weights(model)
     if lora:
         add_lora(model, **lora)
@@ -251,17 +254,20 @@ def epoch_seconds(directory) -> list:
         return [float(row["seconds"]) for row in csv.DictReader(f)]
 
 
-def part_data(args, work):
+def part_data(args, work, model=None, name="MACE-MP-0-small shape (float64)"):
+    """``model``: the model section (default: the MACE-MP-0-small-shaped file, float64)."""
     import torch
     import yaml
     from ase.io import write
 
-    path = work / "mace-mp0-small-f64.model"
-    if not path.exists():
-        write_mace_mp0_small(path, torch.float64)
+    if model is None:
+        path = work / "mace-mp0-small-f64.model"
+        if not path.exists():
+            write_mace_mp0_small(path, torch.float64)
+        model = {"mace": str(path)}
     write(work / "cu64.extxyz", cu64(args.structures + 2))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    print(f"mlip-train, MACE-MP-0-small shape (float64), {args.structures} training structures of 64 atoms, batch 4, "
+    print(f"mlip-train, {name}, {args.structures} training structures of 64 atoms, batch 4, "
           f"{args.epochs} epochs: seconds per epoch after the first")
     for pair in range(args.pairs):
         seconds = {}
@@ -270,7 +276,7 @@ def part_data(args, work):
             directory = work / f"data{ranks}"
             job.write_text(yaml.safe_dump({
                 "data": {"train": str(work / "cu64.extxyz"), "validation_fraction": 2 / (args.structures + 2)},
-                "model": {"mace": str(path)}, "loss": {f"{q}_weight": w for q, w in WEIGHTS.items()},
+                "model": model, "loss": {f"{q}_weight": w for q, w in WEIGHTS.items()},
                 "schedule": {"name": "none"}, "epochs": args.epochs, "batch_size": 4, "parallel": "data",
                 "output": {"directory": str(directory), "overwrite": True}}))
             subprocess.run(train_command(ranks, job), env=env, check=True, capture_output=True)
@@ -451,7 +457,8 @@ print("RESULT", json.dumps({{"rank": trainer.procs.rank, "above_start_mb": peak_
 """
 
 
-def part_graph(args, work):
+def part_graph(args, work, model=None, name="the MACE-MP-0-small shape (float32)"):
+    """``model``: the model section (default: the MACE-MP-0-small-shaped file, float32)."""
     import torch
     import yaml
     from ase.calculators.emt import EMT
@@ -460,8 +467,10 @@ def part_graph(args, work):
 
     from common import cu_crystal
 
-    path = work / "mace-mp0-small-f32.model"
-    write_mace_mp0_small(path, torch.float32)
+    if model is None:
+        path = work / "mace-mp0-small-f32.model"
+        write_mace_mp0_small(path, torch.float32)
+        model = {"mace": str(path)}
     big = cu_crystal(args.cells)
     big.rattle(0.1, seed=1)
     big.calc = EMT()
@@ -475,7 +484,7 @@ def part_graph(args, work):
         job = work / f"graph{ranks}.yaml"
         job.write_text(yaml.safe_dump({
             "data": {"train": str(work / "big.extxyz"), "validation": str(work / "small.extxyz")},
-            "model": {"mace": str(path)}, "loss": {f"{q}_weight": w for q, w in WEIGHTS.items()},
+            "model": model, "loss": {f"{q}_weight": w for q, w in WEIGHTS.items()},
             "schedule": {"name": "none"}, "ema_decay": 0, "epochs": 1, "batch_size": 1, "parallel": "graph",
             "output": {"directory": str(work / f"graph{ranks}"), "overwrite": True}}))
         script = work / "worker.py"
@@ -488,7 +497,7 @@ def part_graph(args, work):
     two = max(r["seconds"] for r in results[2])
     above = " / ".join(f"{r['above_start_mb']:.0f}" for r in results[2])
     peaks = " / ".join(f"{r['peak_mb']:.0f}" for r in results[2])
-    print(f"graph parallel, one training step of the MACE-MP-0-small shape (float32) on {len(big)} Cu atoms "
+    print(f"graph parallel, one training step of {name} on {len(big)} Cu atoms "
           f"(energy + force + stress loss): peak resident memory above start-up per rank")
     print(f"  one process {one['above_start_mb']:.0f} MB ({one['peak_mb']:.0f} MB peak), {one['seconds']:.1f} s; "
           f"2 ranks {above} MB ({peaks} MB peak), {two:.1f} s")
@@ -496,10 +505,81 @@ def part_graph(args, work):
           f"{one['seconds'] / two:.2f}", flush=True)
 
 
+def write_uma(path, channels: int, layers: int, experts: int) -> None:
+    """A random UMA-S-shaped model (tests/data/fairchem/make_fixtures.py's: lmax = mmax = 2, experts routed by
+    composition, charge, spin and task; cutoff 6 Å) of ``channels`` sphere/hidden/edge channels, ``layers`` layers
+    and ``experts`` experts, float32 weights, tasks omat, omol, oc20."""
+    sys.path.insert(0, str(ROOT / "tests" / "data" / "fairchem"))
+    import make_fixtures as fixtures
+
+    config = {"_target_": "fairchem.core.models.base.HydraModel", "pass_through_head_outputs": True,
+              "model_id": "UMA-S-1.1",
+              "backbone": fixtures.moe(sphere_channels=channels, hidden_channels=channels, edge_channels=channels,
+                                       num_distance_basis=64, num_layers=layers, num_experts=experts, cutoff=6.0),
+              "heads": {"energyandforcehead": {
+                  "module": "fairchem.core.models.uma.escn_moe.DatasetSpecificMoEWrapper",
+                  "head_cls": "fairchem.core.models.uma.escn_md.MLP_EFS_Head",
+                  "dataset_mapping": {d: d for d in fixtures.DATASETS}, "head_kwargs": {"wrap_property": False}}}}
+    fixtures.write(Path(path).stem, config, fixtures.tasks(fixtures.DATASETS, rmsd=1.0, mean=0.0, seed=4), seed=4,
+                   directory=Path(path).parent)
+
+
+def fairchem_theirs(path, frames):
+    """fairchem's own step: its HydraModel (``load_inference_model``, EMA weights, float32) in training mode on a
+    batch of its AtomicData (built once; the backbone builds the graph each step), the omat task's outputs
+    denormalised as MLIPPredictUnit does, the loss, backward, AdamW."""
+    import torch
+    from fairchem.core.datasets.atomic_data import AtomicData, atomicdata_list_to_batch
+    from fairchem.core.units.mlip_unit.utils import load_inference_model, load_tasks
+
+    model = load_inference_model(str(path), use_ema=True, return_checkpoint=False,
+                                 overrides={"backbone": {"always_use_pbc": False}}).module.train()
+    tasks = [t for t in load_tasks(str(path)) if "omat" in t.datasets]
+    data = [AtomicData.from_ase(a, task_name="omat", r_edges=False, radius=model.backbone.cutoff,
+                                max_neigh=model.backbone.max_neighbors) for a in frames]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        batch = atomicdata_list_to_batch(data)
+        optimizer.zero_grad()
+        out = model(batch)
+        result = {}
+        for t in tasks:
+            value = t.normalizer.denorm(out[t.name][t.property])
+            result[t.property] = value if t.element_references is None else t.element_references.undo_refs(batch, value)
+        loss(result["energy"].reshape(-1), result["forces"], result["stress"].reshape(-1, 3, 3), frames).backward()
+        optimizer.step()
+
+    return step
+
+
+def part_fairchem(args, work):
+    """A UMA-S-shaped model of ``--uma-channels`` channels (4 layers, 8 experts, float32): one step against fairchem's
+    own (``step``'s structures), data parallel on 2 ranks against one process (``data``'s), graph parallel memory on
+    2,048 atoms (``graph``'s)."""
+    import torch
+
+    torch.set_num_threads(1)
+    path = work / "uma.pt"
+    write_uma(path, args.uma_channels, 4, 8)
+    frames = cu64(args.batch)
+    name = f"a UMA-S-shaped model ({args.uma_channels} channels, 4 layers, 8 experts, float32)"
+    print(f"fairchem: one training step of {name}, {args.batch} x 64-atom Cu, energy + force + stress loss, AdamW, "
+          f"1 thread; median of {args.repeats}, alternating")
+    seconds = alternate({"ours": ours(f"fairchem:{path}", frames, "float32", task="omat"),
+                         "theirs": fairchem_theirs(path, frames)}, args.repeats)
+    print(f"  ours {seconds['ours']:.3f} s, fairchem's own {seconds['theirs']:.3f} s per step: ratio "
+          f"{seconds['ours'] / seconds['theirs']:.2f}", flush=True)
+    model = {"fairchem": str(path), "task": "omat", "dtype": "float32"}
+    part_data(args, work, model, name)
+    part_graph(args, work, model, name)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("parts", nargs="*", default=["step", "data", "graph", "trainers", "sevenn", "lora"],
-                        choices=["step", "data", "graph", "trainers", "sevenn", "lora"])
+    parser.add_argument("parts", nargs="*", default=["step", "data", "graph", "trainers", "sevenn", "lora", "fairchem"],
+                        choices=["step", "data", "graph", "trainers", "sevenn", "lora", "fairchem"])
+    parser.add_argument("--uma-channels", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--pairs", type=int, default=2)
@@ -510,7 +590,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for part in args.parts:
             {"step": part_step, "data": part_data, "graph": part_graph, "trainers": part_trainers,
-             "sevenn": part_sevenn, "lora": part_lora}[part](args, Path(tmp))
+             "sevenn": part_sevenn, "lora": part_lora, "fairchem": part_fairchem}[part](args, Path(tmp))
 
 
 if __name__ == "__main__":

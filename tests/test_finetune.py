@@ -37,7 +37,7 @@ from systems import (ALLEGRO_PRUNED, FAIRCHEM_DIR, FAIRCHEM_FIXTURES, MACE_DIR, 
                      write_small_sevennet)
 
 # the packages' own warnings (deprecations in their code) are not this suite's to read
-pytestmark = pytest.mark.filterwarnings("ignore:::(mace|e3nn|nequip|allegro|sevenn|lightning|torch_geometric)")
+pytestmark = pytest.mark.filterwarnings("ignore:::(mace|e3nn|nequip|allegro|sevenn|lightning|torch_geometric|fairchem)")
 
 SEED, EPOCHS, BATCH, LR, CLIP = 1, 3, 3, 0.003, 1.0
 FAIRCHEM = ("esen", "uma-moe", "uma-dense")  # tests/data/fairchem's checkpoints, run with systems.FAIRCHEM_FIXTURES
