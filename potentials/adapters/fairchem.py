@@ -321,6 +321,16 @@ class FAIRChem(PackageModel, Potential):
         per_edge = self.EVALUATION_BYTES_PER_EDGE + (0 if chunked else self.PLAIN_BYTES_PER_EDGE)
         return per_row * rows + per_edge * edges
 
+    # a training step keeps both backward passes' per-edge tensors of every block: 48 edge feature sets
+    # [(lmax+1)^2, C] per block and edge (a 64-channel, 4-block UMA-S shape, float32: 8.8 GB above start-up for 256 Cu
+    # atoms, 20k edges at 6 Å; benchmarks/finetune.py fairchem)
+    TRAINING_EDGE_FEATURE_COPIES_PER_BLOCK = 48
+
+    def training_bytes(self, rows: float, edges: float) -> float:
+        features = self.backbone.sph_feature_size * self.backbone.sphere_channels * self.dtype.itemsize
+        per_edge = self.TRAINING_EDGE_FEATURE_COPIES_PER_BLOCK * (self.layers - 1) * features
+        return 2 * self.evaluation_bytes(rows, edges) + per_edge * edges
+
     @staticmethod
     def _build(config: dict, ema_state: dict, dtype: torch.dtype, where: str):
         """fairchem's HydraModel from ``config`` with the EMA weights (None: the untrained ones), built in ``dtype``
