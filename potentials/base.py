@@ -83,10 +83,6 @@ class Potential(torch.nn.Module):
         per_edge = self.EVALUATION_BYTES_PER_EDGE + (0 if chunked else self.PLAIN_BYTES_PER_EDGE)
         return self.EVALUATION_BYTES_PER_ROW * rows + per_edge * edges
 
-    # A model that reads the whole structure (fairchem's experts routed by its composition, through
-    # ``AtomGraph.total``) takes one structure per graph: batched evaluations give it one at a time.
-    WHOLE_STRUCTURE = False
-
     # Training runs every edge at once and keeps the tensors of both backward passes (SchNet F=64, 3 layers:
     # ~450 float32 values per edge and layer in the forward alone).
     TRAINING_BYTES_PER_EDGE = 4_000

@@ -54,7 +54,6 @@ class Committee(Potential):
         self.forces = forces
         self.cutoff = max(float(m.cutoff) for m in members)
         self.layers = max(math.ceil(m.layers * m.cutoff / self.cutoff - 1e-9) for m in members)
-        self.WHOLE_STRUCTURE = any(m.WHOLE_STRUCTURE for m in members)  # a member reads the whole composition
         self.hyperparameters = {"forces": forces, "members": [type(m).__name__ for m in members]}
         # committee species index -> each member's own (element-agnostic members: 0)
         numbers = [chemical_symbols.index(s) for s in species] if species is not None else None

@@ -57,6 +57,9 @@ class AtomGraph:
                 the owned rows) over every rank holding a part of the structure, the same on each (collective:
                 every rank calls it alike); no gradient. For a model whose parameters depend on the whole
                 system (fairchem's experts routed by composition). The identity for a graph that holds all.
+    structure:  [n] long, the structure each row belongs to in a graph of several structures (a training batch:
+                rows and edges grouped by structure, in order), or None: one structure (a model whose parameters
+                depend on the whole structure reads each structure's own).
     """
 
     species: torch.Tensor
@@ -67,6 +70,7 @@ class AtomGraph:
     n_receivers: int | None = None
     memory_budget: int | None = None
     total: Callable[[torch.Tensor], torch.Tensor] = field(default_factory=lambda: _whole, repr=False, compare=False)
+    structure: torch.Tensor | None = None
     # per-edge features computed once on all edges and shared by the blocks (messages.edge_sum, plain path)
     edge_features_cache: dict = field(default_factory=dict, repr=False, compare=False)
 

@@ -351,11 +351,12 @@ def test_huber_loss_amsgrad_and_lr_factors_equal_torchs(files):
 # the whole model on rank 0); allegro3: a three-layer Allegro with per-edge-type cutoffs and ZBL.
 ONE_F_ONE_B = {"stages": 2, "microbatches": 3, "schedule": "1f1b", "boundaries": [0, 1, 2]}
 PIPELINES = {2: [("mace", ONE_F_ONE_B), ("sevennet", ONE_F_ONE_B), ("allegro", ONE_F_ONE_B),
-                 ("nequip", {"stages": 2, "microbatches": 3})],
+                 ("nequip", {"stages": 2, "microbatches": 3}), ("uma-moe", dict(ONE_F_ONE_B, boundaries=[0, 2, 3])),
+                 ("uma-dense", {"stages": 2, "microbatches": 3})],
              3: [("mace3", {"stages": 3, "microbatches": 3}),
                  ("nequip", {"stages": 3, "microbatches": 3, "schedule": "1f1b"}),
-                 ("allegro3", {"stages": 3, "microbatches": 3})]}
-RESUMED = ((2, "mace"), (2, "sevennet"), (2, "allegro"), (3, "nequip"))  # each also killed after epoch 1, resumed
+                 ("allegro3", {"stages": 3, "microbatches": 3}), ("uma-moe", {"stages": 3, "microbatches": 3})]}
+RESUMED = ((2, "mace"), (2, "sevennet"), (2, "allegro"), (3, "nequip"), (2, "uma-moe"))  # each also killed after epoch 1, resumed
 REFIT = {"reference_energies": "refit"}
 
 
@@ -425,8 +426,11 @@ def test_pipeline_stages_equal_one_process(parallel, ranks, family):
     coefficients, read by every block, held by both stages, their gradients summed), the nequip framework's NequIP
     in 2 (schedule auto, cost-balanced boundaries; its type embedding's node attributes travelling beside the
     features) and in 3, Allegro in 2 and the three-layer Allegro with per-edge-type cutoffs and ZBL in 3 (its
-    per-edge state travelling): the trained weights equal one process's to 1e-10. The 3-stage runs stream their
-    data from disk (data.stream), the one-process reference holds it."""
+    per-edge state travelling), fairchem's UMA-S-shaped model with experts in 2 (1F1B) and 3 and the UMA-S-1.2-shaped
+    one (max_neighbors, the omol task) in 2 (the node embeddings travelling; the system embeddings and the experts'
+    routing held by every stage, each micro-batch's structures routed by their own compositions): the trained weights
+    equal one process's to 1e-10. The 3-stage runs stream their data from disk (data.stream), the one-process
+    reference holds it."""
     assert_same_weights(trained_parameters(parallel["root"] / f"{ranks}-{family}-pipeline"),
                         trained_parameters(parallel["references"][family]), 1e-10, (ranks, family, "pipeline"))
 
@@ -445,7 +449,8 @@ def test_resumed_pipeline_equals_the_uninterrupted_one(parallel, ranks, family):
                                  pytest.param("2-sevennet", marks=needs("sevennet")),
                                  pytest.param("3-nequip", marks=needs("nequip")),
                                  pytest.param("2-allegro", marks=needs("allegro")),
-                                 pytest.param("3-allegro3", marks=needs("allegro3"))])
+                                 pytest.param("3-allegro3", marks=needs("allegro3")),
+                                 pytest.param("3-uma-moe", marks=needs("uma-moe"))])
 def test_files_assembled_from_the_stages_load_in_the_packages_own_code(files, parallel, run):
     """The files in the packages' formats, assembled from the pipeline stages (best.model, checkpoint_best.pth,
     best.ckpt), equal our evaluation of best.pt in MACECalculator, sevenn's own model and NequIPCalculator to
@@ -453,15 +458,17 @@ def test_files_assembled_from_the_stages_load_in_the_packages_own_code(files, pa
     directory = parallel["root"] / f"{run}-pipeline"
     atoms = read(files["validation"], 0 if run == "2-mace" else 1)
     ours = ours_on(potentials.load(directory / "best.pt"), atoms)
-    theirs = packages_own(run.split("-")[1], directory, atoms)
+    theirs = packages_own(run.split("-", 1)[1], directory, atoms)
     assert max(max_relative_error(ours, theirs).values()) < 1e-9
 
 
 def packages_own(family: str, directory, atoms) -> dict:
     """Energy, forces and stress of the package's own file that mlip-train wrote in ``directory`` (best.model,
     checkpoint_best.pth, else best.ckpt), through the package's own code, float64: MACECalculator, sevenn's own
-    model, the nequip framework's NequIPCalculator."""
+    model, the nequip framework's NequIPCalculator; inference_ckpt.pt through FAIRChemCalculator."""
     atoms = atoms.copy()
+    if family in FAIRCHEM:
+        return fairchem_reference(family, atoms, path=directory / "inference_ckpt.pt")
     if family == "mace":
         from mace.calculators import MACECalculator
 
@@ -794,7 +801,8 @@ def test_another_packages_file_as_a_checkpoint_is_named(files):
 def test_bad_fairchem_fine_tuning_input_is_one_line_and_writes_nothing(files, tmp_path, capsys, monkeypatch):
     """fairchem checkpoints mlip-train refuses, each in one line before anything is written: a direct-force model,
     merged experts (fairchem's merge_mole of the fixture for one composition, saved with its config), a task without
-    a stress output while the loss weighs stress, pipeline parallel; and fairchem not installed (the extra named)."""
+    a stress output while the loss weighs stress, more pipeline stages than blocks; and fairchem not installed (the
+    extra named)."""
     from fairchem.core.datasets.atomic_data import AtomicData, atomicdata_list_to_batch
     from fairchem.core.units.mlip_unit.api.inference import MLIPInferenceCheckpoint
     from fairchem.core.units.mlip_unit.utils import load_inference_model
@@ -822,7 +830,8 @@ def test_bad_fairchem_fine_tuning_input_is_one_line_and_writes_nothing(files, tm
         ({"model": {"fairchem": checkpoint("no-stress", tasks_config=no_stress)}},
          r"loss.stress_weight is 1.0, but the fairchem checkpoint's task omat has no stress output \(its outputs: "
          r"energy, forces; .*set loss.stress_weight: 0"),
-        ({"parallel": "pipeline", "pipeline": {"stages": 2}}, r"a fairchem model does not split into pipeline stages"),
+        ({"parallel": "pipeline", "pipeline": {"stages": 4}},
+         r"pipeline.stages = 4: a stage holds at least one interaction block and the model has 3"),
     ]
     for k, (changes, message) in enumerate(cases):
         output = tmp_path / f"out{k}"

@@ -203,7 +203,7 @@ def batch_geometry(batch: Batch) -> BatchGeometry:
     x = strained_coordinates(batch.positions, batch.cells, batch=batch.batch)
     edge_vec = edge_vectors(x.positions, batch.i, batch.j, batch.shifts, x.cell, batch.edge_batch)
     graph = AtomGraph(species=batch.species, edge_index=torch.stack([batch.j, batch.i]), edge_vec=edge_vec,
-                      n_local=len(x.pos))
+                      n_local=len(x.pos), structure=batch.batch if batch.size > 1 else None)
     return BatchGeometry(x.pos, x.strain, graph)
 
 
@@ -217,23 +217,9 @@ def predict_batch(model, batch: Batch, create_graph: bool = True):
     """Energies [B], forces [N, 3] and stress [B, 3, 3] (torch float64), differentiable w.r.t. the
     model's parameters when ``create_graph`` (a force loss needs it)."""
     pos, strain, graph = batch_geometry(batch)
-    energy = structure_energies(batch, atom_energies(model, batch, graph))
+    energy = structure_energies(batch, model(graph))
     dE_dpos, dE_dstrain = torch.autograd.grad(energy.sum(), [pos, strain], create_graph=create_graph)
     return energy, -dE_dpos, symmetric_stress(dE_dstrain, batch.volumes)
-
-
-def atom_energies(model, batch: Batch, graph: AtomGraph) -> torch.Tensor:
-    """Per-atom energies [N]: the model on the batch's graph, or, for a model that reads the whole structure
-    (``WHOLE_STRUCTURE``: fairchem's experts routed by the composition), on each structure's own graph in turn (its
-    rows and its edges, which the batch holds contiguously), the structures' energies concatenated."""
-    if not model.WHOLE_STRUCTURE or batch.size == 1:
-        return model(graph)
-    rows = np.concatenate([[0], np.cumsum(batch.n_atoms)])
-    edges = np.concatenate([[0], np.cumsum(torch.bincount(batch.edge_batch, minlength=batch.size).tolist())])
-    return torch.cat([model(AtomGraph(species=graph.species[rows[b]:rows[b + 1]],
-                                      edge_index=graph.edge_index[:, edges[b]:edges[b + 1]] - int(rows[b]),
-                                      edge_vec=graph.edge_vec[edges[b]:edges[b + 1]], n_local=int(batch.n_atoms[b])))
-                      for b in range(batch.size)])
 
 
 def symmetric_stress(dE_dstrain: torch.Tensor, volumes: torch.Tensor) -> torch.Tensor:
@@ -415,8 +401,7 @@ def predicted_energies(model, structures, batch_size: int, device) -> np.ndarray
     with torch.no_grad():
         for start in range(0, len(structures), batch_size):
             batch = Batch(structures[start:start + batch_size], model, device)
-            energies = atom_energies(model, batch, batch_geometry(batch).graph)
-            out.append(structure_energies(batch, energies).cpu().numpy())
+            out.append(structure_energies(batch, model(batch_geometry(batch).graph)).cpu().numpy())
     return np.concatenate(out) if out else np.zeros(0)
 
 

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from ase.data import chemical_symbols
 
-from ..base import PackageModel, Potential
+from ..base import BlockPotential, PackageModel
 from ..errors import MLIPError
 from ..graph import AtomGraph
 from ..messages import edge_sum
@@ -230,7 +230,7 @@ def _check_config(config: dict, where: str) -> dict:
     return dict(config, backbone=backbone)
 
 
-class FAIRChem(PackageModel, Potential):
+class FAIRChem(PackageModel, BlockPotential):
     """A fairchem UMA or eSEN model (``checkpoint``: the file ``load_predict_unit`` reads) on one ``task`` (as
     FAIRChemCalculator's ``task_name``: omat, omol, oc20, odac, omc; None when the checkpoint has one). ``charge``
     (e) and ``spin`` (multiplicity) of the system for the omol task (defaults 0 and 1, as FAIRChemCalculator's);
@@ -238,16 +238,23 @@ class FAIRChem(PackageModel, Potential):
     checkpoint's EMA weights. Or ``architecture`` ({"model_config", "tasks_config"} in ``plain.encode``'s JSON form)
     instead of a checkpoint: built by fairchem's constructors with untrained weights, for a state dict to be loaded
     into it. Trainable (``mlip-train``): every HydraModel parameter by fairchem's name, the task's element references,
-    written back as fairchem's ``inference_ckpt.pt``; a batch of several structures is evaluated a structure at a
-    time (``WHOLE_STRUCTURE``: the experts are routed by each structure's own composition)."""
+    written back as fairchem's ``inference_ckpt.pt``; in a graph of several structures (a training batch) each
+    structure's experts are routed by its own composition, as fairchem routes a batch's systems.
 
-    WHOLE_STRUCTURE = True
+    As a ``BlockPotential`` (pipeline stages): "embed" is the atom and edge-degree embeddings, "block.k" the
+    backbone's block k, "readout" the final norm and the energy head; the node embeddings [rows, (lmax+1)² C] travel
+    between stages. The system embeddings (charge, spin, task), the experts' routing and the edges' sender/receiver
+    embeddings are read by every part: every stage holds them and computes the coefficients per structure itself
+    (their gradients summed over the stages). ``parts``: the parts this model holds (a stage's: the checkpoint is
+    read whole, the others then dropped); ``seed`` is unused (the weights are the checkpoint's)."""
+
     # edges per chunk at least, whatever the budget: at UMA-S's size 1,024-edge chunks ran 5 % faster than 256-edge ones
     # (benchmarks/fairchem_scaling.py), their ~25 MB small beside the per-atom state of a system worth splitting
     MIN_CHUNK_EDGES = 1024
 
     def __init__(self, checkpoint: str | None = None, task: str | None = None, charge: int | None = None,
-                 spin: int | None = None, dtype: torch.dtype | None = None, architecture: dict | None = None):
+                 spin: int | None = None, dtype: torch.dtype | None = None, architecture: dict | None = None,
+                 parts=None, seed: int = 0):
         from .plain import decode, encode
 
         if (checkpoint is None) == (architecture is None):
@@ -291,6 +298,8 @@ class FAIRChem(PackageModel, Potential):
         self.element_references = torch.as_tensor(refs, dtype=torch.float64)  # eV, by atomic number (kept float64)
         self.hyperparameters = {"architecture": architecture, "task": self.task,
                                 **({"charge": self.charge, "spin": self.spin} if self.task in CHARGED_TASKS else {})}
+        self._init_parts(parts, seed)
+        self._drop_parts_not_held()
         self.requires_grad_(False)
         self.eval()
         self.to(dtype)
@@ -424,6 +433,9 @@ class FAIRChem(PackageModel, Potential):
         from ..files import atomic_write
         from .plain import decode
 
+        if not self.complete:
+            raise FAIRChemModelError(f"this FAIRChem holds only the parts {sorted(self.parts)} (a pipeline stage); "
+                                     f"its inference_ckpt.pt is written from the whole model")
         architecture = decode(self.hyperparameters["architecture"])
         state = {k: v.detach().cpu().clone() for k, v in self.hydra.state_dict().items()}
         ema = {f"module.{k}": v for k, v in state.items()}
@@ -433,53 +445,104 @@ class FAIRChem(PackageModel, Potential):
         with atomic_write(path) as f:
             torch.save(checkpoint, f)
 
-    # ------------------------------------------------------------------ forward
-    def forward(self, graph: AtomGraph) -> torch.Tensor:
-        bb, dtype, n = self.backbone, self.dtype, graph.n_nodes
-        numbers = self.numbers[graph.species]
-        graph = self._neighbours(graph)
-        device = numbers.device
-        system = bb.csd_embedding(charge=torch.tensor([self.charge], device=device),
-                                  spin=torch.tensor([self.spin], device=device), dataset=[self.dataset])
-        if self.experts or self.mean:  # the whole system's composition (collective: every rank alike)
-            counts = torch.bincount(numbers[: graph.n_local], minlength=len(self.species) + 1).to(torch.float64)
-            counts = graph.total(counts).round().to(torch.long)
-            self._route_experts(graph, counts, system)
-            atoms = int(counts.sum())
+    # ------------------------------------------------------------------ parts (forward: BlockPotential's chain)
+    @property
+    def n_blocks(self) -> int:
+        """The backbone's blocks (``layers`` counts one more: the edge-degree embedding reads a cutoff too)."""
+        return int(self.backbone.num_layers)
 
-        x = torch.zeros(n, bb.sph_feature_size, bb.sphere_channels, dtype=dtype, device=device)
-        x[:, 0, :] = bb.sphere_embedding(numbers) + system
+    def part_prefixes(self, part: str) -> list:
+        kind, _, k = part.partition(".")
+        return {"embed": ["hydra.backbone.sphere_embedding", "hydra.backbone.edge_degree_embedding"],
+                "block": [f"hydra.backbone.blocks.{k}"],
+                "readout": ["hydra.backbone.norm", "hydra.output_heads"]}[kind]
+
+    def feature_width(self, k: int) -> int:
+        return self.backbone.sph_feature_size * self.backbone.sphere_channels
+
+    def context(self, graph: AtomGraph) -> dict:
+        """What every part reads: the atomic numbers, the graph with fairchem's ``max_neighbors`` cut, each row's
+        system embedding (charge, spin, task), the edges' sender/receiver embeddings, the experts' coefficients
+        and edge counts per structure (UMA: set on the backbone, kept here for each block to set again: a pipeline
+        stage runs several micro-batches' blocks in turn), and the task mean shared out over each structure's
+        atoms. A graph of several structures (``graph.structure``) routes each by its own composition, as fairchem
+        routes the systems of a batch; one structure's composition is summed over the ranks (``graph.total``,
+        collective: every rank alike)."""
+        bb, device = self.backbone, graph.species.device
+        numbers = self.numbers[graph.species]
+        cut = self._neighbours(graph)
+        rows = graph.structure if graph.structure is not None else torch.zeros_like(graph.species)
+        systems = int(rows.max()) + 1 if graph.structure is not None and graph.n_nodes else 1
+        system = bb.csd_embedding(charge=torch.full((systems,), self.charge, device=device),
+                                  spin=torch.full((systems,), self.spin, device=device),
+                                  dataset=[self.dataset] * systems)
+        ctx = {"numbers": numbers, "graph": cut, "system": system[rows], "sources": bb.source_embedding(numbers),
+               "targets": bb.target_embedding(numbers), "mean": None, "experts": None}
+        if self.experts or self.mean:
+            z = len(self.species) + 1
+            owned = slice(0, graph.n_local)
+            counts = torch.bincount(rows[owned] * z + numbers[owned], minlength=systems * z).view(systems, z)
+            if graph.structure is None:  # (one structure, perhaps split over ranks)
+                counts = graph.total(counts.to(torch.float64)).round().to(torch.long)
+            if self.experts:
+                composition = torch.repeat_interleave(torch.arange(z, device=device).repeat(systems), counts.flatten())
+                of_system = torch.repeat_interleave(torch.arange(systems, device=device), counts.sum(1))
+                bb.set_MOLE_coefficients(atomic_numbers_full=composition, batch_full=of_system, csd_mixed_emb=system)
+                bb.set_MOLE_sizes(nsystems=systems, batch_full=rows, edge_index=cut.edge_index)
+                mole = bb.global_mole_tensors
+                ctx["experts"] = (mole.expert_mixing_coefficients, mole.mole_sizes)
+            if self.mean:
+                ctx["mean"] = (self.mean / counts.sum(1).to(torch.float64))[rows[owned]]
+        return ctx
+
+    def embed(self, graph: AtomGraph, ctx) -> torch.Tensor:
+        """[receivers, (lmax+1)² C]: the atom embedding with the system's in its l = 0 row, plus the edge-degree
+        embedding of the edges into each row."""
+        bb, g = self.backbone, ctx["graph"]
+        x = torch.zeros(g.n_nodes, bb.sph_feature_size, bb.sphere_channels, dtype=self.dtype, device=g.species.device)
+        x[:, 0, :] = bb.sphere_embedding(ctx["numbers"]) + ctx["system"]
         # the features depend on the positions on every rank, even one without edges, so that every rank's backward
         # runs the same halo exchanges (lock-step): the weights do not require gradients
-        x = x + 0.0 * graph.edge_vec.sum().to(dtype)
-        sources, targets = bb.source_embedding(numbers), bb.target_embedding(numbers)
-        embedding = bb.edge_degree_embedding
-        zeros = x.new_zeros(1, *x.shape[1:])
+        x = x + 0.0 * g.edge_vec.sum().to(self.dtype)
+        embedding, zeros = bb.edge_degree_embedding, x.new_zeros(1, *x.shape[1:])
 
         def degree(vec, source, target):  # per edge: fairchem's edge-degree embedding of one edge
             x_edge, _, wigner_inv = self._edge_features(vec, source, target)
             scatter = torch.arange(vec.shape[0], device=vec.device)
             return embedding.forward_chunk(zeros.expand(vec.shape[0], *zeros.shape[1:]), x_edge, scatter, wigner_inv)
 
-        x = x[: graph.receivers] + self._edge_step(graph, degree, [sources], [targets], x)
-        for block in bb.blocks:
-            residual = x
-            y = block.norm_1(x)
-            y[:, 0, :] = y[:, 0, :] + system
-            y = graph.halo(y)  # the node embeddings entering the edge step: ghost rows from their owners
+        x = x[: g.receivers] + self._edge_step(g, degree, [ctx["sources"]], [ctx["targets"]], x)
+        return x.flatten(1)
 
-            def convolve(vec, source, x_j, target, x_i, block=block):  # per edge: fairchem's edge step of one edge
-                x_edge, wigner, wigner_inv = self._edge_features(vec, source, target)
-                e = vec.shape[0]
-                local = torch.arange(2 * e, device=vec.device).view(2, e)
-                return block.edge_wise.forward_chunk(torch.cat([x_j, x_i]), e, x_edge, local, wigner, wigner_inv,
-                                                     local[0])
+    def block(self, k: int, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
+        """fairchem's block k: ``norm_1`` (the system embedding added to its l = 0 row), the halo, the edge step,
+        the residual, ``norm_2`` and ``atom_wise``; [receivers, (lmax+1)² C] in and out."""
+        bb, g = self.backbone, ctx["graph"]
+        if ctx["experts"] is not None:  # this graph's experts (another micro-batch's may have been set since)
+            bb.global_mole_tensors.expert_mixing_coefficients, bb.global_mole_tensors.mole_sizes = ctx["experts"]
+        block = bb.blocks[int(k)]
+        x = h.view(h.shape[0], bb.sph_feature_size, bb.sphere_channels)
+        y = block.norm_1(x)
+        y[:, 0, :] = y[:, 0, :] + ctx["system"][: y.shape[0]]
+        y = g.halo(y)  # the node embeddings entering the edge step: ghost rows from their owners
 
-            x = residual + self._edge_step(graph, convolve, [sources, y], [targets, y], y)
-            x = x + block.atom_wise(block.norm_2(x))
-        x = bb.norm(x)
-        energies = self._energies(x[: graph.n_local, 0, :], numbers[: graph.n_local])
-        return energies + self.mean / atoms if self.mean else energies
+        def convolve(vec, source, x_j, target, x_i):  # per edge: fairchem's edge step of one edge
+            x_edge, wigner, wigner_inv = self._edge_features(vec, source, target)
+            e = vec.shape[0]
+            local = torch.arange(2 * e, device=vec.device).view(2, e)
+            return block.edge_wise.forward_chunk(torch.cat([x_j, x_i]), e, x_edge, local, wigner, wigner_inv,
+                                                 local[0])
+
+        x = x + self._edge_step(g, convolve, [ctx["sources"], y], [ctx["targets"], y], y)
+        return (x + block.atom_wise(block.norm_2(x))).flatten(1)
+
+    def readout_energies(self, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
+        """[n_local] float64: the final norm, the head's energy block, × rmsd, + element references, + the task's
+        mean shared out over the structure's atoms."""
+        bb = self.backbone
+        x = bb.norm(h.view(h.shape[0], bb.sph_feature_size, bb.sphere_channels))
+        energies = self._energies(x[: graph.n_local, 0, :], ctx["numbers"][: graph.n_local])
+        return energies if ctx["mean"] is None else energies + ctx["mean"]
 
     def _edge_step(self, graph: AtomGraph, message, at_sender, at_receiver, reads: torch.Tensor) -> torch.Tensor:
         """[graph.receivers, (lmax+1)^2, C]: Σ over the edges into each row of ``message``, in chunks within the
@@ -525,19 +588,6 @@ class FAIRChem(PackageModel, Potential):
         keep = d2 <= threshold[receiver]
         return dataclasses.replace(graph, edge_index=graph.edge_index[:, keep], edge_vec=graph.edge_vec[keep],
                                    edge_features_cache={})
-
-    def _route_experts(self, graph: AtomGraph, counts: torch.Tensor, system: torch.Tensor) -> None:
-        """Set the backbone's mixture-of-experts coefficients from the whole system's composition (``counts`` [Z]:
-        atoms of each atomic number, over every rank), through its own ``set_MOLE_coefficients`` on that
-        composition, and its per-edge sizes (one system: every edge of this rank)."""
-        bb = self.backbone
-        if not self.experts:
-            return
-        composition = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
-        bb.set_MOLE_coefficients(atomic_numbers_full=composition, batch_full=torch.zeros_like(composition),
-                                 csd_mixed_emb=system)
-        rows = torch.zeros(graph.n_nodes, dtype=torch.long, device=counts.device)
-        bb.set_MOLE_sizes(nsystems=1, batch_full=rows, edge_index=graph.edge_index)
 
     def _energies(self, scalars: torch.Tensor, numbers: torch.Tensor) -> torch.Tensor:
         """Per-atom energies [n_local] float64 (eV) from the final scalar features [n_local, C]: the head's energy

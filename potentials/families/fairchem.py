@@ -5,10 +5,10 @@ from __future__ import annotations
 from . import Family, Option, archive_pickle
 
 
-def load(spec: str, task=None, charge=None, spin=None, dtype=None):
+def load(spec: str, task=None, charge=None, spin=None, dtype=None, parts=None):
     from ..adapters.fairchem import FAIRChem
 
-    return FAIRChem(spec, task=task, charge=charge, spin=spin, dtype=dtype)
+    return FAIRChem(spec, task=task, charge=charge, spin=spin, dtype=dtype, parts=parts)
 
 
 def recognise(path: str):

@@ -62,6 +62,15 @@ _BRANCH_FORMULAS = {  # node name -> (its saved values, the formula of each outp
 }
 
 
+def _zero_gradient(metadata):
+    """The gradient a join receives for an output nothing reads: zeros of its shape, or None (undefined: what the
+    engine passes) for a 0-dim output, which may stand for an undefined tensor (layer norm's double backward
+    declares its weight's and bias's gradients so where the norm has neither)."""
+    if len(metadata.shape) == 0:
+        return None
+    return torch.zeros(metadata.shape, dtype=metadata.dtype, device=metadata.device)
+
+
 _GATHERS = ("IndexSelectBackward0",)  # nodes whose gradient ([E] edge rows) is larger than what they pass on ([N])
 
 
@@ -96,8 +105,7 @@ class DeferredGradients:
     def _arriving(self) -> dict:
         arriving = dict(self.seeded)  # (branch node, input) -> gradient
         for join, grads in self.joins:
-            grads = [g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=m.device)
-                     for g, m in zip(grads, join._input_metadata)]
+            grads = [g if g is not None else _zero_gradient(m) for g, m in zip(grads, join._input_metadata)]
             wanted = {k for k, (child, _) in enumerate(join.next_functions)
                       if child is not None and child in self.branch}
             with torch.no_grad():
