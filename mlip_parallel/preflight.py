@@ -141,11 +141,13 @@ def check_rank_memory(backend, model, n_atoms: int, domain: Domain, dims, r_ghos
     return load
 
 
-def check_training_memory(backend, model, structures, per_step: int, graph_parallel: bool) -> None:
+def check_training_memory(backend, model, structures, per_step: int, graph_parallel: bool,
+                          state_bytes: float = 0.0) -> None:
     """Raise MemoryLimitError on every rank (collective) when ``per_step`` copies of the largest training
-    structure's graph (``structures``: ``training.Structure``; split over the ranks when ``graph_parallel``)
-    would take more than a rank has: training keeps every edge's tensors for the force loss's double
-    backward (``Potential.training_bytes``)."""
+    structure's graph (``structures``: ``training.Structure``; split over the ranks when ``graph_parallel``),
+    plus ``state_bytes`` (what training adds to the loaded weights: their gradients, the optimizer's state, the
+    average; this rank's), would take more than a rank has: training keeps every edge's tensors for the force
+    loss's double backward (``Potential.training_bytes``)."""
     from .grid import Grid
 
     worst, name = 0.0, None
@@ -157,11 +159,16 @@ def check_training_memory(backend, model, structures, per_step: int, graph_paral
         if need > worst:
             worst, name = need, s.source
     have = memory_everywhere(backend, model.device)
-    if worst * per_step > have:
+    state = float(backend.allreduce(np.array([state_bytes]), op="max")[0]) if backend.size > 1 else state_bytes
+    if worst * per_step + state > have:
+        weights = (f" and the weights' training state (gradients, optimizer moments, average) {state / 1e9:.3g} GB"
+                   if state > 0.01 * have else "")
         raise MemoryLimitError(
             f"not enough memory: {name} ({model.cutoff:g} Å cutoff) needs about {worst / 1e9:.3g} GB to train on, "
-            f"{per_step} at a time per rank: {worst * per_step / 1e9:.3g} GB, but a rank has {have / 1e9:.3g} GB; use a "
-            f"smaller batch_size or cutoff, more ranks (parallel: graph splits each structure), or check the structure")
+            f"{per_step} at a time per rank: {worst * per_step / 1e9:.3g} GB{weights}, but a rank has "
+            f"{have / 1e9:.3g} GB; use a smaller batch_size or cutoff, more ranks (parallel: graph splits each "
+            f"structure; parallel: pipeline splits the weights over stages), model.freeze or model.lora, or check "
+            f"the structure")
 
 
 TRAINING_COPIES = 5  # a trained weight's bytes: the weight, its gradient, AdamW's two moments, the EMA's copy

@@ -882,3 +882,25 @@ def test_fairchem_refit_reference_energies_are_written_back(files, tmp_path):
     atoms.calc = None
     theirs = fairchem_reference("uma-dense", atoms, path=tmp_path / "inference_ckpt.pt")
     assert max(max_relative_error(ours_on(best, atoms), theirs).values()) < 1e-9
+
+
+@needs("uma-moe")
+def test_training_state_beyond_a_rank_is_refused_naming_pipeline(files, tmp_path, monkeypatch, capsys):
+    """The memory pre-flight counts what training adds to a starting model's weights (a gradient and AdamW's two
+    moments per trained weight, the EMA's copy of every weight): with a rank's memory set below that (here for the
+    UMA-S-shaped fixture, float64), mlip-train refuses in one line naming the state and the ways out (pipeline
+    stages, model.freeze or model.lora) before writing anything; the state's count equals the parameters' bytes."""
+    from mlip_parallel.train.trainer import training_state_bytes
+
+    model = potentials.FAIRChem(files["uma-moe"][1], dtype=torch.float64, **FAIRCHEM_FIXTURES["uma-moe"])
+    weights = sum(p.numel() for p in model.parameters()) * 8
+    trained = [p for _, p in model.named_weights()]
+    assert training_state_bytes(model, trained, True) == 3 * sum(p.numel() for p in trained) * 8 + weights
+    monkeypatch.setattr("mlip_parallel.preflight.rank_memory", lambda device, ranks: 3.0 * weights)
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job(files, "uma-moe", tmp_path / "out")))
+    assert main([str(tmp_path / "job.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(r"not enough memory: .* and the weights' training state \(gradients, optimizer "
+                                       r"moments, average\) [\d.]+ GB, but a rank has .*parallel: pipeline splits the "
+                                       r"weights over stages\), model.freeze or model.lora", err[0]), err
+    assert not (tmp_path / "out").exists()

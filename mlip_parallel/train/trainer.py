@@ -42,6 +42,13 @@ def learning_rate_factor(warmup: int, total: int, cosine_floor: float | None):
     return factor
 
 
+def training_state_bytes(model, trained, averaged: bool) -> float:
+    """What training adds to a model's loaded weights (this rank's): a gradient and AdamW's two moments per trained
+    weight, and the average's copy of every weight (``averaged``: an EMA)."""
+    size = sum(p.numel() * p.element_size() for p in trained)
+    return 3.0 * size + (sum(p.numel() * p.element_size() for p in model.parameters()) if averaged else 0.0)
+
+
 class Trainer(Checkpoints):
     """Everything one ``mlip-train`` run holds (see the module docstring); ``Trainer(config)`` builds it
     (collective), ``fit()`` runs the epochs and returns the metric rows (every rank)."""
@@ -131,7 +138,8 @@ class Trainer(Checkpoints):
         per_step = {"data": -(-batch // procs.size), "graph": 1,
                     "pipeline": -(-batch // config["pipeline"]["microbatches"])}[procs.parallel]
         check_training_memory(procs.backend, model, [s for part in self.surveys for s in part.memory_candidates],
-                              per_step, procs.parallel == "graph")
+                              per_step, procs.parallel == "graph", training_state_bytes(model, self.strategy.parameters,
+                                                                                        config["ema_decay"] > 0))
         self.reference_note = None  # the log's line on a starting model's reference energies
         if self.starting is None:
             if not self.resume:
