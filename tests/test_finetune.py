@@ -904,3 +904,20 @@ def test_training_state_beyond_a_rank_is_refused_naming_pipeline(files, tmp_path
                                        r"moments, average\) [\d.]+ GB, but a rank has .*parallel: pipeline splits the "
                                        r"weights over stages\), model.freeze or model.lora", err[0]), err
     assert not (tmp_path / "out").exists()
+
+
+@needs("uma-moe")
+def test_fairchem_freeze_matches_fairchems_parameter_names(files, tmp_path):
+    """model.freeze over fairchem's own names: with the backbone's blocks frozen, one epoch changes no block weight
+    of the UMA-S-shaped fixture (best.pt and inference_ckpt.pt's weights equal the file's EMA weights there) and
+    changes the others (the embeddings, the routing, the head)."""
+    directory = tmp_path / "run"
+    train(validate(job(files, "uma-moe", directory, epochs=1, model={"freeze": ["backbone.blocks.*"]}), SCHEMA, RULES))
+    start = dict(potentials.FAIRChem(files["uma-moe"][1], dtype=torch.float64, **FAIRCHEM_FIXTURES["uma-moe"])
+                 .named_weights())
+    end = dict(potentials.load(directory / "best.pt").named_weights())
+    written = torch.load(directory / "inference_ckpt.pt", weights_only=False).model_state_dict
+    moved = {name for name in start if not torch.equal(start[name].detach(), end[name].detach())}
+    assert moved and not any(name.startswith("backbone.blocks.") for name in moved), sorted(moved)
+    assert {"backbone.sphere_embedding.weight", "backbone.routing_mlp.0.weight"} <= moved, sorted(moved)
+    assert all(torch.equal(written[name], end[name].detach()) for name in end)
