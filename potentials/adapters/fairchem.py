@@ -325,8 +325,8 @@ class FAIRChem(PackageModel, BlockPotential):
     EVALUATION_BYTES_PER_EDGE, PLAIN_BYTES_PER_EDGE = 200, 60_000
 
     def evaluation_bytes(self, rows: float, edges: float, chunked: bool = True) -> float:
-        features = self.backbone.sph_feature_size * self.backbone.sphere_channels * self.dtype.itemsize
-        per_row = features * (self.FEATURE_COPIES_PER_BLOCK * (self.layers - 1) + self.FEATURE_COPIES)
+        features = self.feature_width(0) * self.dtype.itemsize
+        per_row = features * (self.FEATURE_COPIES_PER_BLOCK * self.n_blocks + self.FEATURE_COPIES)
         per_edge = self.EVALUATION_BYTES_PER_EDGE + (0 if chunked else self.PLAIN_BYTES_PER_EDGE)
         return per_row * rows + per_edge * edges
 
@@ -336,8 +336,8 @@ class FAIRChem(PackageModel, BlockPotential):
     TRAINING_EDGE_FEATURE_COPIES_PER_BLOCK = 48
 
     def training_bytes(self, rows: float, edges: float) -> float:
-        features = self.backbone.sph_feature_size * self.backbone.sphere_channels * self.dtype.itemsize
-        per_edge = self.TRAINING_EDGE_FEATURE_COPIES_PER_BLOCK * (self.layers - 1) * features
+        features = self.feature_width(0) * self.dtype.itemsize
+        per_edge = self.TRAINING_EDGE_FEATURE_COPIES_PER_BLOCK * self.n_blocks * features
         return 2 * self.evaluation_bytes(rows, edges) + per_edge * edges
 
     @staticmethod
@@ -458,7 +458,12 @@ class FAIRChem(PackageModel, BlockPotential):
                 "readout": ["hydra.backbone.norm", "hydra.output_heads"]}[kind]
 
     def feature_width(self, k: int) -> int:
+        """(lmax+1)² C: a row of node embeddings, flat (the same entering every block)."""
         return self.backbone.sph_feature_size * self.backbone.sphere_channels
+
+    def _embeddings(self, h: torch.Tensor) -> torch.Tensor:
+        """h [rows, feature_width] as fairchem's node embeddings [rows, (lmax+1)², C]."""
+        return h.view(h.shape[0], self.backbone.sph_feature_size, self.backbone.sphere_channels)
 
     def context(self, graph: AtomGraph) -> dict:
         """What every part reads: the atomic numbers, the graph with fairchem's ``max_neighbors`` cut, each row's
@@ -521,7 +526,7 @@ class FAIRChem(PackageModel, BlockPotential):
         if ctx["experts"] is not None:  # this graph's experts (another micro-batch's may have been set since)
             bb.global_mole_tensors.expert_mixing_coefficients, bb.global_mole_tensors.mole_sizes = ctx["experts"]
         block = bb.blocks[int(k)]
-        x = h.view(h.shape[0], bb.sph_feature_size, bb.sphere_channels)
+        x = self._embeddings(h)
         y = block.norm_1(x)
         y[:, 0, :] = y[:, 0, :] + ctx["system"][: y.shape[0]]
         y = g.halo(y)  # the node embeddings entering the edge step: ghost rows from their owners
@@ -539,8 +544,7 @@ class FAIRChem(PackageModel, BlockPotential):
     def readout_energies(self, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
         """[n_local] float64: the final norm, the head's energy block, × rmsd, + element references, + the task's
         mean shared out over the structure's atoms."""
-        bb = self.backbone
-        x = bb.norm(h.view(h.shape[0], bb.sph_feature_size, bb.sphere_channels))
+        x = self.backbone.norm(self._embeddings(h))
         energies = self._energies(x[: graph.n_local, 0, :], ctx["numbers"][: graph.n_local])
         return energies if ctx["mean"] is None else energies + ctx["mean"]
 
