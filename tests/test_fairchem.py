@@ -270,3 +270,54 @@ def test_md_force_call_is_memory_bounded():
     bounded, budget_gb = saved[None]
     assert bounded <= budget_gb * 1e9 + 160e3 * len(atoms), (bounded / len(atoms), budget_gb)
     assert saved[float("inf")][0] > 10 * bounded, saved
+
+
+def test_a_pipeline_stage_builds_and_reads_only_its_blocks(monkeypatch):
+    """A stage (model parts embed + block.1) constructs one of the backbone's three blocks and reads, of the file,
+    the EMA tensors of that block and of the shared modules only (never the model state dict, nor another block's);
+    the whole model reads every EMA tensor once. Its weights equal the whole model's."""
+    from fairchem.core.models.uma import escn_md
+
+    from potentials.adapters import pickled
+    from potentials.adapters.fairchem import BLOCK_KEY, FAIRChem, read_checkpoint
+
+    path = FAIRCHEM_DIR / "uma-moe.pt"
+    ema = read_checkpoint(path)["ema_state_dict"]
+    read, built = [], []
+    storage, block_init = pickled._storage, escn_md.eSCNMD_Block.__init__
+    monkeypatch.setattr(pickled, "_storage", lambda archive, record, dtype: read.append(record) or
+                        storage(archive, record, dtype))
+    monkeypatch.setattr(escn_md.eSCNMD_Block, "__init__", lambda self, *a, **k: built.append(1) or
+                        block_init(self, *a, **k))
+    whole = FAIRChem(path, task="omat", dtype=torch.float64)
+    assert sorted(read) == sorted(d.record for d in ema.values()) and len(built) == whole.n_blocks == 3
+    read.clear(), built.clear()
+    stage = FAIRChem(path, task="omat", dtype=torch.float64, parts=["embed", "block.1"])
+    others = [k for k in ema if BLOCK_KEY.search(k) and BLOCK_KEY.search(k).group(1) != "1"]
+    assert others and sorted(read) == sorted(d.record for k, d in ema.items() if k not in others)
+    assert len(built) == 1 and stage.n_blocks == 3
+    mine, theirs = stage.state_dict(), whole.state_dict()
+    assert any(".blocks.1." in k for k in mine) and not any(".blocks.0." in k or ".blocks.2." in k for k in mine)
+    assert all(torch.equal(v, theirs[k]) for k, v in mine.items())
+
+
+def test_native_file_written_weight_by_weight_equals_save_native(tmp_path, monkeypatch):
+    """``checkpoint.save_native_from`` (how a pipeline's rank 0 writes inference_ckpt.pt from the merged best.pt, one
+    weight at a time, never loading the model) writes what ``save_native`` of the loaded model writes: the same
+    configs and state dicts, bit for bit, in the dtype trained; fairchem's load_predict_unit reads it."""
+    from fairchem.core.units.mlip_unit import load_predict_unit
+
+    from potentials import checkpoint
+
+    model = fairchem_model("uma-moe")
+    potentials.save(model, tmp_path / "best.pt")
+    model.save_native(tmp_path / "whole.pt")
+    monkeypatch.setattr(checkpoint, "load", lambda *a, **k: pytest.fail("the model was loaded whole"))
+    checkpoint.save_native_from(tmp_path / "best.pt", tmp_path / "streamed.pt")
+    whole, streamed = (torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in ("whole", "streamed"))
+    for field in ("model_state_dict", "ema_state_dict"):
+        a, b = getattr(whole, field), getattr(streamed, field)
+        assert list(a) == list(b) and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a), field
+    assert whole.model_config == streamed.model_config and whole.tasks_config == streamed.tasks_config
+    assert next(iter(streamed.model_state_dict.values())).dtype == torch.float64
+    assert type(load_predict_unit(str(tmp_path / "streamed.pt"), device="cpu")).__name__ == "MLIPPredictUnit"

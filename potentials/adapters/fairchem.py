@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import types
 
 import numpy as np
@@ -116,10 +117,12 @@ def import_fairchem() -> None:
 
 def read_checkpoint(path) -> dict:
     """{"model_config", "ema_state_dict", "tasks_config"} of a fairchem inference checkpoint, read without running its
-    pickle. FAIRChemModelError when the file is not one (PickleFileError: not a torch archive at all)."""
-    from .pickled import Pickled, read_module_tree
+    pickle; the EMA state dict's tensors not read yet (``pickled.Deferred``: ``read_weights`` reads those a model
+    holds; its model state dict is never read). FAIRChemModelError when the file is not one (PickleFileError: not a
+    torch archive at all)."""
+    from .pickled import Pickled, read_deferred, read_module_tree
 
-    tree = read_module_tree(path)
+    tree = read_module_tree(path, deferred=True)
     kind = type(tree).path if isinstance(tree, Pickled) else type(tree).__name__
     if not kind.endswith("MLIPInferenceCheckpoint"):
         raise FAIRChemModelError(f"{path} is not a fairchem checkpoint (an MLIPInferenceCheckpoint, as fairchem's "
@@ -128,9 +131,28 @@ def read_checkpoint(path) -> dict:
     missing = [k for k in ("model_config", "ema_state_dict", "tasks_config") if not fields.get(k)]
     if missing:
         raise FAIRChemModelError(f"{path}: the fairchem checkpoint has no {', '.join(missing)}")
-    for key in ("model_config", "tasks_config"):
-        _plain(fields[key], f"{path}: {key}")
-    return {k: fields[k] for k in ("model_config", "ema_state_dict", "tasks_config")}
+    if not isinstance(fields["ema_state_dict"], dict):
+        raise FAIRChemModelError(f"{path}: its ema_state_dict is a {type(fields['ema_state_dict']).__name__}, not a "
+                                 f"state dict")
+    configs = read_deferred(path, {k: fields[k] for k in ("model_config", "tasks_config")})
+    for key, value in configs.items():
+        _plain(value, f"{path}: {key}")
+    return dict(configs, ema_state_dict=fields["ema_state_dict"])
+
+
+def read_weights(path, deferred: dict, blocks=None) -> dict:
+    """The tensors of ``deferred`` (``read_checkpoint``'s EMA state dict) read from ``path``: every one, or with
+    ``blocks`` (block indices) those of the backbone's blocks not listed left out, unread."""
+    from .pickled import read_deferred
+
+    def wanted(key: str) -> bool:
+        match = BLOCK_KEY.search(key)
+        return blocks is None or match is None or int(match.group(1)) in blocks
+
+    return read_deferred(path, {k: v for k, v in deferred.items() if wanted(k)})
+
+
+BLOCK_KEY = re.compile(r"(?:^|\.)backbone\.blocks\.(\d+)\.")  # a state-dict key of the backbone's block k
 
 
 def _plain(value, where: str) -> None:
@@ -279,8 +301,9 @@ class FAIRChem(PackageModel, BlockPotential):
         elements = int(config["backbone"].get("max_num_elements", 100))
         super().__init__([chemical_symbols[z] for z in range(1, min(elements, len(chemical_symbols)))])
 
+        blocks = None if parts is None else sorted(int(p.split(".")[1]) for p in parts if p.startswith("block."))
         with process_kept(random=True, warning_filters=True):  # what fairchem's import and construction set
-            self.hydra = self._build(config, saved["ema_state_dict"], dtype, where)
+            self.hydra = self._build(config, saved["ema_state_dict"], dtype, where, checkpoint, blocks)
         # what fairchem's constructors leave fixed (e.g. a dataset embedding built with enable_grad False) never trains
         self._fixed = frozenset(name for name, p in self.hydra.named_parameters() if not p.requires_grad)
         _mix_experts_once(self.backbone)
@@ -341,11 +364,12 @@ class FAIRChem(PackageModel, BlockPotential):
         return 2 * self.evaluation_bytes(rows, edges) + per_edge * edges
 
     @staticmethod
-    def _build(config: dict, ema_state: dict, dtype: torch.dtype, where: str):
-        """fairchem's HydraModel from ``config`` with the EMA weights (None: the untrained ones), built in ``dtype``
-        (as MLIPPredictUnit builds it: constants in the default dtype); its compat rules (UMA 1.1's model id) applied
-        first. Called within ``process.process_kept``: fairchem's import and construction set things for the
-        process."""
+    def _build(config: dict, ema_state: dict | None, dtype: torch.dtype, where: str, path=None, blocks=None):
+        """fairchem's HydraModel from ``config`` with the EMA weights (``read_checkpoint``'s, read from ``path``; None:
+        the untrained ones), built in ``dtype`` (as MLIPPredictUnit builds it: constants in the default dtype); its
+        compat rules (UMA 1.1's model id) applied first. ``blocks`` (a pipeline stage's block indices): only those of
+        the backbone's blocks are built and read, the others Identity. Called within ``process.process_kept``:
+        fairchem's import and construction set things for the process."""
         import io
         import logging
         import warnings
@@ -355,12 +379,22 @@ class FAIRChem(PackageModel, BlockPotential):
         from fairchem.core.models.uma.compat import apply_uma_compat_fixups
         from fairchem.core.units.mlip_unit.utils import load_state_dict, match_state_dict
 
+        from .pickled import PickleFileError
+
         holder = types.SimpleNamespace(model_config=config)
         try:
             apply_uma_compat_fixups(holder, checkpoint_location=where)
         except RuntimeError as exc:
             raise FAIRChemModelError(str(exc)) from None
         kwargs = {k: v for k, v in holder.model_config.items() if k != "_target_"}
+        n_blocks = kwargs["backbone"].get("num_layers")
+        if blocks is not None and (not isinstance(n_blocks, int) or not set(blocks) < set(range(n_blocks))):
+            blocks = None  # every block (a stage's parts are checked against the model's afterwards)
+        if blocks is not None:  # a backbone of the held blocks only (fairchem builds num_layers alike blocks)
+            backbone = dict(kwargs["backbone"], num_layers=len(blocks))
+            if backbone.get("layers_moe") is not None:
+                backbone["layers_moe"] = [j for j, k in enumerate(blocks) if k in backbone["layers_moe"]]
+            kwargs["backbone"] = backbone
         level = logging.root.manager.disable
         logging.disable(logging.WARNING)  # fairchem's notices (deprecated config spellings) stay out of the user's output
         try:
@@ -369,18 +403,23 @@ class FAIRChem(PackageModel, BlockPotential):
             with default_dtype(dtype), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 model = HydraModel(**kwargs)
+                if blocks is not None:  # each held block at its index in the whole model, the others Identity
+                    built = dict(zip(blocks, model.backbone.blocks))
+                    model.backbone.blocks = torch.nn.ModuleList(built.get(k, torch.nn.Identity())
+                                                                for k in range(n_blocks))
+                    model.backbone.num_layers = n_blocks
                 if ema_state is None:  # an architecture alone: the weights fairchem's constructors drew
                     return model
-                _check_unmerged(model, ema_state, where)
+                state = read_weights(path, ema_state, blocks)
+                _check_unmerged(model, state, where)
                 averaged = torch.optim.swa_utils.AveragedModel(model)
-                state = dict(ema_state)
                 mine = averaged.state_dict()
                 n_averaged = state.pop("n_averaged", mine["n_averaged"])
                 del mine["n_averaged"]
                 matched = match_state_dict(mine, state)
                 matched["n_averaged"] = n_averaged
                 load_state_dict(averaged, matched, strict=True)
-        except FAIRChemModelError:
+        except (FAIRChemModelError, PickleFileError):
             raise
         except (RuntimeError, KeyError, TypeError, ValueError, AssertionError) as exc:
             raise FAIRChemModelError(f"{where}: fairchem could not build the model from its config and weights: "
@@ -424,26 +463,36 @@ class FAIRChem(PackageModel, BlockPotential):
                 f"{', '.join(self.outputs)}; fairchem's calculator reports none for it)")
 
     def save_native(self, path, data=None) -> None:
-        """``path``: fairchem's inference checkpoint (``MLIPInferenceCheckpoint``: the model config, these weights
-        as both its model and its EMA state dict, the tasks config with this model's element references), as
-        fairchem's training writes ``inference_ckpt.pt``: ``load_predict_unit`` and ``FAIRChemCalculator`` load it.
-        The weights keep this model's dtype (float64 ones load unrounded where fairchem builds in float64)."""
-        from fairchem.core.units.mlip_unit.api.inference import MLIPInferenceCheckpoint
-
+        """``path``: fairchem's inference checkpoint (``native_object``), as fairchem's training writes
+        ``inference_ckpt.pt``: ``load_predict_unit`` and ``FAIRChemCalculator`` load it. The weights keep this model's
+        dtype (float64 ones load unrounded where fairchem builds in float64)."""
         from ..files import atomic_write
-        from .plain import decode
 
         if not self.complete:
             raise FAIRChemModelError(f"this FAIRChem holds only the parts {sorted(self.parts)} (a pipeline stage); "
                                      f"its inference_ckpt.pt is written from the whole model")
-        architecture = decode(self.hyperparameters["architecture"])
-        state = {k: v.detach().cpu().clone() for k, v in self.hydra.state_dict().items()}
-        ema = {f"module.{k}": v for k, v in state.items()}
-        ema["n_averaged"] = torch.tensor(1, dtype=torch.long)
-        checkpoint = MLIPInferenceCheckpoint(model_config=architecture["model_config"], model_state_dict=state,
-                                             ema_state_dict=ema, tasks_config=architecture["tasks_config"])
+        # written as they are (no copy: a whole model's weights may be most of a process's memory), but a view into a
+        # larger storage, which torch.save would write whole
+        state = {k: v.detach().cpu() for k, v in self.state_dict().items()}
+        state = {k: v if v.untyped_storage().nbytes() == v.nbytes else v.clone() for k, v in state.items()}
         with atomic_write(path) as f:
-            torch.save(checkpoint, f)
+            torch.save(self.native_object(self.hyperparameters, state), f)
+
+    @classmethod
+    def native_object(cls, hyperparameters: dict, state: dict):
+        """fairchem's ``MLIPInferenceCheckpoint`` of a FAIRChem's hyperparameters and state dict: the model config, the
+        HydraModel's weights as both its model and its EMA state dict, the tasks config with the model's element
+        references."""
+        from fairchem.core.units.mlip_unit.api.inference import MLIPInferenceCheckpoint
+
+        from .plain import decode
+
+        architecture = decode(hyperparameters["architecture"])
+        weights = {k[len("hydra."):]: v for k, v in state.items() if k.startswith("hydra.")}
+        ema = {f"module.{k}": v for k, v in weights.items()}
+        ema["n_averaged"] = torch.tensor(1, dtype=torch.long)
+        return MLIPInferenceCheckpoint(model_config=architecture["model_config"], model_state_dict=weights,
+                                       ema_state_dict=ema, tasks_config=architecture["tasks_config"])
 
     # ------------------------------------------------------------------ parts (forward: BlockPotential's chain)
     @property

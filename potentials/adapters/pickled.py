@@ -16,9 +16,14 @@ The stand-ins answer attribute reads the way ``torch.nn.Module`` does (an instan
 then its ``_parameters``, ``_buffers`` and ``_modules``) and index like a ``ModuleList``, so that a
 package's own code (or code written after it) can read hyper-parameters off the tree, and
 ``state_dict(tree)`` collects the tensors a strict ``load_state_dict`` needs.
+
+``read_module_tree(path, deferred=True)`` reads no storage: each tensor is a ``Deferred`` record, and
+``read_deferred(path, part)`` reads those of ``part`` (a dict or list of them) only: a pipeline stage
+reads its own weights out of a whole model's file.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 
@@ -88,6 +93,29 @@ class Pickled:
         return f"<pickled {type(self).path}>"
 
 
+@dataclasses.dataclass(frozen=True)
+class Deferred:
+    """A tensor of a torch archive not read yet: its storage's record in the archive, dtype, and the tensor's
+    offset (in elements), size and stride within that storage."""
+
+    record: str
+    dtype: torch.dtype
+    offset: int
+    size: tuple
+    stride: tuple
+
+
+def _deferred_tensor(storage, offset, size, stride, *_):
+    """``torch._utils._rebuild_tensor_v2`` of a deferred read: ``storage`` is (record, dtype)."""
+    record, dtype = storage
+    return Deferred(record, dtype, int(offset), tuple(size), tuple(stride))
+
+
+def _deferred_parameter(data, *_):
+    """``torch._utils._rebuild_parameter`` of a deferred read: the tensor's record itself."""
+    return data
+
+
 def _reconstructor(cls, base, state):
     """``copyreg._reconstructor`` for stand-ins only (protocol 0/1 objects)."""
     if not (isinstance(cls, type) and issubclass(cls, Pickled)):
@@ -128,23 +156,38 @@ class _RestrictedUnpickler(pickle.Unpickler):
         return self.standins[path]
 
 
-def _load_archive(archive, what: str):
-    """The object pickled in a torch zip archive (``torch.save`` or ``torch.jit.save`` layout: one
-    ``PREFIX/data.pkl`` and its storages in ``PREFIX/data/KEY``), unpickled with the restricted
-    unpickler; storages are read from the archive's records. No torch loader runs (torch.load would
-    hand a TorchScript archive to torch.jit.load, and a file that is not a zip to plain pickle)."""
-    import io
-
+def _archive_root(archive) -> str:
+    """The prefix of a torch zip archive's records ("PREFIX/"), checked to be one little-endian torch archive."""
     pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pickles) != 1:
         raise pickle.UnpicklingError(f"not a torch archive: {len(pickles)} data.pkl records")
     root = pickles[0][: -len("data.pkl")]
     if f"{root}byteorder" in archive.namelist() and archive.read(f"{root}byteorder").strip() != b"little":
         raise pickle.UnpicklingError("written on a big-endian machine; not supported")
+    return root
+
+
+def _storage(archive, record: str, dtype: torch.dtype):
+    data = torch.UntypedStorage.from_buffer(archive.read(record), dtype=torch.uint8)
+    return torch.storage.TypedStorage(wrap_storage=data, dtype=dtype, _internal=True)
+
+
+def _load_archive(archive, what: str, deferred: bool = False):
+    """The object pickled in a torch zip archive (``torch.save`` or ``torch.jit.save`` layout: one
+    ``PREFIX/data.pkl`` and its storages in ``PREFIX/data/KEY``), unpickled with the restricted
+    unpickler; storages are read from the archive's records (``deferred``: not read, each tensor a
+    ``Deferred``). No torch loader runs (torch.load would hand a TorchScript archive to torch.jit.load,
+    and a file that is not a zip to plain pickle)."""
+    import io
+
+    root = _archive_root(archive)
     storages: dict = {}
+    allowed = _data_types()
+    if deferred:
+        allowed["torch._utils._rebuild_tensor_v2"] = _deferred_tensor
+        allowed["torch._utils._rebuild_parameter"] = _deferred_parameter
 
     class Unpickler(_RestrictedUnpickler):
-        allowed = _data_types()
         standins: dict = {}
 
         def persistent_load(self, saved_id):
@@ -154,23 +197,55 @@ def _load_archive(archive, what: str):
             dtype = getattr(storage_type, "dtype", None)
             if not isinstance(dtype, torch.dtype):
                 raise pickle.UnpicklingError(f"storage of unknown type {storage_type!r}")
+            if deferred:
+                return f"{root}data/{key}", dtype
             if key not in storages:
-                data = torch.UntypedStorage.from_buffer(archive.read(f"{root}data/{key}"), dtype=torch.uint8)
-                storages[key] = torch.storage.TypedStorage(wrap_storage=data, dtype=dtype, _internal=True)
+                storages[key] = _storage(archive, f"{root}data/{key}", dtype)
             return storages[key]
 
+    Unpickler.allowed = allowed
+
     try:
-        return Unpickler(io.BytesIO(archive.read(pickles[0]))).load()
+        return Unpickler(io.BytesIO(archive.read(f"{root}data.pkl"))).load()
     except RecursionError:
         raise pickle.UnpicklingError(f"{what} nests too deeply") from None
 
 
-def read_module_tree(path):
+def read_module_tree(path, deferred: bool = False):
     """The object tree of a ``torch.save(module)`` file, every class of it a ``Pickled`` stand-in
-    (tensors are real, on the CPU). Nothing the pickle names is imported or run. PickleFileError if the
-    file is missing, is not a torch zip archive, or is damaged."""
-    import zipfile
+    (tensors are real, on the CPU; ``deferred``: ``Deferred`` records, for ``read_deferred``). Nothing
+    the pickle names is imported or run. PickleFileError if the file is missing, is not a torch zip
+    archive, or is damaged."""
+    path = _check_archive(path)
+    return _read_archive(path, lambda archive: _load_archive(archive, path, deferred))
 
+
+def read_deferred(path, part):
+    """``part`` (a ``Deferred``, or a dict, list or tuple holding them) with each ``Deferred`` read from the torch
+    archive at ``path`` as its tensor (on the CPU; a storage shared by several read once)."""
+    path = _check_archive(path)
+
+    def read(archive):
+        storages: dict = {}
+
+        def tensor(value):
+            if isinstance(value, Deferred):
+                if value.record not in storages:
+                    storages[value.record] = _storage(archive, value.record, value.dtype)
+                return torch._utils._rebuild_tensor_v2(storages[value.record], value.offset, value.size, value.stride,
+                                                       False, {})
+            if isinstance(value, dict):
+                return type(value)((k, tensor(v)) for k, v in value.items())
+            if isinstance(value, (list, tuple)):
+                return type(value)(tensor(v) for v in value)
+            return value
+
+        return tensor(part)
+
+    return _read_archive(path, read)
+
+
+def _check_archive(path) -> str:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise PickleFileError(f"{path}: no such file")
@@ -178,9 +253,16 @@ def read_module_tree(path):
         magic = f.read(4)
     if magic != b"PK\x03\x04":  # torch's own test: a zip from its first byte (not a pickle with a zip after)
         raise PickleFileError(f"{path}: not a torch.save archive (truncated, corrupt, or another format)")
+    return path
+
+
+def _read_archive(path: str, read):
+    """``read(archive)`` of the torch zip archive at ``path``; PickleFileError naming what went wrong."""
+    import zipfile
+
     try:
         with zipfile.ZipFile(path) as archive:
-            return _load_archive(archive, path)
+            return read(archive)
     except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, ValueError, KeyError, AttributeError,
             TypeError, IndexError, OSError) as exc:
         raise PickleFileError(f"{path}: cannot read the pickled model ({type(exc).__name__}: "
