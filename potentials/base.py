@@ -212,6 +212,14 @@ class PackageModel:
         return 2 * self.evaluation_bytes(rows, edges, chunked=False)
 
     @classmethod
+    def native_object(cls, hyperparameters: dict, state: dict):
+        """What ``torch.save`` writes as the package's own file (``save_native``) of the model of these
+        hyper-parameters and state dict (this class's names), where that file is built from the weights alone:
+        ``checkpoint.save_native_from`` then writes it one weight at a time. None (the default): ``save_native``
+        needs the model itself (a pickled module)."""
+        return None
+
+    @classmethod
     def rebuild(cls, hyperparameters: dict, dtype: torch.dtype, **parts):
         """A model of this class from ``hyperparameters``, in ``dtype``: built in it where the constructor takes one
         (fairchem's computes constants in it), else converted after. ``parts``: a pipeline stage's."""

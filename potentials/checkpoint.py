@@ -193,20 +193,90 @@ def save_parts(model, path, layout: dict, tensors, extra: dict | None = None) ->
         _write_crcs(f, {records[key][1]: crc for key, crc in crcs.items() if records[key][1] is not None})
 
 
+def save_native_from(checkpoint, path, data=None) -> None:
+    """Write the package's own file (``save_native``) of the model saved at ``checkpoint`` to ``path``, atomically.
+    Where the model's class builds that file from its weights alone (``native_object``), one weight at a time: the
+    file is written with its tensors' bytes left empty (``torch.save`` under ``skip_data``), then each weight is read
+    from ``checkpoint`` and written into its record (a pipeline's rank 0 writes a model whose weights do not fit
+    beside its stage's training state); else the model is loaded whole. ``data``: as ``save_native``'s."""
+    import zlib
+
+    from .adapters.pickled import Deferred, read_deferred, read_module_tree
+
+    checkpoint = os.fspath(checkpoint)
+    try:
+        payload = read_module_tree(checkpoint, deferred=True)
+        config = json.loads(payload["config"])
+        cls, sources = model_class(str(config["class"]), checkpoint), payload["state_dict"]
+        hyperparameters = config["hyperparameters"]
+    except (MLIPError, TypeError, KeyError, json.JSONDecodeError):
+        cls = None  # (load names what is wrong with the file)
+    placeholders = {} if cls is None else {k: torch.empty(d.size, dtype=d.dtype) for k, d in sources.items()
+                                           if isinstance(d, Deferred)}  # never touched
+    skeleton = cls.native_object(hyperparameters, placeholders) \
+        if cls is not None and issubclass(cls, PackageModel) else None
+    if skeleton is None:
+        load(checkpoint).save_native(path, data=data)
+        return
+    source_of = {id(t): k for k, t in placeholders.items()}
+    with atomic_write(path, "w+b") as f:
+        with torch.serialization.skip_data():
+            torch.save(skeleton, f)
+        f.flush()
+        written = read_module_tree(f.name, deferred=True)
+        offsets = _record_offsets(f)
+        records = {}  # record: the tensor of the checkpoint's state (its key) or of the skeleton itself
+        for tensor, deferred in _paired(skeleton, written):
+            records.setdefault(deferred.record, source_of.get(id(tensor), tensor))
+        del placeholders, skeleton, source_of
+        crcs = {}
+        for record, source in records.items():
+            tensor = read_deferred(checkpoint, sources[source]) if isinstance(source, str) else source
+            raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            offset, info = offsets[record]
+            if info.file_size != raw.nbytes:
+                raise CheckpointError(f"cannot write {path}: {record} holds {info.file_size} bytes, its weight "
+                                      f"{raw.nbytes}")
+            f.seek(offset)
+            f.write(memoryview(raw))
+            crcs[info] = zlib.crc32(raw)
+        _write_crcs(f, crcs)
+
+
+def _paired(ours, theirs):
+    """(tensor, Deferred) of each tensor of the object ``ours`` and the same place in ``theirs`` (the object as
+    ``read_module_tree(deferred=True)`` reads it back: plain containers, stand-ins whose fields are an object's
+    attributes)."""
+    if isinstance(ours, torch.Tensor):
+        yield ours, theirs
+    elif isinstance(ours, dict):
+        for k, v in ours.items():
+            yield from _paired(v, theirs[k])
+    elif isinstance(ours, (list, tuple)):
+        for a, b in zip(ours, theirs, strict=True):
+            yield from _paired(a, b)
+    elif hasattr(ours, "__dict__"):
+        yield from _paired(vars(ours), theirs._fields())
+
+
+def _record_offsets(f) -> dict:
+    """{record name: (file offset of its bytes, ZipInfo)} of the zip archive ``f``'s records."""
+    f.seek(0)
+    offsets = {}
+    for info in zipfile.ZipFile(f).infolist():
+        f.seek(info.header_offset + 26)
+        name_length, extra_length = struct.unpack("<HH", f.read(4))
+        offsets[info.filename] = info.header_offset + 30 + name_length + extra_length, info
+    return offsets
+
+
 def _data_records(f, skeleton: dict, path) -> dict:
     """{name: (file offset of its bytes, ZipInfo of its record)} of the state-dict entries of the
     archive ``f`` (``save_parts``' skeleton, whose only tensors are the state dict's, each with its own
     storage). ``skeleton``: the archive loaded memory-mapped (nothing is read but the pickle), so each
     tensor lies as far from the map's start as its record's bytes from the file's: the tensors in
     address order are the data records in file order. Empty tensors have no bytes (offset None)."""
-    f.seek(0)
-    data = []
-    for info in zipfile.ZipFile(f).infolist():
-        if "/data/" in info.filename and info.file_size > 0:
-            f.seek(info.header_offset + 26)
-            name_length, extra_length = struct.unpack("<HH", f.read(4))
-            data.append((info.header_offset + 30 + name_length + extra_length, info))
-    data.sort(key=lambda record: record[0])
+    data = sorted(record for name, record in _record_offsets(f).items() if "/data/" in name and record[1].file_size > 0)
     held = sorted((t.untyped_storage().data_ptr(), k) for k, t in skeleton.items() if t.untyped_storage().nbytes())
     records = {k: (None, None) for k, t in skeleton.items() if not t.untyped_storage().nbytes()}
     if len(held) != len(data):

@@ -107,9 +107,10 @@ class Checkpoints:
                 torch.save({"training": self.training_state(step)}, f)
         self.pipeline.save_merged(path, self.evaluation_model, extra={"step": step})
         native = self.model.native_file("best") if path == self.directory / "best.pt" else None
-        if native is not None and self.root:  # the package's own format, from the merged whole model (on the host)
-            potentials.load(path, map_location="cpu").save_native(self.directory / native,
-                                                                  data=self.config["data"]["train"])
+        if native is not None and self.root:  # the package's own format, from the merged file (weight by weight)
+            from potentials.checkpoint import save_native_from
+
+            save_native_from(path, self.directory / native, data=self.config["data"]["train"])
         if self.pipeline.replica == 0 and last:
             for old in self.shards.glob(f"stage{self.pipeline.stage.stage}.step*.pt"):
                 if old != self.shard(step):
