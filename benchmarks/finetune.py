@@ -23,10 +23,19 @@
 * ``fairchem``: a UMA-S-shaped model (``--uma-channels`` channels, 4 layers, 8 experts, float32, random weights):
   ``step`` against fairchem's own training forward (its HydraModel in training mode on its AtomicData batch, the
   task's denormalisation, the loss, backward, AdamW), then ``data`` and ``graph`` with it (a fairchem training step
-  keeps ~280 KB per edge: ``--cells 4``, 256 atoms, fits this 24 GB host where 2,048 atoms would not).
+  keeps ~7 KB per edge and channel, ~440 KB at 64 channels: ``--cells 4``, 256 atoms, fits this 24 GB host);
+* ``fairchem-graph``: ``graph`` with the UMA-S shape at ``--uma-channels`` and fairchem's ``max_neighbors`` at
+  ``--uma-max-neighbors`` (16 channels and 30 neighbours: 2,048 atoms fit this host in one process);
+* ``stages``: a UMA-M-like model (``--stage-channels`` 128, ``--stage-layers`` 8, ``--stage-experts`` 32: 293 M
+  parameters, float32; the parameters dominate) under a per-process memory limit (``--limit-gb``, GiB, set as
+  ``ulimit -v`` on every process; the memory pre-flight reads it): mlip-train in one process is refused with one
+  line, in 4 pipeline stages (1F1B) it trains; each process's peak above the same runs with a 16-channel model, the
+  largest stage's against one process's (run without the limit; target ≤ 0.35).
 
-    python benchmarks/finetune.py [step] [data] [graph] [trainers] [sevenn] [lora] [fairchem] [--repeats 5] [--batch 4]
-                                  [--pairs 2] [--epochs 3] [--structures 16] [--cells 8] [--uma-channels 64]
+    python benchmarks/finetune.py [step] [data] [graph] [trainers] [sevenn] [lora] [fairchem] [fairchem-graph]
+                                  [stages] [--repeats 5] [--batch 4] [--pairs 2] [--epochs 3] [--structures 16]
+                                  [--cells 8] [--uma-channels 64] [--uma-max-neighbors 300] [--stage-channels 128]
+                                  [--stage-layers 8] [--stage-experts 32] [--limit-gb 6]
 """
 import argparse
 import csv
@@ -505,17 +514,18 @@ def part_graph(args, work, model=None, name="the MACE-MP-0-small shape (float32)
           f"{one['seconds'] / two:.2f}", flush=True)
 
 
-def write_uma(path, channels: int, layers: int, experts: int) -> None:
+def write_uma(path, channels: int, layers: int, experts: int, max_neighbors: int = 300) -> None:
     """A random UMA-S-shaped model (tests/data/fairchem/make_fixtures.py's: lmax = mmax = 2, experts routed by
-    composition, charge, spin and task; cutoff 6 Å) of ``channels`` sphere/hidden/edge channels, ``layers`` layers
-    and ``experts`` experts, float32 weights, tasks omat, omol, oc20."""
+    composition, charge, spin and task; cutoff 6 Å) of ``channels`` sphere/hidden/edge channels, ``layers`` layers,
+    ``experts`` experts and fairchem's ``max_neighbors``, float32 weights, tasks omat, omol, oc20."""
     sys.path.insert(0, str(ROOT / "tests" / "data" / "fairchem"))
     import make_fixtures as fixtures
 
     config = {"_target_": "fairchem.core.models.base.HydraModel", "pass_through_head_outputs": True,
               "model_id": "UMA-S-1.1",
               "backbone": fixtures.moe(sphere_channels=channels, hidden_channels=channels, edge_channels=channels,
-                                       num_distance_basis=64, num_layers=layers, num_experts=experts, cutoff=6.0),
+                                       num_distance_basis=64, num_layers=layers, num_experts=experts, cutoff=6.0,
+                                       max_neighbors=max_neighbors),
               "heads": {"energyandforcehead": {
                   "module": "fairchem.core.models.uma.escn_moe.DatasetSpecificMoEWrapper",
                   "head_cls": "fairchem.core.models.uma.escn_md.MLP_EFS_Head",
@@ -575,11 +585,105 @@ def part_fairchem(args, work):
     part_graph(args, work, model, name)
 
 
+def part_fairchem_graph(args, work):
+    """``graph`` with a UMA-S-shaped model of ``--uma-channels`` channels (4 layers, 8 experts) and fairchem's
+    ``max_neighbors`` cut at ``--uma-max-neighbors``: a fairchem training step keeps ~7 KB per edge and channel, so
+    that a 2,048-atom structure fits this 24 GB host in one process at 16 channels and 30 neighbours."""
+    path = work / "uma-graph.pt"
+    write_uma(path, args.uma_channels, 4, 8, args.uma_max_neighbors)
+    part_graph(args, work, {"fairchem": str(path), "task": "omat", "dtype": "float32"},
+               f"a UMA-S-shaped model ({args.uma_channels} channels, 4 layers, 8 experts, max_neighbors "
+               f"{args.uma_max_neighbors}, float32)")
+
+
+def stage_run(work, name, model, ranks, limit_gb=None) -> dict:
+    """``mlip-train`` with ``model`` on ``ranks`` processes (``parallel: pipeline`` of that many stages, 1F1B, or one
+    process), every process under an address-space limit of ``limit_gb`` (``ulimit -v``; the memory pre-flight reads
+    it); 4-atom Cu structures, batch 2, 2 micro-batches, AdamW + EMA, E+F+S, 1 epoch. {"peaks": each process's
+    VmHWM in MB (rank 0 first), "tensor_mb": the tensors each holds at the end, "error": the run's last line of
+    standard error when it failed}."""
+    import resource
+
+    import yaml
+
+    from common import launcher_command
+
+    stem = work / f"{name}.S{ranks}"
+    stem.with_suffix(".yaml").write_text(yaml.safe_dump({
+        "data": {"train": str(work / "cu4.extxyz"), "validation_fraction": 0.25}, "model": model,
+        "loss": {f"{q}_weight": w for q, w in WEIGHTS.items()}, "optimizer": {"lr": 1e-4}, "ema_decay": 0.99,
+        "epochs": 1, "batch_size": 2, "seed": 0, "parallel": "pipeline" if ranks > 1 else "data",
+        "pipeline": {"stages": ranks, "microbatches": 2, "schedule": "1f1b"},
+        "output": {"directory": str(stem) + "_out", "overwrite": True}}))
+    command = ([sys.executable] if ranks == 1 else launcher_command(ranks)) + [
+        str(Path(__file__).parent / "pipeline_memory.py"), "--train-worker", str(stem.with_suffix(".yaml")), str(stem)]
+    limit = None if limit_gb is None else int(limit_gb * 2**30)
+    out = subprocess.run(command, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)), capture_output=True,
+                         text=True, preexec_fn=None if limit is None else
+                         lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+    results = [json.loads(Path(f"{stem}.rank{r}.json").read_text()) for r in range(ranks)
+               if Path(f"{stem}.rank{r}.json").exists()]
+    failed = out.returncode != 0 or len(results) < ranks or any(r["exit"] for r in results)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    return {"peaks": [r["hwm_mb"] for r in results], "vm_peaks": [r.get("vm_peak_mb") for r in results], "tensor_mb": [r.get("tensor_mb") for r in results],
+            "error": (lines[-1] if lines else f"exit {out.returncode}") if failed else None}
+
+
+def part_stages(args, work):
+    """A UMA-M-like model (many experts: the parameters dominate) whose training state does not fit a per-process
+    memory limit: refused by the pre-flight in one process under the limit, trained in 4 pipeline stages under the
+    same limit; each process's peak above the same run with a 16-channel model (what a process holds whatever the
+    model), the largest stage against one process's (run without the limit)."""
+    from ase.io import write
+
+    from common import cu_emt_frames
+
+    write(work / "cu4.extxyz", cu_emt_frames(8, 4), format="extxyz")
+    shape = f"{args.stage_channels} channels, {args.stage_layers} layers, {args.stage_experts} experts"
+    models = {}
+    for channels in (args.stage_channels, 16):
+        path = work / f"uma-m-like-{channels}.pt"
+        write_uma(path, channels, args.stage_layers, args.stage_experts)
+        models[channels] = {"fairchem": str(path), "task": "omat", "dtype": "float32"}
+    import torch
+
+    parameters = sum(t.numel() for t in torch.load(work / f"uma-m-like-{args.stage_channels}.pt",
+                                                     weights_only=False, mmap=True).model_state_dict.values())
+    limit = args.limit_gb
+    print(f"fairchem, a UMA-M-like model ({shape}, {parameters / 1e6:.0f} M parameters, float32: weights "
+          f"{parameters * 4 / 1e9:.2f} GB, training state with gradients, AdamW's moments and the EMA "
+          f"{5 * parameters * 4 / 1e9:.2f} GB), mlip-train on 6 x 4-atom Cu, batch 2, 1 epoch; every process under "
+          f"ulimit -v {limit:g} GiB")
+    refused = stage_run(work, "limited", models[args.stage_channels], 1, limit)
+    print(f"  one process under the limit: {refused['error'] or 'trained (not refused)'}")
+    staged = stage_run(work, "limited", models[args.stage_channels], 4, limit)
+    print(f"  4 pipeline stages under the limit: {staged['error'] or 'trained'}")
+    one, tiny1 = stage_run(work, "big", models[args.stage_channels], 1), stage_run(work, "tiny", models[16], 1)
+    tiny4 = stage_run(work, "tiny", models[16], 4)
+    for run in (one, tiny1, tiny4):
+        if run["error"]:
+            print(f"  (a reference run failed: {run['error']})")
+            return
+    if staged["error"]:
+        return
+    above1 = one["peaks"][0] - tiny1["peaks"][0]
+    above4 = [b - t for b, t in zip(staged["peaks"], tiny4["peaks"])]
+    print(f"  peak MB above the same run with 16 channels: one process (no limit) {above1:.0f}; 4 stages "
+          f"{', '.join(f'{a:.0f}' for a in above4)} (rank 0 first): largest / one process {max(above4) / above1:.2f}")
+    print(f"  torch tensors held at the end: one process {one['tensor_mb'][0]:.0f} MB; 4 stages "
+          f"{', '.join(f'{t:.0f}' for t in staged['tensor_mb'])} MB", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("parts", nargs="*", default=["step", "data", "graph", "trainers", "sevenn", "lora", "fairchem"],
-                        choices=["step", "data", "graph", "trainers", "sevenn", "lora", "fairchem"])
+    parts = ["step", "data", "graph", "trainers", "sevenn", "lora", "fairchem", "fairchem-graph", "stages"]
+    parser.add_argument("parts", nargs="*", default=parts, choices=parts)
     parser.add_argument("--uma-channels", type=int, default=64)
+    parser.add_argument("--uma-max-neighbors", type=int, default=300)
+    parser.add_argument("--stage-channels", type=int, default=128)
+    parser.add_argument("--stage-layers", type=int, default=8)
+    parser.add_argument("--stage-experts", type=int, default=32)
+    parser.add_argument("--limit-gb", type=float, default=6.0, help="stages: each process's address-space limit, GiB")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--pairs", type=int, default=2)
@@ -590,7 +694,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for part in args.parts:
             {"step": part_step, "data": part_data, "graph": part_graph, "trainers": part_trainers,
-             "sevenn": part_sevenn, "lora": part_lora, "fairchem": part_fairchem}[part](args, Path(tmp))
+             "sevenn": part_sevenn, "lora": part_lora, "fairchem": part_fairchem,
+             "fairchem-graph": part_fairchem_graph, "stages": part_stages}[part](args, Path(tmp))
 
 
 if __name__ == "__main__":

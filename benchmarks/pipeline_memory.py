@@ -228,7 +228,7 @@ def train_worker(job, out) -> None:
     if torch.cuda.is_available():
         held["cuda_peak_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
     with open(f"{out}.rank{launch_rank()}.json", "w") as f:
-        json.dump({"hwm_mb": status_mb("VmHWM"), "exit": code, **held}, f)
+        json.dump({"hwm_mb": status_mb("VmHWM"), "vm_peak_mb": status_mb("VmPeak"), "exit": code, **held}, f)
 
 
 def train_peaks(directory, data, ranks, features, blocks) -> list:
