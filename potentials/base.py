@@ -295,6 +295,11 @@ def block_part(k: int) -> str:
     return f"block.{k}"
 
 
+def held_blocks(parts) -> list:
+    """The block indices among ``parts`` (part names), ascending."""
+    return sorted(int(p[len("block."):]) for p in parts if p.startswith("block."))
+
+
 def all_parts(blocks: int) -> tuple:
     """Every part of a block model with ``blocks`` blocks, in the order data flows through them."""
     return (EMBED, *(block_part(k) for k in range(blocks)), READOUT)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from ase.data import atomic_numbers
 
-from ..base import EMBED, READOUT, BlockPotential, PackageModel, all_parts
+from ..base import EMBED, READOUT, BlockPotential, PackageModel, all_parts, held_blocks
 from ..graph import AtomGraph
 from .exchange import GhostExchange, default_dtype
 from .nequip_layers import layers_of, run_modules
@@ -187,7 +187,7 @@ class NequIPFramework(PackageModel, BlockPotential):
         if self.complete:
             return self(graph)
         ctx = self.context(graph)
-        blocks = sorted(int(p.split(".")[1]) for p in self.parts if p.startswith("block."))
+        blocks = held_blocks(self.parts)
         rows = self.state_rows(graph.n_nodes, graph.edge_index.shape[1])
         h = self.embed(graph, ctx) if EMBED in self.parts else \
             torch.zeros(rows, self.feature_width(blocks[0]), dtype=torch.float64, device=self.device)
