@@ -6,6 +6,7 @@ is unpickled beyond tensors and plain containers, so a file cannot execute code 
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import pickle
@@ -201,7 +202,7 @@ def save_native_from(checkpoint, path, data=None) -> None:
     beside its stage's training state); else the model is loaded whole. ``data``: as ``save_native``'s."""
     import zlib
 
-    from .adapters.pickled import Deferred, read_deferred, read_module_tree
+    from .adapters.pickled import Deferred, read_each, read_module_tree
 
     checkpoint = os.fspath(checkpoint)
     try:
@@ -229,9 +230,10 @@ def save_native_from(checkpoint, path, data=None) -> None:
         for tensor, deferred in _paired(skeleton, written):
             records.setdefault(deferred.record, source_of.get(id(tensor), tensor))
         del placeholders, skeleton, source_of
+        weights = {record: sources[key] for record, key in records.items() if isinstance(key, str)}
+        constants = [(record, t) for record, t in records.items() if not isinstance(t, str)]
         crcs = {}
-        for record, source in records.items():
-            tensor = read_deferred(checkpoint, sources[source]) if isinstance(source, str) else source
+        for record, tensor in itertools.chain(read_each(checkpoint, weights), constants):
             raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
             offset, info = offsets[record]
             if info.file_size != raw.nbytes:

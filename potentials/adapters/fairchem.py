@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from ase.data import chemical_symbols
 
-from ..base import BlockPotential, PackageModel
+from ..base import BlockPotential, PackageModel, held_blocks
 from ..errors import MLIPError
 from ..graph import AtomGraph
 from ..messages import edge_sum
@@ -301,7 +301,7 @@ class FAIRChem(PackageModel, BlockPotential):
         elements = int(config["backbone"].get("max_num_elements", 100))
         super().__init__([chemical_symbols[z] for z in range(1, min(elements, len(chemical_symbols)))])
 
-        blocks = None if parts is None else sorted(int(p.split(".")[1]) for p in parts if p.startswith("block."))
+        blocks = None if parts is None else held_blocks(parts)
         with process_kept(random=True, warning_filters=True):  # what fairchem's import and construction set
             self.hydra = self._build(config, saved["ema_state_dict"], dtype, where, checkpoint, blocks)
         # what fairchem's constructors leave fixed (e.g. a dataset embedding built with enable_grad False) never trains

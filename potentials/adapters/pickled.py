@@ -19,10 +19,11 @@ package's own code (or code written after it) can read hyper-parameters off the 
 
 ``read_module_tree(path, deferred=True)`` reads no storage: each tensor is a ``Deferred`` record, and
 ``read_deferred(path, part)`` reads those of ``part`` (a dict or list of them) only: a pipeline stage
-reads its own weights out of a whole model's file.
+reads its own weights out of a whole model's file; ``read_each`` reads them one at a time.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pickle
@@ -217,32 +218,43 @@ def read_module_tree(path, deferred: bool = False):
     the pickle names is imported or run. PickleFileError if the file is missing, is not a torch zip
     archive, or is damaged."""
     path = _check_archive(path)
-    return _read_archive(path, lambda archive: _load_archive(archive, path, deferred))
+    with _opened(path) as archive:
+        return _load_archive(archive, path, deferred)
 
 
 def read_deferred(path, part):
     """``part`` (a ``Deferred``, or a dict, list or tuple holding them) with each ``Deferred`` read from the torch
     archive at ``path`` as its tensor (on the CPU; a storage shared by several read once)."""
     path = _check_archive(path)
+    storages: dict = {}
 
-    def read(archive):
-        storages: dict = {}
+    def tensor(archive, value):
+        if isinstance(value, Deferred):
+            return _tensor(archive, value, storages)
+        if isinstance(value, dict):
+            return type(value)((k, tensor(archive, v)) for k, v in value.items())
+        if isinstance(value, (list, tuple)):
+            return type(value)(tensor(archive, v) for v in value)
+        return value
 
-        def tensor(value):
-            if isinstance(value, Deferred):
-                if value.record not in storages:
-                    storages[value.record] = _storage(archive, value.record, value.dtype)
-                return torch._utils._rebuild_tensor_v2(storages[value.record], value.offset, value.size, value.stride,
-                                                       False, {})
-            if isinstance(value, dict):
-                return type(value)((k, tensor(v)) for k, v in value.items())
-            if isinstance(value, (list, tuple)):
-                return type(value)(tensor(v) for v in value)
-            return value
+    with _opened(path) as archive:
+        return tensor(archive, part)
 
-        return tensor(part)
 
-    return _read_archive(path, read)
+def read_each(path, deferred: dict):
+    """(key, tensor) of each ``Deferred`` of ``deferred`` {key: Deferred}, read from the torch archive at ``path``
+    one at a time as the caller takes them (the archive opened once; nothing kept between them)."""
+    path = _check_archive(path)
+    with _opened(path) as archive:
+        for key, value in deferred.items():
+            yield key, _tensor(archive, value, {})
+
+
+def _tensor(archive, value: Deferred, storages: dict) -> torch.Tensor:
+    """The tensor of ``value`` out of ``archive``, its storage read into ``storages`` {record: storage} once."""
+    if value.record not in storages:
+        storages[value.record] = _storage(archive, value.record, value.dtype)
+    return torch._utils._rebuild_tensor_v2(storages[value.record], value.offset, value.size, value.stride, False, {})
 
 
 def _check_archive(path) -> str:
@@ -256,13 +268,14 @@ def _check_archive(path) -> str:
     return path
 
 
-def _read_archive(path: str, read):
-    """``read(archive)`` of the torch zip archive at ``path``; PickleFileError naming what went wrong."""
+@contextlib.contextmanager
+def _opened(path: str):
+    """The torch zip archive at ``path``, open within; what goes wrong reading it is raised as PickleFileError."""
     import zipfile
 
     try:
         with zipfile.ZipFile(path) as archive:
-            return read(archive)
+            yield archive
     except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, ValueError, KeyError, AttributeError,
             TypeError, IndexError, OSError) as exc:
         raise PickleFileError(f"{path}: cannot read the pickled model ({type(exc).__name__}: "
