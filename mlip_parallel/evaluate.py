@@ -133,9 +133,10 @@ class RankTotal:
 
 
 def decomposed_graph(model, sub: Subdomain, mode: str = "layerwise", create_graph: bool = False,
-                     memory_budget_gb: float | None = None) -> tuple:
+                     memory_budget_gb: float | None = None, system: dict | None = None) -> tuple:
     """(the strained coordinates, the AtomGraph) of this rank's share ``sub`` for ``model`` (its cutoff, layers,
-    species and device; ``forward_decomposed`` says the rest). Collective only in what the model then exchanges."""
+    species and device; ``forward_decomposed`` says the rest; ``system``: the structure's ``AtomGraph.system``).
+    Collective only in what the model then exchanges."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     halo, device = sub.comm, model.device
@@ -165,12 +166,13 @@ def decomposed_graph(model, sub: Subdomain, mode: str = "layerwise", create_grap
         n_receivers=halo.n_local if mode == "layerwise" else None,
         memory_budget=None if create_graph else memory_budget_bytes(memory_budget_gb, device),
         total=RankTotal(halo.backend),
+        system=system,
     )
     return x, graph
 
 
 def forward_decomposed(model, sub: Subdomain, mode: str = "layerwise", create_graph: bool = False,
-                       memory_budget_gb: float | None = None):
+                       memory_budget_gb: float | None = None, system: dict | None = None):
     """Differentiable evaluation of this rank's share ``sub`` (collective: every rank calls it together;
     ``sub``'s ghost shell must reach ``ghost_reach(model, mode)``).
 
@@ -181,7 +183,7 @@ def forward_decomposed(model, sub: Subdomain, mode: str = "layerwise", create_gr
     backpropagates through the halo (training on decomposed structures). Without it the blocks' edge
     steps run in chunks of at most ``memory_budget_gb`` (None: chosen from the device's free memory).
     """
-    x, graph = decomposed_graph(model, sub, mode, create_graph, memory_budget_gb)
+    x, graph = decomposed_graph(model, sub, mode, create_graph, memory_budget_gb, system)
     energies = model(graph).to(torch.float64)
     # Every rank differentiates the same op sequence, so the reverse exchanges run in lock-step.
     dE_dpos, dE_dstrain = torch.autograd.grad(energies.sum(), [x.pos, x.strain], create_graph=create_graph)

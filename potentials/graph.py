@@ -60,6 +60,10 @@ class AtomGraph:
     structure:  [n] long, the structure each row belongs to in a graph of several structures (a training batch:
                 rows and edges grouped by structure, in order), or None: one structure (a model whose parameters
                 depend on the whole structure reads each structure's own).
+    system:     per-structure inputs beside the geometry, {name: [B] an int or None per structure (None: the
+                model's own default)}, B the structures of the graph (1, or those of ``structure``): ``charge``
+                (e) and ``spin`` (multiplicity) as the data give them. None: every structure at the model's
+                defaults. A model that takes no such input ignores them.
     """
 
     species: torch.Tensor
@@ -71,6 +75,7 @@ class AtomGraph:
     memory_budget: int | None = None
     total: Callable[[torch.Tensor], torch.Tensor] = field(default_factory=lambda: _whole, repr=False, compare=False)
     structure: torch.Tensor | None = None
+    system: dict | None = None
     # per-edge features computed once on all edges and shared by the blocks (messages.edge_sum, plain path)
     edge_features_cache: dict = field(default_factory=dict, repr=False, compare=False)
 

@@ -41,6 +41,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:::(mace|e3nn|nequip|allegro|seve
 
 SEED, EPOCHS, BATCH, LR, CLIP = 1, 3, 3, 0.003, 1.0
 FAIRCHEM = ("esen", "uma-moe", "uma-dense")  # tests/data/fairchem's checkpoints, run with systems.FAIRCHEM_FIXTURES
+# The omol fixture trains on structures with their own total charge and spin multiplicity (atoms.info; the others
+# at the run's model.charge and model.spin): {structure: (charge, spin)}, None where the structure has none
+CHARGED = ("uma-dense",)
+CHARGES = {1: (0, 2), 2: (1, 3), 4: (-1, None), 5: (2, 1), 7: (None, 3), 8: (-1, 2)}
 FAMILIES = ("mace", "nequip", "allegro", "sevennet") + FAIRCHEM
 PARALLEL = tuple(f for f in FAMILIES if f != "esen")  # (eSEN's code is UMA's without experts: UMA's runs cover it)
 PACKAGES = {"mace": ("mace",), "nequip": ("nequip",), "allegro": ("nequip", "allegro"), "sevennet": ("sevenn",),
@@ -73,6 +77,10 @@ def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("finetune")
     write(root / "train.extxyz", labelled_alloys(9, seed=0))
     write(root / "validation.extxyz", labelled_alloys(3, seed=1))
+    charged = labelled_alloys(9, seed=0)  # train.extxyz's structures, most with their own charge and spin
+    for k, (charge, spin) in CHARGES.items():
+        charged[k].info.update({key: v for key, v in (("charge", charge), ("spin", spin)) if v is not None})
+    write(root / "charged.extxyz", charged)
     if installed("mace"):
         write_small_mace(root / "small.model")
         write_small_mace(root / "small3.model", seed=3, interactions=3)  # three blocks: three pipeline stages
@@ -81,15 +89,21 @@ def files(tmp_path_factory):
     if installed("allegro3"):  # three layers, edges pruned by type pair, ZBL: three stages
         write_framework_model(root / "allegro3.ckpt", allegro_architecture(**ALLEGRO_PRUNED))
     return {"root": root, "train": root / "train.extxyz", "validation": root / "validation.extxyz",
+            "charged": root / "charged.extxyz",
             "mace": ("mace", root / "small.model"), "mace3": ("mace", root / "small3.model"), "nequip": ("nequip", NEQUIP_DIR / "nequip-zbl.ckpt"),
             "allegro": ("nequip", NEQUIP_DIR / "allegro.nequip.zip"), "allegro3": ("nequip", root / "allegro3.ckpt"),
             "sevennet": ("sevennet", root / "small-sevennet.pth"),
             **{name: ("fairchem", FAIRCHEM_DIR / f"{name}.pt") for name in FAIRCHEM}}
 
 
+def training_file(files, family):
+    """The training structures of ``family``: those with their own charges and spins for the omol fixture."""
+    return files["charged" if family in CHARGED else "train"]
+
+
 def job(files, family, directory, **changes) -> dict:
     key, path = files[family]
-    config = {"data": {"train": str(files["train"]), "validation": str(files["validation"])},
+    config = {"data": {"train": str(training_file(files, family)), "validation": str(files["validation"])},
               "model": {key: str(path), "dtype": "float64", **FAIRCHEM_FIXTURES.get(family, {})},
               "loss": {f"{q}_weight": w for q, w in WEIGHTS.items()},
               "optimizer": {"lr": LR, "gradient_clip": CLIP}, "schedule": {"name": "none"}, "ema_decay": 0.9,
@@ -208,7 +222,8 @@ def sevenn_own(path):
 def fairchem_own(path, task, charge=None, spin=None):
     """fairchem's HydraModel built by fairchem from the checkpoint with its EMA weights (``load_inference_model``,
     as ``load_predict_unit`` builds it, in float64) in training mode, on a batch of fairchem's own AtomicData (its
-    charge and spin read from atoms.info, its graph built by the backbone); the task's outputs denormalised by
+    charge and spin read from atoms.info, ``charge`` and ``spin`` where a structure has none; its graph built by the
+    backbone); the task's outputs denormalised by
     fairchem's own task normaliser and element references (as ``MLIPPredictUnit`` applies them)."""
     from fairchem.core.datasets.atomic_data import AtomicData, atomicdata_list_to_batch
     from fairchem.core.units.mlip_unit.utils import load_inference_model, load_tasks
@@ -226,7 +241,7 @@ def fairchem_own(path, task, charge=None, spin=None):
         data = []
         for atoms in frames:
             atoms = atoms.copy()
-            atoms.info.update(info)
+            atoms.info = {**info, **atoms.info}
             data.append(AtomicData.from_ase(atoms, task_name=task, r_edges=False, radius=model.backbone.cutoff,
                                             max_neigh=model.backbone.max_neighbors, target_dtype=torch.float64,
                                             r_data_keys=["charge", "spin"]))
@@ -307,12 +322,17 @@ def own_training_losses(family, path, train_file, huber_delta=None, amsgrad=Fals
 
 @pytest.mark.parametrize("family", each_family())
 def test_one_process_equals_the_packages_own_training(files, one_process, family):
-    """train_loss of every epoch == the package's own forward + the loss + AdamW, float64, 1e-8 relative."""
+    """train_loss of every epoch == the package's own forward + the loss + AdamW, float64, 1e-8 relative; for the
+    omol fixture each structure at its own charge and spin (fairchem's AtomicData reading them from atoms.info) or,
+    lacking them, the run's, and at the run's alone the losses differ."""
     directory, rows = one_process[family]
     ours = [row["train_loss"] for row in rows]
-    theirs = own_training_losses(family, files[family][1], files["train"])
+    theirs = own_training_losses(family, files[family][1], training_file(files, family))
     assert len(ours) == len(theirs) == EPOCHS and ours[-1] < ours[0], ours
     assert max(abs(a - b) / abs(b) for a, b in zip(ours, theirs)) < 1e-8, (ours, theirs)
+    if family in CHARGED:  # each structure's own charge and spin were read: at the run's alone the losses differ
+        alike = own_training_losses(family, files[family][1], files["train"])
+        assert max(abs(a - b) / abs(b) for a, b in zip(ours, alike)) > 1e-6, (ours, alike)
 
 
 @needs("nequip")
@@ -864,8 +884,9 @@ def test_fairchem_refit_reference_energies_are_written_back(files, tmp_path):
 
     from mlip_parallel.train.trainer import Trainer
 
-    frames = read(files["train"], ":")
-    residual = [a.get_potential_energy() - fairchem_reference("uma-dense", a)["energy"] for a in frames]
+    frames = read(training_file(files, "uma-dense"), ":")  # (each structure at its own charge and spin)
+    residual = [a.get_potential_energy() - fairchem_reference("uma-dense", a, **{
+        key: a.info[key] for key in ("charge", "spin") if key in a.info})["energy"] for a in frames]
     counts = np.array([[np.sum(a.numbers == 29), np.sum(a.numbers == 47)] for a in frames], dtype=float)
     before = potentials.FAIRChem(files["uma-dense"][1], dtype=torch.float64,
                                  **FAIRCHEM_FIXTURES["uma-dense"]).reference_energies()

@@ -128,6 +128,7 @@ def test_label_names_and_bad_files_are_named(tmp_path):
         copy = atoms.copy()
         copy.info["REF_energy"] = atoms.get_potential_energy()
         copy.arrays["REF_forces"] = atoms.get_forces()
+        copy.info["total_charge"], copy.info["multiplicity"] = len(renamed) - 1, 2  # a charge and spin, renamed
         renamed.append(copy)  # no calculator: the labels only under their own names
     path = tmp_path / "ref.extxyz"
     write(path, renamed, format="extxyz")
@@ -136,6 +137,10 @@ def test_label_names_and_bad_files_are_named(tmp_path):
     keyed = read_structures(path, {"energy": "REF_energy", "forces": "REF_forces"})
     assert keyed[2].energy == pytest.approx(atoms_list[2].get_potential_energy(), rel=1e-12)
     np.testing.assert_allclose(keyed[2].forces, atoms_list[2].get_forces(), atol=1e-8)
+    assert [(s.charge, s.spin) for s in keyed] == [(None, None)] * 4
+    charged = read_structures(path, {"charge": "total_charge", "spin": "multiplicity"})
+    assert [(s.charge, s.spin) for s in charged] == [(-1, 2), (0, 2), (1, 2), (2, 2)]
+    assert all(type(s.charge) is int for s in charged)
 
     garbage = tmp_path / "garbage.extxyz"
     garbage.write_text("2\ncomment\nCu 0 0 0\nCu 1.8 0 0\nnot a count\n")
@@ -144,12 +149,20 @@ def test_label_names_and_bad_files_are_named(tmp_path):
     cases = [(garbage, None, r"garbage.extxyz: cannot read structures: line 5: expected the atom count of a frame "
                              r"\(extxyz\), got 'not a count'"),
              (truncated, None, r"truncated.extxyz: cannot read structures: frame 0 \(counting from 0\) ends early"),
-             (path, {"charge": "q"}, r"data.keys: 'charge' is not a key it takes \(energy, forces, stress, config_type\)"),
+             (path, {"dipole": "q"}, r"data.keys: 'dipole' is not a key it takes \(energy, forces, stress, "
+                                     r"config_type, charge, spin\)"),
              ([str(path), 3], None, r"a data file is a path, got 3"),
              ([], None, r"no data file given")]
     for data, keys, message in cases:
         with pytest.raises(DataError, match=message):
             sources.open_source(data, keys)
+    for name, value in (("charge", 0.5), ("charge", "one"), ("spin", -1), ("charge", 101)):
+        odd = renamed[1].copy()
+        odd.info[name] = value  # charge and spin are whole numbers in fairchem's ranges: [-100, 100], [0, 100]
+        write(tmp_path / "odd.extxyz", [renamed[0], odd], format="extxyz")
+        with pytest.raises(DataError, match=rf"odd.extxyz: structure 1 \(counting from 0\) has {name} {value!r}: a "
+                                            rf"whole number in \[-?\d+, 100\] is needed"):
+            read_structures(tmp_path / "odd.extxyz")
 
 
 def test_eval_holds_one_batch_at_a_time(tmp_path, monkeypatch):

@@ -50,8 +50,11 @@ SECTIONS = {
         "workers": (int, 0, "data.stream: worker processes per rank that read the training structures and build "
                             "their neighbour lists ahead of the model (0: read when used)"),
         "keys": (dict, None, "the labels' names in the files, e.g. {energy: REF_energy, forces: REF_forces, stress: "
-                             "REF_stress, config_type: kind} (default: energy, forces, stress, config_type; a "
-                             "calculator's results, info or arrays; config_type: an info entry)"),
+                             "REF_stress, config_type: kind, charge: total_charge, spin: multiplicity} (default: "
+                             "energy, forces, stress, config_type, charge, spin; a calculator's results, info or "
+                             "arrays; config_type, charge and spin: info entries, charge and spin whole numbers, read "
+                             "by a model that takes them: fairchem's omol task, the others at model.charge and "
+                             "model.spin)"),
         "validation_fraction": (float, 0.1, "share of train held out for validation when no validation file"),
         "test_fraction": (float, 0.0, "share of train held out for the test when no test file"),
     },

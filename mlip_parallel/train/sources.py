@@ -16,7 +16,8 @@ keeps nothing of it. The formats:
 Labels: the energy, forces and stress of a frame's calculator results (as ASE reads them), else its info / arrays
 entries of those names; ``keys`` renames them (``{"energy": "REF_energy", "forces": "REF_forces", "stress":
 "REF_stress"}``, as MACE's ``--energy_key``): the label is then read from the results, info or arrays entry of that
-name.
+name. Each structure's ``config_type``, ``charge`` (e) and ``spin`` (multiplicity) are info entries of those names
+(renamed by ``keys`` alike); a charge or spin is read by a model that takes one (fairchem's omol task), else unused.
 """
 from __future__ import annotations
 
@@ -39,11 +40,12 @@ def cache_directory() -> Path:
     return Path(os.environ.get("MLIP_PARALLEL_CACHE") or Path.home() / ".cache" / "mlip-parallel") / "index"
 
 
-KEYS = QUANTITIES + ("config_type",)  # what data.keys names: the labels, and each structure's kind
+KEYS = QUANTITIES + ("config_type", "charge", "spin")  # what data.keys names: the labels, each structure's kind,
+# its total charge and spin multiplicity
 
 
 def check_keys(keys) -> dict:
-    """``keys`` as {key: name} for the labels and config_type (missing ones: their own names); DataError for an
+    """``keys`` as {key: name} for the labels, config_type, charge and spin (missing ones: their own names); DataError for an
     unknown key or a name that is not text."""
     keys = dict(keys or {})
     unknown = sorted(set(keys) - set(KEYS))

@@ -48,6 +48,8 @@ class Structure:
     stress: np.ndarray | None
     source: str
     config_type: str | None = None  # its kind, for ``loss.config_type_weights`` (MACE's and nequip's config_type)
+    charge: int | None = None  # total charge (e), for a model that reads it (None: the model's default)
+    spin: int | None = None  # spin multiplicity, likewise
     _edges: tuple | None = None
 
     def edges(self, cutoff: float):
@@ -55,6 +57,10 @@ class Structure:
         if self._edges is None or self._edges[0] != cutoff:
             self._edges = (cutoff, neighbour_list(self.positions, self.cell, self.pbc, cutoff))
         return self._edges[1]
+
+    def system(self) -> dict:
+        """Its inputs beside the geometry, as ``AtomGraph.system`` holds them for a graph of this structure."""
+        return {"charge": [self.charge], "spin": [self.spin]}
 
     def to_atoms(self):
         from ase import Atoms
@@ -87,8 +93,8 @@ def label(atoms, results: dict, name: str):
 
 def structure_of(atoms, path: str, k: int, keys: dict | None = None) -> Structure:
     """Frame ``k`` of ``path`` (ASE Atoms) as a ``Structure`` named ``path:k``, its labels by ``keys`` ({quantity:
-    name}, and config_type's, an ``atoms.info`` entry; default their own names); DataError for no atoms, bad
-    positions or cell, or a non-finite label."""
+    name}, and config_type's, charge's and spin's, ``atoms.info`` entries; default their own names); DataError for no
+    atoms, bad positions or cell, a non-finite label, or a charge or spin that is not a whole number in range."""
     keys = keys or {}
     results = dict(atoms.calc.results) if atoms.calc is not None else {}
     energy, forces, stress = (label(atoms, results, keys.get(q, q)) for q in ("energy", "forces", "stress"))
@@ -112,11 +118,24 @@ def structure_of(atoms, path: str, k: int, keys: dict | None = None) -> Structur
     def contiguous(values):  # the same memory layout from every format: the same order of numpy's sums
         return None if values is None else np.ascontiguousarray(values, dtype=np.float64)
 
+    def integer(name, low):  # charge or spin: an atoms.info entry, a whole number in [low, 100]
+        value = atoms.info.get(keys.get(name, name))
+        if value is None:
+            return None
+        number = np.asarray(value)
+        if (number.shape != () or number.dtype.kind not in "iuf" or not np.isfinite(number)
+                or number != np.round(number) or not low <= number <= 100):
+            shown = value if isinstance(value, str) else np.asarray(value).tolist()
+            raise DataError(f"{path}: structure {k} (counting from 0) has {name} {shown!r}: a whole number in "
+                            f"[{low}, 100] is needed")
+        return int(number)
+
     config_type = atoms.info.get(keys.get("config_type", "config_type"))
     return Structure(np.ascontiguousarray(atoms.numbers, dtype=np.int64), contiguous(positions), contiguous(cell),
                      np.array(atoms.pbc, dtype=bool), None if energy is None else float(np.asarray(energy).reshape(())),
                      contiguous(forces), contiguous(_full_stress(stress)) if stress is not None and atoms.pbc.all()
-                     else None, source, None if config_type is None else str(config_type))
+                     else None, source, None if config_type is None else str(config_type),
+                     charge=integer("charge", -100), spin=integer("spin", 0))
 
 
 def split(structures, fractions, seed: int):
@@ -166,7 +185,7 @@ class Labels:
 
 class Batch(Labels):
     """Several structures as one disjoint graph on ``device``: species [N], edges, ``batch`` [N]
-    structure index of each atom, and their ``Labels``."""
+    structure index of each atom, ``system`` their charges and spins (``AtomGraph.system``), and their ``Labels``."""
 
     def __init__(self, structures, model, device):
         super().__init__(structures, device)
@@ -187,6 +206,7 @@ class Batch(Labels):
         self.cells = torch.as_tensor(np.stack([s.cell for s in structures]), device=device)
         self.volumes = torch.linalg.det(self.cells).abs()
         self.sources = [s.source for s in structures]
+        self.system = {"charge": [s.charge for s in structures], "spin": [s.spin for s in structures]}
 
 
 class BatchGeometry(NamedTuple):
@@ -203,7 +223,7 @@ def batch_geometry(batch: Batch) -> BatchGeometry:
     x = strained_coordinates(batch.positions, batch.cells, batch=batch.batch)
     edge_vec = edge_vectors(x.positions, batch.i, batch.j, batch.shifts, x.cell, batch.edge_batch)
     graph = AtomGraph(species=batch.species, edge_index=torch.stack([batch.j, batch.i]), edge_vec=edge_vec,
-                      n_local=len(x.pos), structure=batch.batch if batch.size > 1 else None)
+                      n_local=len(x.pos), structure=batch.batch if batch.size > 1 else None, system=batch.system)
     return BatchGeometry(x.pos, x.strain, graph)
 
 
@@ -364,7 +384,7 @@ def graph_parallel_loss(model, structure: Structure, rule: LossRule, counts: Cou
     from ..evaluate import Decomposition, forward_decomposed, ghost_reach, global_sums
 
     part = Decomposition(structure.to_atoms(), ghost_reach(model, mode), backend)
-    energies, forces, dE_dstrain = forward_decomposed(model, part, mode, create_graph=True)
+    energies, forces, dE_dstrain = forward_decomposed(model, part, mode, create_graph=True, system=structure.system())
     totals = global_sums(backend, energies, dE_dstrain)
     mine = energies.sum()
     energy = mine + (totals.energy - mine.detach())  # the global value; d/dθ of this rank's share

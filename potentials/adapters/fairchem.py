@@ -17,7 +17,8 @@ backward within the memory budget (fairchem's own activation checkpointing, with
 What is not local is made global exactly: the mixture-of-experts coefficients (UMA) come from the whole system's
 composition (``AtomGraph.total`` of the owned atoms' element counts, then the backbone's own
 ``set_MOLE_coefficients`` on that composition, so UMA-S-1.2's atom-count-dependent routing is its own); charge,
-spin and task are per-system constants; the task's normaliser and element references are applied as
+spin and task are per-system constants (charge and spin each structure's own where the graph's ``system`` gives them:
+training data); the task's normaliser and element references are applied as
 ``MLIPPredictUnit`` applies them (energy × rmsd + mean, plus each atom's reference energy); the
 ``max_neighbors`` truncation is fairchem's rule (``get_max_neighbors_mask``) applied per receiver, which holds
 all its edges.
@@ -256,7 +257,8 @@ class FAIRChem(PackageModel, BlockPotential):
     """A fairchem UMA or eSEN model (``checkpoint``: the file ``load_predict_unit`` reads) on one ``task`` (as
     FAIRChemCalculator's ``task_name``: omat, omol, oc20, odac, omc; None when the checkpoint has one). ``charge``
     (e) and ``spin`` (multiplicity) of the system for the omol task (defaults 0 and 1, as FAIRChemCalculator's);
-    refused for the others. ``dtype``: float32 (fairchem's default precision) or float64; the weights are the
+    refused for the others. A graph's per-structure ``system`` values (training data's atoms.info) replace them
+    for the omol task, as fairchem's training reads them for omol data; the other tasks ignore them. ``dtype``: float32 (fairchem's default precision) or float64; the weights are the
     checkpoint's EMA weights. Or ``architecture`` ({"model_config", "tasks_config"} in ``plain.encode``'s JSON form)
     instead of a checkpoint: built by fairchem's constructors with untrained weights, for a state dict to be loaded
     into it. Trainable (``mlip-train``): every HydraModel parameter by fairchem's name, the task's element references,
@@ -527,9 +529,8 @@ class FAIRChem(PackageModel, BlockPotential):
         cut = self._neighbours(graph)
         rows = graph.structure if graph.structure is not None else torch.zeros_like(graph.species)
         systems = int(rows.max()) + 1 if graph.structure is not None and graph.n_nodes else 1
-        system = bb.csd_embedding(charge=torch.full((systems,), self.charge, device=device),
-                                  spin=torch.full((systems,), self.spin, device=device),
-                                  dataset=[self.dataset] * systems)
+        charge, spin = (self._per_system(graph, name, systems) for name in ("charge", "spin"))
+        system = bb.csd_embedding(charge=charge, spin=spin, dataset=[self.dataset] * systems)
         ctx = {"numbers": numbers, "graph": cut, "system": system[rows], "sources": bb.source_embedding(numbers),
                "targets": bb.target_embedding(numbers), "mean": None, "experts": None}
         if self.experts or self.mean:
@@ -548,6 +549,21 @@ class FAIRChem(PackageModel, BlockPotential):
             if self.mean:
                 ctx["mean"] = (self.mean / counts.sum(1).to(torch.float64))[rows[owned]]
         return ctx
+
+    def _per_system(self, graph: AtomGraph, name: str, systems: int) -> torch.Tensor:
+        """[systems] long: each structure's charge or spin, as the graph's ``system`` gives it (the omol task: as
+        fairchem's training reads them for omol data), else this model's (``charge``/``spin``, the task's default).
+        FAIRChemModelError for one outside fairchem's range."""
+        default = getattr(self, name)
+        given = (graph.system or {}).get(name) if self.task in CHARGED_TASKS else None
+        values = [default] * systems if given is None else [default if v is None else int(v) for v in given]
+        if len(values) != systems:
+            raise ValueError(f"AtomGraph.system[{name!r}] has {len(values)} values for {systems} structures")
+        low = -100 if name == "charge" else 0
+        bad = [v for v in values if not low <= v <= 100]
+        if bad:
+            raise FAIRChemModelError(f"a structure's {name} is {bad[0]}: fairchem's range is [{low}, 100]")
+        return torch.as_tensor(values, dtype=torch.long, device=graph.species.device)
 
     def embed(self, graph: AtomGraph, ctx) -> torch.Tensor:
         """[receivers, (lmax+1)² C]: the atom embedding with the system's in its l = 0 row, plus the edge-degree
