@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from potentials.graph import (MIN_DISTANCE, AtomGraph, NoHalo, check_positions, check_structure, edge_vectors,
-                              neighbour_pairs, strained_coordinates)
+                              neighbour_pairs, strained_coordinates, system_of)
 from potentials.messages import memory_budget_bytes
 from potentials.predict import voigt_stress
 
@@ -191,11 +191,11 @@ def forward_decomposed(model, sub: Subdomain, mode: str = "layerwise", create_gr
 
 
 def members_decomposed(committee, sub: Subdomain, mode: str = "layerwise",
-                       memory_budget_gb: float | None = None) -> tuple:
+                       memory_budget_gb: float | None = None, system: dict | None = None) -> tuple:
     """Each member of ``committee`` (``potentials.Committee``) on one graph of ``sub`` (one decomposition, one set
     of ghosts and pairs; each member its own halo exchanges, one after another on every rank): torch float64
     (energies [K, n_local], forces [K, n_local, 3], dE/dstrain [K, 3, 3]) of the owned atoms (collective)."""
-    x, graph = decomposed_graph(committee, sub, mode, False, memory_budget_gb)
+    x, graph = decomposed_graph(committee, sub, mode, False, memory_budget_gb, system)
     results = []
     last = len(committee.members) - 1
     for k, member in enumerate(committee.members):
@@ -216,7 +216,9 @@ def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, str
     puts each rank's model on ``cuda:<local rank>`` where CUDA exists, else CPU (the model is moved).
     ``memory_budget_gb``: the most one chunk of a block's per-edge temporaries may take on a rank
     (None: a share of the device's free memory); it bounds memory and leaves the results unchanged.
-    ``min_distance``: atoms closer than this (Å; 0: unchecked) are an error (``check_structure``).
+    ``min_distance``: atoms closer than this (Å; 0: unchecked) are an error (``check_structure``). The
+    structure's ``atoms.info`` "charge" and "spin" (whole numbers) go to a model that reads them (fairchem's omol
+    task, as FAIRChemCalculator reads them); without them the model's own.
     Before any ghost exists, the memory pre-flight stops every rank with MemoryLimitError when the
     fullest rank would not fit (``mlip_parallel.preflight``).
 
@@ -244,14 +246,15 @@ def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, str
     if not 0 <= min_distance < math.inf:
         raise ValueError(f"min_distance must be a finite number >= 0 (Å), got {min_distance}")
     check_structure(atoms.positions, atoms.cell, atoms.pbc, min_distance)
+    system = system_of(atoms.info)
     budget = memory_budget_bytes(memory_budget_gb, device)
     part = Decomposition(atoms, ghost_reach(model, mode), backend, grid, model, mode == "layerwise", budget)
     committee = isinstance(model, Committee)
     if committee:  # [K, ...]: each member's
-        energies, forces, dE_dstrain = members_decomposed(model, part, mode, memory_budget_gb=memory_budget_gb)
+        energies, forces, dE_dstrain = members_decomposed(model, part, mode, memory_budget_gb, system)
     else:
-        energies, forces, dE_dstrain = (t[None] for t in forward_decomposed(model, part, mode,
-                                                                           memory_budget_gb=memory_budget_gb))
+        energies, forces, dE_dstrain = (t[None] for t in forward_decomposed(
+            model, part, mode, memory_budget_gb=memory_budget_gb, system=system))
     parts = backend.allgather((part.owned, energies.detach().cpu().numpy(), forces.cpu().numpy(),
                                dE_dstrain.cpu().numpy()))
     n, k = len(atoms), energies.shape[0]

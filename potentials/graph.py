@@ -89,6 +89,28 @@ class AtomGraph:
         return self.n_nodes if self.n_receivers is None else self.n_receivers
 
 
+SYSTEM_RANGES = {"charge": (-100, 100), "spin": (0, 100)}  # total charge (e), spin multiplicity: AtomGraph.system
+
+
+def system_value(info: dict, name: str, key: str | None = None) -> int | None:
+    """A structure's ``name`` (charge or spin) from its ``atoms.info`` entry ``key`` (default ``name``) as an int;
+    None when absent. InvalidStructureError for one that is not a whole number in ``SYSTEM_RANGES[name]``."""
+    value = info.get(key or name)
+    if value is None:
+        return None
+    number, (low, high) = np.asarray(value), SYSTEM_RANGES[name]
+    if (number.shape != () or number.dtype.kind not in "iuf" or not np.isfinite(number)
+            or number != np.round(number) or not low <= number <= high):
+        shown = value if isinstance(value, str) else number.tolist()
+        raise InvalidStructureError(f"{name} {shown!r}: a whole number in [{low}, {high}] is needed")
+    return int(number)
+
+
+def system_of(info: dict) -> dict:
+    """``AtomGraph.system`` of one structure from its ``atoms.info`` (charge and spin, None where absent)."""
+    return {name: [system_value(info, name)] for name in SYSTEM_RANGES}
+
+
 def complete_cell(cell, pbc) -> np.ndarray:
     """Return a full-rank 3×3 cell (rows = lattice vectors, Å) for the given pbc flags.
 

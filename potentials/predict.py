@@ -6,7 +6,8 @@ import torch
 
 from .base import Potential
 from .messages import memory_budget_bytes
-from .graph import AtomGraph, check_positions, complete_cell, edge_vectors, neighbour_list, strained_coordinates
+from .graph import (AtomGraph, check_positions, complete_cell, edge_vectors, neighbour_list, strained_coordinates,
+                    system_of)
 
 
 def voigt_stress(dE_dstrain: np.ndarray, volume: float) -> np.ndarray:
@@ -22,7 +23,8 @@ def energy_forces(model: Potential, atoms, create_graph: bool = False, memory_bu
     Returns torch float64 (energies [N], forces [N, 3], dE/dstrain [3, 3]) on the model's device;
     with ``create_graph`` they stay differentiable w.r.t. the model's parameters (force training).
     Without it the blocks' edge steps run in chunks of at most ``memory_budget_gb`` (None: chosen from
-    the device's free memory; ``messages.memory_budget_bytes``).
+    the device's free memory; ``messages.memory_budget_bytes``). ``atoms.info``'s charge and spin go to the graph's
+    ``system`` (a model that reads them uses them).
     """
     positions = check_positions(atoms.positions)
     cell = complete_cell(atoms.cell, atoms.pbc)
@@ -34,7 +36,7 @@ def energy_forces(model: Potential, atoms, create_graph: bool = False, memory_bu
     i_t, j_t = torch.as_tensor(i, device=device), torch.as_tensor(j, device=device)
     edge_vec = edge_vectors(x.positions, i_t, j_t, torch.as_tensor(shifts, dtype=torch.float64, device=device), x.cell)
     graph = AtomGraph(species=species, edge_index=torch.stack([j_t, i_t]), edge_vec=edge_vec,
-                      n_local=len(positions),
+                      n_local=len(positions), system=system_of(atoms.info),
                       memory_budget=None if create_graph else memory_budget_bytes(memory_budget_gb, device))
     energies = model(graph).to(torch.float64)
     dE_dpos, dE_dstrain = torch.autograd.grad(energies.sum(), [x.pos, x.strain], create_graph=create_graph)

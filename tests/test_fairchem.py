@@ -65,7 +65,8 @@ def test_wide_mode_and_merged_experts():
 def test_comparison_is_sensitive():
     """What the comparison would miss if it were loose: stale (zeroed) ghost rows, the max_neighbors cut left out,
     experts routed by this rank's atoms alone, another task, or the omol charge and spin left at their defaults
-    all move the result by far more than the tolerance."""
+    all move the result by far more than the tolerance; a structure's own charge and spin (atoms.info) are read
+    as FAIRChemCalculator reads them, by the omol task only."""
     from mlip_parallel.comm import FeatureHalo
 
     atoms = GEOMETRIES["fcc_bulk"]()
@@ -113,6 +114,14 @@ def test_comparison_is_sensitive():
     assert max(errors(potentials.predict(default, atoms), reference).values()) > 1e-4
     assert max(errors(potentials.predict(default, atoms),
                       fairchem_reference("uma-dense", atoms, charge=0, spin=1)).values()) < 1e-9
+    charged = atoms.copy()  # the structure's own charge and spin (atoms.info, as FAIRChemCalculator reads them)
+    charged.info.update(charge=1, spin=2)
+    assert max(errors(potentials.predict(default, charged), reference).values()) < 1e-9
+    assert max(errors(mlip_parallel.evaluate(default, charged, comm=SERIAL), reference).values()) < 1e-9
+    assert potentials.predict(omat, charged)["energy"] == potentials.predict(omat, atoms)["energy"]  # omol's only
+    charged.info["charge"] = 0.5
+    with pytest.raises(potentials.errors.InvalidStructureError, match=r"charge 0.5: a whole number in \[-100, 100\]"):
+        potentials.predict(default, charged)
 
 
 def test_bad_inputs_are_named(tmp_path, monkeypatch):

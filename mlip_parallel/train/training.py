@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from potentials.graph import (AtomGraph, check_positions, complete_cell, edge_vectors, neighbour_list,
-                             strained_coordinates)
+                             strained_coordinates, system_value)
 
 from ..errors import MLIPError
 
@@ -118,24 +118,16 @@ def structure_of(atoms, path: str, k: int, keys: dict | None = None) -> Structur
     def contiguous(values):  # the same memory layout from every format: the same order of numpy's sums
         return None if values is None else np.ascontiguousarray(values, dtype=np.float64)
 
-    def integer(name, low):  # charge or spin: an atoms.info entry, a whole number in [low, 100]
-        value = atoms.info.get(keys.get(name, name))
-        if value is None:
-            return None
-        number = np.asarray(value)
-        if (number.shape != () or number.dtype.kind not in "iuf" or not np.isfinite(number)
-                or number != np.round(number) or not low <= number <= 100):
-            shown = value if isinstance(value, str) else np.asarray(value).tolist()
-            raise DataError(f"{path}: structure {k} (counting from 0) has {name} {shown!r}: a whole number in "
-                            f"[{low}, 100] is needed")
-        return int(number)
-
+    try:
+        charge, spin = (system_value(atoms.info, name, keys.get(name)) for name in ("charge", "spin"))
+    except MLIPError as exc:
+        raise DataError(f"{path}: structure {k} (counting from 0) has {exc}") from None
     config_type = atoms.info.get(keys.get("config_type", "config_type"))
     return Structure(np.ascontiguousarray(atoms.numbers, dtype=np.int64), contiguous(positions), contiguous(cell),
                      np.array(atoms.pbc, dtype=bool), None if energy is None else float(np.asarray(energy).reshape(())),
                      contiguous(forces), contiguous(_full_stress(stress)) if stress is not None and atoms.pbc.all()
                      else None, source, None if config_type is None else str(config_type),
-                     charge=integer("charge", -100), spin=integer("spin", 0))
+                     charge=charge, spin=spin)
 
 
 def split(structures, fractions, seed: int):
