@@ -820,7 +820,8 @@ def test_another_packages_file_as_a_checkpoint_is_named(files):
 @needs("uma-moe")
 def test_bad_fairchem_fine_tuning_input_is_one_line_and_writes_nothing(files, tmp_path, capsys, monkeypatch):
     """fairchem checkpoints mlip-train refuses, each in one line before anything is written: a direct-force model,
-    merged experts (fairchem's merge_mole of the fixture for one composition, saved with its config), a task without
+    merged experts (fairchem's merge_mole of the fixture for one composition, saved with its config), experts routed
+    with dropout, a task without
     a stress output while the loss weighs stress, more pipeline stages than blocks; and fairchem not installed (the
     extra named)."""
     from fairchem.core.datasets.atomic_data import AtomicData, atomicdata_list_to_batch
@@ -841,12 +842,16 @@ def test_bad_fairchem_fine_tuning_input_is_one_line_and_writes_nothing(files, tm
     data = atomicdata_list_to_batch([AtomicData.from_ase(copper, task_name="omat", radius=5.0, max_neigh=300)])
     model.module.backbone = model.module.backbone.merge_MOLE_model(data)
     direct = dict(config, backbone=dict(config["backbone"], direct_forces=True))
+    dropout = dict(config, backbone=dict(config["backbone"], moe_dropout=0.1))
     no_stress = [t for t in tasks if not (t["property"] == "stress" and "omat" in t["datasets"])]
     cases = [
         ({"model": {"fairchem": checkpoint("direct", direct)}}, r"model.fairchem: .*direct-force model"),
         ({"model": {"fairchem": checkpoint("merged", ema=model.state_dict())}},
          r"model.fairchem: .*its experts are merged \(backbone.blocks.0.edge_wise.so2_conv_1.fc_m0.weight where the "
          r"config has the experts' weights.*cannot be fine-tuned"),
+        ({"model": {"fairchem": checkpoint("dropout", dropout)}},
+         r"dropout.pt: its experts are routed with dropout \(moe_dropout 0.1, composition_dropout 0.0\), which "
+         r"fine-tuning here does not draw .*: set both to 0"),
         ({"model": {"fairchem": checkpoint("no-stress", tasks_config=no_stress)}},
          r"loss.stress_weight is 1.0, but the fairchem checkpoint's task omat has no stress output \(its outputs: "
          r"energy, forces; .*set loss.stress_weight: 0"),

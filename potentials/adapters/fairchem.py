@@ -312,6 +312,7 @@ class FAIRChem(PackageModel, BlockPotential):
         self.register_buffer("numbers", torch.arange(1, len(self.species) + 1), persistent=False)
         self.task = self.dataset = outputs.task
         self.charge, self.spin = int(charge), int(spin)
+        self._where = where
         self.cutoff = float(self.backbone.cutoff)
         self.layers = int(self.backbone.num_layers) + 1  # the edge-degree embedding reads one cutoff more
         self.max_neighbors = int(self.backbone.max_neighbors)
@@ -434,7 +435,16 @@ class FAIRChem(PackageModel, BlockPotential):
     def named_weights(self):
         """Every parameter of fairchem's HydraModel, named as fairchem names them (``backbone.blocks.0...``,
         ``output_heads.energyandforcehead...``), but those fairchem's constructors leave fixed: ``model.freeze`` globs
-        match these names."""
+        match these names. FAIRChemModelError for experts routed with dropout (a random mask at every step: each rank
+        and pipeline stage, which route their structures themselves, would draw its own)."""
+        bb = self.backbone
+        dropout = {"moe_dropout": getattr(getattr(bb, "mole_dropout", None), "p", 0.0),
+                   "composition_dropout": getattr(bb, "composition_dropout", 0.0)}
+        if self.experts and any(dropout.values()):
+            raise FAIRChemModelError(
+                f"{self._where}: its experts are routed with dropout ({', '.join(f'{k} {v}' for k, v in dropout.items())}"
+                f"), which fine-tuning here does not draw (each rank and pipeline stage routes its structures itself and "
+                f"would draw its own mask): set both to 0 in the checkpoint's model config")
         return [(name, p) for name, p in self.hydra.named_parameters() if name not in self._fixed]
 
     def reference_energies(self):
