@@ -6,7 +6,8 @@ through ``torch.nn.utils.parametrize``: the module that owns the weight reads W 
 reads W, so the package's own code runs unchanged. ΔW is B·A per two-dimensional block of W: the whole weight of a
 matrix (``torch.nn.Linear``'s [out, in], e3nn's fully connected layers' [in, out]), or each path's
 [mul_in, mul_out] block of an e3nn ``o3.Linear``'s flat weight (its ``instructions``; an update within each path
-keeps the layer equivariant). B starts at zero: the adapted model starts as the model. ``merged(model)`` is a copy
+keeps the layer equivariant), or each matrix of a stack [n, out, in] (fairchem's mixture-of-experts layers, one
+per expert; its SO(3) linear layers, one per degree l, which keeps them equivariant). B starts at zero: the adapted model starts as the model. ``merged(model)`` is a copy
 with every update added into its weight and the parametrizations gone: an ordinary model of its class, for
 checkpoints and the package's own file format.
 """
@@ -48,10 +49,13 @@ class LowRankUpdate(torch.nn.Module):
 
 
 def weight_blocks(owner: torch.nn.Module, attribute: str, weight: torch.Tensor) -> list:
-    """(offset, rows, cols) of ``weight``'s matrix blocks in its flattened form: the matrix itself, or an e3nn
-    ``o3.Linear``'s per-path blocks; [] for a weight of neither kind."""
+    """(offset, rows, cols) of ``weight``'s matrix blocks in its flattened form: the matrix itself, each matrix of a
+    stack [n, rows, cols], or an e3nn ``o3.Linear``'s per-path blocks; [] for a weight of none of these kinds."""
     if weight.dim() == 2:
         return [(0, weight.shape[0], weight.shape[1])]
+    if weight.dim() == 3:
+        n, rows, cols = weight.shape
+        return [(k * rows * cols, rows, cols) for k in range(n)]
     instructions = getattr(owner, "instructions", None)
     if weight.dim() != 1 or attribute != "weight" or not instructions:
         return []
@@ -87,8 +91,8 @@ def add_lora(model, rank: int, alpha: float, targets, seed: int = 0) -> list:
         owner, attribute = owners[id(p)]
         blocks = weight_blocks(owner, attribute, p)
         if not blocks:
-            raise LoRAError(f"model.lora.targets: {name} {tuple(p.shape)} is not a linear layer's weight (a matrix, "
-                            f"or an e3nn Linear's per-path matrices): leave it out of the targets")
+            raise LoRAError(f"model.lora.targets: {name} {tuple(p.shape)} is not a linear layer's weight (a matrix, a "
+                            f"stack of them, or an e3nn Linear's per-path matrices): leave it out of the targets")
         plans.append((owner, attribute, p, blocks))
     for p in model.parameters():
         p.requires_grad_(False)

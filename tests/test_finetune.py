@@ -586,20 +586,27 @@ def test_written_file_loads_in_the_packages_own_calculator(files, one_process, f
 
 LORA_TARGETS = {"mace": ["interactions.*.linear.weight", "interactions.*.conv_tp_weights.*"],
                 "nequip": ["*.conv.linear_*.weight", "*.edge_mlp.*"],
-                "sevennet": ["*_self_interaction_*.linear.weight", "*.weight_nn.*"]}
+                "sevennet": ["*_self_interaction_*.linear.weight", "*.weight_nn.*"],
+                # fairchem: its experts' stacked weights (one update per expert), the SO(3) linear layers' (one per
+                # degree) and a plain Linear
+                "uma-moe": ["*.so2_conv_1.fc_m0.weights", "*.atom_wise.so3_linear_1.weight", "*.scalar_mlp.0.weight"]}
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=needs(f)) for f in LORA_TARGETS])
 def test_lora_trains_its_updates_alone_and_the_merged_file_loads_in_the_packages_own_code(files, family, tmp_path):
-    """model.lora (rank 2, alpha 4) on e3nn Linear layers (per-path blocks) and radial MLPs (matrices), 2 epochs
+    """model.lora (rank 2, alpha 4) on e3nn Linear layers (per-path blocks) and radial MLPs (matrices), fairchem's
+    experts and SO(3) linear layers (stacks of matrices) and a Linear, 2 epochs
     (and 1 resumed to 2: equal bit for bit): every weight and buffer of the model stays the starting file's and every
     update trains; last.pt's model is the
     EMA of the adapted model with each update merged, W + (alpha/rank) B A: its predictions equal the adapted model's
     (the starting model, updates added again, the EMA state loaded) to 1e-12; the package's own file (best.model,
-    best.ckpt, checkpoint_best.pth) loads in the package's own code and equals our evaluation of best.pt to 1e-9."""
+    best.ckpt, checkpoint_best.pth, inference_ckpt.pt) loads in the package's own code and equals our evaluation of
+    best.pt to 1e-9."""
     from potentials.lora import add_lora
 
     key, path = files[family]
+    # (fairchem built in float64, as the run builds it: its Wigner buffers are computed in the model's dtype)
+    options = {**FAIRCHEM_FIXTURES[family], "dtype": "float64"} if family in FAIRCHEM else {}
     settings = {"targets": LORA_TARGETS[family], "rank": 2, "alpha": 4.0}
     directory = tmp_path / family
     train(validate(job(files, family, directory, epochs=2, model={"lora": settings}), SCHEMA, RULES))
@@ -610,20 +617,21 @@ def test_lora_trains_its_updates_alone_and_the_merged_file_loads_in_the_packages
     resumed = torch.load(cut / "last.pt", weights_only=True)["training"]
     for part in ("model", "ema"):
         assert all(torch.equal(resumed[part][k], v) for k, v in state[part].items()), part
-    start = potentials.load_model(f"{key}:{path}").double().state_dict()
-    marker, trained = ".parametrizations.weight.", {}
+    start = potentials.load_model(f"{key}:{path}", **options).double().state_dict()
+    marker, trained = re.compile(r"\.parametrizations\.(\w+)\."), {}  # (module).parametrizations.(weight).…
     for name, value in state["model"].items():
-        if marker not in name:
+        found = marker.search(name)
+        if found is None:
             assert torch.equal(value, start[name].to(value.dtype)), name  # fixed
         elif name.endswith(".original"):
-            assert torch.equal(value, start[name.replace(marker + "original", ".weight")]), name
+            assert torch.equal(value, start[f"{name[:found.start()]}.{found.group(1)}"]), name
         elif ".B." in name:  # (a path whose output nothing reads keeps its zero block)
-            weight = name.split(marker)[0]
+            weight = name[:found.end()]
             trained[weight] = trained.get(weight, False) or bool(value.abs().max() > 0)
     assert trained and all(trained.values()), trained  # each adapted weight's update trained from zero
     atoms = labelled_alloys(2, seed=7)[1]
     atoms.calc = None
-    adapted = potentials.load_model(f"{key}:{path}").double()
+    adapted = potentials.load_model(f"{key}:{path}", **options).double()
     add_lora(adapted, **settings)
     adapted.load_state_dict({k.removeprefix("module."): v for k, v in state["ema"].items() if k != "n_averaged"})
     merged_last = potentials.load(directory / "last.pt")
