@@ -371,7 +371,8 @@ def test_a_model_mace_run_train_writes_loads_in_every_tool(tmp_path, restore_env
     product holds e3nn's folded constants (``_compiled_main_left_right._tensor_constant0``: a Wigner-3j times its path
     normalisation, which a strict load once refused): the calculator on it equals
     MACECalculator to 1e-9; mlip-md runs it; mlip-train reads the same file under the same label names and fine-tunes
-    it; mlip-train eval scores it."""
+    it; mlip-train eval scores it. The TorchScript tiny_compiled.model MACE writes beside it is refused in one line
+    naming the file to give."""
     import subprocess
     import sys
 
@@ -407,6 +408,10 @@ def test_a_model_mace_run_train_writes_loads_in_every_tool(tmp_path, restore_env
     from potentials.adapters.pickled import codegen_tensors, read_module_tree
     folded = [k for k in codegen_tensors(read_module_tree(path)) if "_tensor_constant" in k]
     assert folded, "the file should hold e3nn's folded constants (the case the loader must tolerate)"
+    with pytest.raises(MACEModelError, match=r"tiny_compiled.model: a TorchScript archive of a "  # (written beside it)
+                                             r"mace.modules.models.ScaleShiftMACE .*give the .model file MACE's training "
+                                             r"writes beside it \(the same name without _compiled\)"):
+        potentials.MACE(tmp_path / "tiny_compiled.model")
     atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((2, 2, 2))
     atoms.rattle(0.05, seed=3)
     default = torch.get_default_dtype()

@@ -110,6 +110,10 @@ def mace_config(tree, where: str) -> tuple:
     from mace import modules
     from e3nn import o3
 
+    if _path(tree).startswith("__torch__.") and _path(tree)[len("__torch__."):] in MODEL_CLASSES:  # torch.jit.save's
+        raise MACEModelError(f"{where}: a TorchScript archive of a {_path(tree).removeprefix('__torch__.')} (MACE's "
+                             f"*_compiled.model, for LAMMPS and TorchScript tools); give the .model file MACE's "
+                             f"training writes beside it (the same name without _compiled)")
     if _path(tree) not in MODEL_CLASSES:
         raise MACEModelError(f"{where}: a {_path(tree)}, not a MACE energy model ({', '.join(MODEL_CLASSES)})")
     if hasattr(tree, "joint_embedding") or hasattr(tree, "embedding_specs"):
