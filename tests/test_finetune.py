@@ -447,9 +447,8 @@ def test_pipeline_stages_equal_one_process(parallel, ranks, family):
     in 2 (schedule auto, cost-balanced boundaries; its type embedding's node attributes travelling beside the
     features) and in 3, Allegro in 2 and the three-layer Allegro with per-edge-type cutoffs and ZBL in 3 (its
     per-edge state travelling), fairchem's UMA-S-shaped model with experts in 2 (1F1B) and 3 and the UMA-S-1.2-shaped
-    one (max_neighbors, the omol task) in 2 (the node embeddings travelling, and with them the experts' coefficients
-    computed once per structure by the first stage, which alone holds the routing; the system embeddings held by
-    every stage; each micro-batch's structures routed by their own compositions): the trained weights
+    one (max_neighbors, the omol task) in 2 (the node embeddings travelling; the system embeddings and the experts'
+    routing held by every stage, each micro-batch's structures routed by their own compositions): the trained weights
     equal one process's to 1e-10. The 3-stage runs stream their data from disk (data.stream), the one-process
     reference holds it."""
     assert_same_weights(trained_parameters(parallel["root"] / f"{ranks}-{family}-pipeline"),

@@ -54,7 +54,6 @@ CHARGED_TASKS = ("omol",)   # the tasks whose embedding reads the system's charg
 DEFAULT_SPIN = {"omol": 1}  # FAIRChemCalculator's defaults (validate_uma_atoms_data): charge 0, spin 1 for omol
 # fairchem's degeneracy tolerance of the max_neighbors cut (Å², on squared distances: get_max_neighbors_mask)
 DEGENERACY_TOLERANCE = 0.01
-ROUTING = ("composition_embedding", "routing_mlp")  # UMA's experts' routing modules (the embed part's)
 
 
 class FAIRChemModelError(MLIPError, ValueError):
@@ -266,12 +265,11 @@ class FAIRChem(PackageModel, BlockPotential):
     written back as fairchem's ``inference_ckpt.pt``; in a graph of several structures (a training batch) each
     structure's experts are routed by its own composition, as fairchem routes a batch's systems.
 
-    As a ``BlockPotential`` (pipeline stages): "embed" is the atom and edge-degree embeddings and the experts'
-    routing, "block.k" the backbone's block k, "readout" the final norm and the energy head; the node embeddings
-    [rows, (lmax+1)² C] travel between stages, and with them (UMA) the experts' coefficients, computed once per
-    structure by the embed part: [rows, experts] after the embeddings, each row its structure's (their gradient
-    travels back with the rows'). The system embeddings (charge, spin, task) and the edges' sender/receiver
-    embeddings are read by every part: every stage holds them (their gradients summed over the stages). ``parts``: the parts this model holds (a stage's: the checkpoint is
+    As a ``BlockPotential`` (pipeline stages): "embed" is the atom and edge-degree embeddings, "block.k" the
+    backbone's block k, "readout" the final norm and the energy head; the node embeddings [rows, (lmax+1)² C] travel
+    between stages. The system embeddings (charge, spin, task), the experts' routing and the edges' sender/receiver
+    embeddings are read by every part: every stage holds them and computes the coefficients per structure itself
+    (their gradients summed over the stages). ``parts``: the parts this model holds (a stage's: the checkpoint is
     read whole, the others then dropped); ``seed`` is unused (the weights are the checkpoint's)."""
 
     # edges per chunk at least, whatever the budget: at UMA-S's size 1,024-edge chunks ran 5 % faster than 256-edge ones
@@ -515,37 +513,24 @@ class FAIRChem(PackageModel, BlockPotential):
         return int(self.backbone.num_layers)
 
     def part_prefixes(self, part: str) -> list:
-        """The embed part holds the experts' routing too (UMA: the composition embedding and the routing MLP)."""
         kind, _, k = part.partition(".")
-        return {"embed": ["hydra.backbone.sphere_embedding", "hydra.backbone.edge_degree_embedding",
-                          *(f"hydra.backbone.{name}" for name in ROUTING if self.experts)],
+        return {"embed": ["hydra.backbone.sphere_embedding", "hydra.backbone.edge_degree_embedding"],
                 "block": [f"hydra.backbone.blocks.{k}"],
                 "readout": ["hydra.backbone.norm", "hydra.output_heads"]}[kind]
 
-    @property
-    def _experts_travel(self) -> bool:
-        """A pipeline stage's model (some parts held) of a UMA model: the experts' coefficients, computed once per
-        structure by the embed part, travel with the node embeddings (each row its structure's, after them)."""
-        return bool(self.experts) and not self.complete
-
     def feature_width(self, k: int) -> int:
-        """(lmax+1)² C: a row of node embeddings, flat (the same entering every block); in a pipeline stage of a
-        UMA model, + its structure's experts' coefficients."""
-        return (self.backbone.sph_feature_size * self.backbone.sphere_channels
-                + (self.experts if self._experts_travel else 0))
+        """(lmax+1)² C: a row of node embeddings, flat (the same entering every block)."""
+        return self.backbone.sph_feature_size * self.backbone.sphere_channels
 
     def _embeddings(self, h: torch.Tensor) -> torch.Tensor:
-        """h [rows, feature_width] as fairchem's node embeddings [rows, (lmax+1)², C] (the coefficients left out)."""
-        bb = self.backbone
-        return h[:, : bb.sph_feature_size * bb.sphere_channels].view(h.shape[0], bb.sph_feature_size,
-                                                                       bb.sphere_channels)
+        """h [rows, feature_width] as fairchem's node embeddings [rows, (lmax+1)², C]."""
+        return h.view(h.shape[0], self.backbone.sph_feature_size, self.backbone.sphere_channels)
 
     def context(self, graph: AtomGraph) -> dict:
         """What every part reads: the atomic numbers, the graph with fairchem's ``max_neighbors`` cut, each row's
         system embedding (charge, spin, task), the edges' sender/receiver embeddings, the experts' coefficients
         and edge counts per structure (UMA: set on the backbone, kept here for each block to set again: a pipeline
-        stage runs several micro-batches' blocks in turn; the coefficients where this model holds the embed part, a
-        stage's blocks read them from the rows they receive), and the task mean shared out over each structure's
+        stage runs several micro-batches' blocks in turn), and the task mean shared out over each structure's
         atoms. A graph of several structures (``graph.structure``) routes each by its own composition, as fairchem
         routes the systems of a batch; one structure's composition is summed over the ranks (``graph.total``,
         collective: every rank alike)."""
@@ -557,8 +542,7 @@ class FAIRChem(PackageModel, BlockPotential):
         charge, spin = (self._per_system(graph, name, systems) for name in ("charge", "spin"))
         system = bb.csd_embedding(charge=charge, spin=spin, dataset=[self.dataset] * systems)
         ctx = {"numbers": numbers, "graph": cut, "system": system[rows], "sources": bb.source_embedding(numbers),
-               "targets": bb.target_embedding(numbers), "mean": None, "experts": None, "rows": rows,
-               "first_rows": torch.searchsorted(rows.contiguous(), torch.arange(systems, device=device))}
+               "targets": bb.target_embedding(numbers), "mean": None, "experts": None}
         if self.experts or self.mean:
             z = len(self.species) + 1
             owned = slice(0, graph.n_local)
@@ -566,16 +550,12 @@ class FAIRChem(PackageModel, BlockPotential):
             if graph.structure is None:  # (one structure, perhaps split over ranks)
                 counts = graph.total(counts.to(torch.float64)).round().to(torch.long)
             if self.experts:
-                mole, coefficients = bb.global_mole_tensors, None
-                if "embed" in self.parts:  # the routing: once per structure, by the part that holds it
-                    composition = torch.repeat_interleave(torch.arange(z, device=device).repeat(systems),
-                                                          counts.flatten())
-                    of_system = torch.repeat_interleave(torch.arange(systems, device=device), counts.sum(1))
-                    bb.set_MOLE_coefficients(atomic_numbers_full=composition, batch_full=of_system,
-                                             csd_mixed_emb=system)
-                    coefficients = mole.expert_mixing_coefficients
+                composition = torch.repeat_interleave(torch.arange(z, device=device).repeat(systems), counts.flatten())
+                of_system = torch.repeat_interleave(torch.arange(systems, device=device), counts.sum(1))
+                bb.set_MOLE_coefficients(atomic_numbers_full=composition, batch_full=of_system, csd_mixed_emb=system)
                 bb.set_MOLE_sizes(nsystems=systems, batch_full=rows, edge_index=cut.edge_index)
-                ctx["experts"] = (coefficients, mole.mole_sizes)
+                mole = bb.global_mole_tensors
+                ctx["experts"] = (mole.expert_mixing_coefficients, mole.mole_sizes)
             if self.mean:
                 ctx["mean"] = (self.mean / counts.sum(1).to(torch.float64))[rows[owned]]
         return ctx
@@ -612,20 +592,14 @@ class FAIRChem(PackageModel, BlockPotential):
             return embedding.forward_chunk(zeros.expand(vec.shape[0], *zeros.shape[1:]), x_edge, scatter, wigner_inv)
 
         x = x[: g.receivers] + self._edge_step(g, degree, [ctx["sources"]], [ctx["targets"]], x)
-        if self._experts_travel:  # each row its structure's coefficients, for the stages after this one
-            return torch.cat([x.flatten(1), ctx["experts"][0].to(self.dtype)[ctx["rows"][: g.receivers]]], dim=1)
         return x.flatten(1)
 
     def block(self, k: int, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
         """fairchem's block k: ``norm_1`` (the system embedding added to its l = 0 row), the halo, the edge step,
-        the residual, ``norm_2`` and ``atom_wise``; [receivers, (lmax+1)² C] in and out (in a pipeline stage of a UMA
-        model, + the experts' coefficients, read from the first row of each structure and passed on unchanged)."""
+        the residual, ``norm_2`` and ``atom_wise``; [receivers, (lmax+1)² C] in and out."""
         bb, g = self.backbone, ctx["graph"]
         if ctx["experts"] is not None:  # this graph's experts (another micro-batch's may have been set since)
-            coefficients, sizes = ctx["experts"]
-            if self._experts_travel:  # as the embed part computed them: their gradient travels back with the rows'
-                coefficients = h[ctx["first_rows"], self.feature_width(k) - self.experts:]
-            bb.global_mole_tensors.expert_mixing_coefficients, bb.global_mole_tensors.mole_sizes = coefficients, sizes
+            bb.global_mole_tensors.expert_mixing_coefficients, bb.global_mole_tensors.mole_sizes = ctx["experts"]
         block = bb.blocks[int(k)]
         x = self._embeddings(h)
         y = block.norm_1(x)
@@ -640,8 +614,7 @@ class FAIRChem(PackageModel, BlockPotential):
                                                  local[0])
 
         x = x + self._edge_step(g, convolve, [ctx["sources"], y], [ctx["targets"], y], y)
-        x = (x + block.atom_wise(block.norm_2(x))).flatten(1)
-        return torch.cat([x, h[:, x.shape[1]:]], dim=1) if self._experts_travel else x
+        return (x + block.atom_wise(block.norm_2(x))).flatten(1)
 
     def readout_energies(self, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
         """[n_local] float64: the final norm, the head's energy block, × rmsd, + element references, + the task's
