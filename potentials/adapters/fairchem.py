@@ -36,7 +36,7 @@ from ase.data import chemical_symbols
 
 from ..base import BlockPotential, PackageModel, held_blocks
 from ..errors import MLIPError
-from ..graph import AtomGraph
+from ..graph import SYSTEM_RANGES, AtomGraph
 from ..messages import edge_sum
 from .exchange import default_dtype
 from .process import process_kept
@@ -257,9 +257,9 @@ class FAIRChem(PackageModel, BlockPotential):
     """A fairchem UMA or eSEN model (``checkpoint``: the file ``load_predict_unit`` reads) on one ``task`` (as
     FAIRChemCalculator's ``task_name``: omat, omol, oc20, odac, omc; None when the checkpoint has one). ``charge``
     (e) and ``spin`` (multiplicity) of the system for the omol task (defaults 0 and 1, as FAIRChemCalculator's);
-    refused for the others. A graph's per-structure ``system`` values (training data's atoms.info) replace them
-    for the omol task, as fairchem's training reads them for omol data; the other tasks ignore them. ``dtype``: float32 (fairchem's default precision) or float64; the weights are the
-    checkpoint's EMA weights. Or ``architecture`` ({"model_config", "tasks_config"} in ``plain.encode``'s JSON form)
+    refused for the others. A graph's per-structure ``system`` values (``atoms.info``'s) replace them for the omol
+    task, as fairchem reads them for omol data; the other tasks ignore them. ``dtype``: float32 (fairchem's default
+    precision) or float64; the weights are the checkpoint's EMA weights. Or ``architecture`` ({"model_config", "tasks_config"} in ``plain.encode``'s JSON form)
     instead of a checkpoint: built by fairchem's constructors with untrained weights, for a state dict to be loaded
     into it. Trainable (``mlip-train``): every HydraModel parameter by fairchem's name, the task's element references,
     written back as fairchem's ``inference_ckpt.pt``; in a graph of several structures (a training batch) each
@@ -297,9 +297,11 @@ class FAIRChem(PackageModel, BlockPotential):
                                      f"{outputs.task!r} takes none")
         charge = 0 if charge is None else charge
         spin = DEFAULT_SPIN.get(outputs.task, 0) if spin is None else spin
-        for name, value, low in (("charge", charge, -100), ("spin", spin, 0)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= value <= 100:
-                raise FAIRChemModelError(f"{name} must be an integer in [{low}, 100] (fairchem's range), got {value!r}")
+        for name, value in (("charge", charge), ("spin", spin)):
+            low, high = SYSTEM_RANGES[name]
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= value <= high:
+                raise FAIRChemModelError(f"{name} must be an integer in [{low}, {high}] (fairchem's range), got "
+                                         f"{value!r}")
         elements = int(config["backbone"].get("max_num_elements", 100))
         super().__init__([chemical_symbols[z] for z in range(1, min(elements, len(chemical_symbols)))])
 
@@ -441,10 +443,11 @@ class FAIRChem(PackageModel, BlockPotential):
         dropout = {"moe_dropout": getattr(getattr(bb, "mole_dropout", None), "p", 0.0),
                    "composition_dropout": getattr(bb, "composition_dropout", 0.0)}
         if self.experts and any(dropout.values()):
+            settings = ", ".join(f"{k} {v}" for k, v in dropout.items())
             raise FAIRChemModelError(
-                f"{self._where}: its experts are routed with dropout ({', '.join(f'{k} {v}' for k, v in dropout.items())}"
-                f"), which fine-tuning here does not draw (each rank and pipeline stage routes its structures itself and "
-                f"would draw its own mask): set both to 0 in the checkpoint's model config")
+                f"{self._where}: its experts are routed with dropout ({settings}), which fine-tuning here does not "
+                f"draw (each rank and pipeline stage routes its structures itself and would draw its own mask): set "
+                f"both to 0 in the checkpoint's model config")
         return [(name, p) for name, p in self.hydra.named_parameters() if name not in self._fixed]
 
     def reference_energies(self):
@@ -569,10 +572,10 @@ class FAIRChem(PackageModel, BlockPotential):
         values = [default] * systems if given is None else [default if v is None else int(v) for v in given]
         if len(values) != systems:
             raise ValueError(f"AtomGraph.system[{name!r}] has {len(values)} values for {systems} structures")
-        low = -100 if name == "charge" else 0
-        bad = [v for v in values if not low <= v <= 100]
+        low, high = SYSTEM_RANGES[name]
+        bad = [v for v in values if not low <= v <= high]
         if bad:
-            raise FAIRChemModelError(f"a structure's {name} is {bad[0]}: fairchem's range is [{low}, 100]")
+            raise FAIRChemModelError(f"a structure's {name} is {bad[0]}: fairchem's range is [{low}, {high}]")
         return torch.as_tensor(values, dtype=torch.long, device=graph.species.device)
 
     def embed(self, graph: AtomGraph, ctx) -> torch.Tensor:
