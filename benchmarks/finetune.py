@@ -18,8 +18,8 @@
   through MACECalculator (target: ≤ 0.7× their time per epoch at equal or better error);
 * ``sevenn``: the same against ``sevenn train`` (its fine-tuning preset) fine-tuning SevenNet-0: CPU seconds per
   epoch and the validation force MAE through SevenNetCalculator;
-* ``lora``: ``model.lora`` (rank 4) against full fine-tuning, one process: the training state's bytes (weights,
-  gradients, AdamW's moments) and one step's seconds;
+* ``lora``: ``model.lora`` (rank 4; MACE, SevenNet-0, the UMA-S shape) against full fine-tuning, one process: the
+  training state's bytes (weights, gradients, AdamW's moments) and one step's seconds;
 * ``fairchem``: a UMA-S-shaped model (``--uma-channels`` channels, 4 layers, 8 experts, float32, random weights):
   ``step`` against fairchem's own training forward (its HydraModel in training mode on its AtomicData batch, the
   task's denormalisation, the loss, backward, AdamW), then ``data`` and ``graph`` with it (a fairchem training step
@@ -203,7 +203,12 @@ LORA = {"MACE-MP-0-small shape, float64": {"targets": ["interactions.*.linear*.w
                                                        "interactions.*.conv_tp_weights.*", "products.*.linear.weight"],
                                            "rank": 4, "alpha": 4.0},
         "SevenNet-0, float32": {"targets": ["*_self_interaction_*.linear.weight", "*.weight_nn.*"], "rank": 4,
-                                "alpha": 4.0}}
+                                "alpha": 4.0},
+        # fairchem: the experts' stacked weights (an update per expert), the SO(3) linear layers' (per degree) and
+        # the scalar MLPs
+        "UMA-S shape, float32": {"targets": ["*.so2_conv_*.fc_m0.weights", "*.so2_m_conv.*.fc.weights",
+                                             "*.atom_wise.so3_linear_*.weight", "*.scalar_mlp.0.weight"],
+                                 "rank": 4, "alpha": 4.0}}
 
 
 def part_lora(args, work):
@@ -212,9 +217,13 @@ def part_lora(args, work):
     frames, path = step_setup(args, work)
     print(f"LoRA (rank 4) against full fine-tuning: one step on {args.batch} x 64-atom Cu, 1 thread, median of "
           f"{args.repeats}, alternating; the training state's bytes")
-    for name, (spec, dtype) in {"MACE-MP-0-small shape, float64": (f"mace:{path}", "float64"),
-                                "SevenNet-0, float32": ("sevennet:7net-0", "float32")}.items():
-        steps = {"full": ours(spec, frames, dtype), "lora": ours(spec, frames, dtype, LORA[name])}
+    uma = work / "uma-lora.pt"
+    write_uma(uma, args.uma_channels, 4, 8)
+    for name, (spec, dtype, options) in {"MACE-MP-0-small shape, float64": (f"mace:{path}", "float64", {}),
+                                         "SevenNet-0, float32": ("sevennet:7net-0", "float32", {}),
+                                         "UMA-S shape, float32": (f"fairchem:{uma}", "float32", {"task": "omat"})
+                                         }.items():
+        steps = {"full": ours(spec, frames, dtype, **options), "lora": ours(spec, frames, dtype, LORA[name], **options)}
         seconds = alternate(steps, args.repeats)
         size = {k: step.state_bytes() / 2 ** 20 for k, step in steps.items()}
         time_ratio, size_ratio = seconds["lora"] / seconds["full"], size["lora"] / size["full"]

@@ -240,8 +240,11 @@ def train_cases():
         ("nan position in data", job(data={"train": structures("nan_pos_data.extxyz", moved(2, [np.nan, 0, 0]),
                                                                count=6)}), ["non-finite", "nan_pos_data", "structure 0"]),
         ("missing data", job(data={"train": "nowhere.extxyz"}), ["nowhere.extxyz"]),
-        ("a label key that is no label", job(data={"keys": {"charge": "q"}}),
-         ["data.keys", "'charge' is not a key it takes"]),
+        ("a label key that is no label", job(data={"keys": {"dipole": "q"}}),
+         ["data.keys", "'dipole' is not a key it takes"]),
+        ("a charge that is no whole number", job(data={"train": structures(
+            "half_charge.extxyz", lambda atoms, k: atoms.info.update(charge=0.5 if k == 4 else 0), count=6)}),
+         ["half_charge.extxyz", "structure 4", "charge 0.5", "whole number"]),
         ("a data list entry that is no path", job(data={"train": [data, 3]}), ["a data file is a path", "3"]),
         ("a sampled file without its share", job(data={"train": [data, {"file": data}]}),
          ["data.train[1]", "{file: PATH, share: S}"]),
