@@ -89,7 +89,8 @@ class AtomGraph:
         return self.n_nodes if self.n_receivers is None else self.n_receivers
 
 
-SYSTEM_RANGES = {"charge": (-100, 100), "spin": (0, 100)}  # total charge (e), spin multiplicity: AtomGraph.system
+# AtomGraph.system's inputs and their ranges: total charge (e), spin multiplicity
+SYSTEM_RANGES = {"charge": (-100, 100), "spin": (0, 100)}
 
 
 def system_value(info: dict, name: str, key: str | None = None) -> int | None:

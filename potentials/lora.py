@@ -7,7 +7,8 @@ reads W, so the package's own code runs unchanged. ΔW is B·A per two-dimension
 matrix (``torch.nn.Linear``'s [out, in], e3nn's fully connected layers' [in, out]), or each path's
 [mul_in, mul_out] block of an e3nn ``o3.Linear``'s flat weight (its ``instructions``; an update within each path
 keeps the layer equivariant), or each matrix of a stack [n, out, in] (fairchem's mixture-of-experts layers, one
-per expert; its SO(3) linear layers, one per degree l, which keeps them equivariant). B starts at zero: the adapted model starts as the model. ``merged(model)`` is a copy
+per expert; its SO(3) linear layers, one per degree l, which keeps them equivariant). B starts at zero: the adapted
+model starts as the model. ``merged(model)`` is a copy
 with every update added into its weight and the parametrizations gone: an ordinary model of its class, for
 checkpoints and the package's own file format.
 """

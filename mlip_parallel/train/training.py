@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from potentials.graph import (AtomGraph, check_positions, complete_cell, edge_vectors, neighbour_list,
-                             strained_coordinates, system_value)
+                             strained_coordinates, SYSTEM_RANGES, system_value)
 
 from ..errors import MLIPError
 
@@ -60,7 +60,7 @@ class Structure:
 
     def system(self) -> dict:
         """Its inputs beside the geometry, as ``AtomGraph.system`` holds them for a graph of this structure."""
-        return {"charge": [self.charge], "spin": [self.spin]}
+        return {name: [getattr(self, name)] for name in SYSTEM_RANGES}
 
     def to_atoms(self):
         from ase import Atoms
@@ -119,15 +119,14 @@ def structure_of(atoms, path: str, k: int, keys: dict | None = None) -> Structur
         return None if values is None else np.ascontiguousarray(values, dtype=np.float64)
 
     try:
-        charge, spin = (system_value(atoms.info, name, keys.get(name)) for name in ("charge", "spin"))
+        system = {name: system_value(atoms.info, name, keys.get(name)) for name in SYSTEM_RANGES}
     except MLIPError as exc:
         raise DataError(f"{path}: structure {k} (counting from 0) has {exc}") from None
     config_type = atoms.info.get(keys.get("config_type", "config_type"))
     return Structure(np.ascontiguousarray(atoms.numbers, dtype=np.int64), contiguous(positions), contiguous(cell),
                      np.array(atoms.pbc, dtype=bool), None if energy is None else float(np.asarray(energy).reshape(())),
                      contiguous(forces), contiguous(_full_stress(stress)) if stress is not None and atoms.pbc.all()
-                     else None, source, None if config_type is None else str(config_type),
-                     charge=charge, spin=spin)
+                     else None, source, None if config_type is None else str(config_type), **system)
 
 
 def split(structures, fractions, seed: int):
@@ -198,7 +197,7 @@ class Batch(Labels):
         self.cells = torch.as_tensor(np.stack([s.cell for s in structures]), device=device)
         self.volumes = torch.linalg.det(self.cells).abs()
         self.sources = [s.source for s in structures]
-        self.system = {"charge": [s.charge for s in structures], "spin": [s.spin for s in structures]}
+        self.system = {name: [getattr(s, name) for s in structures] for name in SYSTEM_RANGES}
 
 
 class BatchGeometry(NamedTuple):

@@ -259,8 +259,8 @@ class FAIRChem(PackageModel, BlockPotential):
     (e) and ``spin`` (multiplicity) of the system for the omol task (defaults 0 and 1, as FAIRChemCalculator's);
     refused for the others. A graph's per-structure ``system`` values (``atoms.info``'s) replace them for the omol
     task, as fairchem reads them for omol data; the other tasks ignore them. ``dtype``: float32 (fairchem's default
-    precision) or float64; the weights are the checkpoint's EMA weights. Or ``architecture`` ({"model_config", "tasks_config"} in ``plain.encode``'s JSON form)
-    instead of a checkpoint: built by fairchem's constructors with untrained weights, for a state dict to be loaded
+    precision) or float64; the weights are the checkpoint's EMA weights. Or ``architecture`` ({"model_config",
+    "tasks_config"} in ``plain.encode``'s JSON form) instead of a checkpoint: built by fairchem's constructors with untrained weights, for a state dict to be loaded
     into it. Trainable (``mlip-train``): every HydraModel parameter by fairchem's name, the task's element references,
     written back as fairchem's ``inference_ckpt.pt``; in a graph of several structures (a training batch) each
     structure's experts are routed by its own composition, as fairchem routes a batch's systems.
