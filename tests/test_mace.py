@@ -433,3 +433,46 @@ def test_a_model_mace_run_train_writes_loads_in_every_tool(tmp_path, restore_env
     assert len(rows) == 1 and np.isfinite(rows[0]["val_loss"]) and (tmp_path / "finetuned" / "best.model").exists()
     errors = evaluate_model(f"mace:{path}", str(tmp_path / "train.xyz"), keys=keys)
     assert np.isfinite(errors["forces_mae"]) and errors["forces_mae"] > 0
+
+
+def test_files_from_maces_accelerated_training_and_torch_compile_load(tmp_path, restore_environment):
+    """Two files a MACE user brings, each equal to MACECalculator on the model to 1e-9 (float64):
+    mace-cueq-f64.model, which mace_run_train wrote after training with cuEquivariance's layers and converting
+    them back to e3nn (tests/data/mace/make_cueq_fixture.py), and that model saved after MACE's preparation for
+    torch.compile (``mace.tools.compile.prepare``: its symmetric contractions traced by torch.fx, whose pickled
+    bodies keep only the tensors the traced forward reads, not the ``weights_*_zeroed`` flags) and torch.compile
+    (a wrapper pickled around the module), its readout's activation traced too (MACE registers it for tracing
+    when it builds a readout), the gate only in its code. These facts are asserted of the file, so the test
+    covers them; without the flags taken from the rebuilt model the strict load refused the second file, and
+    with the gate not read from the traced code it was silently rebuilt linear (17 % off in energy)."""
+    from ase.build import bulk
+    from mace.calculators import MACECalculator
+    from e3nn import nn
+    from mace.tools.compile import prepare, simplify_if_compile
+
+    from potentials.adapters.pickled import COMPILED_MODULE, Pickled, _check_archive, _load_archive, _opened, \
+        traced_prefixes
+
+    cueq = os.path.join(MACE_DIR, "mace-cueq-f64.model")
+    compiled = tmp_path / "compiled.model"
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    simplify_if_compile(nn.Activation)  # as building a MACE readout does: the process's first build, or this test
+    torch.save(torch.compile(prepare(lambda: torch.load(cueq, weights_only=False))()), compiled)
+    torch.set_default_dtype(default)
+    with _opened(_check_archive(compiled)) as archive:  # the file as pickled: torch.compile's wrapper outside
+        outer = _load_archive(archive, "compiled")
+    assert isinstance(outer, Pickled) and type(outer).path == COMPILED_MODULE
+    tree = read_module_tree(compiled)
+    assert "readouts.1.non_linearity." in traced_prefixes(tree)  # traced: its gate is in its code only
+    assert traced_prefixes(tree) and not any(k.endswith("_zeroed") for k in state_dict(tree))
+    assert any(k.endswith("_zeroed") for k in state_dict(read_module_tree(cueq)))
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((2, 2, 2))
+    atoms.rattle(0.05, seed=3)
+    atoms.calc = MACECalculator(model_paths=cueq, device="cpu", default_dtype="float64")
+    reference = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(), "stress": atoms.get_stress()}
+    torch.set_default_dtype(default)  # MACE's calculator sets it for the process
+    for path in (cueq, compiled):
+        atoms.calc = MLIPCalculator(potentials.MACE(path))
+        ours = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(), "stress": atoms.get_stress()}
+        assert max(mace_errors(ours, reference, atoms).values()) < 1e-9, path

@@ -18,7 +18,7 @@ import torch
 
 from ..errors import MLIPError
 from .exchange import default_dtype
-from .pickled import Pickled, PickleFileError, codegen_tensors, read_module_tree, state_dict
+from .pickled import GRAPH_MODULE, Pickled, PickleFileError, codegen_tensors, read_module_tree, state_dict, traced_prefixes
 from .process import process_kept
 
 MODEL_CLASSES = ("mace.modules.models.ScaleShiftMACE", "mace.modules.models.MACE")
@@ -68,17 +68,25 @@ def _class_named(obj, table: dict, what: str, where: str):
 
 def _gate(readout, where: str):
     """The activation of a non-linear readout (None for a linear one): the pickled function's name,
-    matched against MACE's own ``gate_dict``."""
+    matched against MACE's own ``gate_dict`` (in an activation that torch.fx traced, the gate its code calls)."""
     from mace.modules import gate_dict
 
-    acts = getattr(readout.non_linearity, "acts", None) if hasattr(readout, "non_linearity") else None
+    known = {f"{g.__module__}.{g.__name__}": g for g in gate_dict.values() if g is not None}
+    activation = readout.non_linearity if hasattr(readout, "non_linearity") else None
+    if isinstance(activation, Pickled) and type(activation).path == GRAPH_MODULE:  # traced for torch.compile
+        code = str(activation._fields().get("_code", ""))
+        called = [g for name, g in known.items() if f"{name}(" in code]
+        if len(called) != 1:
+            raise MACEModelError(f"{where}: the readout's traced activation calls {len(called)} of MACE's gates "
+                                 f"{sorted(known)}, not one")
+        return called[0]
+    acts = getattr(activation, "acts", None) if activation is not None else None
     if not acts:
         return None
     f = acts[0].f
     if f is None:
         return None
     path = f.path if isinstance(f, type) and issubclass(f, Pickled) else f"{f.__module__}.{f.__name__}"
-    known = {f"{g.__module__}.{g.__name__}": g for g in gate_dict.values() if g is not None}
     if path not in known:
         raise MACEModelError(f"{where}: readout activation {path} is not one of MACE's gates {sorted(known)}")
     return known[path]
@@ -266,6 +274,16 @@ def without_folded_constants(model, weights: dict, generated: dict, path) -> dic
     return {k: v for k, v in weights.items() if k not in folded}
 
 
+def untraced_buffers(model, weights: dict, traced: list) -> dict:
+    """The rebuilt ``model``'s buffers that ``weights`` lacks because torch.fx traced their module (as
+    ``mace.tools.compile.prepare`` traces the symmetric contractions before ``torch.compile``) and the traced
+    forward never reads them: flags the constructors derive from the architecture (``weights_0_zeroed``). Taken
+    from the rebuilt model; a missing parameter, or a buffer outside a traced module, stays missing."""
+    parameters = dict(model.named_parameters())
+    return {k: v for k, v in model.state_dict().items() if k not in weights and k not in parameters
+            and any(k.startswith(prefix) for prefix in traced)}
+
+
 def load_mace(path) -> tuple:
     """(module, architecture): a MACE model from its ``.model`` file, rebuilt with mace-torch's constructors
     and the file's tensors (strict), in the file's dtype, in eval mode on the CPU, and its architecture
@@ -281,6 +299,7 @@ def load_mace(path) -> tuple:
         architecture = mace_architecture(*mace_config(tree, path))
         generated = codegen_tensors(tree)
         weights = {**generated, **state_dict(tree)}
+        traced = traced_prefixes(tree)
         dtype = tree.r_max.dtype
     except PickleFileError as exc:
         raise MACEModelError(str(exc)) from None
@@ -292,6 +311,7 @@ def load_mace(path) -> tuple:
                              f"{(str(exc).splitlines() or [''])[0]})") from None
     model = build_mace(architecture, path, dtype)  # in the file's dtype, as MACE built it
     weights = without_folded_constants(model, weights, generated, path)
+    weights.update(untraced_buffers(model, weights, traced))
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as exc:

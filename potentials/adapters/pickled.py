@@ -4,7 +4,10 @@ A pickle names the classes and functions it needs ("GLOBAL module name") and the
 calls them: that is how a model file can run any command. Here only tensors, plain containers and a
 few data types are rebuilt — torch's own ``weights_only`` allowlist, and e3nn's ``Irreps`` (tuples of
 integers); every other global becomes a ``Pickled`` stand-in class that records what the pickle said
-about its instances (constructor arguments and state) and imports nothing. The zip archive and its
+about its instances (constructor arguments and state) and imports nothing. A module traced by
+``torch.fx`` (as ``mace.tools.compile.prepare`` traces MACE's symmetric contractions) reads as the
+attributes its pickled body holds (the traced parameters and buffers under their module paths); a
+``torch.compile`` wrapper is read as the module it wraps. The zip archive and its
 tensor storages are read here too, not by ``torch.load`` (which would pass a TorchScript archive to
 ``torch.jit.load`` and a legacy, non-zip file to plain pickle).
 
@@ -31,6 +34,10 @@ import pickle
 import torch
 
 from ..errors import MLIPError
+
+
+GRAPH_MODULE = "torch.fx.graph_module.reduce_graph_module"  # how an fx.GraphModule pickles: (body dict, imports)
+COMPILED_MODULE = "torch._dynamo.eval_frame.OptimizedModule"  # torch.compile's wrapper of a module
 
 
 class PickleFileError(MLIPError, ValueError):
@@ -61,6 +68,8 @@ class Pickled:
 
     def _fields(self) -> dict:
         state = self.pickled_state
+        if state is None and type(self).path == GRAPH_MODULE and self.pickled_args:  # an fx.GraphModule: its body
+            state = self.pickled_args[0]
         if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):  # (dict, slots)
             state = {**(state[0] or {}), **state[1]}
         return state if isinstance(state, dict) else {}
@@ -219,7 +228,10 @@ def read_module_tree(path, deferred: bool = False):
     archive, or is damaged."""
     path = _check_archive(path)
     with _opened(path) as archive:
-        return _load_archive(archive, path, deferred)
+        tree = _load_archive(archive, path, deferred)
+    while isinstance(tree, Pickled) and type(tree).path == COMPILED_MODULE and tree.pickled_args:
+        tree = tree.pickled_args[0]  # torch.compile's wrapper pickles as (the module, its compile options)
+    return tree
 
 
 def read_deferred(path, part):
@@ -320,6 +332,15 @@ def codegen_tensors(tree, prefix: str = "") -> dict:
         if isinstance(child, Pickled):
             out.update(codegen_tensors(child, f"{prefix}{name}."))
     return out
+
+
+def traced_prefixes(tree, prefix: str = "") -> list:
+    """The ``state_dict`` key prefixes ("products.0.symmetric_contractions.") of the modules of a pickled tree
+    that ``torch.fx`` traced: their bodies hold only the tensors the traced forward reads."""
+    if type(tree).path == GRAPH_MODULE:
+        return [prefix]
+    return [p for name, child in (tree._fields().get("_modules") or {}).items() if isinstance(child, Pickled)
+            for p in traced_prefixes(child, f"{prefix}{name}.")]
 
 
 def _storage_from_bytes(raw: bytes):
