@@ -15,6 +15,7 @@ checkpoints and the package's own file format.
 from __future__ import annotations
 
 import copy
+import zlib
 from fnmatch import fnmatchcase
 
 import torch
@@ -72,16 +73,18 @@ def weight_blocks(owner: torch.nn.Module, attribute: str, weight: torch.Tensor) 
     return blocks if offset == weight.numel() else []
 
 
-def add_lora(model, rank: int, alpha: float, targets, seed: int = 0) -> list:
+def add_lora(model, rank: int, alpha: float, targets, seed: int = 0, require_match: bool = True) -> list:
     """Freeze every weight of ``model`` and add a trainable ``LowRankUpdate`` of ``rank`` (scale alpha / rank) to
-    each weight whose ``named_weights`` name matches a glob of ``targets``; returns the adapted names. LoRAError for a
-    glob that matches no weight, or a matched weight with no matrix blocks (its shape named)."""
+    each weight whose ``named_weights`` name matches a glob of ``targets``; returns the adapted names. A weight's A is
+    drawn from ``seed`` and its name alone, so a pipeline stage holding some of the weights draws the same A for
+    each as the whole model does. LoRAError for a glob that matches no weight (``require_match``: a stage's caller
+    checks the globs over all stages instead), or a matched weight with no matrix blocks (its shape named)."""
     if rank < 1:
         raise LoRAError(f"model.lora.rank: the rank of the updates is an integer >= 1, got {rank}")
     named = model.named_weights()
     owners = {id(p): (module, attribute) for module in model.modules()
               for attribute, p in module._parameters.items() if p is not None}
-    for glob in targets:
+    for glob in targets if require_match else ():
         if not any(fnmatchcase(name, glob) for name, _ in named):
             from .base import weight_groups
             raise LoRAError(f"model.lora.targets: {glob!r} matches none of the {type(model).__name__}'s weights; its "
@@ -94,13 +97,14 @@ def add_lora(model, rank: int, alpha: float, targets, seed: int = 0) -> list:
         if not blocks:
             raise LoRAError(f"model.lora.targets: {name} {tuple(p.shape)} is not a linear layer's weight (a matrix, a "
                             f"stack of them, or an e3nn Linear's per-path matrices): leave it out of the targets")
-        plans.append((owner, attribute, p, blocks))
+        plans.append((name, owner, attribute, p, blocks))
     for p in model.parameters():
         p.requires_grad_(False)
-    generator = torch.Generator().manual_seed(seed)
-    for owner, attribute, p, blocks in plans:
+    for name, owner, attribute, p, blocks in plans:
+        generator = torch.Generator().manual_seed(seed * 2 ** 32 + zlib.crc32(name.encode()))
         parametrize.register_parametrization(owner, attribute, LowRankUpdate(p, blocks, rank, alpha, generator))
-    model.lora_settings = {"rank": rank, "alpha": alpha, "targets": list(targets), "seed": seed}  # (a copy's)
+    model.lora_settings = {"rank": rank, "alpha": alpha, "targets": list(targets), "seed": seed,  # (a copy's)
+                           "require_match": require_match}
     return [name for name, _ in chosen]
 
 

@@ -48,7 +48,7 @@ CHARGES = {1: (0, 2), 2: (1, 3), 4: (-1, None), 5: (2, 1), 7: (None, 3), 8: (-1,
 FAMILIES = ("mace", "nequip", "allegro", "sevennet") + FAIRCHEM
 PARALLEL = tuple(f for f in FAMILIES if f != "esen")  # (eSEN's code is UMA's without experts: UMA's runs cover it)
 PACKAGES = {"mace": ("mace",), "nequip": ("nequip",), "allegro": ("nequip", "allegro"), "sevennet": ("sevenn",),
-            "mace3": ("mace",), "allegro3": ("nequip", "allegro"),
+            "mace3": ("mace",), "mace-lora": ("mace",), "allegro3": ("nequip", "allegro"),
             **{name: ("fairchem",) for name in FAIRCHEM}}  # the modules each family's tests need
 
 
@@ -370,13 +370,15 @@ def test_huber_loss_amsgrad_and_lr_factors_equal_torchs(files):
 # differ in the last bits). mace3: a three-interaction MACE (its reference energies refit first: under pipeline, by
 # the whole model on rank 0); allegro3: a three-layer Allegro with per-edge-type cutoffs and ZBL.
 ONE_F_ONE_B = {"stages": 2, "microbatches": 3, "schedule": "1f1b", "boundaries": [0, 1, 2]}
-PIPELINES = {2: [("mace", ONE_F_ONE_B), ("sevennet", ONE_F_ONE_B), ("allegro", ONE_F_ONE_B),
+PIPELINES = {2: [("mace", ONE_F_ONE_B), ("mace-lora", ONE_F_ONE_B), ("sevennet", ONE_F_ONE_B), ("allegro", ONE_F_ONE_B),
                  ("nequip", {"stages": 2, "microbatches": 3}), ("uma-moe", dict(ONE_F_ONE_B, boundaries=[0, 2, 3])),
                  ("uma-dense", {"stages": 2, "microbatches": 3})],
              3: [("mace3", {"stages": 3, "microbatches": 3}),
                  ("nequip", {"stages": 3, "microbatches": 3, "schedule": "1f1b"}),
                  ("allegro3", {"stages": 3, "microbatches": 3}), ("uma-moe", {"stages": 3, "microbatches": 3})]}
-RESUMED = ((2, "mace"), (2, "sevennet"), (2, "allegro"), (3, "nequip"), (2, "uma-moe"))  # each also killed after epoch 1, resumed
+RESUMED = ((2, "mace"), (2, "mace-lora"), (2, "sevennet"), (2, "allegro"), (3, "nequip"), (2, "uma-moe"))  # each also killed after epoch 1, resumed
+LORA = {"lora": {"targets": ["interactions.*.linear.weight", "interactions.*.conv_tp_weights.*"], "rank": 2,
+                 "alpha": 4.0}}  # mace-lora: MACE with these updates, one process and 2 stages (and resumed)
 REFIT = {"reference_energies": "refit"}
 
 
@@ -395,10 +397,10 @@ def parallel(files, one_process, mpirun, torchrun):
     owners = Grid.for_ranks(3, domain).owner(domain.wrapped_fractional(domain.wrap(clusters.positions)[0]))
     assert sorted(set(owners.tolist())) == [0, 2], owners  # the middle rank of 3 owns none of the clusters' atoms
     references = {family: one_process[family][0] for family in one_process}
-    for family, changes in (("mace3", {"model": REFIT}), ("allegro3", {})):
+    for family, changes in (("mace3", {"model": REFIT}), ("allegro3", {}), ("mace-lora", {"model": LORA})):
         if installed(family):
             references[family] = root / f"one-{family}"
-            train(validate(job(files, family, references[family], **changes), SCHEMA, RULES))
+            train(validate(job(files, family.removesuffix("-lora"), references[family], **changes), SCHEMA, RULES))
     for ranks, launcher in ((2, torchrun), (3, mpirun)):
         configs = []
         for family in filter(installed, PARALLEL):
@@ -412,8 +414,10 @@ def parallel(files, one_process, mpirun, torchrun):
             if not installed(family):
                 continue
             for name in ("pipeline", "pipeline-resumed")[: 1 + ((ranks, family) in RESUMED)]:
-                config = job(files, family, root / f"{ranks}-{family}-{name}", parallel="pipeline", pipeline=pipeline,
-                             **({"model": REFIT} if family == "mace3" else {}),
+                config = job(files, family.removesuffix("-lora"), root / f"{ranks}-{family}-{name}",
+                             parallel="pipeline", pipeline=pipeline,
+                             **({"model": {"mace3": REFIT, "mace-lora": LORA}[family]}
+                                if family in ("mace3", "mace-lora") else {}),
                              **({"data": {"stream": True}} if ranks == 3 else {}))
                 for k, epochs in enumerate([1, EPOCHS] if name == "pipeline-resumed" else [EPOCHS]):
                     path = root / f"{ranks}-{family}-{name}-{k}.yaml"
@@ -448,8 +452,9 @@ def test_pipeline_stages_equal_one_process(parallel, ranks, family):
     features) and in 3, Allegro in 2 and the three-layer Allegro with per-edge-type cutoffs and ZBL in 3 (its
     per-edge state travelling), fairchem's UMA-S-shaped model with experts in 2 (1F1B) and 3 and the UMA-S-1.2-shaped
     one (max_neighbors, the omol task) in 2 (the node embeddings travelling; the system embeddings and the experts'
-    routing held by every stage, each micro-batch's structures routed by their own compositions): the trained weights
-    equal one process's to 1e-10. The 3-stage runs stream their data from disk (data.stream), the one-process
+    routing held by every stage, each micro-batch's structures routed by their own compositions), MACE with LoRA
+    updates (``LORA``) in 2 (each stage adapting its own parts, each weight's A drawn from its name as one process
+    draws it): the trained weights (LoRA's: the updates, the fixed originals) equal one process's to 1e-10. The 3-stage runs stream their data from disk (data.stream), the one-process
     reference holds it."""
     assert_same_weights(trained_parameters(parallel["root"] / f"{ranks}-{family}-pipeline"),
                         trained_parameters(parallel["references"][family]), 1e-10, (ranks, family, "pipeline"))
@@ -466,6 +471,7 @@ def test_resumed_pipeline_equals_the_uninterrupted_one(parallel, ranks, family):
 
 
 @pytest.mark.parametrize("run", [pytest.param("2-mace", marks=needs("mace")),
+                                 pytest.param("2-mace-lora", marks=needs("mace")),
                                  pytest.param("2-sevennet", marks=needs("sevennet")),
                                  pytest.param("3-nequip", marks=needs("nequip")),
                                  pytest.param("2-allegro", marks=needs("allegro")),
@@ -474,11 +480,11 @@ def test_resumed_pipeline_equals_the_uninterrupted_one(parallel, ranks, family):
 def test_files_assembled_from_the_stages_load_in_the_packages_own_code(files, parallel, run):
     """The files in the packages' formats, assembled from the pipeline stages (best.model, checkpoint_best.pth,
     best.ckpt), equal our evaluation of best.pt in MACECalculator, sevenn's own model and NequIPCalculator to
-    1e-9 (float64)."""
+    1e-9 (float64); the MACE trained with LoRA updates in 2 stages writes them added into its weights."""
     directory = parallel["root"] / f"{run}-pipeline"
     atoms = read(files["validation"], 0 if run == "2-mace" else 1)
     ours = ours_on(potentials.load(directory / "best.pt"), atoms)
-    theirs = packages_own(run.split("-", 1)[1], directory, atoms)
+    theirs = packages_own(run.split("-", 1)[1].removesuffix("-lora"), directory, atoms)
     assert max(max_relative_error(ours, theirs).values()) < 1e-9
 
 

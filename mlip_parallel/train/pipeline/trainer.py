@@ -462,8 +462,10 @@ class PipelineTrainer:
         parts and one tensor of another's. ``extra``: plain entries stored beside the weights (rank 0's)."""
         import torch.distributed as dist
 
+        from potentials.lora import merged
+
         if self.replica == 0:  # the other replicas hold the same weights
-            net = model if model is not None else self.model
+            net = merged(model if model is not None else self.model)  # (LoRA: the updates added into the weights)
             state = {k: v.detach() for k, v in net.state_dict().items()
                      if self.stage.first or net.part_of(k) is not None}  # shared buffers once, from stage 0
             layout = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
