@@ -18,7 +18,8 @@ import torch
 
 from ..errors import MLIPError
 from .exchange import default_dtype
-from .pickled import GRAPH_MODULE, Pickled, PickleFileError, codegen_tensors, read_module_tree, state_dict, traced_prefixes
+from .pickled import (GRAPH_MODULE, Pickled, PickleFileError, codegen_tensors, read_module_tree, state_dict,
+                      traced_prefixes)
 from .process import process_kept
 
 MODEL_CLASSES = ("mace.modules.models.ScaleShiftMACE", "mace.modules.models.MACE")
