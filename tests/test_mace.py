@@ -445,21 +445,26 @@ def test_files_from_maces_accelerated_training_and_torch_compile_load(tmp_path, 
     when it builds a readout), the gate only in its code. These facts are asserted of the file, so the test
     covers them; without the flags taken from the rebuilt model the strict load refused the second file, and
     with the gate not read from the traced code it was silently rebuilt linear (17 % off in energy)."""
+    import subprocess
+    import sys
+
     from ase.build import bulk
     from mace.calculators import MACECalculator
-    from e3nn import nn
-    from mace.tools.compile import prepare, simplify_if_compile
 
     from potentials.adapters.pickled import COMPILED_MODULE, Pickled, _check_archive, _load_archive, _opened, \
         traced_prefixes
 
     cueq = os.path.join(MACE_DIR, "mace-cueq-f64.model")
     compiled = tmp_path / "compiled.model"
+    # in a process of its own: MACE's preparation changes torch.compile's settings for the process. Registering the
+    # activation for tracing is what building a MACE readout does (the process's first build, or this line).
+    code = ("import torch; from e3nn import nn; from mace.tools.compile import prepare, simplify_if_compile; "
+            "torch.set_default_dtype(torch.float64); simplify_if_compile(nn.Activation); "
+            f"torch.save(torch.compile(prepare(lambda: torch.load({cueq!r}, weights_only=False))()), {str(compiled)!r})")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
     default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    simplify_if_compile(nn.Activation)  # as building a MACE readout does: the process's first build, or this test
-    torch.save(torch.compile(prepare(lambda: torch.load(cueq, weights_only=False))()), compiled)
-    torch.set_default_dtype(default)
     with _opened(_check_archive(compiled)) as archive:  # the file as pickled: torch.compile's wrapper outside
         outer = _load_archive(archive, "compiled")
     assert isinstance(outer, Pickled) and type(outer).path == COMPILED_MODULE
