@@ -611,31 +611,18 @@ def stage_run(work, name, model, ranks, limit_gb=None) -> dict:
     it); 4-atom Cu structures, batch 2, 2 micro-batches, AdamW + EMA, E+F+S, 1 epoch. {"peaks": each process's
     VmHWM in MB (rank 0 first), "tensor_mb": the tensors each holds at the end, "error": the run's last line of
     standard error when it failed}."""
-    import resource
-
-    import yaml
-
-    from common import launcher_command
+    from pipeline_memory import train_run
 
     stem = work / f"{name}.S{ranks}"
-    stem.with_suffix(".yaml").write_text(yaml.safe_dump({
+    run = train_run({
         "data": {"train": str(work / "cu4.extxyz"), "validation_fraction": 0.25}, "model": model,
         "loss": {f"{q}_weight": w for q, w in WEIGHTS.items()}, "optimizer": {"lr": 1e-4}, "ema_decay": 0.99,
         "epochs": 1, "batch_size": 2, "seed": 0, "parallel": "pipeline" if ranks > 1 else "data",
         "pipeline": {"stages": ranks, "microbatches": 2, "schedule": "1f1b"},
-        "output": {"directory": str(stem) + "_out", "overwrite": True}}))
-    command = ([sys.executable] if ranks == 1 else launcher_command(ranks)) + [
-        str(Path(__file__).parent / "pipeline_memory.py"), "--train-worker", str(stem.with_suffix(".yaml")), str(stem)]
-    limit = None if limit_gb is None else int(limit_gb * 2**30)
-    out = subprocess.run(command, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)), capture_output=True,
-                         text=True, preexec_fn=None if limit is None else
-                         lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
-    results = [json.loads(Path(f"{stem}.rank{r}.json").read_text()) for r in range(ranks)
-               if Path(f"{stem}.rank{r}.json").exists()]
-    failed = out.returncode != 0 or len(results) < ranks or any(r["exit"] for r in results)
-    lines = [line for line in out.stderr.splitlines() if line.strip()]
-    return {"peaks": [r["hwm_mb"] for r in results], "vm_peaks": [r.get("vm_peak_mb") for r in results], "tensor_mb": [r.get("tensor_mb") for r in results],
-            "error": (lines[-1] if lines else f"exit {out.returncode}") if failed else None}
+        "output": {"directory": str(stem) + "_out", "overwrite": True}}, stem, ranks, limit_gb)
+    records = run["ranks"]
+    return {"peaks": [r["hwm_mb"] for r in records], "vm_peaks": [r.get("vm_peak_mb") for r in records],
+            "tensor_mb": [r.get("tensor_mb") for r in records], "error": run["error"]}
 
 
 def part_stages(args, work):

@@ -42,6 +42,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from common import ROOT, cu_structures, launch, reset_hwm, status_mb
 
@@ -231,15 +232,36 @@ def train_worker(job, out) -> None:
         json.dump({"hwm_mb": status_mb("VmHWM"), "vm_peak_mb": status_mb("VmPeak"), "exit": code, **held}, f)
 
 
-def train_peaks(directory, data, ranks, features, blocks) -> list:
-    """Peak resident MB of each process of ``mlip-train`` on ``ranks`` processes (pipeline of ``ranks``
-    stages, or one process) for the parameter-dominated job."""
+def train_run(job: dict, stem, ranks: int, limit_gb=None) -> dict:
+    """``job`` (an mlip-train config) written to ``stem``.yaml and run by ``train_worker`` on ``ranks`` processes
+    (``parallel: pipeline`` needs as many stages; one process: ``sys.executable``), every process under an
+    address-space limit of ``limit_gb`` (``ulimit -v``: the memory pre-flight reads it). {"ranks": each process's
+    ``train_worker`` record (rank 0 first; those written), "error": the run's last line of standard error when it
+    failed, else None}."""
+    import resource
     import subprocess
 
     import yaml
 
     from common import launcher_command
 
+    Path(f"{stem}.yaml").write_text(yaml.safe_dump(job))
+    command = ([sys.executable] if ranks == 1 else launcher_command(ranks)) + [
+        str(Path(__file__).resolve()), "--train-worker", f"{stem}.yaml", str(stem)]
+    limit = None if limit_gb is None else int(limit_gb * 2**30)
+    out = subprocess.run(command, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)), capture_output=True,
+                         text=True, preexec_fn=None if limit is None else
+                         lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+    records = [json.loads(Path(f"{stem}.rank{r}.json").read_text()) for r in range(ranks)
+               if Path(f"{stem}.rank{r}.json").exists()]
+    failed = out.returncode != 0 or len(records) < ranks or any(r["exit"] for r in records)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    return {"ranks": records, "error": (lines[-1] if lines else f"exit {out.returncode}") if failed else None}
+
+
+def train_peaks(directory, data, ranks, features, blocks) -> list:
+    """Each process's ``train_worker`` record of ``mlip-train`` on ``ranks`` processes (pipeline of ``ranks``
+    stages, or one process) for the parameter-dominated job."""
     name = f"{directory}/S{ranks}.F{features}"
     job = {"data": {"train": str(data), "validation_fraction": 0.25},
            "model": {"name": "PaiNN", "cutoff": 4.5, "hyperparameters": {"features": features, "layers": blocks},
@@ -248,15 +270,9 @@ def train_peaks(directory, data, ranks, features, blocks) -> list:
            "ema_decay": 0.99, "epochs": 2, "batch_size": 2, "seed": 0,
            "parallel": "pipeline" if ranks > 1 else "data",
            "pipeline": {"stages": ranks, "microbatches": 2}, "output": {"directory": f"{name}_out"}}
-    with open(f"{name}.yaml", "w") as f:
-        yaml.safe_dump(job, f)
-    cmd = ([sys.executable] if ranks == 1 else launcher_command(ranks)) + [__file__, "--train-worker", f"{name}.yaml",
-                                                                          name]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    subprocess.run(cmd, env=env, check=True, capture_output=True)
-    peaks = [json.load(open(f"{name}.rank{r}.json")) for r in range(ranks)]
-    assert all(p["exit"] == 0 for p in peaks), peaks
-    return peaks
+    run = train_run(job, name, ranks)
+    assert run["error"] is None, run
+    return run["ranks"]
 
 
 def train_regime(features, blocks) -> None:
