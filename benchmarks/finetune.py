@@ -549,11 +549,11 @@ def fairchem_theirs(path, frames):
     denormalised as MLIPPredictUnit does, the loss, backward, AdamW."""
     import torch
     from fairchem.core.datasets.atomic_data import AtomicData, atomicdata_list_to_batch
-    from fairchem.core.units.mlip_unit.utils import load_inference_model, load_tasks
 
-    model = load_inference_model(str(path), use_ema=True, return_checkpoint=False,
-                                 overrides={"backbone": {"always_use_pbc": False}}).module.train()
-    tasks = [t for t in load_tasks(str(path)) if "omat" in t.datasets]
+    sys.path.insert(0, str(ROOT / "tests"))
+    from systems import fairchem_training_model
+
+    model, outputs = fairchem_training_model(path, "omat", torch.float32)
     data = [AtomicData.from_ase(a, task_name="omat", r_edges=False, radius=model.backbone.cutoff,
                                 max_neigh=model.backbone.max_neighbors) for a in frames]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -561,11 +561,7 @@ def fairchem_theirs(path, frames):
     def step():
         batch = atomicdata_list_to_batch(data)
         optimizer.zero_grad()
-        out = model(batch)
-        result = {}
-        for t in tasks:
-            value = t.normalizer.denorm(out[t.name][t.property])
-            result[t.property] = value if t.element_references is None else t.element_references.undo_refs(batch, value)
+        result = outputs(batch)
         loss(result["energy"].reshape(-1), result["forces"], result["stress"].reshape(-1, 3, 3), frames).backward()
         optimizer.step()
 

@@ -541,6 +541,32 @@ def fairchem_model(name: str, dtype=torch.float64, **changes):
     return potentials.FAIRChem(str(FAIRCHEM_DIR / f"{name}.pt"), dtype=dtype, **{**FAIRCHEM_FIXTURES[name], **changes})
 
 
+def fairchem_training_model(path, task: str, dtype=torch.float64):
+    """fairchem's own training forward of the checkpoint at ``path``: (its HydraModel with the EMA weights, built by
+    fairchem's ``load_inference_model`` as ``load_predict_unit`` builds it, in ``dtype``, in training mode;
+    ``outputs(batch)``: ``task``'s outputs on a batch of fairchem's AtomicData, denormalised by fairchem's task
+    normaliser and element references as ``MLIPPredictUnit`` applies them, {property: tensor})."""
+    from fairchem.core.units.mlip_unit.utils import load_inference_model, load_tasks
+
+    from potentials.adapters.exchange import default_dtype
+    from potentials.adapters.fairchem import import_fairchem
+
+    import_fairchem()
+    with default_dtype(dtype):
+        model = load_inference_model(str(path), overrides={"backbone": {"always_use_pbc": False}}, use_ema=True,
+                                     return_checkpoint=False).module.train()
+        tasks = [t for t in load_tasks(str(path)) if task in t.datasets]
+
+    def outputs(batch) -> dict:
+        out, result = model(batch), {}
+        for t in tasks:
+            value = t.normalizer.denorm(out[t.name if t.name in out else t.property][t.property])
+            result[t.property] = value if t.element_references is None else t.element_references.undo_refs(batch, value)
+        return result
+
+    return model, outputs
+
+
 def fairchem_reference(name: str, atoms, dtype=torch.float64, merge_mole: bool = False, path=None,
                        **changes) -> dict:
     """fairchem's own FAIRChemCalculator on ``atoms`` (energy, forces, and stress where the cell has a volume) with

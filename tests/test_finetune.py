@@ -33,8 +33,8 @@ from mlip_parallel.train.cli import RULES, SCHEMA, main, train, validate
 from potentials.adapters.exchange import default_dtype
 from test_training import trained_parameters  # (last.pt's state, or the pipeline stages' shards)
 from systems import (ALLEGRO_PRUNED, FAIRCHEM_DIR, FAIRCHEM_FIXTURES, MACE_DIR, NEQUIP_DIR, allegro_architecture,
-                     fairchem_reference, labelled_alloys, max_relative_error, write_framework_model, write_small_mace,
-                     write_small_sevennet)
+                     fairchem_reference, fairchem_training_model, labelled_alloys, max_relative_error,
+                     write_framework_model, write_small_mace, write_small_sevennet)
 
 # the packages' own warnings (deprecations in their code) are not this suite's to read
 pytestmark = pytest.mark.filterwarnings("ignore:::(mace|e3nn|nequip|allegro|sevenn|lightning|torch_geometric|fairchem)")
@@ -226,15 +226,8 @@ def fairchem_own(path, task, charge=None, spin=None):
     backbone); the task's outputs denormalised by
     fairchem's own task normaliser and element references (as ``MLIPPredictUnit`` applies them)."""
     from fairchem.core.datasets.atomic_data import AtomicData, atomicdata_list_to_batch
-    from fairchem.core.units.mlip_unit.utils import load_inference_model, load_tasks
 
-    from potentials.adapters.fairchem import import_fairchem
-
-    import_fairchem()
-    with default_dtype(torch.float64):
-        model = load_inference_model(str(path), overrides={"backbone": {"always_use_pbc": False}}, use_ema=True,
-                                     return_checkpoint=False).module.train()
-        tasks = [t for t in load_tasks(str(path)) if task in t.datasets]
+    model, outputs = fairchem_training_model(path, task)
     info = {k: v for k, v in (("charge", charge), ("spin", spin)) if v is not None}
 
     def predict(frames):
@@ -247,12 +240,7 @@ def fairchem_own(path, task, charge=None, spin=None):
                                             r_data_keys=["charge", "spin"]))
         batch = atomicdata_list_to_batch(data)
         batch.pos, batch.cell = batch.pos.double(), batch.cell.double()
-        out = model(batch)
-        result = {}
-        for t in tasks:
-            value = out[t.name if t.name in out else t.property][t.property]
-            value = t.normalizer.denorm(value)
-            result[t.property] = value if t.element_references is None else t.element_references.undo_refs(batch, value)
+        result = outputs(batch)
         return result["energy"].reshape(-1), result["forces"], result["stress"].reshape(-1, 3, 3)
 
     return model, predict
