@@ -122,11 +122,11 @@ class Trainer(Checkpoints):
             check_patterns(model, self.lora["targets"], procs, "model.lora.targets", matched=self.lora["adapted"])
         fixing = f"model.lora.targets {self.lora['targets']}" if self.lora is not None else \
             f"model.freeze {section['freeze']}"
-        if not procs.sum(np.array([float(len(self.strategy.parameters))]))[0]:
+        trains = procs.allgather((self.pipeline.stage.stage if self.pipeline is not None else 0,
+                                  bool(self.strategy.parameters)))  # (stage, whether it trains) of every rank
+        if not any(t for _, t in trains):
             raise ConfigError(f"{fixing} keeps every weight of the model fixed: nothing to train")
-        idle = sorted({stage for held in procs.allgather(
-            [self.pipeline.stage.stage] if self.pipeline is not None and not self.strategy.parameters else [])
-            for stage in held})
+        idle = sorted({stage for stage, t in trains if not t})  # (only pipeline stages differ)
         if idle:
             k, bounds = idle[0], self.pipeline.boundaries
             raise ConfigError(f"{fixing} leaves pipeline stage {k} (blocks {bounds[k]} to {bounds[k + 1] - 1}) "
