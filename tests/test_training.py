@@ -14,7 +14,7 @@ import torch
 import yaml
 from ase import Atoms
 from ase.calculators.singlepoint import SinglePointCalculator
-from ase.io import write
+from ase.io import read, write
 
 import potentials
 from conftest import MPI_DIR, ROOT, assert_log_lines
@@ -266,7 +266,8 @@ def test_two_ranks_equal_one_process(mpirun, torchrun, quick_data, replay_data, 
     the order predicted fastest under the measured costs), four sweeps, pipelined validation. Graph parallel also under
     torchrun: the halo over the torch.distributed backend, no MPI. ``stream`` (a number: data.workers): the 2-rank run
     reads its structures from disk at each use (data.stream; data parallel: each rank only its share, read ahead by a
-    worker process of each rank, in batches of at most 20 atoms, another file sampled at a share of 0.3), the
+    worker process of each rank, in batches of at most 20 atoms, another file sampled at a share of 0.3; with a worker,
+    the first file as an ASE database: under MPI, ASE's databases once handed every rank rank 0's rows), the
     one-process run holds them."""
     serial, distributed = tmp_path / "serial", tmp_path / "distributed"
     config = job(serial, quick_data, epochs=3, parallel="data", batch_atoms=20 if stream else 0,
@@ -284,6 +285,13 @@ def test_two_ranks_equal_one_process(mpirun, torchrun, quick_data, replay_data, 
     config["data"] = dict(config["data"], stream=stream is not False, workers=stream or 0)
     if stream:  # and batches by size: of at most 20 atoms (the structures have 3 and 4)
         config["batch_atoms"] = 20
+    if stream == 1:  # the first file as an ASE database of the same structures: each rank reads the rows it asks for
+        import ase.db
+
+        with ase.db.connect(tmp_path / "cu_quick.db", serial=True) as db:
+            for atoms in read(quick_data, ":"):
+                db.write(atoms, config_type=atoms.info["config_type"])
+        config["data"]["train"] = [str(tmp_path / "cu_quick.db"), *config["data"]["train"][1:]]
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
     run = torchrun if launcher == "torchrun" else mpirun
     rc, out, _ = run(2, "-m", "mlip_parallel.train.cli", tmp_path / "job.yaml")

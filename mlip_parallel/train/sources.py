@@ -159,16 +159,18 @@ class DatabaseSource(FileSource):
         self.ids = sorted(row.id for row in db.select(include_data=False, columns=["id"]))
 
     def connect(self):
+        """A connection of this process's own (``serial``: under MPI, ASE's databases otherwise read on rank 0 alone
+        and broadcast what it read, so every rank would get rank 0's rows, not the ones it asked for)."""
         if self.kind == "aselmdb":
             try:
                 from ase_db_backends.aselmdb import LMDBDatabase
             except ImportError:
                 raise DataError(f"{self.path}: reading ASE-LMDB needs the ase-db-backends package (pip install "
                                 f"ase-db-backends; the fairchem extra has it)") from None
-            return LMDBDatabase(self.path, readonly=True)
+            return LMDBDatabase(self.path, readonly=True, serial=True)
         import ase.db
 
-        return ase.db.connect(self.path, type="db")
+        return ase.db.connect(self.path, type="db", serial=True)
 
     def __len__(self) -> int:
         return len(self.ids)
