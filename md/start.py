@@ -138,17 +138,33 @@ def check_uncertainty(section, model) -> None:
 
 def read_restart(path, key: str = "restart_from") -> dict:
     """{"numbers", "step", "outputs"} of the restart file ``path`` ("outputs": what the run's output files
-    held when it was written, ``md.outputs.RunFiles.record``; None in a restart written without it)."""
+    held when it was written, ``md.outputs.RunFiles.record``; None in a restart written without it). Every array
+    is read once here (each checked against its checksum), so that a damaged or cut-short file is one ConfigError
+    before the run starts, not an error on some rank later."""
     import json
+    import zipfile
 
     import numpy as np
 
+    from .engine import PER_ATOM
+
     try:
         with np.load(path) as data:
-            outputs = json.loads(str(data["outputs"])) if "outputs" in data else None
-            return {"numbers": data["numbers"], "step": int(data["step"]), "outputs": outputs}
-    except (OSError, KeyError, ValueError) as exc:
-        raise ConfigError(f"{key}: cannot read {str(path)!r}: {exc}") from None
+            arrays = {name: data[name] for name in data.files}
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{key}: cannot read {str(path)!r}: {exc.strerror}") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:  # numpy and zipfile raise these for damage
+        reason = (str(exc).split(". ")[0] or type(exc).__name__).rstrip(".")
+        raise ConfigError(f"{key}: {str(path)!r} is not a whole restart file (damaged or cut short?): "
+                          f"{type(exc).__name__}: {reason}") from None
+    missing = [name for name in ("step", "cell", "pbc", *PER_ATOM) if name not in arrays]
+    if missing:
+        raise ConfigError(f"{key}: {str(path)!r} is not a restart file of mlip-md: it lacks {', '.join(missing)}")
+    try:
+        outputs = json.loads(str(arrays["outputs"])) if "outputs" in arrays else None
+    except ValueError:
+        raise ConfigError(f"{key}: {str(path)!r}: its record of the outputs is damaged") from None
+    return {"numbers": arrays["numbers"], "step": int(arrays["step"]), "outputs": outputs}
 
 
 def continued_restart(config):

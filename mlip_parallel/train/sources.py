@@ -156,7 +156,12 @@ class DatabaseSource(FileSource):
         super().__init__(path, keys)
         self.kind = kind
         db = self.connect()
-        self.ids = sorted(row.id for row in db.select(include_data=False, columns=["id"]))
+        try:  # (ASE-LMDB keeps its ids beside the rows: listed without decoding a row)
+            self.ids = sorted(db.ids if self.kind == "aselmdb" else
+                              (row.id for row in db.select(include_data=False, columns=["id"])))
+        except Exception as exc:  # a damaged index: sqlite3 and lmdb raise many types
+            raise DataError(f"{self.path}: cannot list its rows: {type(exc).__name__}: "
+                            f"{(str(exc).splitlines() or [''])[0]}") from None
 
     def connect(self):
         """A connection of this process's own (``serial``: under MPI, ASE's databases otherwise read on rank 0 alone
@@ -178,13 +183,17 @@ class DatabaseSource(FileSource):
     def __getitem__(self, k: int):
         if getattr(self, "_db", None) is None or self._pid != os.getpid():  # one connection per process
             self._db, self._pid = self.connect(), os.getpid()
-        row = self._db.get(id=self.ids[k])
-        atoms = row.toatoms()
-        atoms.info.update(row.key_value_pairs)
-        for name, value in (row.data or {}).items():
-            array = np.asarray(value)
-            (atoms.arrays if array.ndim and array.shape[0] == len(atoms) and name not in atoms.info
-             else atoms.info)[name] = array
+        try:
+            row = self._db.get(id=self.ids[k])
+            atoms = row.toatoms()
+            atoms.info.update(row.key_value_pairs)
+            for name, value in (row.data or {}).items():
+                array = np.asarray(value)
+                (atoms.arrays if array.ndim and array.shape[0] == len(atoms) and name not in atoms.info
+                 else atoms.info)[name] = array
+        except Exception as exc:  # a row gone or damaged: sqlite3, zlib, numpy, ase.db and lmdb raise many types
+            raise DataError(f"{self.path}: structure {k} (counting from 0; row id {self.ids[k]}) cannot be read: "
+                            f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}") from None
         return self.structure(atoms, k)
 
     def __getstate__(self):

@@ -12,6 +12,8 @@ the model's dtype, so that every module runs in float64 (for training comparison
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from ase.data import chemical_symbols
 
@@ -89,13 +91,14 @@ class SevenNet(PackageModel, BlockPotential):
             config = decode(architecture)
             model = build_E3_equivariant_model(dict(config))
         else:
-            try:
+            try:  # (sevenn reads the file lazily: a cut-short one fails in build_model)
                 loaded = sevenn.util.load_checkpoint(checkpoint)
+                model = loaded.build_model(enable_cueq=False, enable_flash=False, enable_oeq=False)
+                config = dict(loaded.config, _flash_lammps=False, use_oeq=False)  # as build_model builds it
             except Exception as exc:  # sevenn raises many types for a missing, foreign or damaged file
+                damaged = "; is the file whole?" if os.path.isfile(checkpoint) else ""
                 raise SevenNetModelError(f"{checkpoint}: sevenn cannot load it ({type(exc).__name__}: "
-                                         f"{(str(exc).splitlines() or [''])[0]})") from None
-            model = loaded.build_model(enable_cueq=False, enable_flash=False, enable_oeq=False)
-            config = dict(loaded.config, _flash_lammps=False, use_oeq=False)  # as build_model builds it
+                                         f"{(str(exc).splitlines() or [''])[0]}{damaged})") from None
         model.set_is_batch_data(False)
         type_map = config["_type_map"]  # atomic number -> one-hot index
         by_index = sorted(type_map, key=type_map.get)

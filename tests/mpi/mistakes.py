@@ -21,6 +21,7 @@ resource.setrlimit(resource.RLIMIT_AS, (LIMIT_GB * 2**30, resource.RLIM_INFINITY
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
@@ -126,11 +127,74 @@ def md_cases():
         ("non-periodic npt", {"ensemble": "npt", "structure": {"file": structures(
             "cluster.extxyz", lambda atoms, k: atoms.set_pbc(False))}}, ["npt", "periodic"]),
         *committee_cases(),
+        *damaged_file_cases(),
     ]
-    for label, config, words in cases:  # (no model: the default cu-emt; no structure: the default Cu crystal)
+    for label, config, words, *placed in cases:  # (no model: the default cu-emt; no structure: the default Cu crystal)
         config.setdefault("steps", 5)
         config.setdefault("output", {})["directory"] = "out"
-        yield label, config, words
+        yield label, config, words, *placed
+
+
+def cut_short(data: bytes) -> bytes:
+    return data[: len(data) // 2]
+
+
+def flipped(data: bytes, at: float = 0.5) -> bytes:
+    """``data`` with the bits of one byte at the fraction ``at`` of its length inverted."""
+    k = int(len(data) * at)
+    return data[:k] + bytes([data[k] ^ 0xFF]) + data[k + 1:]
+
+
+def scratch_file(name, write) -> str:
+    """A file in SCRATCH written by ``write(path)`` on rank 0."""
+    path = os.path.join(scratch, name)
+    if world.rank == 0:
+        write(path)
+    world.Barrier()
+    return path
+
+
+def damaged_file_cases():
+    """mlip-md given a model file cut short (SevenNet's .pth, fairchem's .pt; each where its package is installed)
+    and a damaged restart.npz to resume from: (label, config, words[, placed files])."""
+    import shutil
+
+    from systems import FAIRCHEM_DIR, write_small_sevennet
+
+    cases = []
+    if importlib.util.find_spec("sevenn") is not None:
+        def cut_sevennet(path):
+            write_small_sevennet(path)
+            with open(path, "rb") as f:
+                data = f.read()
+            with open(path, "wb") as f:
+                f.write(cut_short(data))
+        path = scratch_file("cut_sevennet.pth", cut_sevennet)
+        cases.append(("a SevenNet checkpoint cut short", {"model": {"sevennet": path}},
+                      ["model.sevennet", "cut_sevennet.pth", "is the file whole"]))
+    else:
+        print("skipped: a SevenNet checkpoint cut short (needs sevenn)", flush=True)
+    if importlib.util.find_spec("fairchem") is not None:
+        def cut_fairchem(path):
+            shutil.copy(FAIRCHEM_DIR / "esen.pt", path)
+            with open(path, "rb") as f:
+                data = f.read()
+            with open(path, "wb") as f:
+                f.write(cut_short(data))
+        path = scratch_file("cut_esen.pt", cut_fairchem)
+        cases.append(("a fairchem checkpoint cut short", {"model": {"fairchem": path, "task": "omat"}},
+                      ["model.fairchem", "cut_esen.pt", "cannot read"]))
+    else:
+        print("skipped: a fairchem checkpoint cut short (needs fairchem-core)", flush=True)
+    buffer = io.BytesIO()  # a restart of the default Cu crystal's shape, then damaged
+    np.savez(buffer, step=3, cell=np.eye(3) * 7.22, pbc=np.ones(3, bool), positions=np.zeros((32, 3)),
+             velocities=np.zeros((32, 3)), masses=np.full(32, 63.5), numbers=np.full(32, 29), ids=np.arange(32),
+             image=np.zeros((32, 3), int), outputs=np.array("{}"))
+    restart = buffer.getvalue()
+    for what, damaged in (("cut short", cut_short(restart)), ("with a flipped byte", flipped(restart, 0.3))):
+        cases.append((f"a restart.npz {what} to resume", {"resume": True, "steps": 10},
+                      ["resume", "out/restart.npz", "not a whole restart file"], {"out/restart.npz": damaged}))
+    return cases
 
 
 def committee_cases():
@@ -264,10 +328,89 @@ def train_cases():
         ("a model no machine holds", job(model={"hyperparameters": {"features": 100_000, "layers": 3}}),
          ["not enough memory", "SchNet", "weights", "hyperparameters"]),
         ("cutoff far beyond the cells", job(model={"cutoff": 100.0}), ["not enough memory", "100 Å", "batch_size"]),
+        *[(label, job(data={"train": path}), words) for label, path, words in database_cases()],
     ]
-    for label, config, words in cases:
+    import potentials
+
+    buffer = io.BytesIO()  # a last.pt of the job's model, then damaged: cut short, or one weight's byte flipped
+    torch.save({"step": 3, "training": {"step": 3, "model": potentials.SchNet(["Cu"], cutoff=4.0, features=8, layers=2,
+                                                                              seed=0).state_dict()}}, buffer)
+    for what, damaged in (("cut short", cut_short(buffer.getvalue())), ("with a flipped byte",
+                                                                         flipped(buffer.getvalue(), 0.6))):
+        cases.append((f"a last.pt {what} to resume", job(resume=True),
+                      ["resume", "out/last.pt", "not a whole checkpoint"], {"out/last.pt": damaged}))
+    for label, config, words, *placed in cases:
         config["output"] = {"directory": "out"}
-        yield label, config, words
+        yield label, config, words, *placed
+
+
+@contextlib.contextmanager
+def unlimited_address_space():
+    """The address-space limit (``LIMIT_GB``) lifted inside, put back after."""
+    limits = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, limits[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, limits)
+
+
+def database_cases():
+    """ASE databases of six labelled structures, each damaged in one row (row 3, structure 2): (label, path,
+    words). SQLite (.db): a row without its energy, a row whose positions are not numbers; ASE-LMDB (.aselmdb,
+    where ase-db-backends is installed): a row gone from under its index, a row whose body is not data."""
+    import sqlite3
+
+    import ase.db
+
+    def database(name, kind, damage):
+        def write(path):
+            with unlimited_address_space():  # ASE-LMDB maps 2 TB to write (reading maps the file's size)
+                written(path)
+
+        def written(path):
+            # (serial: rank 0 alone writes; ASE's databases would broadcast to the other ranks)
+            db = ase.db.connect(path, type="db", serial=True) if kind == "db" else LMDBDatabase(path, serial=True)
+            atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(2)
+            for k in range(6):
+                frame = atoms.copy()
+                frame.rattle(0.05, seed=k)
+                frame.calc = EMT()
+                energy, forces, stress = frame.get_potential_energy(), frame.get_forces(), frame.get_stress()
+                frame.calc = SinglePointCalculator(frame, energy=energy, forces=forces, stress=stress)
+                if k == 2 and damage == "no energy":
+                    frame.calc = SinglePointCalculator(frame, forces=forces, stress=stress)
+                db.write(frame)
+            if kind == "aselmdb":
+                db.close()
+            if damage == "garbled positions":
+                with contextlib.closing(sqlite3.connect(path)) as con:
+                    con.execute("update systems set positions = ? where id = 3", (b"\x01\x02garbled",))
+                    con.commit()
+            elif damage in ("row gone", "garbled body"):
+                import lmdb
+                env = lmdb.open(path, subdir=False, lock=False)
+                with env.begin(write=True) as txn:
+                    txn.delete(b"3") if damage == "row gone" else txn.put(b"3", b"\x78\x9cgarbled")
+                env.close()
+        return scratch_file(name, write)
+
+    cases = [("an ASE database with a row that lacks its energy", database("no_energy.db", "db", "no energy"),
+              ["no_energy.db", "structure 2", "has no energy"]),
+             ("an ASE database with a row's positions garbled", database("garbled.db", "db", "garbled positions"),
+              ["garbled.db", "structure 2", "row id 3", "cannot be read"])]
+    try:
+        from ase_db_backends.aselmdb import LMDBDatabase
+    except ImportError:
+        print("skipped: ASE-LMDB databases with a row gone or garbled (needs ase-db-backends)", flush=True)
+        return cases
+    cases += [("an ASE-LMDB database with a row gone from under its index", database("gone.aselmdb", "aselmdb",
+                                                                                   "row gone"),
+               ["gone.aselmdb", "structure 2", "row id 3", "cannot be read", "missing"]),
+              ("an ASE-LMDB database with a row's body garbled", database("garbled.aselmdb", "aselmdb",
+                                                                          "garbled body"),
+               ["garbled.aselmdb", "structure 2", "row id 3", "cannot be read"])]
+    return cases
 
 
 def lammps_cases():
@@ -441,12 +584,29 @@ def lammps_accepted():
         yield label, argv, ["log.lammps"]
 
 
-def run_case(label, argument, words):
+def files_under(directory) -> dict:
+    """{relative path: bytes} of every file under ``directory``."""
+    found = {}
+    for top, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(top, name)
+            with open(path, "rb") as f:
+                found[os.path.relpath(path, directory)] = f.read()
+    return found
+
+
+def run_case(label, argument, words, placed=None):
     """(ok, why) of one case, the same verdict on every rank. Refused: ``words`` in its one line; accepted: the
-    files ``words`` names written."""
+    files ``words`` names written. ``placed`` ({relative path: bytes}): files put in the case's directory first (a
+    damaged file to resume from), which a refused case must leave as they were."""
     directory = os.path.join(scratch, tool, label.replace(" ", "_"))
+    placed = placed or {}
     if world.rank == 0:
         os.makedirs(directory)
+        for name, data in placed.items():
+            os.makedirs(os.path.dirname(os.path.join(directory, name)), exist_ok=True)
+            with open(os.path.join(directory, name), "wb") as f:
+                f.write(data)
     world.Barrier()
     os.chdir(directory)
     if tool == "mlip-lammps":
@@ -470,7 +630,9 @@ def run_case(label, argument, words):
         code = f"{type(exc).__name__}: {exc}"
     world.Barrier()
     lines = err.getvalue().splitlines()
-    left = sorted(set(os.listdir(directory)) - {"job.yaml"})
+    found = files_under(directory)
+    left = sorted(name for name, data in found.items() if name != "job.yaml" and placed.get(name) != data) + \
+        [f"{name} (gone)" for name in placed if name not in found]
     why = None
     if accepted:
         missing = [f for f in words if not os.path.exists(os.path.join(directory, f))]
@@ -502,8 +664,8 @@ tables = {"mlip-md": (md_cases, md_accepted), "mlip-train": (train_cases, train_
           "mlip-lammps": (lammps_cases, lammps_accepted)}
 cases = list(tables[tool][accepted]())
 passed = 0
-for label, argument, words in cases:
-    ok, text = run_case(label, argument, words)
+for label, argument, words, *placed in cases:
+    ok, text = run_case(label, argument, words, *placed)
     passed += ok
     if world.rank == 0:
         print(f"{'OK' if ok else 'FAIL'} {label}: {text}", flush=True)
