@@ -108,6 +108,7 @@ def load_models(args) -> list:
 
 
 def check(args) -> int:
+    import numpy as np
     import torch
 
     from . import get_backend, rank_device
@@ -151,7 +152,7 @@ def check(args) -> int:
             print(f"{label}: {type(model).__name__}, {model.dtype}, cutoff {model.cutoff:g} A, {model.layers} layer(s); "
                   f"{compared.get_chemical_formula()} ({len(compared)} atoms){carved}; grid {grid}")
         for mode, comparison in results:
-            worst = max(worst, comparison.forces)
+            worst = float(np.max([worst, comparison.forces]))  # (a NaN difference stays NaN: never a pass)
             if not comparison.ok:
                 failed.append(f"{label} {mode}")
             if backend.rank == 0:

@@ -125,3 +125,20 @@ def test_a_structure_one_process_cannot_hold_is_compared_through_a_carve_out(mon
     assert np.linalg.norm(spread, axis=1).max() < 6.0  # a compact ball of 32 atoms (fcc Cu: radius ~4.7 Å)
     step = verify.check_step(model, atoms, None, SerialBackend())
     assert step.ok
+
+
+def test_check_reports_a_nan_difference_as_nan_and_fails(monkeypatch, capsys):
+    """A distributed result whose forces came out NaN: the verdict line prints nan (not the 0 that a max() skipping
+    it printed) and FAILED, exit 1."""
+    import mlip_parallel.verify as verify
+    from mlip_parallel.check import main
+
+    def nan_forces(model, atoms, backend, modes):
+        nan = verify.Comparison(0.0, float("nan"), 0.0, {"forces": 1e-8}, False)
+        return atoms, [(mode, nan) for mode in modes]
+
+    monkeypatch.setattr(verify, "check", nan_forces)
+    assert main(["--models", "LennardJones", "--repeat", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "largest force difference nan eV/A: FAILED (LennardJones layerwise, LennardJones wide" in out, out
+
