@@ -1,4 +1,5 @@
-"""The geometry set every distributed test runs over, and the comparison helpers.
+"""The geometry set every distributed test runs over, the packages' references and fixtures, and the MPI scripts'
+endings (the comparison itself: tests/comparison.py).
 
 Imported by pytest tests and by the MPI scripts in tests/mpi/ (which put this folder on sys.path).
 """
@@ -123,18 +124,6 @@ def ase_lj_results(atoms):
     return result
 
 
-def max_relative_error(result: dict, reference: dict) -> dict:
-    """Per key: max |result - reference| / max |reference| (keys must match)."""
-    if set(result) != set(reference):
-        raise AssertionError(f"keys differ: {sorted(result)} vs {sorted(reference)}")
-    errors = {}
-    for key, ref in reference.items():
-        ref = np.asarray(ref, dtype=np.float64)
-        diff = np.max(np.abs(np.asarray(result[key]) - ref))
-        errors[key] = float(diff / max(np.max(np.abs(ref)), 1e-300))
-    return errors
-
-
 def in_many_chunks(setattr=setattr) -> dict:
     """Make every memory-bounded path run in many small chunks (edge counts probed on 64 edges, chunks of 61
     edges: several per block, the last one short) and count them: the returned {"edge sums": chunked edge sums
@@ -178,15 +167,17 @@ def exit_with_verdict(world, failures: list, summary) -> None:
 def finish_adapter_run(world, title: str, failures: list, cases: int, expected: int, empty: int, chunks: dict):
     """The end of an adapter's MPI script (tests/mpi/*_models.py): the number of cases and of chunked edge sums
     checked, then ``exit_with_verdict``, rank 0 printing "P=…: TITLE N cases, K failures, E (case, rank) with no
-    atoms, C chunked edge sums; communication: …"."""
+    atoms, C chunked edge sums; faults caught F of G; communication: …" (the faults of ``faults.caught``)."""
     if cases != expected:
         failures.append(f"{cases} cases ran, expected {expected}")
     chunked_calls = int(world.allreduce(chunks["edge sums"]))
     if chunked_calls == 0:
         failures.append("no chunked edge sum ran")
+    from faults import tally
+
     exit_with_verdict(world, failures, lambda count: (
         f"P={world.size}: {title} {cases} cases, {count} failures, {empty} (case, rank) with no atoms, "
-        f"{chunked_calls} chunked edge sums; communication: {world.library}"))
+        f"{chunked_calls} chunked edge sums; {tally()}; communication: {world.library}"))
 
 
 def shared_out(owned: list, n_atoms: int) -> bool:
@@ -261,9 +252,9 @@ def mace_fixture(name: str):
     return MACE_DIR / f"{name}.model", heads, cases
 
 
-def mace_errors(result: dict, reference: dict, atoms) -> dict:
-    """Relative errors (max |Δ| / max |reference|) of energy, forces, stress and virial; the virial is
-    -stress × volume in our (ASE's) convention, compared with MACE's own, also for slabs."""
+def mace_view(result: dict, reference: dict, atoms) -> dict:
+    """Our ``result`` in the terms of MACE's ``reference`` (its keys: energy, forces, stress where periodic in 3D,
+    virial): the virial is -stress × volume in our (ASE's) convention, compared with MACE's own, also for slabs."""
     from ase.stress import voigt_6_to_full_3x3_stress
 
     ours = {"energy": result["energy"], "forces": result["forces"]}
@@ -271,7 +262,7 @@ def mace_errors(result: dict, reference: dict, atoms) -> dict:
         ours["stress"] = result["stress"]
     if "virial" in reference:
         ours["virial"] = -voigt_6_to_full_3x3_stress(result["stress"]) * atoms.cell.volume
-    return max_relative_error(ours, reference)
+    return ours
 
 
 # ------------------------------------------------------------------ nequip-framework fixtures (tests/data/nequip)
@@ -534,6 +525,20 @@ FAIRCHEM_DIR = Path(__file__).parent / "data" / "fairchem"
 FAIRCHEM_FIXTURES = {"uma-moe": {"task": "omat"}, "uma-dense": {"task": "omol", "charge": 1, "spin": 2},
                      "esen": {"task": "omat"}}
 _FAIRCHEM_UNITS: dict = {}
+
+
+def cached_fairchem_reference(name: str, geometry: str, dtype=torch.float64) -> dict:
+    """FAIRChemCalculator's result for the fixture ``name`` (with its options) on ``GEOMETRIES[geometry]``, as
+    tests/data/fairchem/make_references.py saved it (checked against the calculator run anew in
+    tests/test_fairchem.py); AssertionError where the geometry is no longer the one saved (make the file anew)."""
+    prefix = f"{name}/{str(dtype).removeprefix('torch.')}/{geometry}"
+    with np.load(FAIRCHEM_DIR / "references.npz") as data:
+        saved = {key.removeprefix(prefix + "/"): data[key] for key in data.files if key.startswith(prefix + "/")}
+    atoms = GEOMETRIES[geometry]()
+    assert saved and np.array_equal(saved["positions"], atoms.positions) and np.array_equal(saved["numbers"],
+                                                                                             atoms.numbers), \
+        f"tests/data/fairchem/references.npz has no {prefix} of this geometry: run make_references.py"
+    return {q: saved[q] if q != "energy" else float(saved[q]) for q in ("energy", "forces", "stress") if q in saved}
 
 
 def fairchem_model(name: str, dtype=torch.float64, **changes):

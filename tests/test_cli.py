@@ -11,6 +11,7 @@ import torch
 import yaml
 from ase.io import read
 
+from comparison import assert_beyond, assert_close
 from conftest import HANG_GUARD, ROOT, assert_log_lines
 from md.cli import ConfigError, schema_help, validate
 from md.start import build_model, prepare
@@ -157,14 +158,16 @@ def test_mlip_md_job_under_mpiexec(mpirun, tmp_path):
     for frame in (frames[-1], final):
         assert frame.info["step"] == 40 and frame.info["time_fs"] == 160.0
         assert frame.get_potential_energy() == float(rows[-1]["epot_eV"])
-        assert frame.get_forces().shape == (108, 3) and np.abs(frame.get_forces()).max() > 0
+        assert frame.get_forces().shape == (108, 3)
+        assert_beyond(frame.get_forces(), np.zeros((108, 3)), 0.0, scale="absolute", label="forces")
         assert frame.get_stress().shape == (6,)
-    assert abs(final.get_temperature() - float(rows[-1]["temperature_K"])) < 1e-6
-    assert abs(final.get_volume() - float(rows[-1]["volume_A3"])) < 1e-6
+    assert_close(final.get_temperature(), float(rows[-1]["temperature_K"]), 1e-6, scale="absolute", label="temperature")
+    assert_close(final.get_volume(), float(rows[-1]["volume_A3"]), 1e-6, scale="absolute", label="volume")
     with np.load(tmp_path / "out" / "restart.npz") as restart:
         assert np.array_equal(final.positions, restart["positions"])  # full precision
         assert np.array_equal(final.cell[:], restart["cell"])
-    assert abs(frames[-1].get_volume() / frames[0].get_volume() - 1) > 1e-3  # the barostat moved the cell
+    assert_beyond(frames[-1].get_volume(), frames[0].get_volume(), 1e-3, scale="each",
+                  label="volume")  # the barostat moved the cell
 
     # 20 steps, then 20 more from the restart file == the 40-step run (here in one process: the
     # trajectory does not depend on the number of ranks; restarts under MPI: tests/mpi/md_engine.py)
@@ -179,9 +182,9 @@ def test_mlip_md_job_under_mpiexec(mpirun, tmp_path):
         resumed = list(csv.DictReader(f))
     assert [int(r["step"]) for r in resumed] == [0, 10, 20, 30, 40]
     assert len(read(tmp_path / "half" / "trajectory.traj", index=":")) == 3  # steps 0, 20, 40: none twice
-    for a, b in zip(rows, resumed):
-        for column in ("etot_eV", "volume_A3", "pressure_GPa"):
-            assert abs(float(a[column]) - float(b[column])) < 1e-9 * abs(float(a[column])), column
+    columns = ("etot_eV", "volume_A3", "pressure_GPa")
+    assert_close({c: [float(r[c]) for r in resumed] for c in columns},
+                 {c: [float(r[c]) for r in rows] for c in columns}, 1e-9, scale="each", label="resumed thermo")
 
 
 def test_torch_backend_under_torchrun_equals_one_process(torchrun, tmp_path):
@@ -198,11 +201,11 @@ def test_torch_backend_under_torchrun_equals_one_process(torchrun, tmp_path):
     for run in ("serial", "torch"):
         with open(tmp_path / run / "thermo.csv") as f:
             tables.append(list(csv.DictReader(f)))
-    for a, b in zip(*tables):
-        for column in ("etot_eV", "volume_A3", "pressure_GPa"):
-            assert abs(float(a[column]) - float(b[column])) <= 1e-9 * abs(float(a[column])), (column, a, b)
+    serial, torch_run = ({c: [float(r[c]) for r in table] for c in ("etot_eV", "volume_A3", "pressure_GPa")}
+                         for table in tables)
+    assert_close(torch_run, serial, 1e-9, scale="each", label="torch.distributed thermo")
     final = [read(tmp_path / run / "final.extxyz") for run in ("serial", "torch")]
-    assert np.abs(final[0].positions - final[1].positions).max() < 1e-9
+    assert_close(final[1].positions, final[0].positions, 1e-9, scale="absolute", label="final positions")
 
 
 def test_bad_config_names_the_key(tmp_path):

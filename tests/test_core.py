@@ -11,7 +11,8 @@ import potentials
 from mlip_parallel import Decomposition, Domain, Grid, SerialBackend, Subdomain, forward_decomposed
 from mlip_parallel.evaluate import ghost_reach
 from potentials.predict import voigt_stress
-from systems import GEOMETRIES, SPECIES, ase_lj_results, lennard_jones, max_relative_error, schnet
+from comparison import assert_close
+from systems import GEOMETRIES, SPECIES, ase_lj_results, lennard_jones, schnet
 
 torch.set_num_threads(1)
 
@@ -54,7 +55,7 @@ def test_wrap_images_and_rounding():
     domain = Domain.from_positions(np.zeros((1, 3)), [[4.0, 0, 0], [1.0, 4.0, 0], [0, 0, 5.0]], (True, True, False))
     positions = np.array([[-1e-17, 0.5, 0.5], [9.0, -3.0, 12.0], [2.0, 2.0, -7.0]])
     wrapped, image = domain.wrap(positions)
-    assert np.allclose(wrapped + image @ domain.cell, positions)
+    assert_close(wrapped + image @ domain.cell, positions, 1e-8, scale="absolute", label="unwrapped")
     frac = domain.fractional(wrapped)
     assert np.all(frac[:, :2] >= 0) and np.all(frac[:, :2] < 1)
     assert np.all(image[:, 2] == 0)  # non-periodic: never wrapped
@@ -71,8 +72,7 @@ def test_plan_is_printable():
 @pytest.mark.parametrize("name", sorted(GEOMETRIES))
 def test_lennard_jones_matches_ase(name):
     atoms = GEOMETRIES[name]()
-    errors = max_relative_error(potentials.predict(lennard_jones(), atoms), ase_lj_results(atoms))
-    assert max(errors.values()) < 1e-10, errors
+    assert_close(potentials.predict(lennard_jones(), atoms), ase_lj_results(atoms), 1e-10, label=name)
 
 
 @pytest.mark.parametrize("name", sorted(GEOMETRIES))
@@ -82,16 +82,15 @@ def test_serial_decomposition_matches_predict(name):
     atoms = GEOMETRIES[name]()
     backend = SerialBackend()
     reference_lj = ase_lj_results(atoms)
-    assert max(max_relative_error(mlip_parallel.evaluate(lennard_jones(), atoms, comm=backend),
-                                  reference_lj).values()) < 1e-10
+    assert_close(mlip_parallel.evaluate(lennard_jones(), atoms, comm=backend), reference_lj, 1e-10, label="LJ")
     for cls in (potentials.SchNet, potentials.PaiNN, potentials.NequIP):
         for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5))[: 1 if cls is potentials.NequIP else 2]:
             torch.manual_seed(2)
             model = schnet(dtype) if cls is potentials.SchNet else cls(SPECIES, cutoff=4.0, features=8).to(dtype)
             reference = potentials.predict(model, atoms)
             for mode in ("layerwise", "wide"):
-                errors = max_relative_error(mlip_parallel.evaluate(model, atoms, mode=mode, comm=backend), reference)
-                assert max(errors.values()) < tol, (cls.__name__, dtype, mode, errors)
+                assert_close(mlip_parallel.evaluate(model, atoms, mode=mode, comm=backend), reference, tol,
+                             label=f"{cls.__name__} {dtype} {mode}")
 
 
 @pytest.mark.parametrize("mode", mlip_parallel.MODES)
@@ -110,10 +109,9 @@ def test_subdomain_pairs_and_ghosts_hold_until_atoms_moved_half_the_skin(mode):
     moved = atoms.copy()
     moved.positions = sub.positions
     energies, forces, dE_dstrain = forward_decomposed(model, sub, mode)
-    errors = max_relative_error({"energy": energies.sum().item(), "energies": energies.detach().numpy(),
-                                 "forces": forces.numpy(), "stress": voigt_stress(dE_dstrain.numpy(), moved.cell.volume)},
-                                potentials.predict(model, moved))
-    assert max(errors.values()) < 1e-10, errors
+    assert_close({"energy": energies.sum().item(), "energies": energies.detach().numpy(),
+                  "forces": forces.numpy(), "stress": voigt_stress(dE_dstrain.numpy(), moved.cell.volume)},
+                 potentials.predict(model, moved), 1e-10, label=mode)
 
 
 def test_batched_strain_and_edges_equal_one_structure_at_a_time():
@@ -132,9 +130,10 @@ def test_batched_strain_and_edges_equal_one_structure_at_a_time():
     for b, atoms in enumerate(structures):
         e, f, dE_dstrain = energy_forces(model, atoms)
         volume = abs(np.linalg.det(complete_cell(atoms.cell, atoms.pbc)))
-        assert abs(energy[b].item() - e.sum().item()) < 1e-10 * abs(e.sum().item())
-        assert torch.allclose(forces[start:start + len(atoms)], f, rtol=0, atol=1e-10)
-        assert torch.allclose(stress[b], 0.5 * (dE_dstrain + dE_dstrain.T) / volume, rtol=0, atol=1e-12)
+        assert_close(energy[b].item(), e.sum().item(), 1e-10, scale="each", label=f"energy {b}")
+        assert_close(forces[start:start + len(atoms)], f, 1e-10, scale="absolute", label=f"forces {b}")
+        assert_close(stress[b], 0.5 * (dE_dstrain + dE_dstrain.T) / volume, 1e-12, scale="absolute",
+                     label=f"stress {b}")
         start += len(atoms)
 
 
@@ -156,7 +155,8 @@ def test_forces_and_stress_are_finite_differences(model_name, name):
             plus.positions[index, d] += h
             minus.positions[index, d] -= h
             fd = -(_energy(model, plus) - _energy(model, minus)) / (2 * h)
-            assert abs(fd - result["forces"][index, d]) < 1e-6 * max(1.0, abs(fd)), (index, d)
+            assert_close(result["forces"][index, d], fd, 1e-6 * max(1.0, abs(fd)), scale="absolute",
+                         label=f"forces[{index}, {d}]")
     if "stress" in result:
         voigt = [(0, 0), (1, 1), (2, 2), (1, 2), (0, 2), (0, 1)]
         for k, (a, b) in enumerate(voigt):
@@ -168,12 +168,13 @@ def test_forces_and_stress_are_finite_differences(model_name, name):
                 deformed.set_cell(atoms.cell[:] @ (np.eye(3) + sign * strain), scale_atoms=True)
                 values.append(_energy(model, deformed))
             dE = (values[0] - values[1]) / (2 * h) / (1 if a == b else 2)
-            assert abs(dE / atoms.get_volume() - result["stress"][k]) < 1e-8, (k, result["stress"][k])
+            assert_close(result["stress"][k], dE / atoms.get_volume(), 1e-8, scale="absolute", label=f"stress[{k}]")
 
 
 def test_schnet_seeded_float64_and_translation_rotation_invariant():
     a, b = schnet(torch.float32, seed=3), schnet(torch.float32, seed=3)
-    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    params_a, params_b = list(a.parameters()), list(b.parameters())
+    assert len(params_a) == len(params_b) and all(torch.equal(p, q) for p, q in zip(params_a, params_b))
     model = schnet(torch.float64)
     assert all(p.dtype == torch.float64 for p in model.parameters())
     atoms = GEOMETRIES["clusters"]()
@@ -182,8 +183,8 @@ def test_schnet_seeded_float64_and_translation_rotation_invariant():
     rotation = np.linalg.qr(np.random.default_rng(1).normal(size=(3, 3)))[0]
     moved.positions = atoms.positions @ rotation.T + [3.0, -1.0, 2.0]
     out = potentials.predict(model, moved)
-    assert abs(out["energy"] - ref["energy"]) < 1e-10 * abs(ref["energy"])
-    assert np.allclose(out["forces"], ref["forces"] @ rotation.T, atol=1e-10)
+    assert_close(out["energy"], ref["energy"], 1e-10, scale="each", label="energy")
+    assert_close(out["forces"], ref["forces"] @ rotation.T, 1e-10, scale="absolute", label="forces")
 
 
 # ------------------------------------------------------------------- halo autograd, serial
@@ -197,7 +198,8 @@ def test_halo_forward_and_reverse_are_adjoint_and_twice_differentiable():
     assert comm.n_ghost > 50  # many self-images
     x = torch.randn(comm.n_local, 2, dtype=torch.float64, requires_grad=True)
     y = torch.randn(comm.n_ghost, 2, dtype=torch.float64, requires_grad=True)
-    assert torch.allclose((comm.forward_comm(x) * y).sum(), (x * comm.reverse_comm(y)).sum())
+    assert_close((comm.forward_comm(x) * y).sum(), (x * comm.reverse_comm(y)).sum(), 1e-8, scale="absolute",
+                 label="adjoint")
     assert torch.autograd.gradcheck(comm.forward_comm, (x,))
     assert torch.autograd.gradcheck(comm.reverse_comm, (y,))
     assert torch.autograd.gradgradcheck(lambda v: comm.forward_comm(v) ** 2, (x,))

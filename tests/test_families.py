@@ -7,6 +7,7 @@ import sys
 import numpy as np
 import pytest
 
+from comparison import assert_beyond, assert_close
 from conftest import ROOT
 from systems import FAIRCHEM_DIR, MACE_DIR, NEQUIP_DIR, run_md_comparison
 
@@ -97,7 +98,7 @@ def test_a_charged_fairchem_model_runs_in_mlip_md(tmp_path):
                                                    dtype=torch.float64), atoms)
     neutral = potentials.predict(potentials.FAIRChem(FAIRCHEM_DIR / "uma-moe.pt", task="omol",
                                                      dtype=torch.float64), atoms)
-    assert abs(anion["energy"] - neutral["energy"]) > 1e-4
+    assert_beyond(anion["energy"], neutral["energy"], 1e-4, scale="absolute", label="charge and spin")
     final = read(tmp_path / "md" / "final.extxyz")
     assert np.isfinite(energy) and final.info["step"] == 2
 
@@ -127,7 +128,9 @@ def test_a_packages_family_runs_in_every_tool(mpirun, tmp_path):
     errors, out = run_md_comparison(mpirun, run, {"toy": "toy.pt", "scale": 2.0}, decks, pythonpath=(PLUGIN, site),
                                     one_process=[["mlip-train", "eval", "toy:toy.pt", "labelled.extxyz", "--scale", "2"],
                                                  ["mlip-train", "train.yaml"]])
-    assert errors["moved"] > 0.05 and max(errors[k] for k in ("md2", *decks)) < 1e-9, errors
+    assert_beyond(errors["moved"], 0.0, 0.05, scale="absolute", label="moved")
+    assert_close({k: errors[k] for k in ("md2", *decks)}, {k: 0.0 for k in ("md2", *decks)}, 1e-9, scale="absolute",
+                 label="position differences (Å)")
     assert "fix ext external: ToyPotential (Cu Ag; cutoff 4 A, 3 layer(s))" in (run / "fix.log").read_text()
     assert "forces" in out and "MAE" in out, out
     assert "mlip-train: ToyPotential from toy toy.pt (scale 2.0)" in out and (run / "trained" / "best.pt").exists()

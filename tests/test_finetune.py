@@ -28,13 +28,14 @@ from ase.io import read, write
 from ase.stress import voigt_6_to_full_3x3_stress
 
 import potentials
+from comparison import assert_beyond, assert_close
 from conftest import MPI_DIR
 from mlip_parallel.train.cli import RULES, SCHEMA, main, train, validate
 from potentials.adapters.exchange import default_dtype
 from test_training import trained_parameters  # (last.pt's state, or the pipeline stages' shards)
 from systems import (ALLEGRO_PRUNED, FAIRCHEM_DIR, FAIRCHEM_FIXTURES, MACE_DIR, NEQUIP_DIR, allegro_architecture,
-                     fairchem_reference, fairchem_training_model, labelled_alloys, max_relative_error,
-                     write_framework_model, write_small_mace, write_small_sevennet)
+                     fairchem_reference, fairchem_training_model, labelled_alloys, write_framework_model,
+                     write_small_mace, write_small_sevennet)
 
 # the packages' own warnings (deprecations in their code) are not this suite's to read
 pytestmark = pytest.mark.filterwarnings("ignore:::(mace|e3nn|nequip|allegro|sevenn|lightning|torch_geometric|fairchem)")
@@ -125,13 +126,11 @@ def one_process(files):
 
 def assert_same_weights(weights, reference, tolerance, what) -> None:
     assert set(weights) == set(reference), (what, set(weights) ^ set(reference))
-    for key, value in reference.items():
-        if value.numel() == 0 or not value.is_floating_point():
-            assert torch.equal(weights[key], value), (what, key)
-            continue
-        scale = max(float(value.abs().max()), 1e-12)
-        error = float((weights[key] - value).abs().max()) / scale
-        assert error <= tolerance, (what, key, error)
+    floating = [key for key, value in reference.items() if value.numel() and value.is_floating_point()]
+    for key in set(reference) - set(floating):
+        assert torch.equal(weights[key], reference[key]), (what, key)
+    assert_close({key: weights[key] for key in floating}, {key: reference[key] for key in floating}, tolerance,
+                 label=str(what))
 
 
 # ------------------------------------------------------------------ the packages' own code paths
@@ -317,10 +316,10 @@ def test_one_process_equals_the_packages_own_training(files, one_process, family
     ours = [row["train_loss"] for row in rows]
     theirs = own_training_losses(family, files[family][1], training_file(files, family))
     assert len(ours) == len(theirs) == EPOCHS and ours[-1] < ours[0], ours
-    assert max(abs(a - b) / abs(b) for a, b in zip(ours, theirs)) < 1e-8, (ours, theirs)
+    assert_close(ours, theirs, 1e-8, scale="each", label="train_loss vs the package's own")
     if family in CHARGED:  # each structure's own charge and spin were read: at the run's alone the losses differ
         alike = own_training_losses(family, files[family][1], files["train"])
-        assert max(abs(a - b) / abs(b) for a, b in zip(ours, alike)) > 1e-6, (ours, alike)
+        assert_beyond(ours, alike, 1e-6, scale="each", label="train_loss vs the run's charge and spin alone")
 
 
 @needs("nequip")
@@ -337,9 +336,9 @@ def test_huber_loss_amsgrad_and_lr_factors_equal_torchs(files):
     ours = [row["train_loss"] for row in rows]
     theirs = own_training_losses("nequip", files["nequip"][1], files["train"], huber_delta=0.02, amsgrad=True,
                                  lr_factors=factors)
-    assert max(abs(a - b) / abs(b) for a, b in zip(ours, theirs)) < 1e-8, (ours, theirs)
+    assert_close(ours, theirs, 1e-8, scale="each", label="train_loss vs torch's")
     alike = own_training_losses("nequip", files["nequip"][1], files["train"], huber_delta=0.02, amsgrad=True)
-    assert max(abs(a - b) / abs(b) for a, b in zip(ours, alike)) > 1e-6, (ours, alike)
+    assert_beyond(ours, alike, 1e-6, scale="each", label="train_loss vs without lr_factors")
     start, end = potentials.NequIPFramework(files["nequip"][1]), potentials.load(directory / "last.pt")
     fixed = dict(start.named_weights())
     for name, weight in end.named_weights():
@@ -349,7 +348,7 @@ def test_huber_loss_amsgrad_and_lr_factors_equal_torchs(files):
     assert all((s["max_exp_avg_sq"] >= s["exp_avg_sq"]).all() for s in state)  # AMSGrad's running maximum, kept
     assert any((s["max_exp_avg_sq"] > s["exp_avg_sq"]).any() for s in state)  # and used
     mse = own_training_losses("nequip", files["nequip"][1], files["train"], amsgrad=True)
-    assert max(abs(a - b) / abs(b) for a, b in zip(ours, mse)) > 1e-3, (ours, mse)
+    assert_beyond(ours, mse, 1e-3, scale="each", label="train_loss vs the MSE's")
 
 
 # ------------------------------------------------------------------ data, graph and pipeline parallel
@@ -473,7 +472,7 @@ def test_files_assembled_from_the_stages_load_in_the_packages_own_code(files, pa
     atoms = read(files["validation"], 0 if run == "2-mace" else 1)
     ours = ours_on(potentials.load(directory / "best.pt"), atoms)
     theirs = packages_own(run.split("-", 1)[1].removesuffix("-lora"), directory, atoms)
-    assert max(max_relative_error(ours, theirs).values()) < 1e-9
+    assert_close(ours, theirs, 1e-9, label=run)
 
 
 def packages_own(family: str, directory, atoms) -> dict:
@@ -529,13 +528,13 @@ def test_written_file_loads_in_the_packages_own_calculator(files, one_process, f
         native = directory / "best.model"
         calc = MACECalculator(model_paths=str(native), device="cpu", default_dtype="float64")
         torch.set_default_dtype(torch.float32)  # (MACE's calculator sets it for the process)
-        assert max(max_relative_error(ours_on(potentials.MACE(native), atoms), ours).values()) < 1e-12
+        assert_close(ours_on(potentials.MACE(native), atoms), ours, 1e-12, label="potentials.MACE(best.model)")
         with pytest.raises(potentials.CheckpointError, match="a MACE model file, not a potentials checkpoint"):
             potentials.load(native)
     elif family in ("nequip", "allegro"):
         native = directory / "best.ckpt"
         calc = nequip_calculator(native)
-        assert max(max_relative_error(ours_on(potentials.NequIPFramework(native), atoms), ours).values()) < 1e-12
+        assert_close(ours_on(potentials.NequIPFramework(native), atoms), ours, 1e-12, label="best.ckpt")
         if family == "nequip":  # the framework's packager takes it (an example structure from data.train)
             import subprocess
             import sys
@@ -545,16 +544,16 @@ def test_written_file_loads_in_the_packages_own_calculator(files, one_process, f
             run = subprocess.run([str(Path(sys.executable).parent / "nequip-package"), "build", str(native),
                                   str(packaged)], capture_output=True, text=True)
             assert run.returncode == 0, run.stderr[-2000:]
-            assert max(max_relative_error(ours_on(potentials.NequIPFramework(packaged), atoms), ours).values()) < 1e-12
+            assert_close(ours_on(potentials.NequIPFramework(packaged), atoms), ours, 1e-12,
+                         label="NequIPFramework(best.nequip.zip)")
     elif family in FAIRCHEM:  # fairchem's load_predict_unit and FAIRChemCalculator, on the fixture's task
         native = directory / "inference_ckpt.pt"
-        assert max(max_relative_error(ours_on(potentials.load_model(f"fairchem:{native}", dtype="float64",
-                                                                    **FAIRCHEM_FIXTURES[family]), atoms),
-                                      ours).values()) < 1e-12
+        assert_close(ours_on(potentials.load_model(f"fairchem:{native}", dtype="float64", **FAIRCHEM_FIXTURES[family]),
+                             atoms), ours, 1e-12, label="fairchem:inference_ckpt.pt")
         theirs = packages_own(family, directory, atoms)
-        assert max(max_relative_error(ours, theirs).values()) < 1e-9
+        assert_close(ours, theirs, 1e-9, label="FAIRChemCalculator")
         start = fairchem_reference(family, atoms)  # (the fixture's own: training changed the predictions)
-        assert max(max_relative_error(start, theirs).values()) > 1e-4
+        assert_beyond(start, theirs, 1e-4, label="the fixture's own vs the trained")
         return
     else:
         from sevenn.calculator import SevenNetCalculator
@@ -563,18 +562,18 @@ def test_written_file_loads_in_the_packages_own_calculator(files, one_process, f
         model, predict = sevenn_own(native)
         energy, forces, stress = predict([atoms])
         theirs = {"energy": energy.item(), "forces": forces.detach().numpy(), "stress": ase_voigt(stress[0])}
-        assert max(max_relative_error(ours, theirs).values()) < 1e-9
+        assert_close(ours, theirs, 1e-9, label="sevenn's own model")
         calc = SevenNetCalculator(model=str(native))
         single = potentials.load_model(f"sevennet:{native}")
         assert single.dtype == torch.float32
-        assert max(max_relative_error(ours_on(single, atoms), ours).values()) < 1e-5
+        assert_close(ours_on(single, atoms), ours, 1e-5, label="sevennet:checkpoint_best.pth (float32)")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with default_dtype(torch.float64 if family in ("nequip", "allegro") else torch.get_default_dtype()):
             atoms.calc = calc  # (the framework's calculator runs in its global dtype, float64)
             theirs = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(), "stress": atoms.get_stress()}
     tolerance = 1e-5 if family == "sevennet" else 1e-9
-    assert max(max_relative_error(ours, theirs).values()) < tolerance
+    assert_close(ours, theirs, tolerance, label="the package's own calculator")
 
 
 LORA_TARGETS = {"mace": ["interactions.*.linear.weight", "interactions.*.conv_tp_weights.*"],
@@ -628,12 +627,12 @@ def test_lora_trains_its_updates_alone_and_the_merged_file_loads_in_the_packages
     add_lora(adapted, **settings)
     adapted.load_state_dict({k.removeprefix("module."): v for k, v in state["ema"].items() if k != "n_averaged"})
     merged_last = potentials.load(directory / "last.pt")
-    assert max(max_relative_error(ours_on(merged_last, atoms), ours_on(adapted, atoms)).values()) < 1e-12
+    assert_close(ours_on(merged_last, atoms), ours_on(adapted, atoms), 1e-12, label="merged last.pt vs adapted")
     ours = ours_on(potentials.load(directory / "best.pt"), atoms)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         theirs = packages_own(family, directory, atoms)
-    assert max(max_relative_error(ours, theirs).values()) < 1e-9
+    assert_close(ours, theirs, 1e-9, label="the package's own file")
 
 
 @pytest.mark.parametrize("family", each_family(("mace", "nequip", "allegro", "sevennet", "uma-moe")))
@@ -717,7 +716,7 @@ def test_refit_reference_energies_is_least_squares_of_the_residual(files):
     expected = before + np.linalg.lstsq(counts, np.array(residual), rcond=None)[0]
     trainer = Trainer(validate(job(files, "nequip", files["root"] / "refit", model={"reference_energies": "refit"}),
                                SCHEMA, RULES))
-    assert np.allclose(trainer.model.reference_energies(), expected, rtol=1e-10, atol=1e-10)
+    assert_close(trainer.model.reference_energies(), expected, 1e-10, scale="absolute", label="reference energies")
     assert before[0] == before[1] and expected[0] != expected[1]
     assert f"Cu {expected[0]:.6g} (was {before[0]:.6g}), Ag {expected[1]:.6g}" in trainer.reference_note
 
@@ -734,8 +733,8 @@ def test_fit_reference_energies_is_least_squares_of_the_labels(files):
     before = potentials.NequIPFramework(files["nequip"][1]).reference_energies()
     trainer = Trainer(validate(job(files, "nequip", files["root"] / "fit", model={"reference_energies": "fit"}),
                                SCHEMA, RULES))
-    assert np.allclose(trainer.model.reference_energies(), expected, rtol=1e-10, atol=1e-10)
-    assert np.max(np.abs(expected - before)) > 1e-3  # not the file's
+    assert_close(trainer.model.reference_energies(), expected, 1e-10, scale="absolute", label="reference energies")
+    assert_beyond(expected, before, 1e-3, scale="absolute", label="fitted vs the file's")  # not the file's
     assert f"fitted by least squares to the labels of {len(frames)} training structures" in trainer.reference_note
     assert f"Cu {expected[0]:.6g} (was {before[0]:.6g}), Ag {expected[1]:.6g}" in trainer.reference_note
 
@@ -758,7 +757,7 @@ def test_multi_head_mace_written_under_e3nn_044_fine_tunes(files, tmp_path):
                                 default_dtype="float64", head="pbe")
     theirs = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(), "stress": atoms.get_stress()}
     torch.set_default_dtype(torch.float32)
-    assert max(max_relative_error(ours, theirs).values()) < 1e-9
+    assert_close(ours, theirs, 1e-9, label="MACECalculator(best.model, head pbe)")
 
 
 # ------------------------------------------------------------------ bad input
@@ -901,15 +900,15 @@ def test_fairchem_refit_reference_energies_are_written_back(files, tmp_path):
     expected = before.copy()
     expected[[cu, ag]] += np.linalg.lstsq(counts, np.array(residual), rcond=None)[0]
     trainer = Trainer(validate(job(files, "uma-dense", tmp_path, epochs=1, model=REFIT), SCHEMA, RULES))
-    assert np.allclose(trainer.model.reference_energies(), expected, rtol=1e-10, atol=1e-10)
-    assert np.max(np.abs(expected - before)) > 1e-2
+    assert_close(trainer.model.reference_energies(), expected, 1e-10, scale="absolute", label="reference energies")
+    assert_beyond(expected, before, 1e-2, scale="absolute", label="refit vs the file's")
     trainer.fit()
     best = potentials.load(tmp_path / "best.pt")
     assert np.array_equal(best.reference_energies(), trainer.model.reference_energies())
     atoms = labelled_alloys(2, seed=7)[1]
     atoms.calc = None
     theirs = fairchem_reference("uma-dense", atoms, path=tmp_path / "inference_ckpt.pt")
-    assert max(max_relative_error(ours_on(best, atoms), theirs).values()) < 1e-9
+    assert_close(ours_on(best, atoms), theirs, 1e-9, label="FAIRChemCalculator(inference_ckpt.pt)")
 
 
 @needs("uma-moe")

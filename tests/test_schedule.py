@@ -346,6 +346,7 @@ def test_auto_beats_1f1b_within_the_memory_bound():
             reference = check(one_f_one_b(S, M), S, M, costs=costs)
             assert result["time"] <= reference["time"] + 1e-12, (S, M, name)
             if memory:
+                assert len(result["peak_memory"]) == len(reference["peak_memory"]) == S
                 assert all(p <= 1.2 * q * (1 + 1e-9) for p, q in zip(result["peak_memory"], reference["peak_memory"]))
             else:
                 assert max(result["max_in_flight"]) <= in_flight_bound(S, M) == int(1.2 * S + 1e-9)

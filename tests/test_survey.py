@@ -9,6 +9,7 @@ from ase.calculators.singlepoint import SinglePointCalculator
 from ase.io import read, write
 
 import potentials
+from comparison import assert_beyond, assert_close
 from systems import emt_labelled
 from mlip_parallel.train import survey as survey_module
 from mlip_parallel.train.cli import RULES, SCHEMA, validate
@@ -70,11 +71,11 @@ def test_least_squares_in_chunks_and_shares_equals_lstsq(case, rows):
         shares[0].merge(other)
     assert shares[0].rows == rows
     expected = np.linalg.lstsq(counts, y, rcond=None)[0]
-    assert np.max(np.abs(shares[0].solve() - expected)) < 1e-10 * np.max(np.abs(expected))
+    assert_close(shares[0].solve(), expected, 1e-10, label="merged shares")
     one = LeastSquares(ELEMENTS)  # the fault a dropped share makes
     for k in range(0, rows, 3):
         one.add(counts[k], y[k])
-    assert np.max(np.abs(one.solve() - expected)) > 1e-6 * np.max(np.abs(expected))
+    assert_beyond(one.solve(), expected, 1e-6, label="one share")
 
 
 def test_streamed_fit_equals_the_fit_held_in_memory(tmp_path):
@@ -88,11 +89,11 @@ def test_streamed_fit_equals_the_fit_held_in_memory(tmp_path):
     source = open_source(str(path))
     whole = surveyed(source, 3)
     assert whole.size == 40 and whole.elements == numbers and whole.energies.rows == 40
-    assert np.max(np.abs(whole.reference_energies(numbers) - shift)) < 1e-10 * np.max(np.abs(shift))
+    assert_close(whole.reference_energies(numbers), shift, 1e-10, label="reference energies")
     assert whole.force_rms == pytest.approx(scale, rel=1e-12)
     positions, share, _ = share_facts(source, 0, 2)
     half = Survey(sources.Subset(source, positions), share).reference_energies(numbers)  # a rank's share: another fit
-    assert np.max(np.abs(half - shift)) > 1e-6
+    assert_beyond(half, shift, 1e-6, scale="absolute", label="a rank's share")
     for stream in (False, True):
         config = {"data": {"train": str(path), "validation": str(path), "stream": stream},
                   "model": {"name": "SchNet", "cutoff": 4.0, "hyperparameters": {"features": 8, "layers": 1},
@@ -100,8 +101,10 @@ def test_streamed_fit_equals_the_fit_held_in_memory(tmp_path):
         model = Trainer(validate(config, SCHEMA, RULES)).model
         assert model.species == ["Cu", "Ag", "Au"]  # ordered by atomic number
         fitted = model.scale_shift.shift.detach().numpy()
-        assert np.max(np.abs(fitted - shift)) < 1e-10 * np.max(np.abs(shift)), stream
-        assert np.allclose(model.scale_shift.scale.detach().numpy(), scale, rtol=1e-12, atol=0)
+        assert_close(fitted, shift, 1e-10, label=f"shift, stream {stream}")
+        fitted_scale = model.scale_shift.scale.detach().numpy()
+        assert_close(fitted_scale, np.full_like(fitted_scale, scale), 1e-12, scale="each",
+                     label=f"scale, stream {stream}")
 
 
 def test_checks_name_the_first_structure_of_the_part(tmp_path):
@@ -171,6 +174,7 @@ def test_a_files_facts_are_read_once_and_again_when_it_changes(tmp_path, monkeyp
     assert read_first == 40  # every structure once, for both parts
     again, read_again, candidates = survey_now()
     assert read_again == 0 and 0 < candidates <= 2 * 16
+    assert len(first) == len(again)
     for a, b in zip(first, again):
         assert a.size == b.size and a.first_element == b.first_element and a.missing == b.missing
         np.testing.assert_array_equal(a.atoms, b.atoms)

@@ -17,6 +17,7 @@ from ase.calculators.singlepoint import SinglePointCalculator
 from ase.io import read, write
 
 import potentials
+from comparison import assert_beyond, assert_close
 from conftest import MPI_DIR, ROOT, assert_log_lines
 from mlip_parallel.config import ConfigError
 from mlip_parallel.train.cli import RULES, SCHEMA, USER_MALLOC, main, train, validate
@@ -95,6 +96,7 @@ def test_resume_two_plus_two_epochs_equals_four(quick_data, tmp_path):
         assert torch.equal(a["model"][key], b["model"][key]), key
     for key in a["ema"]:
         assert torch.equal(a["ema"][key], b["ema"][key]), key
+    assert len(a["optimizer"]["state"]) == len(b["optimizer"]["state"])
     for state_a, state_b in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
         assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
     assert metrics(straight) == metrics(resumed)
@@ -189,7 +191,7 @@ def test_max_steps_and_the_warm_up_and_cosine_schedule_of_torch(quick_data, tmp_
         expected.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         schedule.step()
-    assert np.allclose([r["lr"] for r in rows], expected, rtol=1e-12, atol=0), ([r["lr"] for r in rows], expected)
+    assert_close([r["lr"] for r in rows], expected, 1e-12, scale="each", label="learning rates")
     assert rows[0]["lr"] == pytest.approx(0.005 / 3) and rows[3]["lr"] == pytest.approx(0.005)
 
 
@@ -245,7 +247,7 @@ def test_tensorboard_and_wandb_log_the_metric_rows(quick_data, tmp_path, monkeyp
     for name in ("train_loss", "val_loss", "forces_mae", "lr"):
         logged = [(e.step, e.value) for e in events.Scalars(name)]
         assert [step for step, _ in logged] == [int(r["step"]) for r in rows], (name, logged)
-        assert np.allclose([v for _, v in logged], [r[name] for r in rows], rtol=1e-6), name
+        assert_close([v for _, v in logged], [r[name] for r in rows], 1e-6, scale="each", label=name)
     assert (out / "wandb_id").read_text() == run_id and "WANDB_SERVICE" not in os.environ  # the process put back
     assert len(list((out / "wandb").glob(f"offline-run-*-{run_id}"))) == 2  # one directory per launch, one id
     with pytest.raises(ConfigError, match=r"output.wandb: \{project: NAME"):
@@ -303,9 +305,7 @@ def test_two_ranks_equal_one_process(mpirun, torchrun, quick_data, replay_data, 
     if parallel == "pipeline":  # the warm-up ended and auto chose its schedule
         assert "mlip-train: pipeline schedule" in out and "(timed warm-up)" not in out, out
     a, b = trained_parameters(serial), trained_parameters(distributed)
-    for key in a:
-        scale = max(float(a[key].abs().max()), 1e-12)
-        assert float((a[key] - b[key]).abs().max()) / scale < 1e-8, key
+    assert_close(b, a, 1e-8, label="trained parameters")
     assert re.search(r"mlip-train: stage two from epoch 2, step \d+: loss weights energy 5, forces 2, stress 1, "
                      r"learning rate 0.002\n", out), out
     for name in ("forces_mae", "train_forces_mae", "train_energy_rmse", "lr"):
@@ -329,16 +329,14 @@ def test_lora_two_ranks_equal_one_process_and_best_pt_holds_the_merged_weights(m
     assert "parameters of LoRA updates trained (rank 2, alpha 2, on 6 weights)" in out, out
     a, b = trained_parameters(serial), trained_parameters(distributed)
     assert any(".B." in key for key in a)
-    for key in a:
-        scale = max(float(a[key].abs().max()), 1e-12)
-        assert float((a[key] - b[key]).abs().max()) / scale < 1e-8, key
+    assert_close(b, a, 1e-8, label="trained parameters")
     start = potentials.SchNet(["Cu"], cutoff=4.0, features=8, layers=2, seed=1).double().state_dict()
     best = potentials.load(distributed / "best.pt").state_dict()
     adapted = {k for k in best if re.fullmatch(r"interactions\.\d\.(conv\.lin\d|lin)\.weight", k)}
     assert len(adapted) == 6
     for key, value in best.items():
         if key in adapted:
-            assert not torch.allclose(value, start[key]), key
+            assert_beyond(value, start[key], 1e-8 + 1e-5 * float(start[key].abs().max()), scale="absolute", label=key)
         elif key in start and "scale_shift" not in key:  # (the scale and shift: fitted to the data at the start)
             assert torch.equal(value, start[key]), key
 
@@ -408,10 +406,11 @@ def test_split_backward_equals_whole_backward(name):
             for part in reversed(deferred):  # W in another order than their sweeps
                 part.run()
             results.append([t.grad for t in params + inputs])
+        assert len(results[0]) == len(results[1])
         for a, b in zip(*results):
             assert (a is None) == (b is None)
             if a is not None:
-                assert torch.allclose(a, b, rtol=1e-12, atol=1e-14), name
+                assert_close(a, b, 1e-14, scale="absolute", label=name)
 
 
 @pytest.mark.parametrize("beta, threshold", [(1.0, 20.0), (2.0, 0.5)])
@@ -432,7 +431,7 @@ def test_branch_formulas_equal_the_nodes(beta, threshold):
         for k in range(2):
             got = _branch_outputs(out.grad_fn, (grad,), {k})
             assert got is not None and got[1 - k] is None
-            assert torch.allclose(got[k], expected[k], rtol=1e-14, atol=1e-14)
+            assert_close(got[k], expected[k], 1e-14, scale="absolute", label=f"output {k}")
 
 
 def labelled(atoms, forces=True, energy=-1.0):
@@ -540,13 +539,14 @@ def test_stage_two_weights_rate_and_average(quick_data, tmp_path):
     at_three = torch.load(out / "last.pt", weights_only=True)["training"]["model"]
     assert [r["lr"] for r in rows] == [0.005, 0.0007, 0.0007]
     weights = [{"energy": 1.0, "forces": 10.0, "stress": 1.0}] + [{"energy": 4.0, "forces": 1.0, "stress": 0.0}] * 2
+    assert len(rows) == len(weights)
     for row, w in zip(rows, weights):
         assert row["val_loss"] == pytest.approx(sum(w[q] * row[f"{q}_rmse"] ** 2 for q in w if w[q]), rel=1e-12)
         assert np.isfinite(row["train_forces_mae"]) and row["train_forces_mae"] != row["forces_mae"]
     for name in ("last.pt", "best.pt"):
         saved = potentials.load(out / name).state_dict()
         for key, value in at_three.items():
-            assert torch.allclose(saved[key], (at_two[key] + at_three[key]) / 2, rtol=1e-12, atol=0), (name, key)
+            assert_close(saved[key], (at_two[key] + at_three[key]) / 2, 1e-12, scale="each", label=f"{name} {key}")
     with pytest.raises(ConfigError, match=re.escape("stage_two: set stage_two.start_epoch")):
         train(validate(job(tmp_path / "bad", quick_data, stage_two={"lr": 0.001}), SCHEMA, RULES))
 
@@ -616,7 +616,9 @@ def test_reads_ase_db_with_labels(quick_data, tmp_path):
     from_db, from_xyz = read_structures(tmp_path / "data.db"), read_structures(quick_data)
     assert len(from_db) == len(from_xyz)
     for a, b in zip(from_db, from_xyz):
-        assert a.energy == pytest.approx(b.energy) and np.allclose(a.forces, b.forces) and np.allclose(a.stress, b.stress)
+        assert a.energy == pytest.approx(b.energy)
+        assert_close({"forces": a.forces, "stress": a.stress}, {"forces": b.forces, "stress": b.stress}, 1e-8,
+                     scale="absolute", label="db vs extxyz")
 
 
 def test_help_documents_every_key(capsys):

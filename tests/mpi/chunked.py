@@ -15,7 +15,8 @@ import torch  # noqa: E402
 
 import mlip_parallel  # noqa: E402
 import potentials  # noqa: E402
-from systems import GEOMETRIES, SPECIES, exit_with_verdict, in_many_chunks, max_relative_error, schnet  # noqa: E402
+from comparison import compare  # noqa: E402
+from systems import GEOMETRIES, SPECIES, exit_with_verdict, in_many_chunks, schnet  # noqa: E402
 
 torch.set_num_threads(1)
 world = mlip_parallel.get_backend()
@@ -57,9 +58,10 @@ for name, build in GEOMETRIES.items():
                           mlip_parallel.evaluate(model, atoms, mode=mode, memory_budget_gb=PLAIN)))
         for how, chunked, plain in pairs:
             cases += 1
-            worst = max(max_relative_error(chunked, plain).values())
-            if not worst <= tolerance[label]:
-                failures.append(f"{name} {label} {how}: chunked vs plain {worst:.2e}")
+            c = compare(chunked, plain, tolerance[label])  # per key max |Δ| / max |plain|, the worst key
+            worst = c.error
+            if not c.ok:
+                failures.append(c.message(f"{name} {label} {how}: chunked vs plain"))
             if world.rank == 0:
                 print(f"{name:14s} {label:9s} {how:9s} chunked vs plain max rel err {worst:.2e}", flush=True)
 

@@ -20,6 +20,7 @@ import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import mlip_parallel  # noqa: E402
+from comparison import compare  # noqa: E402
 from systems import GEOMETRIES  # noqa: E402
 
 torch.set_num_threads(1)
@@ -52,10 +53,13 @@ for name in ("fcc_bulk", "sheared", "slab", "clusters"):
     check(np.all(owner == rank), f"exchange {name}: {np.sum(owner != rank)} atoms on the wrong rank")
     all_ids = np.concatenate(world.allgather(moved["ids"]))
     check(np.array_equal(np.sort(all_ids), np.arange(n)), f"exchange {name}: ids not conserved")
-    check(np.allclose(moved["tag"], np.sin(moved["ids"].astype(float))[:, None] * [1.0, 2.0], rtol=0, atol=0),
-          f"exchange {name}: per-atom data did not move with the atoms")
-    back = moved["positions"] + moved["image"] @ domain.cell
-    check(np.allclose(back, unwrapped[moved["ids"]], atol=1e-9), f"exchange {name}: image flags wrong")
+    # over every rank's atoms (a rank may hold none): the data moved along bit for bit, the image flags to 1e-9 A
+    tags = np.concatenate(world.allgather(moved["tag"].reshape(-1, 2)))
+    c = compare(tags, np.sin(all_ids.astype(float))[:, None] * [1.0, 2.0], 0.0, scale="absolute")
+    check(c.ok, c.message(f"exchange {name}: per-atom data did not move with the atoms"))
+    back = np.concatenate(world.allgather((moved["positions"] + moved["image"] @ domain.cell).reshape(-1, 3)))
+    c = compare(back, unwrapped[all_ids], 1e-9, scale="absolute")
+    check(c.ok, c.message(f"exchange {name}: image flags wrong"))
 
 # ---- an atom a rounding error below a periodic face (x = -1e-17) belongs to the first subdomain (LAMMPS's
 # remap: 0 <= s < 1), once; one just below the upper face to the last
@@ -89,7 +93,7 @@ for name, r_ghost in itertools.product(("fcc_bulk", "hcp_triclinic", "slab", "cl
         expected |= {(int(i),) + image for i in np.flatnonzero(inside & ~owned_here)}
         near = np.all((s >= lo - cut - 1e-6) & (s < hi + cut + 1e-6), axis=1)
         allowed |= {(int(i),) + image for i in np.flatnonzero(near & ~owned_here)}
-    got = {(int(i),) + tuple(int(v) for v in im) for i, im in zip(comm.ghost_ids, comm.ghost_image)}
+    got = {(int(i),) + tuple(int(v) for v in im) for i, im in zip(comm.ghost_ids, comm.ghost_image, strict=True)}
     check(len(got) == comm.n_ghost, f"borders {name} r={r_ghost}: duplicate ghosts")
     missing = expected - got
     check(got <= allowed, f"borders {name} r={r_ghost}: {len(got - allowed)} ghosts outside the shell")
@@ -101,7 +105,8 @@ for name, r_ghost in itertools.product(("fcc_bulk", "hcp_triclinic", "slab", "cl
     y = torch.randn(comm.n_ghost, 5, generator=g, dtype=torch.float64)
     lhs = backend.allreduce(float((comm.forward_comm(x) * y).sum()))
     rhs = backend.allreduce(float((x * comm.reverse_comm(y)).sum()))
-    check(abs(lhs - rhs) <= 1e-12 * max(1.0, abs(lhs)), f"adjoint {name}: {lhs} != {rhs}")
+    c = compare(rhs, lhs, 1e-12 * np.maximum(1.0, abs(lhs)), scale="absolute")  # relative to |lhs|, at least 1
+    check(c.ok, c.message(f"adjoint {name}: {lhs} != {rhs}"))
 
 # ---- core binding (all ranks on this host; affinity restored between cases)
 from mlip_parallel.backend import bind_to_cores  # noqa: E402

@@ -11,10 +11,10 @@ directory holding sevennet.pth, a small SevenNet the pytest side wrote, or "-" f
 * two package families and ours (MACE's fixture, the small SevenNet, our SchNet) on 1-4 ranks == each alone;
 * the LAMMPS bridge with a committee on 4 ranks: the per-atom d_mlip_devi_f / d_mlip_devi_e LAMMPS holds and
   the fix's vector f_ID[1..4] at step 0 == the serial committee;
-* the faults the comparison catches: one member's halo refresh skipped, and σ taken from the forces before the
-  ghost gradients come home (each moves σ_F by far more than the tolerance).
+* the halo's faults planted (tests/faults.py: stale ghost features, zeroed ghost rows, ghost gradients not sent
+  home) on 2 ranks and a 3-rank grid: each moves the comparison far beyond its tolerance.
 
-Prints one line per check and "committee: N failures, M checks".
+Prints one line per check and "committee: N failures, M checks; faults caught F of G".
 """
 import os
 import sys
@@ -28,6 +28,8 @@ from mpi4py import MPI  # noqa: E402
 import mlip_parallel  # noqa: E402
 import potentials  # noqa: E402
 from potentials.committee import Committee  # noqa: E402
+from comparison import compare  # noqa: E402
+from faults import caught, tally  # noqa: E402
 from systems import GEOMETRIES, MACE_DIR, SPECIES, schnet  # noqa: E402
 
 torch.set_num_threads(1)
@@ -65,15 +67,18 @@ def reference(members, atoms, forces="mean"):
     return out
 
 
-def worst(result, expected, keys):
-    """Max |Δ| over ``keys``, each relative to the largest value of the reference (σ keys: absolute, eV/Å)."""
-    errors = {}
-    for key in keys:
-        diff = np.max(np.abs(np.asarray(result[key]) - np.asarray(expected[key])), initial=0.0)
-        scale = 1.0 if key.startswith(("devi", "max_devi", "min_devi", "avg_devi")) else \
-            max(np.max(np.abs(expected[key])), 1e-300)
-        errors[key] = float(diff / scale)
-    return errors
+SIGMAS = ("devi_f", "devi_energies", "max_devi_f", "min_devi_f", "avg_devi_f", "devi_e")  # compared in eV/Å, eV
+
+
+def against(result, expected, tolerance=TOLERANCE):
+    """The committee's ``result`` against ``expected`` on its keys: each relative to the largest value of the
+    reference, the deviations σ absolute (eV/Å, eV); the worse of the two comparisons."""
+    sigmas = [k for k in expected if k in SIGMAS]
+    rest = [k for k in expected if k not in SIGMAS]
+    parts = [compare({k: result[k] for k in rest}, {k: expected[k] for k in rest}, tolerance),
+             compare({k: result[k] for k in sigmas}, {k: expected[k] for k in sigmas}, tolerance, "absolute")]
+    failed = [c for c in parts if not c.ok]
+    return failed[0] if failed else sorted(parts, key=lambda c: c.error)[-1]
 
 
 def on_ranks(p):
@@ -82,12 +87,10 @@ def on_ranks(p):
     return None if sub == MPI.COMM_NULL else sub
 
 
-def compare(label, committee, atoms, expected, comm, mode, tolerance=TOLERANCE):
+def evaluated(committee, atoms, expected, comm, mode, tolerance=TOLERANCE):
+    """(the committee's result on the ranks of ``comm``, its comparison with ``expected``)."""
     result = mlip_parallel.evaluate(committee, atoms, mode=mode, comm=comm)
-    keys = [k for k in expected if k != "member_energies"] + ["member_energies"]
-    errors = worst(result, expected, keys)
-    bad = {k: v for k, v in errors.items() if not v <= tolerance}
-    return result, errors, bad
+    return result, against(result, expected, tolerance)
 
 
 members = [schnet(torch.float64, seed=0, cutoff=4.0, layers=3), schnet(torch.float64, seed=1, cutoff=4.5, layers=2),
@@ -105,13 +108,12 @@ for p in range(1, world.size + 1):
     if comm is not None:
         for name, atoms in structures.items():
             for mode in ("layerwise", "wide") if p in (2, 4) or name == "clusters" else ("layerwise",):
-                _, errors, bad = compare(name, committee, atoms, expected[name], comm, mode)
+                _, comparison = evaluated(committee, atoms, expected[name], comm, mode)
                 if comm.rank == 0:
-                    print(f"{'OK ' if not bad else 'FAIL'} 4 members, {p} rank(s), {name}, {mode}: worst "
-                          f"{max(errors, key=errors.get)} {max(errors.values()):.1e} (σ_F max "
-                          f"{expected[name]['max_devi_f']:.3f} eV/A)", flush=True)
-                if bad:
-                    failures.append(f"{p} ranks {name} {mode}: {bad}")
+                    print(f"{'OK ' if comparison.ok else 'FAIL'} 4 members, {p} rank(s), {name}, {mode}: worst "
+                          f"{comparison.message()} (σ_F max {expected[name]['max_devi_f']:.3f} eV/A)", flush=True)
+                if not comparison.ok:
+                    failures.append(comparison.message(f"{p} ranks {name} {mode}"))
                 checks[0] += 1
     world.Barrier()
 checks[0] = world.allreduce(checks[0], op=MPI.MAX)
@@ -125,55 +127,22 @@ report(result["max_devi_f"] <= 1e-15 * scale and result["devi_e"] <= 1e-15 * abs
        f"three copies of one model on {world.size} ranks: max σ_F {result['max_devi_f']:.1e} eV/A, devi_e "
        f"{result['devi_e']:.1e} eV (0 up to the rounding of their mean: 1e-15 of the forces, {scale:.2f} eV/A)")
 first = Committee(members, forces="first")
-_, errors, bad = compare("first", first, atoms, reference(members, atoms, "first"), world, "layerwise")
-report(not bad, f"forces=first on {world.size} ranks: the first member's energy, forces, stress; σ of all "
-                f"({max(errors.values()):.1e})")
+_, comparison = evaluated(first, atoms, reference(members, atoms, "first"), world, "layerwise")
+report(comparison.ok, f"forces=first on {world.size} ranks: the first member's energy, forces, stress; σ of all "
+                      f"({comparison.message()})")
 result = mlip_parallel.evaluate(members[:1], atoms, comm=world)
 alone = potentials.predict(members[0], atoms)
 report(float(np.max(result["devi_f"])) == 0.0 and abs(result["energy"] - alone["energy"]) <= 1e-12 * abs(alone["energy"]),
        "a committee of one: σ_F = 0, its member's energy")
 
-# 3. the faults the comparison catches
-class SkippedHalo(Committee):
-    """Member 1 (three layers) reads stale ghost features: its ghost rows are refreshed once only."""
-
-    def member_graph(self, k, graph):
-        graph = super().member_graph(k, graph)
-        if k == 0:
-            import dataclasses
-
-            graph = dataclasses.replace(graph, halo=StaleHalo(graph.halo, graph.n_local))
-        return graph
-
-
-class StaleHalo:
-    """A halo that refreshes the ghost rows once, then hands back those rows (stale) at every later layer."""
-
-    def __init__(self, halo, n_local):
-        self.halo, self.n_local, self.ghosts = halo, n_local, None
-
-    def __call__(self, h):
-        if self.ghosts is None:
-            self.ghosts = self.halo(h)[self.n_local:]
-        return torch.cat([h[:self.n_local], self.ghosts])
-
-    def __getattr__(self, name):
-        return getattr(self.halo, name)
-
-
-_, errors, bad = compare("skipped halo", SkippedHalo(members), atoms, expected["slab"], world, "layerwise")
-report(errors["devi_f"] > 1e3 * TOLERANCE, f"fault: one member's halo refresh skipped moves σ_F by "
-                                           f"{errors['devi_f']:.1e} eV/A (caught: > {1e3 * TOLERANCE:.0e})")
-from mlip_parallel.comm import _ForwardComm  # noqa: E402
-
-backward = _ForwardComm.backward  # the ghost positions' gradients dropped on their way home
-_ForwardComm.backward = staticmethod(lambda ctx, grad: (grad.new_zeros(ctx.comm.n_local, *grad.shape[1:]), None))
-try:
-    _, errors, bad = compare("ghost gradients dropped", committee, atoms, expected["slab"], world, "layerwise")
-finally:
-    _ForwardComm.backward = backward
-report(errors["devi_f"] > 1e3 * TOLERANCE or world.size == 1,
-       f"fault: the ghosts' gradients dropped on their way home move σ_F by {errors['devi_f']:.1e} eV/A")
+# 3. the halo's faults, planted (tests/faults.py) on 2 ranks and on a 3-rank grid: each caught by the comparison
+for p, grid in ((2, None), (3, (1, 3, 1))):
+    comm = on_ranks(p)
+    if comm is not None:
+        failures += caught(comm, f"4 members on {p} ranks, slab grid={grid}",
+                           lambda: mlip_parallel.evaluate(committee, atoms, comm=comm, grid=grid), expected["slab"],
+                           TOLERANCE)
+    world.Barrier()
 
 # 4. two package families and ours, on 1-4 ranks
 packages = []
@@ -193,13 +162,12 @@ for name in ("hcp_triclinic", "clusters"):
     for p in range(1, world.size + 1):
         comm = on_ranks(p)
         if comm is not None:
-            _, errors, bad = compare(name, mixed, atoms, want, comm, "layerwise", tolerance=TOLERANCE)
+            _, comparison = evaluated(mixed, atoms, want, comm, "layerwise")
             if comm.rank == 0:
-                print(f"{'OK ' if not bad else 'FAIL'} {names} on {p} rank(s), {name}: worst "
-                      f"{max(errors, key=errors.get)} {max(errors.values()):.1e} (σ_F max {want['max_devi_f']:.3f})",
-                      flush=True)
-            if bad:
-                failures.append(f"{names} {p} ranks {name}: {bad}")
+                print(f"{'OK ' if comparison.ok else 'FAIL'} {names} on {p} rank(s), {name}: worst "
+                      f"{comparison.message()} (σ_F max {want['max_devi_f']:.3f})", flush=True)
+            if not comparison.ok:
+                failures.append(comparison.message(f"{names} {p} ranks {name}"))
         world.Barrier()
 report(len(packages) == 3, f"committee of {names} ({len(packages)} families) ran on 1-{world.size} ranks")
 
@@ -235,16 +203,16 @@ from ase import Atoms  # noqa: E402
 atoms = Atoms(numbers=np.where(types == 1, 29, 47), positions=x - np.array(boxlo),
               cell=np.diag(np.array(boxhi) - np.array(boxlo)), pbc=True)
 want = reference(members, atoms)
-errors = {"devi_f": np.max(np.abs(devi_f - want["devi_f"])), "devi_energies": np.max(np.abs(devi_e - want["devi_energies"])),
-          "vector": np.max(np.abs(np.array(vector) - [want[k] for k in ("max_devi_f", "min_devi_f", "avg_devi_f", "devi_e")])),
-          "energy": abs(bridge.energy - want["energy"]) / abs(want["energy"])}
-report(max(errors.values()) <= TOLERANCE and len(atoms) == 108 and want["max_devi_f"] > 0.01,
+VECTOR = ("max_devi_f", "min_devi_f", "avg_devi_f", "devi_e")
+comparison = against({"devi_f": devi_f, "devi_energies": devi_e, **dict(zip(VECTOR, vector)), "energy": bridge.energy},
+                     {k: want[k] for k in ("devi_f", "devi_energies", *VECTOR, "energy")})
+report(comparison.ok and len(atoms) == 108 and want["max_devi_f"] > 0.01,
        f"LAMMPS committee on {world.size} ranks, step 0: d_mlip_devi_f, d_mlip_devi_e, f_ext[1..4] and the energy == "
-       f"the serial committee (worst {max(errors.values()):.1e}; σ_F max {want['max_devi_f']:.3f} eV/A)")
+       f"the serial committee (worst {comparison.message()}; σ_F max {want['max_devi_f']:.3f} eV/A)")
 lmp.close()
 
 checks[0] = world.allreduce(checks[0], op=MPI.MAX)
 failures = world.allreduce(len(failures), op=MPI.MAX)
 if world.rank == 0:
-    print(f"committee: {failures} failures, {checks[0]} checks", flush=True)
+    print(f"committee: {failures} failures, {checks[0]} checks; {tally()}", flush=True)
 sys.exit(1 if failures else 0)

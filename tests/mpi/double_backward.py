@@ -17,6 +17,7 @@ from mlip_parallel.evaluate import Decomposition, forward_decomposed  # noqa: E4
 from mlip_parallel.train import training  # noqa: E402
 from potentials.graph import complete_cell  # noqa: E402
 from potentials.predict import energy_forces  # noqa: E402
+from comparison import compare  # noqa: E402
 from systems import GEOMETRIES, schnet, shared_out  # noqa: E402
 
 torch.set_num_threads(1)
@@ -36,13 +37,18 @@ failures, worst = [], 0.0
 def compare_gradients(label, serial, local, model):
     """Sum this rank's parameter gradients (None: zero) over ranks; compare with the serial ones (1e-9)."""
     global worst
-    for p_serial, p_local, (pname, _) in zip(serial, local, model.named_parameters()):
+    names = [pname for pname, _ in model.named_parameters()]
+    if not len(serial) == len(local) == len(names) > 0:
+        failures.append(f"{label}: {len(serial)} serial vs {len(local)} local gradients for {len(names)} parameters")
+        worst = float("nan")
+        return
+    for p_serial, p_local, pname in zip(serial, local, names, strict=True):
         p_local = torch.zeros_like(p_serial) if p_local is None else p_local
         total = backend.allreduce(p_local.numpy())
-        err = np.abs(total - p_serial.numpy()).max() / max(np.abs(p_serial.numpy()).max(), 1e-300)
-        worst = max(worst, err)
-        if err > 1e-9:
-            failures.append(f"{label} {pname}: rel err {err:.2e}")
+        c = compare(total, p_serial.numpy(), 1e-9)
+        worst = float(np.max([worst, c.error]))  # a NaN propagates
+        if not c.ok:
+            failures.append(c.message(f"{label} {pname}"))
 
 
 for name in ("fcc_bulk", "sheared", "clusters", "small_cell"):
@@ -81,9 +87,10 @@ for name in ("fcc_bulk", "sheared", "small_cell"):
     serial = torch.autograd.grad(serial_loss, params)
     surrogate, terms = training.graph_parallel_loss(model, structure, WEIGHTS, counts, backend)
     local = torch.autograd.grad(surrogate, params, allow_unused=True)
-    loss_err = abs(training.total_loss(terms, WEIGHTS) - serial_loss.item()) / abs(serial_loss.item())
-    if loss_err > 1e-10:
-        failures.append(f"graph_parallel_loss {name}: loss rel err {loss_err:.2e}")
+    c = compare(training.total_loss(terms, WEIGHTS), serial_loss.item(), 1e-10, scale="each")
+    loss_err = c.error
+    if not c.ok:
+        failures.append(c.message(f"graph_parallel_loss {name}: loss"))
     compare_gradients(f"graph_parallel_loss {name}", serial, local, model)
     if backend.rank == 0:
         print(f"graph_parallel_loss {name:12s} loss rel err {loss_err:.1e}, failures so far {len(failures)}", flush=True)

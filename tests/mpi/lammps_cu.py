@@ -16,11 +16,13 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # tests/: comparison
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from ase import Atoms, units  # noqa: E402
 
 import potentials  # noqa: E402
+from comparison import compare  # noqa: E402
 from mlip_parallel.lammps import Bridge, lammps_class  # noqa: E402
 
 torch.set_num_threads(1)
@@ -36,9 +38,14 @@ BAR = 1e4 / units.GPa  # eV/Å^3 → bar (ASE's constants)
 failures = []
 
 
-def report(ok, text):
+def report(checks, text):
+    """``checks``: {what: Comparison or bool}; OK when every one is."""
+    bad = [(c.message(what) if hasattr(c, "message") else what) for what, c in checks.items()
+           if not (c.ok if hasattr(c, "ok") else c)]
+    ok = not bad
     if not ok:
         failures.append(text.split(":")[0])
+        text += f" [{'; '.join(bad)}]"
     if world.rank == 0:
         print(f"{'OK ' if ok else 'FAIL'} {text}", flush=True)
 
@@ -89,15 +96,16 @@ for name, region, mode in (("cubic", "block 0 3 0 3 0 3", "layerwise"), ("tricli
     lmp.command("run 0")
     atoms, forces = snapshot(lmp)
     ref = potentials.predict(MODEL, atoms)
-    df = np.abs(forces - ref["forces"]).max()
+    cf = compare(forces, ref["forces"], 1e-9, scale="absolute")
     peatom = np.ctypeslib.as_array(lmp.gather("c_peatom", 1, 1)).copy()
-    de = max(abs(lmp.get_thermo("pe") - ref["energy"]), np.abs(peatom - ref["energies"]).max())
+    ce = compare({"pe": lmp.get_thermo("pe"), "pe/atom": peatom}, {"pe": ref["energy"], "pe/atom": ref["energies"]},
+                 1e-10, scale="absolute")
     pressure = -ref["stress"][:3].mean() * BAR
-    dp = abs(lmp.get_thermo("press") - pressure) / abs(pressure)
-    report(df < 1e-9 and de < 1e-10 and dp < 1e-6,
-           f"step 0 {name} {mode}: {len(atoms)} atoms, |F - predict| {df:.1e} eV/A, |E, E_i (pe/atom) - predict| "
-           f"{de:.1e} eV, "
-           f"press {lmp.get_thermo('press'):.3f} vs {pressure:.3f} bar (rel {dp:.1e})")
+    cp = compare(lmp.get_thermo("press"), pressure, 1e-6, scale="each")
+    report({"forces": cf, "energies": ce, "press": cp},
+           f"step 0 {name} {mode}: {len(atoms)} atoms, |F - predict| {cf.error:.1e} eV/A, |E, E_i (pe/atom) - predict| "
+           f"{ce.error:.1e} eV, "
+           f"press {lmp.get_thermo('press'):.3f} vs {pressure:.3f} bar (rel {cp.error:.1e})")
     lmp.close()
 
 # --- pressure with velocities == mlip-md; NVE: drift and trajectory == mlip-md's VelocityVerlet
@@ -107,9 +115,9 @@ atoms, _ = snapshot(lmp)
 system = MDSystem.from_atoms(MODEL, atoms, skin=1.0)
 system.compute_forces()
 thermo = system.thermo(0, 1.0 * units.fs)
-dp = abs(lmp.get_thermo("press") - thermo["pressure_GPa"] * 1e4) / abs(thermo["pressure_GPa"] * 1e4)
-report(dp < 1e-6, f"pressure == mlip-md: {lmp.get_thermo('press'):.4f} vs {thermo['pressure_GPa'] * 1e4:.4f} bar "
-                  f"(rel {dp:.1e}, 600 K)")
+cp = compare(lmp.get_thermo("press"), thermo["pressure_GPa"] * 1e4, 1e-6, scale="each")
+report({"press": cp}, f"pressure == mlip-md: {lmp.get_thermo('press'):.4f} vs {thermo['pressure_GPa'] * 1e4:.4f} bar "
+                      f"(rel {cp.error:.1e}, 600 K)")
 n = lmp.get_natoms()
 etot = [lmp.get_thermo("etotal")]
 for _ in range(3):
@@ -120,19 +128,21 @@ lmp.close()
 rows = run(system, VelocityVerlet(1.0), 60, thermo_every=20)
 positions = system.gather("positions")
 frac = (final.positions - positions) @ np.linalg.inv(final.cell[:])
-dx = np.abs((frac - np.round(frac)) @ final.cell[:]).max()
-de = np.abs(np.array(etot) - np.array([r["etot_eV"] for r in rows])).max() / n
-drift = np.abs(np.array(etot) - etot[0]).max() / n
-report(drift < 2e-4 and dx < 1e-6 and de < 1e-8,
-       f"nve: {n} atoms, 60 steps of 1 fs, |etot - etot0| <= {drift:.1e} eV/atom; vs mlip-md: positions {dx:.1e} A, "
-       f"etot {de:.1e} eV/atom; {bridge.decomposition.rebuilds} halo rebuilds")
+dx = (frac - np.round(frac)) @ final.cell[:]  # minimum image
+cx = compare(dx, np.zeros_like(dx), 1e-6, scale="absolute")
+ce = compare(etot, [r["etot_eV"] for r in rows], 1e-8 * n, scale="absolute")  # per atom: / n
+cd = compare(etot, [etot[0]] * len(etot), 2e-4 * n, scale="absolute")
+report({"drift": cd, "positions": cx, "etot": ce},
+       f"nve: {n} atoms, 60 steps of 1 fs, |etot - etot0| <= {cd.error / n:.1e} eV/atom; vs mlip-md: positions "
+       f"{cx.error:.1e} A, etot {ce.error / n:.1e} eV/atom; {bridge.decomposition.rebuilds} halo rebuilds")
 
 # --- minimize converges
 lmp, bridge = start(deck(rattle=0.15) + "min_modify norm max\n")
 lmp.command("minimize 0 1e-3 300 3000")
 steps, fmax = int(lmp.get_thermo("step")), lmp.get_thermo("fmax")
-report(fmax <= 1e-3 and steps < 300, f"minimize: max force {fmax:.1e} eV/A after {steps} iterations, "
-                                       f"{bridge.calls} force calls, pe {lmp.get_thermo('pe'):.4f} eV")
+report({"fmax <= 1e-3": fmax <= 1e-3, "< 300 iterations": steps < 300},
+       f"minimize: max force {fmax:.1e} eV/A after {steps} iterations, "
+       f"{bridge.calls} force calls, pe {lmp.get_thermo('pe'):.4f} eV")
 lmp.close()
 if world.rank == 0:
     print(f"lammps cu-emt P={world.size}: {len(failures)} failures {failures}", flush=True)

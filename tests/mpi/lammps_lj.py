@@ -16,10 +16,12 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # tests/: comparison
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import potentials  # noqa: E402
+from comparison import compare  # noqa: E402
 from mlip_parallel.lammps import Bridge, lammps_class  # noqa: E402
 
 torch.set_num_threads(1)
@@ -89,17 +91,26 @@ for name in ARGS.get("--cases", ",".join(CASES)).split(","):
     deck, runs = CASES[name]
     native, _ = simulate(deck, False, runs)
     bridged, (rebuilds, grid) = simulate(deck, True, runs)
-    worst = [0.0, 0.0, 0.0]
-    for (s0, pe0, p0, x0, c0), (s1, pe1, p1, x1, c1) in zip(native, bridged):
+    worst, problems = np.zeros(3), []
+    if len(native) != len(bridged) or not native:
+        problems.append(f"{name}: {len(bridged)} bridged runs vs {len(native)} native")
+        worst[:] = np.nan
+    pairs = zip(native, bridged, strict=True) if not problems else ()
+    for k, ((s0, pe0, p0, x0, c0), (s1, pe1, p1, x1, c1)) in enumerate(pairs):
         frac = (x1 - x0) @ np.linalg.inv(c0)
-        dx = (frac - np.round(frac)) @ c0
-        worst = [max(worst[0], np.abs(dx).max()), max(worst[1], abs(pe1 - pe0) / abs(pe0)),
-                 max(worst[2], abs(p1 - p0) / max(abs(p0), 1.0))]
+        dx = (frac - np.round(frac)) @ c0  # minimum image
+        press_scale = float(np.maximum(np.abs(p0), 1.0))  # |Δ press| relative to |press|, at least 1 bar
+        checks = [compare(dx, np.zeros_like(dx), 1e-10, scale="absolute"), compare(pe1, pe0, 1e-9, scale="each"),
+                  compare(p1, p0, 1e-9 * press_scale, scale="absolute")]
+        worst = np.max([worst, [checks[0].error, checks[1].error, checks[2].error / press_scale]], axis=0)  # NaN stays
+        problems += [c.message(f"{name} run {k} {what}")
+                     for what, c in zip(("|dx|", "pe", "press"), checks, strict=True) if not c.ok]
         if s0 != s1:
-            failures.append(f"{name}: steps {s0} vs {s1}")
-    ok = worst[0] <= 1e-10 and worst[1] <= 1e-9 and worst[2] <= 1e-9
+            problems.append(f"{name}: steps {s0} vs {s1}")
+    ok = not problems
     if not ok:
         failures.append(name)
+        failures += problems
     if world.rank == 0:
         print(f"{'OK ' if ok else 'FAIL'} {name}: {len(native)} runs to step {native[-1][0]}, "
               f"max |dx| {worst[0]:.2e} A, pe rel {worst[1]:.2e}, press rel {worst[2]:.2e}; "

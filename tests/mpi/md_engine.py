@@ -24,6 +24,7 @@ from mpi4py import MPI  # noqa: E402
 
 import mlip_parallel  # noqa: E402
 import potentials  # noqa: E402
+from comparison import compare  # noqa: E402
 from md.engine import MDSystem, run  # noqa: E402
 from md.integrators import MTK, Bussi, Langevin, NoseHoover, VelocityVerlet  # noqa: E402
 
@@ -77,13 +78,14 @@ mine = {k: simulate(make(), serial, **kw)[0] for k, (_, make, kw) in enumerate(C
 references = {k: t for part in world.allgather(mine) for k, t in part.items()}
 for k, (name, make, kwargs) in enumerate(CASES):
     table, system = simulate(make(), None, **kwargs)
-    err = float(np.max(np.abs(table - references[k]) / np.maximum(np.abs(references[k]), 1e-12)))
+    c = compare(table, references[k], 1e-8, scale="each")
+    err = c.error
     if world.rank == 0:
         print(f"{name:15s}: {system.rebuilds} rebuilds, max rel diff of thermo vs serial {err:.2e}, "
               f"T {table[0, 0]:.1f} -> {table[-1, 0]:.1f} K, V {table[0, -1]:.0f} -> {table[-1, -1]:.0f} A^3",
               flush=True)
-    if err > 1e-8:
-        failures.append(name)
+    if not c.ok:
+        failures.append(c.message(f"{name} thermo vs serial"))
 
 balanced = np.array(world.allgather(len(system.atoms["ids"])))  # the last case: the droplet
 plain = np.array(world.allgather(len(MDSystem.from_atoms(model, droplet, skin=1.0).atoms["ids"])))
@@ -109,12 +111,15 @@ def check_restarts():
     first.save_restart(path, 100)
     resumed, step = MDSystem.from_restart(model, path, skin=1.0)
     rows = run(resumed, Langevin(4.0, 150.0, 0.01, seed=9), 100, thermo_every=100, start_step=step)
-    diff = max(float(np.abs(unwrapped(resumed) - unwrapped(straight)).max()),
-               float(np.abs(resumed.gather("velocities") - straight.gather("velocities")).max()))
+    c = compare({"positions": unwrapped(resumed), "velocities": resumed.gather("velocities")},
+                {"positions": unwrapped(straight), "velocities": straight.gather("velocities")},
+                1e-10, scale="absolute")
     if world.rank == 0:
-        print(f"restart: 100 + 100 steps vs 200 steps, max |diff| of positions/velocities {diff:.2e}", flush=True)
-    if diff > 1e-10 or rows[-1]["step"] != 200:
-        failures.append("restart")
+        print(f"restart: 100 + 100 steps vs 200 steps, max |diff| of positions/velocities {c.error:.2e}", flush=True)
+    if not c.ok:
+        failures.append(c.message("restart"))
+    if rows[-1]["step"] != 200:
+        failures.append(f"restart: ended at step {rows[-1]['step']}, not 200")
 
     # restart with barostat state and balanced cut planes
     def npt():
@@ -129,13 +134,14 @@ def check_restarts():
     integrator = npt()
     resumed, step = MDSystem.from_restart(model, path, integrator=integrator, skin=1.0)
     run(resumed, integrator, 100, thermo_every=100, start_step=step, balance_every=50)
-    diff = max(float(np.abs(unwrapped(resumed) - unwrapped(straight)).max()),
-               float(np.abs(resumed.gather("velocities") - straight.gather("velocities")).max()),
-               float(np.abs(resumed.cell - straight.cell).max()))
+    c = compare({"positions": unwrapped(resumed), "velocities": resumed.gather("velocities"), "cell": resumed.cell},
+                {"positions": unwrapped(straight), "velocities": straight.gather("velocities"), "cell": straight.cell},
+                1e-10, scale="absolute")
     if world.rank == 0:
-        print(f"NPT restart: 100 + 100 steps vs 200 steps, max |diff| of positions/velocities/cell {diff:.2e}", flush=True)
-    if diff > 1e-10:
-        failures.append("NPT restart")
+        print(f"NPT restart: 100 + 100 steps vs 200 steps, max |diff| of positions/velocities/cell {c.error:.2e}",
+              flush=True)
+    if not c.ok:
+        failures.append(c.message("NPT restart"))
 
 
 def check_gas(steps):

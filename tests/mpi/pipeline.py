@@ -45,6 +45,7 @@ from mlip_parallel.train.pipeline.schedule import (SWEEPS, Costs, check, defer_t
 from mlip_parallel.train.processes import Processes  # noqa: E402
 from mlip_parallel.train.training import Batch, Counts, LossRule, Structure, error_sums, loss_terms, predict_batch, \
     total_loss  # noqa: E402
+from comparison import compare  # noqa: E402
 
 torch.set_num_threads(1)
 world = MPI.COMM_WORLD
@@ -87,16 +88,18 @@ def reference_gradients(net, weights, data):
 failures = []
 
 
-def compare(label, values, reference, tolerance=1e-9, word="max rel err"):
-    """Largest relative difference of matching tensors, over every rank; a failure above ``tolerance``.
-    ``word`` heads the printed number (tests/test_mpi.py counts the "max rel err" lines of the fixed schedules)."""
-    err = max([float((a - b).abs().max()) / max(float(b.abs().max()), 1e-300) for a, b in zip(values, reference)],
-              default=0.0)
-    err = world.allreduce(err, op=MPI.MAX)
+def check_close(label, values, reference, tolerance=1e-9, word="max rel err"):
+    """Largest relative difference (max |Δ| / max |reference| per tensor) of matching tensors (``values``,
+    ``reference``: name → tensor, the same names), over every rank; a failure above ``tolerance``, on a NaN, on
+    names that differ or on nothing to compare, on any rank. ``word`` heads the printed number (tests/test_mpi.py
+    counts the "max rel err" lines of the fixed schedules)."""
+    c = compare(values, reference, tolerance)
+    verdicts = world.allgather((c.ok, c.error, c.message(f"{label} (rank {world.rank})")))
+    err = float(np.max([error for _, error, _ in verdicts]))  # a NaN on any rank propagates
     if world.rank == 0:
         print(f"{label:72s} {word} {err:.2e}", flush=True)
-    if err > tolerance:
-        failures.append(label)
+    if not all(ok for ok, _, _ in verdicts):
+        failures.append("; ".join(message for ok, _, message in verdicts if not ok))
 
 
 def check_parts(name, trainer):
@@ -111,8 +114,10 @@ def check_parts(name, trainer):
 
 
 def owned_pairs(trainer, values, reference_values):
-    """(value, reference) pairs of this stage's parameters; ``values`` / ``reference_values``: name → tensor."""
-    return [(values[n], reference_values[n]) for n, _ in trainer.model.named_parameters()]
+    """({name: value}, {name: reference}) of this stage's parameters; ``values`` / ``reference_values``: name →
+    tensor (a name missing from either: a KeyError, no silent skip)."""
+    names = [n for n, _ in trainer.model.named_parameters()]
+    return {n: values[n] for n in names}, {n: reference_values[n] for n in names}
 
 
 def tensors_with_graph() -> int:
@@ -144,16 +149,18 @@ def gradient_case(name, schedule, sweeps, recompute, microbatches, data, boundar
     for _ in range(steps):  # auto: the warm-up (plain, split, plain, split, plain), then its choice
         loss = trainer.gradients(data, weights)
         grads = {n: p.grad for n, p in trainer.model.named_parameters()}
-        pairs = owned_pairs(trainer, grads, {n: g for (n, _), g in zip(reference.named_parameters(), ref_grads)})
+        mine, theirs = owned_pairs(trainer, grads, {n: g for (n, _), g in zip(reference.named_parameters(), ref_grads,
+                                                                               strict=True)})
         label = (f"{name} {schedule}{' recompute' if recompute else ''} {sweeps}, {len(data)} structures, "
                  f"M={microbatches}: gradients")
         if schedule == "auto" or lists is not None:
             label = f"{name} {trainer.schedule_name}{' recompute' if recompute else ''} {sweeps}, M={microbatches}"
         label += "" if merge else " (A not merged into B)"
-        compare(label, [a for a, _ in pairs], [b for _, b in pairs],
-                word="max rel err" if schedule != "auto" and lists is None and merge else "largest relative difference")
-        if abs(loss - ref_loss) > 1e-10 * abs(ref_loss):
-            failures.append(f"{label}: loss {loss} vs {ref_loss}")
+        fixed = schedule != "auto" and lists is None and merge
+        check_close(label, mine, theirs, word="max rel err" if fixed else "largest relative difference")
+        c = compare(loss, ref_loss, 1e-10, scale="each")
+        if not c.ok:
+            failures.append(c.message(f"{label}: loss {loss} vs {ref_loss}"))
     left = tensors_with_graph() - graphs_before
     if left:  # e.g. a saved-tensor hook that kept a saved output (with its grad_fn: a cycle gc cannot free)
         failures.append(f"{name} {schedule}, {steps} step(s): {left} tensors with an autograd graph outlive the steps")
@@ -222,20 +229,20 @@ for name, schedule in [(name, "1f1b") for name in MODELS] + [("SchNet", "auto")]
             batch = [data[k] for k in order[start:start + 3]]
             trainer.step(batch, WEIGHTS, optimizer, clip_norm=1.0)
             _, grads = reference_gradients(reference, WEIGHTS, batch)
-            for p, g in zip(reference.parameters(), grads):
+            for p, g in zip(reference.parameters(), grads, strict=True):
                 p.grad = g
             torch.nn.utils.clip_grad_norm_(list(reference.parameters()), 1.0)
             ref_optimizer.step()
             steps += 1
     if trainer.costs is None:
         failures.append(f"{name} {schedule}: the warm-up did not end in {steps} steps")
-    pairs = owned_pairs(trainer, dict(trainer.model.named_parameters()), dict(reference.named_parameters()))
-    compare(f"{name} {schedule.upper()}: parameters after {steps} AdamW steps (ragged last batch)",
-            [a.detach() for a, _ in pairs], [b.detach() for _, b in pairs], word=word)
+    mine, theirs = owned_pairs(trainer, dict(trainer.model.named_parameters()), dict(reference.named_parameters()))
+    check_close(f"{name} {schedule.upper()}: parameters after {steps} AdamW steps (ragged last batch)",
+                {n: a.detach() for n, a in mine.items()}, {n: b.detach() for n, b in theirs.items()}, word=word)
     sums = trainer.error_sums(DATA, batch_size=3)
     expected = error_sums(reference, DATA, 3, reference.device)
-    compare(f"{name}{' auto' if schedule == 'auto' else ''}: pipelined evaluation error sums",
-            [torch.as_tensor(sums)], [torch.as_tensor(expected)], word=word)
+    check_close(f"{name}{' auto' if schedule == 'auto' else ''}: pipelined evaluation error sums",
+                {"error sums": torch.as_tensor(sums)}, {"error sums": torch.as_tensor(expected)}, word=word)
     if name == "NequIP":  # the merged checkpoint, written part by part, is the whole model
         directory = world.bcast(tempfile.mkdtemp() if world.rank == 0 else None)
         trainer.save_merged(os.path.join(directory, "merged.pt"))
@@ -244,14 +251,14 @@ for name, schedule in [(name, "1f1b") for name in MODELS] + [("SchNet", "auto")]
             state, ref_state = merged.state_dict(), reference.state_dict()
             if set(state) != set(ref_state) or not merged.complete:
                 failures.append(f"merged checkpoint keys differ: {sorted(set(state) ^ set(ref_state))}")
-            compare_local = max(float((state[k] - ref_state[k]).abs().max()) for k in ref_state if ref_state[k].numel())
             atoms = DATA[0].to_atoms()
             got, want = potentials.predict(merged, atoms), potentials.predict(reference, atoms)
-            compare_local = max(compare_local, float(np.abs(got["forces"] - want["forces"]).max()))
-            print(f"{'NequIP merged checkpoint vs whole model (weights, forces)':72s} max abs err {compare_local:.2e}",
+            c = compare({"weights": dict(state), "forces": got["forces"]},  # empty weight tensors: nothing to differ
+                        {"weights": dict(ref_state), "forces": want["forces"]}, 1e-12, scale="absolute")
+            print(f"{'NequIP merged checkpoint vs whole model (weights, forces)':72s} max abs err {c.error:.2e}",
                   flush=True)
-            if compare_local > 1e-12:
-                failures.append("merged checkpoint")
+            if not c.ok:
+                failures.append(c.message("merged checkpoint"))
 
 # ------------------------------------------- 2BW against the same delayed rule in one process
 net_build, reference = MODELS["SchNet"], MODELS["SchNet"]()
@@ -265,17 +272,18 @@ for step in range(4):
     trainer.step(batch_data, WEIGHTS, optimizer)
     current = [p.detach().clone() for p in reference.parameters()]
     with torch.no_grad():  # gradient at W_{t-1}, applied to W_t
-        for p, old in zip(reference.parameters(), stale):
+        for p, old in zip(reference.parameters(), stale, strict=True):
             p.copy_(old)
     _, grads = reference_gradients(reference, WEIGHTS, batch_data)
     with torch.no_grad():
-        for p, now, g in zip(reference.parameters(), current, grads):
+        for p, now, g in zip(reference.parameters(), current, grads, strict=True):
             p.copy_(now)
             p.grad = g
     ref_optimizer.step()
     stale = current
-pairs = owned_pairs(trainer, dict(trainer.model.named_parameters()), dict(reference.named_parameters()))
-compare("SchNet 2BW: parameters after 4 AdamW steps", [a.detach() for a, _ in pairs], [b.detach() for _, b in pairs])
+mine, theirs = owned_pairs(trainer, dict(trainer.model.named_parameters()), dict(reference.named_parameters()))
+check_close("SchNet 2BW: parameters after 4 AdamW steps", {n: a.detach() for n, a in mine.items()},
+            {n: b.detach() for n, b in theirs.items()})
 
 if world.rank == 0:
     layout = f"{P // STAGES} replica(s) x {STAGES} stages"

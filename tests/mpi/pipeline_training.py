@@ -22,6 +22,7 @@ import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import potentials  # noqa: E402
+from comparison import compare  # noqa: E402
 from mlip_parallel.train.cli import RULES, SCHEMA, train, validate  # noqa: E402
 from mlip_parallel.train.training import error_sums, error_table, read_structures, split  # noqa: E402
 
@@ -68,17 +69,39 @@ def report(label, ok, detail=""):
         failures.append(label)
 
 
-def equal_states(a, b) -> float:
-    """Largest absolute difference between two nested states of tensors (inf when their keys differ)."""
-    if isinstance(a, dict):
-        if set(a) != set(b):
-            return float("inf")
-        return max([equal_states(a[k], b[k]) for k in a], default=0.0)
-    if isinstance(a, (list, tuple)):
-        return max([equal_states(x, y) for x, y in zip(a, b)], default=0.0) if len(a) == len(b) else float("inf")
-    if isinstance(a, torch.Tensor):
-        return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
-    return 0.0 if a == b else float("inf")
+def equal_states(a, b, tolerance):
+    """Two nested states (dicts, lists, tensors, other values): a ``Comparison`` of every tensor's largest
+    absolute difference against ``tolerance``; a failure where keys, lengths or types differ, another value is
+    not equal, a tensor holds a NaN, or no tensor holds anything to compare."""
+    tensors, references, problems = {}, {}, []
+
+    def walk(x, y, where):
+        if isinstance(x, dict) or isinstance(y, dict):
+            if not (isinstance(x, dict) and isinstance(y, dict)) or set(x) != set(y):
+                problems.append(f"{where or 'state'}: keys differ: "
+                                f"{sorted(map(str, x)) if isinstance(x, dict) else type(x).__name__} vs "
+                                f"{sorted(map(str, y)) if isinstance(y, dict) else type(y).__name__}")
+                return
+            for k in x:
+                walk(x[k], y[k], f"{where}.{k}" if where else str(k))
+        elif isinstance(x, (list, tuple)) or isinstance(y, (list, tuple)):
+            if not (isinstance(x, (list, tuple)) and isinstance(y, (list, tuple))) or len(x) != len(y):
+                problems.append(f"{where or 'state'}: lengths differ: {x!r:.80} vs {y!r:.80}")
+                return
+            for k, (u, v) in enumerate(zip(x, y, strict=True)):
+                walk(u, v, f"{where}[{k}]")
+        elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+                other = y if isinstance(x, torch.Tensor) else x
+                problems.append(f"{where}: a tensor compared with a {type(other).__name__}")
+                return
+            tensors[where], references[where] = x, y
+        elif not x == y:  # a NaN is not equal to itself: a failure
+            problems.append(f"{where}: {x!r} vs {y!r}")
+
+    walk(a, b, "")
+    c = compare(tensors, references, tolerance, scale="absolute")
+    return c._replace(error=float("nan"), problem="; ".join(problems)) if problems else c
 
 
 # ------------------------------------------------------------------------ resume
@@ -91,7 +114,8 @@ before = [shard["pipeline"]["costs"] for shard in shards("auto", costs=True)] if
 train(job("auto", 4, resume=True))
 if world.rank == 0:
     after = [shard["pipeline"]["costs"] for shard in shards("auto", costs=True)]
-    report("pipeline resume (auto): the interrupted run's measured costs kept", before == after and all(before),
+    report("pipeline resume (auto): the interrupted run's measured costs kept",
+           len(after) == 2 and before == after and all(before),
            f"{len(after)} shards")
 # stopped within auto's warm-up (2 of its 5 timed steps), resumed: the warm-up goes on where it was, ending within
 # the third epoch as in an uninterrupted run (started over, its 4 remaining full batches would not finish it)
@@ -114,20 +138,23 @@ if world.rank == 0:
                 for shard in shards(directory, costs=True)]
     fixed, switched = timed_keys("resumed"), timed_keys("switched")
     report("pipeline resume 1f1b -> auto: the costs measured again, split sweeps timed",
-           all("WB" not in k for k in fixed) and all({"B.in", "WB"} <= k for k in switched), f"{switched[0]}")
+           len(fixed) == len(switched) == 2 and all("WB" not in k for k in fixed)
+           and all({"B.in", "WB"} <= k for k in switched), f"{switched[0] if switched else 'no shards'}")
 _, validation, _ = split(read_structures(DATA), [0.25, 0.0], job("straight", 4)["seed"])  # collective (ASE reads on rank 0)
 if world.rank == 0:
     a, b = shards("straight"), shards("resumed")
-    worst = max(equal_states(x, y) for x, y in zip(a, b))
-    report("pipeline resume: 2 + 2 epochs == 4 (weights, AdamW, EMA, schedule)", len(a) == 2 and worst == 0.0,
-           f"max diff {worst:.1e}")
-    report("pipeline resume: metrics.csv equal", metrics("straight") == metrics("resumed"))
+    c = equal_states(a, b, 0.0)  # bit for bit
+    report("pipeline resume: 2 + 2 epochs == 4 (weights, AdamW, EMA, schedule)", len(a) == 2 and c.ok,
+           f"max diff {c.error:.1e}" + ("" if c.ok else f" ({c.message()})"))
+    straight_metrics = metrics("straight")
+    report("pipeline resume: metrics.csv equal", len(straight_metrics) > 0 and straight_metrics == metrics("resumed"))
     # the merged last.pt (EMA weights) in one process == the pipelined validation errors of the stages
     model = potentials.load(os.path.join(OUT, "straight", "last.pt"))
     errors = error_table(error_sums(model, validation, 4, model.device))
     last = metrics("straight")[-1]
-    worst = max(abs(errors[k] - last[k]) / abs(last[k]) for k in errors)
-    report("merged last.pt (potentials.load) == pipelined validation errors", worst < 1e-9, f"max rel {worst:.1e}")
+    c = compare(errors, {k: last[k] for k in errors}, 1e-9, scale="each")
+    report("merged last.pt (potentials.load) == pipelined validation errors", c.ok,
+           f"max rel {c.error:.1e}" + ("" if c.ok else f" ({c.message()})"))
 
 # ------------------------------------------ a merged checkpoint starts runs with other stage counts
 start = os.path.join(OUT, "straight", "last.pt")
@@ -139,8 +166,9 @@ if world.rank == 0:
         merged[directory] = {}
         for shard in shards(directory):
             merged[directory].update(shard["model"])
-    worst = equal_states(merged["four_stages"], merged["two_stages"])
-    report("from last.pt: 4 stages x 1 replica == 2 stages x 2 replicas (weights)", worst < 1e-12, f"max diff {worst:.1e}")
+    c = equal_states(merged["four_stages"], merged["two_stages"], 1e-12)
+    report("from last.pt: 4 stages x 1 replica == 2 stages x 2 replicas (weights)", c.ok,
+           f"max diff {c.error:.1e}" + ("" if c.ok else f" ({c.message()})"))
     report("from last.pt: every shard of the 4-stage run written", len(shards("four_stages")) == 4)
 
 if world.rank == 0:
