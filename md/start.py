@@ -155,8 +155,8 @@ def read_restart(path, key: str = "restart_from") -> dict:
         raise ConfigError(f"{key}: cannot read {str(path)!r}: {exc.strerror}") from None
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:  # numpy and zipfile raise these for damage
         reason = (str(exc).split(". ")[0] or type(exc).__name__).rstrip(".")
-        raise ConfigError(f"{key}: {str(path)!r} is not a whole restart file (damaged or cut short?): "
-                          f"{type(exc).__name__}: {reason}") from None
+        raise ConfigError(f"{key}: {str(path)!r} is not a whole restart file ({type(exc).__name__}: {reason}): "
+                          "damaged, cut short, or not an mlip-md restart.npz") from None
     missing = [name for name in ("step", "cell", "pbc", *PER_ATOM) if name not in arrays]
     if missing:
         raise ConfigError(f"{key}: {str(path)!r} is not a restart file of mlip-md: it lacks {', '.join(missing)}")

@@ -235,7 +235,8 @@ def test_bad_config_names_the_key(tmp_path):
         (dict(JOB, structure={"repeat": [2, 2]}), "structure.repeat must be three positive integers"),
         (dict(JOB, output={"every": 3}), "unknown key output.every"),
         (dict(JOB, resume=True, restart_from="x.npz"), "resume continues OUTPUT/restart.npz and restart_from"),
-        (dict(JOB, restart_from=str(tmp_path / "data.csv")), "restart_from: cannot read"),
+        (dict(JOB, restart_from=str(tmp_path / "data.csv")), f"restart_from: '{tmp_path / 'data.csv'}' is not a whole "
+                                                               "restart file"),
     ]
     for config, message in cases:
         config = dict(config, output=dict({"directory": str(tmp_path / "out")}, **config.get("output", {})))
