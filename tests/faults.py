@@ -88,6 +88,10 @@ def caught(world, label: str, evaluate, reference: dict, tolerance: float, fault
     return failures
 
 
-def tally() -> str:
-    """"faults caught C of P" for this process's ``caught`` checks."""
-    return f"faults caught {TALLY['caught']} of {TALLY['planted']}"
+def tally(reset: bool = False) -> str:
+    """"faults caught C of P" for this process's ``caught`` checks (since the last reset; ``reset``: start anew
+    after this one, as a launch running several families does)."""
+    text = f"faults caught {TALLY['caught']} of {TALLY['planted']}"
+    if reset:
+        TALLY.update(planted=0, caught=0)
+    return text

@@ -151,33 +151,44 @@ def in_many_chunks(setattr=setattr) -> dict:
     return counts
 
 
+def verdict(world, failures: list, summary) -> tuple:
+    """(every rank's ``failures`` gathered, each once, sorted; ``summary(number of failures)``): the same on every
+    rank."""
+    failures = sorted({f for mine in world.allgather(failures) for f in mine})
+    return failures, summary(len(failures))
+
+
 def exit_with_verdict(world, failures: list, summary) -> None:
-    """The end of an MPI test script: every rank's ``failures`` gathered (each once, sorted); rank 0 prints
-    ``summary(number of failures)`` and each failure as "FAIL …"; every rank exits, with 1 on any failure."""
+    """The end of an MPI test script: ``verdict``; rank 0 prints the summary and each failure as "FAIL …"; every
+    rank exits, with 1 on any failure."""
     import sys
 
-    failures = sorted({f for mine in world.allgather(failures) for f in mine})
+    failures, line = verdict(world, failures, summary)
     if world.rank == 0:
-        print(summary(len(failures)))
+        print(line)
         for f in failures:
             print("FAIL", f)
     sys.exit(1 if failures else 0)
 
 
-def finish_adapter_run(world, title: str, failures: list, cases: int, expected: int, empty: int, chunks: dict):
-    """The end of an adapter's MPI script (tests/mpi/*_models.py): the number of cases and of chunked edge sums
-    checked, then ``exit_with_verdict``, rank 0 printing "P=…: TITLE N cases, K failures, E (case, rank) with no
-    atoms, C chunked edge sums; faults caught F of G; communication: …" (the faults of ``faults.caught``)."""
+GRIDS = {1: [None], 2: [None, (2, 1, 1), (1, 1, 2)], 3: [None, (3, 1, 1), (1, 3, 1), (1, 1, 3)],
+         4: [None, (1, 1, 4), (2, 2, 1), (4, 1, 1), (1, 2, 2)]}  # ranks -> the grids a launch runs (None: automatic)
+
+
+def adapter_verdict(world, title: str, failures: list, cases: int, expected: int, empty: int, chunks: dict | None,
+                    faults: str) -> tuple:
+    """The end of an adapter's run (tests/mpi/*_models.py): the number of cases and (``chunks``: the counts of
+    ``in_many_chunks``, None where the run evaluates in one pass) of chunked edge sums checked, then ``verdict``:
+    "P=…: TITLE N cases, K failures, E (case, rank) with no atoms, C chunked edge sums; FAULTS; communication: …"
+    (``faults``: ``faults.tally()``)."""
     if cases != expected:
         failures.append(f"{cases} cases ran, expected {expected}")
-    chunked_calls = int(world.allreduce(chunks["edge sums"]))
-    if chunked_calls == 0:
+    chunked_calls = 0 if chunks is None else int(world.allreduce(chunks["edge sums"]))
+    if chunks is not None and chunked_calls == 0:
         failures.append("no chunked edge sum ran")
-    from faults import tally
-
-    exit_with_verdict(world, failures, lambda count: (
+    return verdict(world, failures, lambda count: (
         f"P={world.size}: {title} {cases} cases, {count} failures, {empty} (case, rank) with no atoms, "
-        f"{chunked_calls} chunked edge sums; {tally()}; communication: {world.library}"))
+        f"{chunked_calls} chunked edge sums; {faults}; communication: {world.library}"))
 
 
 def shared_out(owned: list, n_atoms: int) -> bool:
