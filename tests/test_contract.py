@@ -4,7 +4,6 @@ model; the one helper that puts the process back (adapters/process.py); temporar
 undone on any exit; fairchem's mixed experts made again when their weights change; MACE's copied code run only
 under the mace-torch it was copied from."""
 import copy
-import importlib.util
 import os
 import warnings
 
@@ -14,13 +13,10 @@ import torch
 
 import potentials
 from comparison import assert_beyond, assert_close
+from conftest import needs
 from potentials.base import MemoryModel, PackageModel, Splittable, Trainable
 from potentials.errors import MLIPError
 from systems import FAIRCHEM_DIR, GEOMETRIES, MACE_DIR, NEQUIP_DIR
-
-
-def needs(package: str):
-    return pytest.mark.skipif(importlib.util.find_spec(package) is None, reason=f"needs {package}")
 
 
 ADAPTERS = {  # family: (module, model class, error class, a model of the test fixtures)

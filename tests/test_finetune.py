@@ -15,7 +15,6 @@ MACE's multi-head fixture written under e3nn 0.4.4. Data: Cu/Ag structures label
 them triclinic cells and a pair of clusters with empty space between them (a rank of the 3 owns no atom).
 """
 import functools
-import importlib.util
 import json
 import re
 import warnings
@@ -29,7 +28,7 @@ from ase.stress import voigt_6_to_full_3x3_stress
 
 import potentials
 from comparison import assert_beyond, assert_close
-from conftest import MPI_DIR
+from conftest import MPI_DIR, missing as missing_modules, needs as needs_modules
 from mlip_parallel.train.cli import RULES, SCHEMA, main, train, validate
 from potentials.adapters.exchange import default_dtype
 from test_training import trained_parameters  # (last.pt's state, or the pipeline stages' shards)
@@ -54,12 +53,12 @@ PACKAGES = {"mace": ("mace",), "nequip": ("nequip",), "allegro": ("nequip", "all
 
 
 def installed(family: str) -> bool:
-    return all(importlib.util.find_spec(module) is not None for module in PACKAGES[family])
+    return not missing_modules(*PACKAGES[family])
 
 
 def needs(family: str):
-    """Skip a test of ``family`` alone when its package is not installed (the other families still run)."""
-    return pytest.mark.skipif(not installed(family), reason=f"{family} fine-tuning needs {PACKAGES[family]}")
+    """A test of ``family`` alone needs its package (``conftest.needs``: the other families still run)."""
+    return needs_modules(*PACKAGES[family])
 
 
 def each_family(families=FAMILIES):

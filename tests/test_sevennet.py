@@ -3,15 +3,15 @@ sevenn's own SevenNetCalculator('7net-0')."""
 import pytest
 import torch
 
-pytest.importorskip("sevenn", reason="SevenNet adapter needs the sevenn extra: pip install -e .[sevenn]")
-pytestmark = pytest.mark.filterwarnings("ignore:::sevenn")  # sevenn's own deprecations
+import mlip_parallel
+import potentials
+from comparison import assert_close
+from conftest import needs
+from md import MLIPCalculator
+from potentials.adapters.sevennet import SevenNet
+from systems import in_many_chunks, oxide_triclinic, sevennet_reference
 
-import mlip_parallel  # noqa: E402
-import potentials  # noqa: E402
-from comparison import assert_close  # noqa: E402
-from md import MLIPCalculator  # noqa: E402
-from potentials.adapters.sevennet import SevenNet  # noqa: E402
-from systems import in_many_chunks, oxide_triclinic, sevennet_reference  # noqa: E402
+pytestmark = [needs("sevenn"), pytest.mark.filterwarnings("ignore:::sevenn")]  # (quiet: its own deprecations)
 
 
 @pytest.fixture(scope="module")

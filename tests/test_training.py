@@ -18,7 +18,7 @@ from ase.io import read, write
 
 import potentials
 from comparison import assert_beyond, assert_close
-from conftest import MPI_DIR, ROOT, assert_log_lines
+from conftest import MPI_DIR, ROOT, assert_log_lines, require
 from mlip_parallel.config import ConfigError
 from mlip_parallel.train.cli import RULES, SCHEMA, USER_MALLOC, main, train, validate
 from mlip_parallel.train.training import DataError
@@ -483,7 +483,9 @@ def test_losses_equal_maces_weighted_mse_huber_and_universal_losses(quick_data):
     name. Fault shown: the universal loss with one threshold (plain Huber) differs."""
     from dataclasses import replace
 
-    mace_loss = pytest.importorskip("mace.modules.loss")
+    require("mace")
+    import mace.modules.loss as mace_loss
+
     from mlip_parallel.train.training import Counts, Labels, LossRule, loss_terms, read_structures, total_loss
 
     structures = read_structures(quick_data, keys={"config_type": "config_type"})[:6]
