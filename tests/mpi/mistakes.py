@@ -38,6 +38,12 @@ accepted = sys.argv[3:] == ["accepted"]
 ARGON = {"lennard_jones": {"epsilon": 0.0104, "sigma": 3.4, "cutoff": 8.5}}
 
 
+def skipped(case: str, module: str) -> None:
+    """Say (rank 0) that ``case`` is left out for want of ``module``: the pytest side skips or fails on it."""
+    if world.rank == 0:
+        print(f"skipped: {case} (needs {module})", flush=True)
+
+
 def structures(name, change=None, count=1):
     """A structure file (extxyz) in SCRATCH of ``count`` rattled Cu cells labelled by ASE's EMT, after
     ``change(atoms, k)`` where given; written by rank 0."""
@@ -173,7 +179,7 @@ def damaged_file_cases():
         cases.append(("a SevenNet checkpoint cut short", {"model": {"sevennet": path}},
                       ["model.sevennet", "cut_sevennet.pth", "is the file whole"]))
     else:
-        print("skipped: a SevenNet checkpoint cut short (needs sevenn)", flush=True)
+        skipped("a SevenNet checkpoint cut short", "sevenn")
     if importlib.util.find_spec("fairchem") is not None:
         def cut_fairchem(path):
             shutil.copy(FAIRCHEM_DIR / "esen.pt", path)
@@ -185,7 +191,7 @@ def damaged_file_cases():
         cases.append(("a fairchem checkpoint cut short", {"model": {"fairchem": path, "task": "omat"}},
                       ["model.fairchem", "cut_esen.pt", "cannot read"]))
     else:
-        print("skipped: a fairchem checkpoint cut short (needs fairchem-core)", flush=True)
+        skipped("a fairchem checkpoint cut short", "fairchem")
     buffer = io.BytesIO()  # a restart of the default Cu crystal's shape, then damaged
     np.savez(buffer, step=3, cell=np.eye(3) * 7.22, pbc=np.ones(3, bool), positions=np.zeros((32, 3)),
              velocities=np.zeros((32, 3)), masses=np.full(32, 63.5), numbers=np.full(32, 29), ids=np.arange(32),
@@ -402,7 +408,7 @@ def database_cases():
     try:
         from ase_db_backends.aselmdb import LMDBDatabase
     except ImportError:
-        print("skipped: ASE-LMDB databases with a row gone or garbled (needs ase-db-backends)", flush=True)
+        skipped("ASE-LMDB databases with a row gone or garbled", "ase_db_backends")
         return cases
     cases += [("an ASE-LMDB database with a row gone from under its index", database("gone.aselmdb", "aselmdb",
                                                                                    "row gone"),
@@ -487,7 +493,9 @@ def md_accepted():
             "model": {"committee": [ARGON, {"lennard_jones": {"epsilon": 0.0105, "sigma": 3.41, "cutoff": 6.0}}],
                       "committee_forces": "first"}, "uncertainty": {"stop_above": 1e6}}, ["model_devi.csv"]),
     ]
-    if importlib.util.find_spec("fairchem") is not None:
+    if importlib.util.find_spec("fairchem") is None:
+        skipped("an anion (charge -1)", "fairchem")
+    else:
         water = Atoms("OH2", positions=[[0, 0, 0], [0.96, 0, 0], [-0.24, 0.93, 0]], cell=[9.0, 9.0, 9.0])
         fixture = os.path.join(ROOT, "tests", "data", "fairchem", "uma-moe.pt")
         cases.append(("an anion (charge -1)", {"model": {"fairchem": fixture, "task": "omol", "charge": -1, "spin": 2},
