@@ -305,6 +305,7 @@ def nequip_reference(path, atoms) -> dict:
 
 
 # ------------------------------------------------------------------ external models driving MD (mlip-md, mlip-lammps)
+MD_STEPS = 20  # of the MD comparisons: a halo or force fault shows from the first step (the atoms move ~0.1 Å)
 LAMMPS_METAL_MVV2E = 1.0364269e-4  # LAMMPS's metal-unit mass * velocity^2 -> energy constant (update.cpp)
 MD_DECK = """units metal
 atom_style atomic
@@ -317,13 +318,13 @@ timestep 0.001
 fix 1 all nve
 thermo_style custom step pe ke etotal press
 thermo 10
-run 50
+run {steps}
 write_dump all custom {dump} id x y z modify format float %.17g sort id
 """
 
 
 def write_md_comparison(directory, model: dict, decks: dict) -> Atoms:
-    """The inputs of one NVE run (50 steps of 1 fs, 108 Cu/Ag atoms from ``fcc_bulk`` at 600 K) done three
+    """The inputs of one NVE run (``MD_STEPS`` steps of 1 fs, 108 Cu/Ag atoms from ``fcc_bulk`` at 600 K) done three
     ways: ``md1.yaml`` (mlip-md, to run in one process), ``md2.yaml`` (mlip-md under mpiexec), and one
     LAMMPS deck per entry of ``decks`` {name: (model lines, extra mlip-lammps arguments)}, each writing
     NAME.dump; ``jobs.json`` lists md2 and the decks for tests/mpi/cli_jobs.py. LAMMPS's masses are scaled
@@ -347,11 +348,11 @@ def write_md_comparison(directory, model: dict, decks: dict) -> Atoms:
     scale = 1 / (LAMMPS_METAL_MVV2E * (1000 * units.fs) ** 2)  # m_lammps = m * scale: the same accelerations
     jobs = [["mlip-md", "md2.yaml"]]
     for name, (lines, args) in decks.items():
-        (directory / f"{name}.in").write_text(MD_DECK.format(cu=63.546 * scale, ag=107.8682 * scale,
+        (directory / f"{name}.in").write_text(MD_DECK.format(cu=63.546 * scale, ag=107.8682 * scale, steps=MD_STEPS,
                                                              model_lines=lines, dump=f"{name}.dump"))
         jobs.append(["mlip-lammps", "-in", f"{name}.in", *args, "-screen", "none", "-log", f"{name}.log"])
     job = {"model": model, "structure": {"file": "start.traj"}, "temperature_K": 0, "ensemble": "nve",
-           "timestep_fs": 1.0, "steps": 50, "output": {"thermo_every": 10, "trajectory_every": 25}}
+           "timestep_fs": 1.0, "steps": MD_STEPS, "output": {"thermo_every": 10, "trajectory_every": 10}}
     for name in ("md1", "md2"):
         (directory / f"{name}.yaml").write_text(yaml.safe_dump(dict(job, output=dict(job["output"], directory=name))))
     (directory / "jobs.json").write_text(json.dumps(jobs))
@@ -398,7 +399,7 @@ def md_comparison_errors(directory, decks) -> dict:
     directory = Path(directory)
     start = read(directory / "start.traj")
     one, two = (read(directory / name / "final.extxyz") for name in ("md1", "md2"))
-    assert one.info["step"] == 50
+    assert one.info["step"] == MD_STEPS
     def largest(a, b):  # modulo the cell: LAMMPS and mlip-md's final structure wrap atoms into it
         frac = (a - b) @ np.linalg.inv(two.cell[:])
         return float(np.abs((frac - np.round(frac)) @ two.cell[:]).max())

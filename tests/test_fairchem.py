@@ -260,7 +260,7 @@ def test_key_in_the_tools_and_nothing_printed(tmp_path):
 
 @needs("lammps")
 def test_md_and_lammps_on_two_ranks_equal_one_process(mpirun, tmp_path):
-    """mlip-md with ``model: {fairchem: FILE, task: omat, dtype: float64}``, NVE, 50 steps: 2 ranks == 1 process to
+    """mlip-md with ``model: {fairchem: FILE, task: omat, dtype: float64}``, NVE, 20 steps: 2 ranks == 1 process to
     1e-9 Å; mlip-lammps --model fairchem:FILE --task omat on 2 ranks == mlip-md on 2 ranks to 1e-9 Å."""
     path = FAIRCHEM_DIR / "uma-moe.pt"
     decks = {"fix": ("fix ext all external pf/callback 1 1",

