@@ -1,11 +1,11 @@
 """Native distributed MD (run under mpiexec -n P):
 
 * NVE, Langevin, Bussi, Nosé–Hoover chain and MTK NPT (isotropic and anisotropic), Lennard-Jones argon,
-  float64, 200 steps: the thermo columns on P ranks equal the serial run (computed on rank 0 with the
+  float64, 100 steps of 4 fs: the thermo columns on P ranks equal the serial run (computed on rank 0 with the
   serial backend) to 1e-8 relative;
 * load balance: a droplet in a large periodic box, cut planes rebalanced every 20 steps: ranks own
   similar atom counts, and the thermo columns still equal serial;
-* restart: 100 + 100 steps == 200 steps (Langevin; and MTK with balanced planes, whose barostat and
+* restart: 50 + 50 steps == 100 steps (Langevin; and MTK with balanced planes, whose barostat and
   thermostat variables and cut planes go through the restart file);
 * a hot, dilute Lennard-Jones gas (atoms cross subdomains many times): atom count and the set of ids
   conserved at every rebuild and at the end.
@@ -46,10 +46,10 @@ def argon(temperature):
 COLUMNS += ("volume_A3",)
 
 
-def simulate(integrator, comm, atoms=None, steps=200, **balance):
+def simulate(integrator, comm, atoms=None, steps=100, **balance):
     system = MDSystem.from_atoms(model, argon(120) if atoms is None else atoms, skin=1.0, comm=comm,
                                  balance=bool(balance))
-    rows = run(system, integrator, steps, thermo_every=20, **balance)
+    rows = run(system, integrator, steps, thermo_every=10, **balance)
     return np.array([[row[c] for c in COLUMNS] for row in rows]), system
 
 
@@ -102,43 +102,43 @@ def unwrapped(system):
 
 def check_restarts():
     """Exact continuation through restart files."""
-    # 100 steps + save + load + 100 steps == 200 steps (Langevin: the noise must continue too)
+    # 50 steps + save + load + 50 steps == 100 steps (Langevin: the noise must continue too)
     straight = MDSystem.from_atoms(model, argon(120), skin=1.0)
-    run(straight, Langevin(4.0, 150.0, 0.01, seed=9), 200, thermo_every=200)
+    run(straight, Langevin(4.0, 150.0, 0.01, seed=9), 100, thermo_every=100)
     first = MDSystem.from_atoms(model, argon(120), skin=1.0)
-    run(first, Langevin(4.0, 150.0, 0.01, seed=9), 100, thermo_every=100)
+    run(first, Langevin(4.0, 150.0, 0.01, seed=9), 50, thermo_every=50)
     path = world.bcast(os.path.join(tempfile.mkdtemp(), "restart.npz") if world.rank == 0 else None)
-    first.save_restart(path, 100)
+    first.save_restart(path, 50)
     resumed, step = MDSystem.from_restart(model, path, skin=1.0)
-    rows = run(resumed, Langevin(4.0, 150.0, 0.01, seed=9), 100, thermo_every=100, start_step=step)
+    rows = run(resumed, Langevin(4.0, 150.0, 0.01, seed=9), 50, thermo_every=50, start_step=step)
     c = compare({"positions": unwrapped(resumed), "velocities": resumed.gather("velocities")},
                 {"positions": unwrapped(straight), "velocities": straight.gather("velocities")},
                 1e-10, scale="absolute")
     if world.rank == 0:
-        print(f"restart: 100 + 100 steps vs 200 steps, max |diff| of positions/velocities {c.error:.2e}", flush=True)
+        print(f"restart: 50 + 50 steps vs 100 steps, max |diff| of positions/velocities {c.error:.2e}", flush=True)
     if not c.ok:
         failures.append(c.message("restart"))
-    if rows[-1]["step"] != 200:
-        failures.append(f"restart: ended at step {rows[-1]['step']}, not 200")
+    if rows[-1]["step"] != 100:
+        failures.append(f"restart: ended at step {rows[-1]['step']}, not 100")
 
     # restart with barostat state and balanced cut planes
     def npt():
         return MTK(4.0, 150.0, 0.1, 100.0, 300.0, isotropic=False)
 
     straight = MDSystem.from_atoms(model, argon(120), skin=1.0, balance=True)
-    run(straight, npt(), 200, thermo_every=200, balance_every=50)
+    run(straight, npt(), 100, thermo_every=100, balance_every=25)
     first = MDSystem.from_atoms(model, argon(120), skin=1.0, balance=True)
     integrator = npt()
-    run(first, integrator, 100, thermo_every=100, balance_every=50)
-    first.save_restart(path, 100, integrator)
+    run(first, integrator, 50, thermo_every=50, balance_every=25)
+    first.save_restart(path, 50, integrator)
     integrator = npt()
     resumed, step = MDSystem.from_restart(model, path, integrator=integrator, skin=1.0)
-    run(resumed, integrator, 100, thermo_every=100, start_step=step, balance_every=50)
+    run(resumed, integrator, 50, thermo_every=50, start_step=step, balance_every=25)
     c = compare({"positions": unwrapped(resumed), "velocities": resumed.gather("velocities"), "cell": resumed.cell},
                 {"positions": unwrapped(straight), "velocities": straight.gather("velocities"), "cell": straight.cell},
                 1e-10, scale="absolute")
     if world.rank == 0:
-        print(f"NPT restart: 100 + 100 steps vs 200 steps, max |diff| of positions/velocities/cell {c.error:.2e}",
+        print(f"NPT restart: 50 + 50 steps vs 100 steps, max |diff| of positions/velocities/cell {c.error:.2e}",
               flush=True)
     if not c.ok:
         failures.append(c.message("NPT restart"))
