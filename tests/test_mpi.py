@@ -46,10 +46,11 @@ def test_chunked_evaluation_equals_plain(mpirun, ranks):
 
 
 def test_distributed_equals_reference_torch_backend(torchrun):
-    """equivalence.py under torchrun (no MPI; gloo) on 4 ranks: mpiexec with MLIP_PARALLEL_BACKEND=torch runs in
+    """equivalence.py under torchrun (no MPI; gloo) on 4 ranks, lean (the float64 models, every geometry on two grids:
+    the backend is what is new): mpiexec with MLIP_PARALLEL_BACKEND=torch runs in
     test_double_backward_through_halo_torch_backend."""
     ranks = 4
-    rc, out, _ = torchrun(ranks, MPI_DIR / "equivalence.py", backend="torch")
+    rc, out, _ = torchrun(ranks, MPI_DIR / "equivalence.py", "--lean", backend="torch")
     assert rc == 0, out
     assert f"P={ranks}:" in out and " 0 failures" in out and "communication: torch.distributed gloo" in out, out
     assert_faults_caught(out, ranks, 10)
