@@ -116,6 +116,14 @@ def restore_environment():
     os.environ.update(before)
 
 
+@pytest.fixture
+def mace_environment(restore_environment):
+    """The environment MACE's own code runs in: ``import mace`` sets TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 for the process
+    on its first import (its calculator reads .model files with a plain torch.load), so a test running MACE's code
+    sets it too, whichever test imported mace first; put back after (``restore_environment``)."""
+    os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
+
+
 @pytest.fixture(scope="session")
 def mpirun():
     """``mpiexec -n n python ARGS`` (see ``_launcher``; it holds no state: one for the session, which module-scoped

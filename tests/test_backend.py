@@ -77,6 +77,7 @@ def test_nccl_only_where_each_rank_has_its_own_gpu(monkeypatch):
     assert not backends.nccl_usable(1) and backends._group_kind(1) == "gloo"
 
 
+@pytest.mark.slow  # (launches jobs of every kind)
 def test_gpu_check_cpu_parts_pass():
     """benchmarks/gpu_check.py --cpu (the GPU machine's one command, with the CPU as the device): every
     section runs and every correctness row passes (training: data-parallel and pipeline runs equal one

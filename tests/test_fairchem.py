@@ -220,6 +220,7 @@ def test_configs_naming_other_code_are_refused_without_running(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_key_in_the_tools_and_nothing_printed(tmp_path):
     """``fairchem:FILE`` with a task through load_model and mlip-train eval (data labelled by FAIRChemCalculator:
     rounding-level errors); a fresh process that loads a model prints nothing (fairchem's import notices kept out),

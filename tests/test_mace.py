@@ -27,6 +27,11 @@ from systems import (GEOMETRIES, MACE_DIR, MACE_FIXTURES, in_many_chunks, mace_f
 pytestmark = [needs("mace"), pytest.mark.filterwarnings("ignore:::(mace|e3nn)")]
 
 
+@pytest.fixture(autouse=True)
+def environment(mace_environment):
+    """MACE's own code (its calculator) in the environment it expects, put back after (conftest)."""
+
+
 @pytest.fixture(scope="module")
 def fixtures():
     return {name: mace_fixture(name) for name in MACE_FIXTURES}
@@ -369,6 +374,7 @@ def test_parts_chained_equal_maces_forward(fixtures, name):
     assert sum(p.numel() for s in stages for p in s.parameters()) == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.slow  # (runs mace_run_train)
 def test_a_model_mace_run_train_writes_loads_in_every_tool(tmp_path, restore_environment):
     """mace_run_train itself, in this environment (1 epoch on 14 EMT-labelled Cu structures under MACE users' label
     names REF_energy / REF_forces / REF_stress, float64), writes tiny.model, whose second interaction's traced tensor

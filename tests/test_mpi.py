@@ -46,10 +46,10 @@ def test_chunked_evaluation_equals_plain(mpirun, ranks):
 
 
 def test_distributed_equals_reference_torch_backend(torchrun):
-    """equivalence.py under torchrun (no MPI; gloo) on 4 ranks, lean (the float64 models, every geometry on two grids:
-    the backend is what is new): mpiexec with MLIP_PARALLEL_BACKEND=torch runs in
-    test_double_backward_through_halo_torch_backend."""
-    ranks = 4
+    """equivalence.py under torchrun (no MPI; gloo) on 2 ranks, lean (the float64 models, every geometry on two grids:
+    the backend is what is new; every family runs under torch.distributed on 3 ranks below): mpiexec with
+    MLIP_PARALLEL_BACKEND=torch runs in test_double_backward_through_halo_torch_backend."""
+    ranks = 2
     rc, out, _ = torchrun(ranks, MPI_DIR / "equivalence.py", "--lean", backend="torch")
     assert rc == 0, out
     assert f"P={ranks}:" in out and " 0 failures" in out and "communication: torch.distributed gloo" in out, out
@@ -172,9 +172,9 @@ def test_pipeline_parallel_equals_single_process(mpirun, ranks):
     assert "merged checkpoint vs whole model" in out, out
 
 
-# Other packages' models (tests/mpi/families.py): each family in full on 2 ranks and on 3 (fairchem, the costliest to
-# evaluate, on 2: its 3-rank grid runs under torch.distributed below), then every family in one lean launch on 4 ranks
-# and one under torch.distributed (torchrun, 3 ranks): what those launches add is the grid or the backend.
+# Other packages' models (tests/mpi/families.py): each family in full on 2 ranks; the first model of each on every
+# 3-rank grid (one launch; fairchem's under torch.distributed); every family in one lean launch on 4 ranks and one
+# under torch.distributed (torchrun, 3 ranks): what those launches add is the grids or the backend.
 FAMILIES = {"mace": ("MACE", 3), "nequip": ("nequip framework", 4), "fairchem": ("fairchem", 3),
             "sevennet": ("SevenNet-0", 3)}  # family: (its summary's title, the faults planted on 2 and 3 ranks)
 FAMILY_PACKAGES = {"mace": ("mace",), "nequip": ("nequip", "allegro"), "fairchem": ("fairchem",),
@@ -207,15 +207,24 @@ def check_families(out: str, ranks: int, families, backend=None) -> None:
     require(*absent)
 
 
-@pytest.mark.parametrize("family, ranks", [(f, r) for f in FAMILIES for r in (2, 3) if (f, r) != ("fairchem", 3)])
-def test_family_distributed_equals_its_packages_calculator(mpirun, family, ranks):
-    """Each family in full on 2 and 3 ranks (mpiexec): every model of its fixtures on every geometry (the first on
-    every grid, empty ranks included), chunked and one pass, wide mode, the ASE calculator, the halo's faults ==
-    its package's own calculator (MACECalculator, NequIPCalculator, FAIRChemCalculator, SevenNetCalculator)."""
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_distributed_equals_its_packages_calculator(mpirun, family):
+    """Each family in full on 2 ranks (mpiexec): every model of its fixtures on every geometry (the first on every
+    grid), chunked and one pass, wide mode, the ASE calculator, the halo's faults == its package's own calculator
+    (MACECalculator, NequIPCalculator, FAIRChemCalculator, SevenNetCalculator)."""
     require(FAMILY_PACKAGES[family][0])
-    rc, out, _ = mpirun(ranks, MPI_DIR / "families.py", family)
+    rc, out, _ = mpirun(2, MPI_DIR / "families.py", family)
     assert rc == 0, out
-    check_families(out, ranks, [family])
+    check_families(out, 2, [family])
+
+
+def test_families_on_three_ranks_grids(mpirun):
+    """MACE, nequip and SevenNet in one launch on 3 ranks (mpiexec), each's first model on every geometry and grid
+    (the odd grids' several hops, empty ranks), the halo's faults on a 3-rank grid (fairchem's 3-rank grid runs under
+    torch.distributed below)."""
+    rc, out, _ = mpirun(3, MPI_DIR / "families.py", "--grids", "mace", "nequip", "sevennet")
+    assert rc == 0, out
+    check_families(out, 3, ["mace", "nequip", "sevennet"])
 
 
 @pytest.mark.parametrize("launcher, ranks", [("mpiexec", 4), ("torchrun", 3)])

@@ -23,6 +23,8 @@ from ase.io import read, write
 from conftest import HANG_GUARD, ROOT, mpiexec_path
 from mlip_parallel.launch import yield_when_oversubscribed
 
+pytestmark = pytest.mark.slow  # (jobs killed and requeued: left out of the quick tier)
+
 TIMING = {"seconds_per_step", "force_s", "halo_s", "neighbour_s", "integrate_s", "output_s", "seconds"}
 
 MD_JOB = {

@@ -1,16 +1,16 @@
 """Other packages' models distributed == their packages' own calculators, several families in one launch (run under
 mpiexec -n P or torchrun):
 
-    families.py [--lean] FAMILY [FAMILY ...]        FAMILY: mace, nequip, fairchem, sevennet
+    families.py [--grids | --lean] FAMILY [FAMILY ...]        FAMILY: mace, nequip, fairchem, sevennet
 
 Each family's module (tests/mpi/FAMILY_models.py) runs its cases through ``AdapterRun`` and returns its verdict; rank
 0 prints each family's summary line ("P=…: TITLE N cases, K failures, …; faults caught F of G; …") and its failures,
 and "skipped: FAMILY (needs PACKAGE)" for a family whose package is not installed (the pytest side skips or fails on
-it). On 2 and 3 ranks, each family's halo faults are planted (tests/faults.py) and must be caught. ``--lean`` (the
-4-rank and the torch.distributed launches: what is new there is the grid or the backend, not the model): each
-family's first model on every geometry, on the automatic grid and the last explicit one, in one pass. Without it:
-every model, every grid for the first, the memory-bounded path in many chunks against one pass, wide mode and the ASE
-calculator. Exits 1 on any failure.
+it). On 2 and 3 ranks, each family's halo faults are planted (tests/faults.py) and must be caught. The scope: by
+default (2 ranks) every model, every grid for the first, the memory-bounded path in many chunks against one pass,
+wide mode and the ASE calculator; ``--grids`` (3 ranks: what is new there is the grids) each family's first model on
+every geometry and grid, at the default memory budget; ``--lean`` (the 4-rank and the torch.distributed launches) the
+same on the automatic grid and the last explicit one. Exits 1 on any failure.
 """
 from __future__ import annotations
 
@@ -35,37 +35,43 @@ PACKAGES = {"mace": ("mace",), "nequip": ("nequip", "allegro"), "fairchem": ("fa
 TINY, PLAIN = 1e-9, float("inf")  # memory budgets (GB): many small chunks; one pass over all edges
 
 
+def one_pass(model, atoms, mode="layerwise", grid=None) -> dict:
+    """``evaluate`` in one pass over all edges (where the host's free memory, read per rank, is short of the
+    pre-flight's safe-side estimate of one: 1 GB chunks)."""
+    try:
+        return mlip_parallel.evaluate(model, atoms, mode=mode, grid=grid, memory_budget_gb=PLAIN)
+    except mlip_parallel.MemoryLimitError:
+        return mlip_parallel.evaluate(model, atoms, mode=mode, grid=grid, memory_budget_gb=1.0)
+
+
 class AdapterRun:
     """One family's cases in a launch: each evaluated distributed and compared with its package's reference; counts
-    the cases, the (case, rank) pairs that owned no atom, the worst error per model; ``chunks``: the chunked paths
-    made to run in many small chunks (``in_many_chunks``), None in a lean run (one pass)."""
+    the cases, the (case, rank) pairs that owned no atom, the worst error per model. ``scope``: "full", "grids" or
+    "lean" (the module docstring); ``chunks``: the chunked paths made to run in many small chunks
+    (``in_many_chunks``), None where the run evaluates at the default memory budget alone (grids, lean)."""
 
-    def __init__(self, world, lean: bool, chunks: dict | None):
-        self.world, self.lean, self.chunks = world, lean, chunks
+    def __init__(self, world, scope: str, chunks: dict | None):
+        self.world, self.scope, self.chunks = world, scope, chunks
+        self.full = scope == "full"
         self.grids = GRIDS[world.size]
         self.failures, self.cases, self.empty, self.worst = [], 0, 0, {}
 
     def grids_for(self, first: bool) -> list:
-        """The grids a model runs on: lean, the automatic and the last explicit one for the first model (none
-        else); full, every grid for the first model, the automatic one for the others."""
-        if self.lean:
-            return [self.grids[0], self.grids[-1]] if first else []
-        return self.grids if first else self.grids[:1]
+        """The grids a model runs on: every grid for the first model (lean: the automatic and the last explicit one),
+        the automatic one for the others (full runs alone hold them)."""
+        if not first:
+            return self.grids[:1] if self.full else []
+        return [self.grids[0], self.grids[-1]] if self.scope == "lean" else self.grids
 
     def case(self, label, model, atoms, reference, tolerance, grid=None, mode="layerwise", view=None,
-             plain_tolerance=1e-12):
-        """``evaluate`` of ``atoms`` on ``grid`` in ``mode`` (full runs: on the automatic grid in many chunks, and
-        compared with one pass over all edges to ``plain_tolerance``), ``view(result)`` (default: the reference's
-        keys) against ``reference`` to ``tolerance``; the result."""
-        chunked = not self.lean and grid is None and mode == "layerwise"
+             plain_tolerance=1e-12, chunked=True):
+        """``evaluate`` of ``atoms`` on ``grid`` in ``mode`` (full runs, ``chunked``: on the automatic grid in many
+        chunks, and compared with one pass over all edges to ``plain_tolerance``), ``view(result)`` (default: the
+        reference's keys) against ``reference`` to ``tolerance``; the result."""
+        chunked = chunked and self.full and grid is None and mode == "layerwise"
         result = mlip_parallel.evaluate(model, atoms, mode=mode, grid=grid, memory_budget_gb=TINY if chunked else None)
         if chunked:
-            try:
-                plain = mlip_parallel.evaluate(model, atoms, mode=mode, memory_budget_gb=PLAIN)
-            except mlip_parallel.MemoryLimitError:  # the host's free memory (read per rank) is short of the
-                # pre-flight's (safe-side) estimate of one pass: 1 GB chunks, still far from TINY's
-                plain = mlip_parallel.evaluate(model, atoms, mode=mode, memory_budget_gb=1.0)
-            comparison = compare(result, plain, plain_tolerance)
+            comparison = compare(result, one_pass(model, atoms, mode), plain_tolerance)
             if not comparison.ok:
                 self.failures.append(comparison.message(f"{label}: chunked vs one pass"))
         view = view or (lambda r: {k: r[k] for k in reference})
@@ -94,13 +100,12 @@ class AdapterRun:
                                tally(reset=True))
 
 
-def run_family(name: str, world, lean: bool) -> list:
+def run_family(name: str, world, scope: str) -> list:
     """The failures of family ``name``'s module run (its summary and failures printed on rank 0)."""
     module = importlib.import_module(f"{name}_models")
     with pytest.MonkeyPatch.context() as patch:  # the chunk sizes put back for the next family
-        chunks = None if lean else in_many_chunks(patch.setattr)
-        run = AdapterRun(world, lean, chunks)
-        failures, line = module.run(run)
+        chunks = in_many_chunks(patch.setattr) if scope == "full" else None
+        failures, line = module.run(AdapterRun(world, scope, chunks))
     if world.rank == 0:
         print(line, flush=True)
         for failure in failures:
@@ -109,11 +114,11 @@ def run_family(name: str, world, lean: bool) -> list:
 
 
 def main(argv) -> int:
-    lean = "--lean" in argv
-    names = [a for a in argv if a != "--lean"]
+    scope = "lean" if "--lean" in argv else "grids" if "--grids" in argv else "full"
+    names = [a for a in argv if a not in ("--lean", "--grids")]
     unknown = [n for n in names if n not in PACKAGES]
     if unknown or not names:
-        raise SystemExit(f"families.py [--lean] FAMILY ...: FAMILY one of {sorted(PACKAGES)}, got {names}")
+        raise SystemExit(f"families.py [--grids | --lean] FAMILY ...: FAMILY one of {sorted(PACKAGES)}, got {names}")
     torch.set_num_threads(1)
     world = mlip_parallel.get_backend()
     failures = []
@@ -123,7 +128,7 @@ def main(argv) -> int:
             if world.rank == 0:
                 print(f"skipped: {name} (needs {', '.join(absent)})", flush=True)
             continue
-        failures += run_family(name, world, lean)
+        failures += run_family(name, world, scope)
     return 1 if failures else 0
 
 

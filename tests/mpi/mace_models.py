@@ -3,8 +3,8 @@ MACECalculator (its results saved beside the fixtures), run by tests/mpi/familie
 features through MACE's exchange hook) and, where its shell stays small, wide; float64 to 1e-9 relative, float32 to
 1e-5. The first model (ZBL) on every grid and its halo's faults planted (2 and 3 ranks); every model and head on the
 automatic grid, in many chunks (61-edge chunks, a 1-byte budget) and compared with one pass over all edges (float64
-1e-12, float32 1e-5); the ASE calculator once per model. Lean: the first model on every geometry, two grids (and
-the faults)."""
+1e-12, float32 1e-5); the ASE calculator once per model. Grids and lean scopes: the first model alone (and the
+faults)."""
 import mlip_parallel
 import potentials
 from faults import caught
@@ -17,22 +17,22 @@ WIDE = ("clusters", "small_cell", "slab")  # wide mode's shell (layers × r_max)
 def run(run) -> tuple:
     """``run``: families.AdapterRun. Returns its verdict."""
     world = run.world
-    fixtures = MACE_FIXTURES[:1] if run.lean else MACE_FIXTURES
+    fixtures = MACE_FIXTURES if run.full else MACE_FIXTURES[:1]
     for name in fixtures:
         path, heads, geometries = mace_fixture(name)
         tolerance = 1e-5 if name.endswith("f32") else 1e-9
-        for head in heads[:1] if run.lean else heads:
+        for head in heads if run.full else heads[:1]:
             model = potentials.MACE(path, head=head)
             for geometry, (atoms, references) in geometries.items():
                 reference = references[head]
                 for grid in run.grids_for(name == fixtures[0] and head == heads[0]):
-                    modes = ("layerwise", "wide") if geometry in WIDE and grid is None and not run.lean else \
+                    modes = ("layerwise", "wide") if geometry in WIDE and grid is None and run.full else \
                         ("layerwise",)
                     for mode in modes:
                         run.case(f"{name} head={head} {geometry}", model, atoms, reference, tolerance, grid, mode,
                                  view=lambda r: mace_view(r, reference, atoms),
                                  plain_tolerance=1e-5 if name.endswith("f32") else 1e-12)
-        if not run.lean:
+        if run.full:
             atoms, references = geometries["hcp_triclinic"]
             atoms = atoms.copy()
             atoms.calc = MLIPCalculator(model)  # the last head
@@ -47,7 +47,7 @@ def run(run) -> tuple:
             run.failures += caught(world, f"{name} fcc_bulk grid={grid}", lambda: mace_view(
                 mlip_parallel.evaluate(model, atoms, grid=grid), reference[heads[0]], atoms), reference[heads[0]],
                 tolerance)
-    # the first model: 7 geometries × its grids (+ 3 wide); each other model and head (three): 7 + 3 wide
+    # the first model: 7 geometries × its grids (full: + 3 wide, and each other model and head, three: 7 + 3 wide)
     per_grid = 7 * len(run.grids_for(True))
-    expected = per_grid if run.lean else per_grid + 3 + 3 * (7 + 3)
+    expected = per_grid + 3 + 3 * (7 + 3) if run.full else per_grid
     return run.verdict("MACE", expected)

@@ -5,8 +5,8 @@ shell stays small; float64 to 1e-9 relative. Each model's package on every grid,
 on the automatic grid in many chunks (a 1-byte budget, 61-edge chunks: NequIP's convolutions through
 chunked_tp_scatter, Allegro in groups of atoms through messages.chunked_local) and compared with one pass over all
 edges to 1e-12; the ASE calculator once per model; the halo's faults planted on 2 and 3 ranks (Allegro, which calls
-no halo refresh: its ghost gradients). Lean: each model's package on every geometry, NequIP on two grids (and the
-faults). Allegro's
+no halo refresh: its ghost gradients). Grids and lean scopes: each model's package on every geometry, NequIP on
+its grids, Allegro on the automatic one (and the faults). Allegro's
 cases need nequip-allegro (left out, and said, without it)."""
 import importlib.util
 import logging
@@ -33,21 +33,21 @@ def run(run) -> tuple:
         mine = {g: nequip_reference(files[0], make()) for k, (g, make) in enumerate(GEOMETRIES.items())
                 if k % P == world.rank}
         references = {g: r for part in world.allgather(mine) for g, r in part.items()}
-        for path in files[:1] if run.lean else files:
+        for path in files if run.full else files[:1]:
             model = potentials.NequIPFramework(path)
-            if run.lean:  # NequIP's package on two grids, Allegro's on the automatic one
-                grids = run.grids_for(True) if name == fixtures[0] else run.grids[:1]
-            else:  # each package on every grid, its checkpoint (the same model) on the automatic one
+            if run.full:  # each package on every grid, its checkpoint (the same model) on the automatic one
                 grids = run.grids if path == files[0] else run.grids[:1]
+            else:  # NequIP's package on its grids, Allegro's on the automatic one
+                grids = run.grids_for(True) if name == fixtures[0] else run.grids[:1]
             for geometry, make in GEOMETRIES.items():
                 atoms = make()
                 for grid in grids:
-                    modes = ("layerwise", "wide") if geometry in WIDE and grid is None and not run.lean else \
+                    modes = ("layerwise", "wide") if geometry in WIDE and grid is None and run.full else \
                         ("layerwise",)
                     for mode in modes:
                         run.case(f"{name} {path.name} {geometry}", model, atoms, references[geometry], 1e-9, grid,
                                  mode)
-        if not run.lean:
+        if run.full:
             atoms = GEOMETRIES["hcp_triclinic"]()
             atoms.calc = MLIPCalculator(model)
             via = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces(), "stress": atoms.get_stress()}
@@ -65,10 +65,10 @@ def run(run) -> tuple:
             run.failures += caught(world, f"{name} fcc_bulk grid={grid}",
                                    lambda: mlip_parallel.evaluate(model, atoms, grid=grid), references["fcc_bulk"],
                                    1e-9, [f for f in FAULTS if not (model.state_per_edge and f in FEATURE_FAULTS)])
-    # lean: NequIP's package on its two grids, Allegro's on one; full, each model: its package on every grid + 3
-    # wide, its checkpoint on the automatic grid + 3 wide
-    if run.lean:
-        expected = 7 * len(run.grids_for(True)) + 7 * (len(fixtures) - 1)
-    else:
+    # full, each model: its package on every grid + 3 wide, its checkpoint on the automatic grid + 3 wide; grids and
+    # lean: NequIP's package on its grids, Allegro's on one
+    if run.full:
         expected = len(fixtures) * (7 * (len(run.grids) + 1) + 2 * len(WIDE))
+    else:
+        expected = 7 * len(run.grids_for(True)) + 7 * (len(fixtures) - 1)
     return run.verdict("nequip framework", expected)

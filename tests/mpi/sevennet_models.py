@@ -1,6 +1,6 @@
 """SevenNet-0 through mlip_parallel (evaluate and the ASE calculator) == sevenn's own calculator on one process, run
 by tests/mpi/families.py: energy, forces, stress to 1e-5 relative (float32); its halo's faults planted on 2 and 3
-ranks. Lean: every structure on the automatic grid, layerwise (and the faults)."""
+ranks. Grids and lean scopes: every structure on the automatic grid, layerwise (and the faults)."""
 import mlip_parallel
 from faults import caught
 from md import MLIPCalculator
@@ -20,9 +20,9 @@ def run(run) -> tuple:
     for name, build in SEVENNET_STRUCTURES.items():
         atoms = build()
         # wide mode needs a 5 x 5 A ghost shell: affordable for the cluster, not for small periodic cells
-        for mode in ("layerwise", "wide") if name == "silicon_cluster" and not run.lean else ("layerwise",):
+        for mode in ("layerwise", "wide") if name == "silicon_cluster" and run.full else ("layerwise",):
             run.case(f"SevenNet-0 {name}", model, atoms, references[name], 1e-5, None, mode, plain_tolerance=1e-5)
-            if run.lean:
+            if not run.full:
                 continue
             calc_atoms = atoms.copy()
             calc_atoms.calc = MLIPCalculator(model, mode=mode)
@@ -37,4 +37,4 @@ def run(run) -> tuple:
         run.failures += caught(world, f"silicon_diamond grid={grid}",
                                lambda: mlip_parallel.evaluate(model, atoms, grid=grid), references["silicon_diamond"],
                                1e-5)
-    return run.verdict("SevenNet-0", len(SEVENNET_STRUCTURES) + (0 if run.lean else 1))
+    return run.verdict("SevenNet-0", len(SEVENNET_STRUCTURES) + run.full)
