@@ -342,7 +342,7 @@ def test_lora_two_ranks_equal_one_process_and_best_pt_holds_the_merged_weights(m
 
 
 def test_pipeline_resume_merged_checkpoint_and_restaging(mpirun, quick_data, tmp_path):
-    """mlip-train, parallel: pipeline, NequIP on 4 ranks (tests/mpi/pipeline_training.py): resume 2 + 2
+    """mlip-train, parallel: pipeline, SchNet on 4 ranks (tests/mpi/pipeline_training.py): resume 2 + 2
     epochs == 4 (every stage's shard and metrics; 1F1B); resume under auto keeps the measured costs, and
     within its warm-up goes on with the steps timed so far; the
     merged last.pt in one process gives the pipelined validation errors; from that last.pt (auto),

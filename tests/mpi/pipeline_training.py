@@ -1,6 +1,6 @@
 """mlip-train with parallel: pipeline on 4 ranks (run under mpiexec -n 4 with DATA and a shared OUT directory):
 
-* resume: 2 epochs, then resume to 4 (2 replicas × 2 stages, NequIP, a ragged last batch every epoch,
+* resume: 2 epochs, then resume to 4 (2 replicas × 2 stages, SchNet, a ragged last batch every epoch,
   pipeline.schedule 1f1b) equals 4 uninterrupted epochs: every stage's shard (weights, AdamW, EMA,
   schedule; not the measured sweep costs) and metrics.csv;
 * resume with pipeline.schedule auto keeps the costs measured by the interrupted run (so its schedule),
@@ -34,8 +34,8 @@ failures = []
 
 def job(directory, epochs, **changes):
     config = {"data": {"train": DATA, "validation_fraction": 0.25},
-              "model": {"name": "NequIP", "cutoff": 4.0, "dtype": "float64",
-                        "hyperparameters": {"features": 2, "l_max": 1, "layers": 4, "radial": 4, "radial_hidden": 8}},
+              "model": {"name": "SchNet", "cutoff": 4.0, "dtype": "float64",
+                        "hyperparameters": {"features": 8, "layers": 4, "rbf": 8}},
               "loss": {"energy_weight": 1.0, "forces_weight": 10.0, "stress_weight": 1.0},
               "optimizer": {"lr": 0.005, "gradient_clip": 1.0}, "ema_decay": 0.9, "epochs": epochs, "batch_size": 4,
               "seed": 1, "parallel": "pipeline", "pipeline": {"stages": 2, "microbatches": 2, "boundaries": [0, 2, 4]},
