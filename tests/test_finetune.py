@@ -363,12 +363,15 @@ def test_huber_loss_amsgrad_and_lr_factors_equal_torchs(files):
 # the whole model on rank 0); allegro3: a three-layer Allegro with per-edge-type cutoffs and ZBL.
 ONE_F_ONE_B = {"stages": 2, "microbatches": 3, "schedule": "1f1b", "boundaries": [0, 1, 2]}
 PIPELINES = {2: [("mace", ONE_F_ONE_B), ("mace-lora", ONE_F_ONE_B), ("sevennet", ONE_F_ONE_B), ("allegro", ONE_F_ONE_B),
-                 ("nequip", {"stages": 2, "microbatches": 3}), ("uma-moe", dict(ONE_F_ONE_B, boundaries=[0, 2, 3])),
+                 ("uma-moe", dict(ONE_F_ONE_B, boundaries=[0, 2, 3])),
                  ("uma-dense", {"stages": 2, "microbatches": 3})],
              3: [("mace3", {"stages": 3, "microbatches": 3}),
                  ("nequip", {"stages": 3, "microbatches": 3, "schedule": "1f1b"}),
-                 ("allegro3", {"stages": 3, "microbatches": 3}), ("uma-moe", {"stages": 3, "microbatches": 3})]}
-RESUMED = ((2, "mace"), (2, "mace-lora"), (2, "sevennet"), (2, "allegro"), (3, "nequip"), (2, "uma-moe"))  # each also killed after epoch 1, resumed
+                 ("allegro3", {"stages": 3, "microbatches": 3, "schedule": "1f1b"}),
+                 ("uma-moe", {"stages": 3, "microbatches": 3})]}
+# each also stopped after epoch 1 and resumed: MACE (with LoRA's updates), SevenNet (its radial coefficients held by
+# both stages), fairchem's experts on 2 stages, the nequip framework (Allegro) on 3 (a middle stage)
+RESUMED = ((2, "mace-lora"), (2, "sevennet"), (3, "allegro3"), (2, "uma-moe"))
 LORA = {"lora": {"targets": ["interactions.*.linear.weight", "interactions.*.conv_tp_weights.*"], "rank": 2,
                  "alpha": 4.0}}  # mace-lora: MACE with these updates, one process and 2 stages (and resumed)
 REFIT = {"reference_energies": "refit"}
@@ -442,14 +445,14 @@ def test_pipeline_stages_equal_one_process(parallel, ranks, family):
     """Each family in pipeline stages, each stage holding only its parts: MACE in 2 stages (1F1B, 3 micro-batches)
     and a three-interaction MACE in 3 (schedule auto, reference energies refit), SevenNet in 2 (its radial
     coefficients, read by every block, held by both stages, their gradients summed), the nequip framework's NequIP
-    in 2 (schedule auto, cost-balanced boundaries; its type embedding's node attributes travelling beside the
-    features) and in 3, Allegro in 2 and the three-layer Allegro with per-edge-type cutoffs and ZBL in 3 (its
-    per-edge state travelling), fairchem's UMA-S-shaped model with experts in 2 (1F1B) and 3 and the UMA-S-1.2-shaped
-    one (max_neighbors, the omol task) in 2 (the node embeddings travelling; the system embeddings and the experts'
+    in 3 (1F1B; its type embedding's node attributes travelling beside the features), Allegro in 2 and the
+    three-layer Allegro with per-edge-type cutoffs and ZBL in 3 (its per-edge state travelling), fairchem's
+    UMA-S-shaped model with experts in 2 (1F1B) and 3 and the UMA-S-1.2-shaped one (max_neighbors, the omol task) in 2
+    (schedule auto, cost-balanced boundaries; the node embeddings travelling; the system embeddings and the experts'
     routing held by every stage, each micro-batch's structures routed by their own compositions), MACE with LoRA
     updates (``LORA``) in 2 (each stage adapting its own parts, each weight's A drawn from its name as one process
-    draws it): the trained weights (LoRA's: the updates, the fixed originals) equal one process's to 1e-10. The 3-stage runs stream their data from disk (data.stream), the one-process
-    reference holds it."""
+    draws it): the trained weights (LoRA's: the updates, the fixed originals) equal one process's to 1e-10. The
+    3-stage runs stream their data from disk (data.stream), the one-process reference holds it."""
     assert_same_weights(trained_parameters(parallel["root"] / f"{ranks}-{family}-pipeline"),
                         trained_parameters(parallel["references"][family]), 1e-10, (ranks, family, "pipeline"))
 

@@ -5,6 +5,7 @@ fine-tuned data parallel and graph parallel. Prints "finetune runs done N"; the 
 import json
 import os
 import sys
+import time
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -17,7 +18,11 @@ from mlip_parallel.train.cli import RULES, SCHEMA, train, validate  # noqa: E402
 torch.set_num_threads(1)
 with open(sys.argv[1]) as f:
     configs = json.load(f)
+rank0 = int(os.environ.get("RANK", os.environ.get("PMI_RANK", 0))) == 0
 for path in configs:
+    start = time.perf_counter()
     train(validate(read_config(path), SCHEMA, RULES))
-if int(os.environ.get("RANK", os.environ.get("PMI_RANK", 0))) == 0:
+    if rank0:  # (where a launch spends its time)
+        print(f"finetune run {os.path.basename(path)} {time.perf_counter() - start:.1f} s", flush=True)
+if rank0:
     print(f"finetune runs done {len(configs)}", flush=True)
