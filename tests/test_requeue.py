@@ -131,14 +131,30 @@ def straight_and_requeued(tmp_path, job: dict, seed: int) -> tuple:
     return cmd, env, tmp_path / "straight" / "out", tmp_path / "requeued" / "out"
 
 
+# a committee of two Lennard-Jones models: mlip-md's uncertainty (a row of model_devi.csv every 5 steps, the frames of
+# max_devi_f in [0.016, 0.022] eV/Å into candidates.extxyz) among the outputs a requeue must keep whole
+COMMITTEE_JOB = dict(MD_JOB, model={"committee": [
+    {"lennard_jones": {"epsilon": 0.0104, "sigma": 3.4, "cutoff": 8.0}},
+    {"lennard_jones": {"epsilon": 0.0110, "sigma": 3.42, "cutoff": 8.0}}]},
+    uncertainty={"every": 5, "select": [0.016, 0.022]})
+
+
 def test_mlip_md_killed_at_random_moments_and_requeued_equals_an_uninterrupted_run(tmp_path):
-    """2 ranks, Langevin, thermo every 5 steps, a frame every 10, a restart every 40 of 300 steps: killed at
-    5 seeded random moments of the run (after its start-up) and requeued with the identical command."""
-    cmd, env, straight, requeued = straight_and_requeued(tmp_path, MD_JOB, seed=35)
+    """2 ranks, Langevin, a committee, thermo and model deviations every 5 steps, a frame every 10, a restart every
+    40 of 300 steps: killed at 5 seeded random moments of the run (after its start-up) and requeued with the identical
+    command: thermo rows, trajectory, final frame, model_devi.csv and candidates.extxyz equal the uninterrupted run's
+    byte for byte (no frame twice, none lost)."""
+    cmd, env, straight, requeued = straight_and_requeued(tmp_path, COMMITTEE_JOB, seed=35)
     rows = thermo(straight)
     assert [int(r["step"]) for r in rows] == list(range(0, 301, 5))
     assert thermo(requeued) == rows
-    for name in ("trajectory.extxyz", "final.extxyz"):
+    with open(straight / "model_devi.csv") as f:
+        deviations = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in deviations] == list(range(0, 301, 5))
+    candidates = read(straight / "candidates.extxyz", index=":")
+    chosen = [int(r["step"]) for r in deviations if 0.016 <= float(r["max_devi_f"]) <= 0.022]
+    assert [f.info["step"] for f in candidates] == chosen and 0 < len(chosen) < len(deviations) / 2, chosen
+    for name in ("trajectory.extxyz", "final.extxyz", "model_devi.csv", "candidates.extxyz"):
         assert (requeued / name).read_bytes() == (straight / name).read_bytes(), name
     frames = read(requeued / "trajectory.extxyz", index=":")
     assert [f.info["step"] for f in frames] == list(range(0, 301, 10))
@@ -148,7 +164,7 @@ def test_mlip_md_killed_at_random_moments_and_requeued_equals_an_uninterrupted_r
     # command, with space again, continues from that restart to the uninterrupted run's outputs
     full = tmp_path / "full"
     (full / "out").mkdir(parents=True)
-    (full / "job.yaml").write_text(yaml.safe_dump(MD_JOB))
+    (full / "job.yaml").write_text(yaml.safe_dump(COMMITTEE_JOB))
     with small_disk(full / "out", 120_000) as mounted:
         short = cmd if mounted else command(2, ROOT / "tests" / "mpi" / "disk_full.py", 120_000, full / "out",
                                             "-m", "md.cli", "job.yaml")
@@ -163,13 +179,13 @@ def test_mlip_md_killed_at_random_moments_and_requeued_equals_an_uninterrupted_r
         rc, out, _ = finish(cmd, full, env, "mlip-md: 108 atoms")
         assert rc == 0 and f"steps {found[1]} to 300" in out, out
         assert thermo(full / "out") == rows
-        for name in ("trajectory.extxyz", "final.extxyz"):
+        for name in ("trajectory.extxyz", "final.extxyz", "model_devi.csv", "candidates.extxyz"):
             assert (full / "out" / name).read_bytes() == (straight / name).read_bytes(), name
 
     # a restart refuses output files that are not the ones it recorded, and leaves them as they are
     from md.cli import ConfigError, validate
     from md.start import prepare
-    config = validate(dict(MD_JOB, output=dict(MD_JOB["output"], directory=str(requeued))))
+    config = validate(dict(COMMITTEE_JOB, output=dict(MD_JOB["output"], directory=str(requeued))))
     thermo_csv, trajectory = requeued / "thermo.csv", requeued / "trajectory.extxyz"
     with open(thermo_csv, "a") as f:
         f.write("300,partial row")  # written after the restart: cut back, not refused
@@ -186,27 +202,6 @@ def test_mlip_md_killed_at_random_moments_and_requeued_equals_an_uninterrupted_r
     trajectory.unlink()
     with pytest.raises(ConfigError, match="trajectory.extxyz is missing"):
         prepare(config)
-
-
-def test_committee_run_killed_and_requeued_keeps_its_deviations_and_candidates(tmp_path):
-    """A committee of two Lennard-Jones models (mlip-md's uncertainty: a row of model_devi.csv every 5 steps, the
-    frames of max_devi_f in [0.016, 0.022] eV/Å into candidates.extxyz), 2 ranks, killed at 5 seeded moments and
-    requeued: model_devi.csv and candidates.extxyz equal the uninterrupted run's byte for byte (no frame twice,
-    none lost)."""
-    job = dict(MD_JOB, model={"committee": [
-        {"lennard_jones": {"epsilon": 0.0104, "sigma": 3.4, "cutoff": 8.0}},
-        {"lennard_jones": {"epsilon": 0.0110, "sigma": 3.42, "cutoff": 8.0}}]},
-        uncertainty={"every": 5, "select": [0.016, 0.022]})
-    _, _, straight, requeued = straight_and_requeued(tmp_path, job, seed=36)
-    with open(straight / "model_devi.csv") as f:
-        rows = list(csv.DictReader(f))
-    assert [int(r["step"]) for r in rows] == list(range(0, 301, 5))
-    candidates = read(straight / "candidates.extxyz", index=":")
-    chosen = [int(r["step"]) for r in rows if 0.016 <= float(r["max_devi_f"]) <= 0.022]
-    assert [f.info["step"] for f in candidates] == chosen and 0 < len(chosen) < len(rows) / 2, chosen
-    for name in ("model_devi.csv", "candidates.extxyz", "trajectory.extxyz", "final.extxyz"):
-        assert (requeued / name).read_bytes() == (straight / name).read_bytes(), name
-    assert thermo(requeued) == thermo(straight)
 
 
 @contextlib.contextmanager
