@@ -229,9 +229,10 @@ def test_families_on_three_ranks_grids(mpirun):
 
 @pytest.mark.parametrize("launcher, ranks", [("mpiexec", 4), ("torchrun", 3)])
 def test_every_family_on_four_ranks_and_under_torch_distributed(mpirun, torchrun, launcher, ranks):
-    """Every family in one lean launch (each family's first model, every geometry, two grids): on 4 ranks (2D grids,
-    empty ranks) and under torch.distributed (torchrun without MPI, gloo; a 3-rank grid, the faults planted)."""
+    """Every family in one launch (each family's first model, every geometry): on 4 ranks on the automatic and the last
+    explicit grid (2D grids, empty ranks) and under torch.distributed (torchrun without MPI, gloo) on an odd 3-rank
+    grid, the faults planted (the 3-rank MPI launch holds the other grids)."""
     run = torchrun if launcher == "torchrun" else mpirun
-    rc, out, _ = run(ranks, MPI_DIR / "families.py", "--lean", *FAMILIES)
+    rc, out, _ = run(ranks, MPI_DIR / "families.py", "--lean" if launcher == "mpiexec" else "--backend", *FAMILIES)
     assert rc == 0, out
     check_families(out, ranks, FAMILIES, "torch" if launcher == "torchrun" else None)

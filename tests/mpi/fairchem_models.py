@@ -6,7 +6,7 @@ charge and a spin, experts routed by composition, max_neighbors cutting every me
 halo's faults planted (2 and 3 ranks), and on the automatic grid its edge steps in many chunks (500-edge chunks, a
 1-byte budget: several per block on every rank; the chunked code is the same for every fairchem model) compared with
 one pass over all edges to 1e-12; the UMA-S-shaped one and the eSEN one on the automatic grid; float32 once; the ASE
-calculator once per model. Grids and lean scopes: the first model alone
+calculator once per model. Grids, lean and backend scopes: the first model alone
 (and the faults)."""
 import mlip_parallel
 import potentials.messages as messages

@@ -1,7 +1,7 @@
 """Other packages' models distributed == their packages' own calculators, several families in one launch (run under
 mpiexec -n P or torchrun):
 
-    families.py [--grids | --lean] FAMILY [FAMILY ...]        FAMILY: mace, nequip, fairchem, sevennet
+    families.py [--grids | --lean | --backend] FAMILY [FAMILY ...]        FAMILY: mace, nequip, fairchem, sevennet
 
 Each family's module (tests/mpi/FAMILY_models.py) runs its cases through ``AdapterRun`` and returns its verdict; rank
 0 prints each family's summary line ("P=…: TITLE N cases, K failures, …; faults caught F of G; …") and its failures,
@@ -9,8 +9,9 @@ and "skipped: FAMILY (needs PACKAGE)" for a family whose package is not installe
 it). On 2 and 3 ranks, each family's halo faults are planted (tests/faults.py) and must be caught. The scope: by
 default (2 ranks) every model, every grid for the first, the memory-bounded path in many chunks against one pass,
 wide mode and the ASE calculator; ``--grids`` (3 ranks: what is new there is the grids) each family's first model on
-every geometry and grid, at the default memory budget; ``--lean`` (the 4-rank and the torch.distributed launches) the
-same on the automatic grid and the last explicit one. Exits 1 on any failure.
+every geometry and grid, at the default memory budget; ``--lean`` (the 4-rank launch: its grids are what is new) the
+same on the automatic grid and the last explicit one; ``--backend`` (the torch.distributed launch: the backend is what
+is new) the same on the last explicit grid alone. Exits 1 on any failure.
 """
 from __future__ import annotations
 
@@ -47,8 +48,8 @@ def one_pass(model, atoms, mode="layerwise", grid=None) -> dict:
 class AdapterRun:
     """One family's cases in a launch: each evaluated distributed and compared with its package's reference; counts
     the cases, the (case, rank) pairs that owned no atom, the worst error per model. ``scope``: "full", "grids" or
-    "lean" (the module docstring); ``chunks``: the chunked paths made to run in many small chunks
-    (``in_many_chunks``), None where the run evaluates at the default memory budget alone (grids, lean)."""
+    "lean" or "backend" (the module docstring); ``chunks``: the chunked paths made to run in many small chunks
+    (``in_many_chunks``), None where the run evaluates at the default memory budget alone (grids, lean, backend)."""
 
     def __init__(self, world, scope: str, chunks: dict | None):
         self.world, self.scope, self.chunks = world, scope, chunks
@@ -57,11 +58,11 @@ class AdapterRun:
         self.failures, self.cases, self.empty, self.worst = [], 0, 0, {}
 
     def grids_for(self, first: bool) -> list:
-        """The grids a model runs on: every grid for the first model (lean: the automatic and the last explicit one),
-        the automatic one for the others (full runs alone hold them)."""
+        """The grids a model runs on: every grid for the first model (lean: the automatic and the last explicit one;
+        backend: the last explicit one), the automatic one for the others (full runs alone hold them)."""
         if not first:
             return self.grids[:1] if self.full else []
-        return [self.grids[0], self.grids[-1]] if self.scope == "lean" else self.grids
+        return {"lean": [self.grids[0], self.grids[-1]], "backend": self.grids[-1:]}.get(self.scope, self.grids)
 
     def case(self, label, model, atoms, reference, tolerance, grid=None, mode="layerwise", view=None,
              plain_tolerance=1e-12, chunked=True):
@@ -114,11 +115,13 @@ def run_family(name: str, world, scope: str) -> list:
 
 
 def main(argv) -> int:
-    scope = "lean" if "--lean" in argv else "grids" if "--grids" in argv else "full"
-    names = [a for a in argv if a not in ("--lean", "--grids")]
+    scopes = [a.removeprefix("--") for a in argv if a in ("--lean", "--grids", "--backend")]
+    scope = scopes[0] if len(scopes) == 1 else "full"
+    names = [a for a in argv if not a.startswith("--")]
     unknown = [n for n in names if n not in PACKAGES]
-    if unknown or not names:
-        raise SystemExit(f"families.py [--grids | --lean] FAMILY ...: FAMILY one of {sorted(PACKAGES)}, got {names}")
+    if unknown or not names or len(scopes) > 1:
+        raise SystemExit(f"families.py [--grids | --lean | --backend] FAMILY ...: FAMILY one of {sorted(PACKAGES)}, "
+                         f"got {argv}")
     torch.set_num_threads(1)
     world = mlip_parallel.get_backend()
     failures = []

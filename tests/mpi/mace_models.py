@@ -3,7 +3,7 @@ MACECalculator (its results saved beside the fixtures), run by tests/mpi/familie
 features through MACE's exchange hook) and, where its shell stays small, wide; float64 to 1e-9 relative, float32 to
 1e-5. The first model (ZBL) on every grid and its halo's faults planted (2 and 3 ranks); every model and head on the
 automatic grid, in many chunks (61-edge chunks, a 1-byte budget) and compared with one pass over all edges (float64
-1e-12, float32 1e-5); the ASE calculator once per model. Grids and lean scopes: the first model alone (and the
+1e-12, float32 1e-5); the ASE calculator once per model. Grids, lean and backend scopes: the first model alone (and the
 faults)."""
 import mlip_parallel
 import potentials

@@ -5,7 +5,7 @@ shell stays small; float64 to 1e-9 relative. Each model's package on every grid,
 on the automatic grid in many chunks (a 1-byte budget, 61-edge chunks: NequIP's convolutions through
 chunked_tp_scatter, Allegro in groups of atoms through messages.chunked_local) and compared with one pass over all
 edges to 1e-12; the ASE calculator once per model; the halo's faults planted on 2 and 3 ranks (Allegro, which calls
-no halo refresh: its ghost gradients). Grids and lean scopes: each model's package on every geometry, NequIP on
+no halo refresh: its ghost gradients). Grids, lean and backend scopes: each model's package on every geometry, NequIP on
 its grids, Allegro on the automatic one (and the faults). Allegro's
 cases need nequip-allegro (left out, and said, without it)."""
 import importlib.util
@@ -66,7 +66,7 @@ def run(run) -> tuple:
                                    lambda: mlip_parallel.evaluate(model, atoms, grid=grid), references["fcc_bulk"],
                                    1e-9, [f for f in FAULTS if not (model.state_per_edge and f in FEATURE_FAULTS)])
     # full, each model: its package on every grid + 3 wide, its checkpoint on the automatic grid + 3 wide; grids and
-    # lean: NequIP's package on its grids, Allegro's on one
+    # lean, backend: NequIP's package on its grids, Allegro's on one
     if run.full:
         expected = len(fixtures) * (7 * (len(run.grids) + 1) + 2 * len(WIDE))
     else:

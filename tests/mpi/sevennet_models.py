@@ -1,6 +1,6 @@
 """SevenNet-0 through mlip_parallel (evaluate and the ASE calculator) == sevenn's own calculator on one process, run
 by tests/mpi/families.py: energy, forces, stress to 1e-5 relative (float32); its halo's faults planted on 2 and 3
-ranks. Grids and lean scopes: every structure on the automatic grid, layerwise (and the faults)."""
+ranks. Grids, lean and backend scopes: every structure on the automatic grid, layerwise (and the faults)."""
 import mlip_parallel
 from faults import caught
 from md import MLIPCalculator
