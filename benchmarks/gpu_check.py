@@ -109,7 +109,8 @@ def model_checks(device):
             force = float(np.abs(result["forces"] - reference["forces"]).max()) / scale
             energy = abs(result["energy"] - reference["energy"]) / abs(reference["energy"])
             rows.append((f"{name} on {device}", f"{dtype} vs CPU {precision}, {len(atoms)} atoms",
-                         f"max |dF|/max|F| {force:.1e}, |dE|/|E| {energy:.1e}", max(force, energy) <= tolerance))
+                         f"max |dF|/max|F| {force:.1e}, |dE|/|E| {energy:.1e}",
+                         force <= tolerance and energy <= tolerance))  # (max() would pass a NaN second)
     return rows
 
 
@@ -167,6 +168,7 @@ def training_checks(device, env):
     import csv
     import tempfile
 
+    import numpy as np
     import yaml
     from ase.io import write
 
@@ -197,8 +199,8 @@ def training_checks(device, env):
             if metrics is None:
                 rows.append((f"mlip-train on {device}", setting, str(error)[:120], False))
                 continue
-            worst = max(abs(m[c] - r[c]) / max(abs(r[c]), 1e-300)
-                        for m, r in zip(metrics, reference) for c in TRAINING_METRICS)
+            worst = float(np.max([abs(m[c] - r[c]) / max(abs(r[c]), 1e-300)  # np.max: a NaN is the worst
+                                  for m, r in zip(metrics, reference) for c in TRAINING_METRICS] or [np.nan]))
             rows.append((f"mlip-train on {device}", setting,
                          f"largest relative difference of the epoch metrics from one CPU process {worst:.1e}",
                          worst <= 1e-9 and len(metrics) == len(reference)))
