@@ -20,6 +20,11 @@ class SimulationError(MLIPError, RuntimeError):
     step (raised alike on every rank)."""
 
 
+class RanksDisagreeError(MLIPError, ValueError):
+    """The ranks of one communicator were given different structures to evaluate together (raised alike on every
+    rank, before any message about the atoms)."""
+
+
 class LostAtomsError(MLIPError, RuntimeError):
     """Atoms went missing or were duplicated while moving between ranks."""
 

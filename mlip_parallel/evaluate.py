@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import zlib
 from typing import NamedTuple
 
 import numpy as np
@@ -15,7 +16,7 @@ from potentials.predict import voigt_stress
 from .backend import SerialBackend, get_backend, rank_device
 from .comm import FeatureHalo
 from .domain import Domain
-from .errors import LostAtomsError, SimulationError
+from .errors import LostAtomsError, RanksDisagreeError, SimulationError
 from .grid import Grid
 from .preflight import check_rank_memory
 from .subdomain import Subdomain
@@ -205,11 +206,46 @@ def members_decomposed(committee, sub: Subdomain, mode: str = "layerwise",
     return tuple(torch.stack(values) for values in zip(*results))
 
 
+STRUCTURE_PARTS = ("number of atoms", "elements", "positions", "cell", "periodicity", "charge and spin")
+
+
+def structure_digest(atoms, system=None) -> np.ndarray:
+    """[6] float64: the number of atoms and a CRC-32 of each of the elements, positions, cell, periodicity and
+    ``system`` ({"charge": [value], "spin": [value]}, ``system_of``) of ``atoms`` — equal exactly where the structures are equal bit for bit (whole numbers
+    below 2**32: exact in float64)."""
+    def crc(array, dtype) -> float:
+        return float(zlib.crc32(np.ascontiguousarray(array, dtype=dtype).tobytes()))
+
+    charge_spin = [np.nan if x is None else x for v in (system or {}).values() for x in v]  # ({name: [value]})
+    return np.array([len(atoms), crc(atoms.numbers, np.int64), crc(atoms.positions, np.float64),
+                     crc(atoms.cell[:], np.float64), crc(atoms.pbc, np.bool_), crc(charge_spin, np.float64)])
+
+
+def check_same_structure(backend, atoms, system=None) -> None:
+    """Every rank of ``backend`` must evaluate the same structure: one all-reduce of 12 numbers (the maximum of
+    ``structure_digest`` and of its negative). RanksDisagreeError on every rank, naming what differs and the way
+    out, where the ranks were given different structures (ASE's NEB(parallel=True) gives each rank its own image;
+    velocities drawn on each rank alone make every rank's positions its own after one step)."""
+    if backend.size == 1:
+        return
+    digest = structure_digest(atoms, system)
+    extremes = backend.allreduce(np.concatenate([digest, -digest]), op="max")
+    highest, lowest = extremes[:len(digest)], -extremes[len(digest):]
+    differ = [part for part, a, b in zip(STRUCTURE_PARTS, highest, lowest, strict=True) if a != b]
+    if differ:
+        raise RanksDisagreeError(
+            f"the {backend.size} ranks of this communicator were given different structures ({', '.join(differ)} "
+            f"differ): each evaluation splits one structure over the ranks that call it together, so every rank of "
+            f"a calculator's communicator must pass the same atoms. Images of ASE's NEB(parallel=True) each need "
+            f"their own communicator: MLIPCalculator(model, comm=world.Split(image)) (examples/neb_parallel.py); "
+            f"velocities or rattles drawn on each rank must be drawn alike (a seeded generator, or comm=world)")
+
+
 def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, stress: bool = True,
              device=None, memory_budget_gb: float | None = None, min_distance: float = MIN_DISTANCE) -> dict:
     """Energy, forces, per-atom energies and stress of ``atoms``, computed spatially decomposed.
 
-    Every rank calls this with the same ``atoms``. ``mode``: "layerwise" (ghost shell = cutoff, ghost
+    Every rank calls this with the same ``atoms`` (checked on every call: RanksDisagreeError otherwise). ``mode``: "layerwise" (ghost shell = cutoff, ghost
     node features refreshed between layers) or "wide" (ghost shell = layers × cutoff, no communication
     inside the model). ``grid``: (px, py, pz) or None for the minimum-surface grid. ``comm``: an mpi4py
     communicator, a backend, or None (MPI.COMM_WORLD under mpiexec, serial otherwise). ``device``: None
@@ -247,6 +283,7 @@ def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, str
         raise ValueError(f"min_distance must be a finite number >= 0 (Å), got {min_distance}")
     check_structure(atoms.positions, atoms.cell, atoms.pbc, min_distance)
     system = system_of(atoms.info)
+    check_same_structure(backend, atoms, system)
     budget = memory_budget_bytes(memory_budget_gb, device)
     part = Decomposition(atoms, ghost_reach(model, mode), backend, grid, model, mode == "layerwise", budget)
     committee = isinstance(model, Committee)

@@ -263,6 +263,45 @@ def test_memory_budget_knob():
             MDSystem.from_atoms(model, atoms, memory_budget_gb=bad)
 
 
+def test_ranks_given_different_structures_are_named():
+    """check_same_structure (on every evaluate call) against a faked second rank: a copy passes; one position moved
+    by one unit in the last place, another element, cell, periodicity, charge, or an atom fewer is named, with the way
+    out (each NEB image its own communicator)."""
+    from potentials.graph import system_of
+    from mlip_parallel.errors import RanksDisagreeError
+    from mlip_parallel.evaluate import check_same_structure, structure_digest
+
+    class TwoRanks:
+        """A backend of two ranks whose other rank passed ``other``."""
+        size = 2
+
+        def __init__(self, other):
+            digest = structure_digest(other, system_of(other.info))
+            self.theirs = np.concatenate([digest, -digest])
+
+        def allreduce(self, value, op="sum"):
+            assert op == "max"
+            return np.maximum(value, self.theirs)
+
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(2)
+    atoms.rattle(0.05, seed=3)
+    check_same_structure(TwoRanks(atoms.copy()), atoms, system_of(atoms.info))
+
+    def changed(change):
+        other = atoms.copy()
+        change(other)
+        return other
+
+    cases = {"positions": lambda a: a.positions.__setitem__((5, 1), np.nextafter(a.positions[5, 1], 9.0)),
+             "elements": lambda a: a.numbers.__setitem__(2, 47), "cell": lambda a: a.set_cell(a.cell * 1.001),
+             "periodicity": lambda a: a.set_pbc([True, True, False]),
+             "charge and spin": lambda a: a.info.__setitem__("charge", 1), "number of atoms": lambda a: a.pop()}
+    for part, change in cases.items():
+        with pytest.raises(RanksDisagreeError, match=rf"^the 2 ranks of this communicator were given different "
+                                                      rf"structures \({part}.*differ\): .*comm=world\.Split\(image\)"):
+            check_same_structure(TwoRanks(changed(change)), atoms, system_of(atoms.info))
+
+
 def test_the_halo_hook_runs_eagerly_under_torch_compile():
     """FeatureHalo's exchange (MPI inside) is a graph break in a torch.compile'd model: run eagerly, never traced
     (``eager_under_compile``, which loads nothing of torch._dynamo until a compile can run)."""

@@ -3,7 +3,12 @@
 Every rank runs VelocityVerlet, Langevin and a BFGS relaxation with the distributed calculator, then
 again with the serial backend (every rank, so that ASE's own collectives on its world stay matched);
 final positions and velocities must agree to 1e-9 (float64: only summation order differs).
-Run under mpiexec -n P.
+
+ASE's NEB(parallel=True) as examples/neb_parallel.py runs it (a vacancy hop in copper, cu-emt; 2 images, each on
+P / 2 ranks through its own communicator) == the same band relaxed in one process, every image in turn (1e-9). Ranks
+that pass different structures to one evaluation end alike in RanksDisagreeError, naming the way out: the band with
+every image's calculator on the whole world, and MD whose velocities each rank drew alone (the second call).
+Run under mpiexec -n P, P even.
 """
 import os
 import sys
@@ -14,14 +19,21 @@ import torch  # noqa: E402
 from ase import units  # noqa: E402
 from ase.md.langevin import Langevin  # noqa: E402
 from ase.md.velocitydistribution import thermalize_momenta  # noqa: E402
+from ase.mep import NEB  # noqa: E402
+from ase.parallel import DummyMPI  # noqa: E402
 from ase.md.verlet import VelocityVerlet  # noqa: E402
 from ase.optimize import BFGS  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import mlip_parallel  # noqa: E402
+import potentials  # noqa: E402
 from md import MLIPCalculator  # noqa: E402
+from mlip_parallel.errors import RanksDisagreeError  # noqa: E402
 from comparison import compare  # noqa: E402
 from systems import GEOMETRIES, schnet  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+from neb_parallel import band, band_energies, vacancy_hop, world_of  # noqa: E402
 
 torch.set_num_threads(1)
 world = MPI.COMM_WORLD
@@ -56,6 +68,57 @@ for kind in ("verlet", "langevin", "bfgs"):
         failures.append(c.message(f"{kind} positions and velocities"))
     if not ce.ok:
         failures.append(ce.message(f"{kind} energy"))
+
+def disagreeing(label, call, *words) -> None:
+    """``call()`` must raise RanksDisagreeError on this rank, its message holding ``words``."""
+    try:
+        call()
+    except RanksDisagreeError as exc:
+        if world.rank == 0:
+            print(f"{label}: {exc}", flush=True)
+        if not all(word in str(exc) for word in words):
+            failures.append(f"{label}: the message names not {words}: {exc}")
+    else:
+        failures.append(f"{label}: no RanksDisagreeError on rank {world.rank}")
+
+
+# NEB images in parallel, each image decomposed over its ranks (examples/neb_parallel.py) == one process
+cu_emt = potentials.load_model("cu-emt", checkpoint_dtype="float64")
+initial, final = vacancy_hop(cu_emt, cells=2, comm=world)
+parallel = band(cu_emt, initial, final, 2, comm=world, steps=8)
+serial = band(cu_emt, initial, final, 2, comm=None, steps=8)
+c = compare({"positions": np.array([image.positions for image in parallel.images]), "energies": band_energies(parallel)},
+            {"positions": np.array([image.positions for image in serial.images]), "energies": band_energies(serial)},
+            1e-9, scale="absolute")
+if world.rank == 0:
+    print(f"NEB, 2 images x {world.size // 2} rank(s): barrier {max(band_energies(parallel)):.6f} eV, one process "
+          f"{max(band_energies(serial)):.6f} eV; max difference (positions, energies) {c.error:.2e}", flush=True)
+if not c.ok:
+    failures.append(c.message("parallel NEB vs one process"))
+
+
+def shared_world_band():  # every image's calculator on the whole world: the ranks pass different images
+    images = [initial] + [initial.copy() for _ in range(2)] + [final]
+    for image in images[1:-1]:
+        image.calc = MLIPCalculator(cu_emt, comm=world)
+    neb = NEB(images, parallel=True, world=world_of(world))
+    neb.interpolate()
+    neb.get_forces()
+
+
+disagreeing("NEB(parallel=True), calculators on the whole world", shared_world_band, "positions",
+            "comm=world.Split(image)")
+
+
+def own_velocities():  # each rank draws its own velocities: the positions part after the first step
+    atoms = GEOMETRIES["sheared"]()
+    atoms.calc = MLIPCalculator(model)
+    thermalize_momenta(atoms, temperature_K=600, rng=np.random.default_rng(world.rank), comm=DummyMPI())
+    VelocityVerlet(atoms, timestep=2 * units.fs).run(2)
+
+
+disagreeing("velocities drawn on each rank alone", own_velocities, "positions differ", "drawn alike")
+
 failures = sorted({f for mine in world.allgather(failures) for f in mine})  # every rank's verdict
 if world.rank == 0:
     print(f"P={world.Get_size()}: ASE dynamics {len(failures)} failures")
