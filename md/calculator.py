@@ -6,6 +6,8 @@ import math
 from ase.calculators.calculator import Calculator, all_changes
 
 import mlip_parallel
+import potentials
+from potentials.base import Potential
 from potentials.committee import Committee
 from potentials.graph import MIN_DISTANCE
 from potentials.messages import memory_budget_bytes
@@ -21,7 +23,11 @@ class MLIPCalculator(Calculator):
     ``comm``, ``memory_budget_gb`` and ``min_distance`` are those of ``mlip_parallel.evaluate``. Stress is given when
     the cell has a volume.
 
-    A committee — a list of models (``potentials.Committee`` of their mean; pass a ``Committee`` for
+    ``model`` may be a model spec, as the tools take it: ``MLIPCalculator("sevennet:7net-0")``, ``"mace:FILE.model"``,
+    ``"cu-emt"`` or a checkpoint path (``potentials.load_model``; this package's checkpoints run in float64, as in
+    mlip-md); a bad spec fails here, not at the first call.
+
+    A committee — a list of models or specs (``potentials.Committee`` of their mean; pass a ``Committee`` for
     ``forces="first"``) — gives its members' mean (or first) energy, forces and stress, and its model deviation:
     "devi_f" (σ_F per atom, eV/Å), "devi_energies", "max_devi_f", "min_devi_f", "avg_devi_f", "devi_e" and
     "member_energies" in ``results`` (``mlip_parallel.evaluate``).
@@ -38,13 +44,22 @@ class MLIPCalculator(Calculator):
         if memory_budget_gb is not None:
             memory_budget_bytes(memory_budget_gb, "cpu")  # a bad value raises here, not at the first step
         if isinstance(model, (list, tuple)):
-            model = Committee(model)
+            model = Committee([self.model_of(member) for member in model])
+        model = self.model_of(model)
+        if not isinstance(model, (Potential, Committee)):
+            raise TypeError(f"model must be a potentials model, a list of them (a committee) or a model spec such as "
+                            f"'sevennet:7net-0' or 'cu-emt', got {type(model).__name__}")
         if isinstance(model, Committee):
             self.implemented_properties = [*self.implemented_properties, *self.DEVIATION]
         self.model, self.mode, self.grid, self.comm = model, mode, grid, comm
         if not (math.isfinite(min_distance) and min_distance >= 0):
             raise ValueError(f"min_distance must be a finite number >= 0 (Å), got {min_distance}")
         self.memory_budget_gb, self.min_distance = memory_budget_gb, min_distance
+
+    @staticmethod
+    def model_of(model):
+        """``model`` itself, or the model a spec string names (``potentials.load_model``)."""
+        return potentials.load_model(model, checkpoint_dtype="float64") if isinstance(model, str) else model
 
     def calculate(self, atoms=None, properties=None, system_changes=all_changes):
         super().calculate(atoms, properties, system_changes)

@@ -79,7 +79,9 @@ def load(path, map_location="cpu", parts=None):
         if rest and key != "checkpoint" and families.family(key) is not None:
             raise CheckpointError(f"{path}: a {key} model spec, not a checkpoint path: in mlip-md's and mlip-train's "
                                   f"model section, name the file with the key {key} (model: {{{key}: {rest}}})")
-        raise CheckpointError(f"{path}: no such checkpoint file (bundled models: {sorted(BUNDLED)})")
+        hint = " or ".join(families.meant(path))
+        raise CheckpointError(f"{path}: no such checkpoint file (bundled models: {sorted(BUNDLED)})"
+                              + (f"; did you mean {hint}?" if hint else ""))
     try:
         with open(path, "rb") as f:
             empty, archive = not f.read(1), zipfile.is_zipfile(f)

@@ -66,6 +66,13 @@ def test_builtin_families_and_their_options():
     with pytest.raises(ModelSpecError, match="expected EPSILON,SIGMA,CUTOFF"):
         load_model("lj:0.01,3.4")
 
+    with pytest.raises(potentials.MLIPError, match=r"^7net-0: no such checkpoint file \(bundled models: \['cu-emt'\]\); "
+                                                   r"did you mean sevennet:7net-0\?$"):
+        load_model("7net-0")  # (sevenn's names, by their form: nothing of sevenn imported)
+    with pytest.raises(potentials.MLIPError, match=r"^missing\.pt: no such checkpoint file \(bundled models: "
+                                                   r"\['cu-emt'\]\)$"):
+        load_model("missing.pt")
+
     from md.cli import validate
     from mlip_parallel.config import ConfigError
 
@@ -208,3 +215,32 @@ def test_a_family_taking_a_builtin_name_is_refused(tmp_path):
                                 env={"PYTHONPATH": f"{ROOT}:{tmp_path}:{site}", "PATH": ""})
         lines = result.stderr.splitlines()
         assert result.returncode == 2 and len(lines) == 1 and all(w in lines[0] for w in words), result
+
+
+def test_the_ase_calculator_takes_what_users_type():
+    """MLIPCalculator of a spec string is the model load_model builds (this package's checkpoints in float64, as the
+    tools run them), a committee of specs too; a bad spec or another kind of object fails at construction, with the
+    family's own message (not at the first call)."""
+    from md import MLIPCalculator
+    from potentials.families import meant
+
+    from ase.build import bulk
+
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(2)
+    atoms.rattle(0.05, seed=1)
+    calc = MLIPCalculator("cu-emt")
+    assert calc.model.dtype == potentials.load_model("cu-emt", "float64").dtype
+    atoms.calc = calc
+    reference = potentials.predict(potentials.load_model("cu-emt", "float64"), atoms)
+    assert_close(atoms.get_forces(), reference["forces"], 1e-12, label="spec vs model")
+    pair = MLIPCalculator(["cu-emt", "lj:0.4,2.3,5.0"])
+    assert isinstance(pair.model, potentials.Committee) and "devi_f" in pair.implemented_properties
+    with pytest.raises(potentials.MLIPError, match=r"^nowhere\.pt: no such checkpoint file"):
+        MLIPCalculator("nowhere.pt")
+    with pytest.raises(ModelSpecError, match="expected EPSILON,SIGMA,CUTOFF"):
+        MLIPCalculator("lj:0.01,3.4")
+    with pytest.raises(TypeError, match=r"^model must be a potentials model, a list of them \(a committee\) or a "
+                                        r"model spec such as 'sevennet:7net-0' or 'cu-emt', got int$"):
+        MLIPCalculator(42)
+    assert meant("7net-0") == ["sevennet:7net-0"] and meant("SevenNet-l3i5") == ["sevennet:SevenNet-l3i5"]
+    assert meant("cu-emt") == [] and meant("7net") == []

@@ -95,7 +95,9 @@ class Family:
     * ``lammps_deck(deck, commands) -> DeckModel | None``: a deck that names this family's model in its own pair
       style, run as it is by ``mlip-lammps`` (``commands``: [(first line, last line, words)] of the deck);
 
-    and, keyword-only: ``help`` (what the spec names, for ``--help``), ``aliases`` (other spec prefixes),
+    and, keyword-only: ``help`` (what the spec names, for ``--help``), ``aliases`` (other spec prefixes), ``names``
+    (``names(text)``: whether ``text`` is a model the family knows by name, without a file, e.g. SevenNet's "7net-0":
+    a spec without the family's prefix then suggests it),
     ``trainable`` (``mlip-train`` may start from its models), ``model_classes`` ({class name: "module:attr"}:
     the classes of its models, so that a potentials checkpoint of a trained one rebuilds them) and ``spec_type``
     (the YAML types of the key's value)."""
@@ -109,6 +111,7 @@ class Family:
     _: dataclasses.KW_ONLY
     help: str = ""
     aliases: tuple = ()
+    names: Callable[[str], bool] | None = None
     trainable: bool = True
     model_classes: Mapping[str, str] = dataclasses.field(default_factory=dict)
     spec_type: Any = str
@@ -197,6 +200,19 @@ def option_table(records=None) -> dict:
         for key, option in record.options.items():
             table.setdefault(key, (option, []))[1].append(record.name)
     return table
+
+
+def meant(text: str) -> list:
+    """The specs "name:TEXT" of the families whose ``names`` know ``text`` (what a spec without a prefix probably
+    meant); a ``names`` that raises knows nothing."""
+    found = []
+    for record in families().values():
+        try:
+            if record.names is not None and record.names(text):
+                found.append(f"{record.name}:{text}")
+        except Exception:  # noqa: BLE001 - a hint, never an error of its own
+            pass
+    return found
 
 
 def split_spec(spec: str) -> tuple:

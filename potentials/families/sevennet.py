@@ -2,6 +2,8 @@
 sevenn's own modules; a trained one is written back as a sevenn checkpoint."""
 from __future__ import annotations
 
+import re
+
 from . import Family, archive_pickle
 
 
@@ -9,6 +11,11 @@ def load(spec: str, parts=None):
     from ..adapters.sevennet import SevenNet
 
     return SevenNet(spec, parts=parts)
+
+
+def pretrained(name: str) -> bool:
+    """Whether ``name`` has the form of sevenn's pretrained names (7net-0, sevennet-l3i5, 7net-mf-ompa, ...)."""
+    return re.fullmatch(r"(7net|sevennet)-[0-9a-z_.-]+", name.lower()) is not None
 
 
 def recognise(path: str):
@@ -20,5 +27,5 @@ FAMILY = Family(
     "sevennet", load, recognise=recognise, native_file="checkpoint_{stem}.pth",
     help="a SevenNet checkpoint: a name sevenn knows (7net-0, shipped inside sevenn) or a path (needs the sevenn "
          "extra)",
-    model_classes={"SevenNet": "potentials.adapters.sevennet:SevenNet"},
+    names=pretrained, model_classes={"SevenNet": "potentials.adapters.sevennet:SevenNet"},
 )
