@@ -211,8 +211,8 @@ STRUCTURE_PARTS = ("number of atoms", "elements", "positions", "cell", "periodic
 
 def structure_digest(atoms, system=None) -> np.ndarray:
     """[6] float64: the number of atoms and a CRC-32 of each of the elements, positions, cell, periodicity and
-    ``system`` ({"charge": [value], "spin": [value]}, ``system_of``) of ``atoms`` — equal exactly where the structures are equal bit for bit (whole numbers
-    below 2**32: exact in float64)."""
+    ``system`` ({"charge": [value], "spin": [value]}, ``system_of``) of ``atoms``: equal exactly where the structures
+    are equal bit for bit (whole numbers below 2**32, exact in float64)."""
     def crc(array, dtype) -> float:
         return float(zlib.crc32(np.ascontiguousarray(array, dtype=dtype).tobytes()))
 
@@ -245,9 +245,9 @@ def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, str
              device=None, memory_budget_gb: float | None = None, min_distance: float = MIN_DISTANCE) -> dict:
     """Energy, forces, per-atom energies and stress of ``atoms``, computed spatially decomposed.
 
-    Every rank calls this with the same ``atoms`` (checked on every call: RanksDisagreeError otherwise). ``mode``: "layerwise" (ghost shell = cutoff, ghost
-    node features refreshed between layers) or "wide" (ghost shell = layers × cutoff, no communication
-    inside the model). ``grid``: (px, py, pz) or None for the minimum-surface grid. ``comm``: an mpi4py
+    Every rank calls this with the same ``atoms`` (checked on every call: RanksDisagreeError otherwise). ``mode``:
+    "layerwise" (ghost shell = cutoff, ghost node features refreshed between layers) or "wide" (ghost shell =
+    layers × cutoff, no communication inside the model). ``grid``: (px, py, pz) or None for the minimum-surface grid. ``comm``: an mpi4py
     communicator, a backend, or None (MPI.COMM_WORLD under mpiexec, serial otherwise). ``device``: None
     puts each rank's model on ``cuda:<local rank>`` where CUDA exists, else CPU (the model is moved).
     ``memory_budget_gb``: the most one chunk of a block's per-edge temporaries may take on a rank

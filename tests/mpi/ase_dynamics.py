@@ -87,8 +87,8 @@ cu_emt = potentials.load_model("cu-emt", checkpoint_dtype="float64")
 initial, final = vacancy_hop(cu_emt, cells=2, comm=world)
 parallel = band(cu_emt, initial, final, 2, comm=world, steps=8)
 serial = band(cu_emt, initial, final, 2, comm=None, steps=8)
-c = compare({"positions": np.array([image.positions for image in parallel.images]), "energies": band_energies(parallel)},
-            {"positions": np.array([image.positions for image in serial.images]), "energies": band_energies(serial)},
+c = compare({"positions": np.array([i.positions for i in parallel.images]), "energies": band_energies(parallel)},
+            {"positions": np.array([i.positions for i in serial.images]), "energies": band_energies(serial)},
             1e-9, scale="absolute")
 if world.rank == 0:
     print(f"NEB, 2 images x {world.size // 2} rank(s): barrier {max(band_energies(parallel)):.6f} eV, one process "
