@@ -62,7 +62,7 @@ def replace_between(path: Path, markers, text: str) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("logs", nargs="+", help="pytest logs of whole runs (the first one's slowest tests listed)")
+    parser.add_argument("logs", nargs="+", help="pytest logs of whole runs, oldest first (the last one's count and slowest tests listed)")
     parser.add_argument("--write", action="store_true", help="write docs/benchmarks.md's and README.md's figures")
     parser.add_argument("--slowest", type=int, default=25)
     parser.add_argument("--note", default="", help="a few words on the runs (the host, what else ran)")
@@ -73,12 +73,12 @@ def main(argv=None) -> None:
     lines = [f"Measured {today} on a {cores}-core host ({len(runs)} run(s) of `.ci/run`'s tests"
              + (f"; {args.note}" if args.note else "") + "):", ""]
     lines += [f"- run {k + 1}: {describe(run)}" for k, run in enumerate(runs)]
-    lines += ["", f"The {args.slowest} slowest of run 1 (pytest `--durations`):", "", "```"]
-    lines += [f"{seconds:8.2f}s {phase:8s} {test}" for seconds, phase, test in runs[0]["slowest"][:args.slowest]]
+    lines += ["", f"The {args.slowest} slowest of run {len(runs)} (pytest `--durations`):", "", "```"]
+    lines += [f"{seconds:8.2f}s {phase:8s} {test}" for seconds, phase, test in runs[-1]["slowest"][:args.slowest]]
     lines += ["```"]
     text = "\n".join(lines)
     print(text)
-    sentence = (f"{runs[0]['counts'].get('passed', 0)} tests passed in " + " and ".join(
+    sentence = (f"{runs[-1]['counts'].get('passed', 0)} tests passed in " + " and ".join(
         minutes(run["seconds"]) for run in runs) + f" on {cores} cores ({today}, {len(runs)} run(s) on a clean clone; "
         "times and the slowest tests: docs/benchmarks.md).")
     print("\nREADME: " + sentence)
