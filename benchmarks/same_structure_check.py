@@ -20,7 +20,6 @@ def worker(args):
 
     import mlip_parallel
     from mlip_parallel.evaluate import check_same_structure
-    from potentials.graph import system_of
 
     backend, atoms, model = schnet_worker_setup(args.cells)
     mlip_parallel.evaluate(model, atoms, comm=backend)  # warm-up (allocations)
@@ -28,7 +27,7 @@ def worker(args):
     for _ in range(args.repeat):
         backend.barrier()
         start = time.perf_counter()
-        check_same_structure(backend, atoms, system_of(atoms.info))
+        check_same_structure(backend, atoms)
         checks.append(time.perf_counter() - start)
         backend.barrier()
         start = time.perf_counter()

@@ -209,26 +209,27 @@ def members_decomposed(committee, sub: Subdomain, mode: str = "layerwise",
 STRUCTURE_PARTS = ("number of atoms", "elements", "positions", "cell", "periodicity", "charge and spin")
 
 
-def structure_digest(atoms, system=None) -> np.ndarray:
+def structure_digest(atoms) -> np.ndarray:
     """[6] float64: the number of atoms and a CRC-32 of each of the elements, positions, cell, periodicity and
-    ``system`` ({"charge": [value], "spin": [value]}, ``system_of``) of ``atoms``: equal exactly where the structures
-    are equal bit for bit (whole numbers below 2**32, exact in float64)."""
+    ``atoms.info``'s "charge" and "spin" (as given: nothing here is validated, so nothing raises on one rank alone):
+    equal exactly where the structures are equal bit for bit (whole numbers below 2**32, exact in float64)."""
     def crc(array, dtype) -> float:
         return float(zlib.crc32(np.ascontiguousarray(array, dtype=dtype).tobytes()))
 
-    charge_spin = [np.nan if x is None else x for v in (system or {}).values() for x in v]  # ({name: [value]})
+    charge_spin = repr([atoms.info.get(name) for name in ("charge", "spin")]).encode()
     return np.array([len(atoms), crc(atoms.numbers, np.int64), crc(atoms.positions, np.float64),
-                     crc(atoms.cell[:], np.float64), crc(atoms.pbc, np.bool_), crc(charge_spin, np.float64)])
+                     crc(atoms.cell[:], np.float64), crc(atoms.pbc, np.bool_), float(zlib.crc32(charge_spin))])
 
 
-def check_same_structure(backend, atoms, system=None) -> None:
+def check_same_structure(backend, atoms) -> None:
     """Every rank of ``backend`` must evaluate the same structure: one all-reduce of 12 numbers (the maximum of
-    ``structure_digest`` and of its negative). RanksDisagreeError on every rank, naming what differs and the way
-    out, where the ranks were given different structures (ASE's NEB(parallel=True) gives each rank its own image;
-    velocities drawn on each rank alone make every rank's positions its own after one step)."""
+    ``structure_digest`` and of its negative), before any check a rank makes of its atoms alone. RanksDisagreeError
+    on every rank, naming what differs and the way out, where the ranks were given different structures (ASE's
+    NEB(parallel=True) gives each rank its own image; velocities drawn on each rank alone make every rank's positions
+    its own after one step)."""
     if backend.size == 1:
         return
-    digest = structure_digest(atoms, system)
+    digest = structure_digest(atoms)
     extremes = backend.allreduce(np.concatenate([digest, -digest]), op="max")
     highest, lowest = extremes[:len(digest)], -extremes[len(digest):]
     differ = [part for part, a, b in zip(STRUCTURE_PARTS, highest, lowest, strict=True) if a != b]
@@ -275,6 +276,7 @@ def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, str
     if isinstance(model, (list, tuple)):
         model = Committee(model)
     backend = get_backend(comm)
+    check_same_structure(backend, atoms)  # first: the checks below assume every rank holds these atoms
     device = torch.device(device) if device is not None else rank_device(backend)
     if model.device != device:
         model.to(device)
@@ -283,7 +285,6 @@ def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, str
         raise ValueError(f"min_distance must be a finite number >= 0 (Å), got {min_distance}")
     check_structure(atoms.positions, atoms.cell, atoms.pbc, min_distance)
     system = system_of(atoms.info)
-    check_same_structure(backend, atoms, system)
     budget = memory_budget_bytes(memory_budget_gb, device)
     part = Decomposition(atoms, ghost_reach(model, mode), backend, grid, model, mode == "layerwise", budget)
     committee = isinstance(model, Committee)

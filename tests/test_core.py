@@ -267,7 +267,6 @@ def test_ranks_given_different_structures_are_named():
     """check_same_structure (on every evaluate call) against a faked second rank: a copy passes; one position moved
     by one unit in the last place, another element, cell, periodicity, charge, or an atom fewer is named, with the way
     out (each NEB image its own communicator)."""
-    from potentials.graph import system_of
     from mlip_parallel.errors import RanksDisagreeError
     from mlip_parallel.evaluate import check_same_structure, structure_digest
 
@@ -276,7 +275,7 @@ def test_ranks_given_different_structures_are_named():
         size = 2
 
         def __init__(self, other):
-            digest = structure_digest(other, system_of(other.info))
+            digest = structure_digest(other)
             self.theirs = np.concatenate([digest, -digest])
 
         def allreduce(self, value, op="sum"):
@@ -285,7 +284,7 @@ def test_ranks_given_different_structures_are_named():
 
     atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(2)
     atoms.rattle(0.05, seed=3)
-    check_same_structure(TwoRanks(atoms.copy()), atoms, system_of(atoms.info))
+    check_same_structure(TwoRanks(atoms.copy()), atoms)
 
     def changed(change):
         other = atoms.copy()
@@ -299,7 +298,7 @@ def test_ranks_given_different_structures_are_named():
     for part, change in cases.items():
         with pytest.raises(RanksDisagreeError, match=rf"^the 2 ranks of this communicator were given different "
                                                       rf"structures \({part}.*differ\): .*comm=world\.Split\(image\)"):
-            check_same_structure(TwoRanks(changed(change)), atoms, system_of(atoms.info))
+            check_same_structure(TwoRanks(changed(change)), atoms)
 
 
 def test_the_halo_hook_runs_eagerly_under_torch_compile():
