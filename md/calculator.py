@@ -43,7 +43,9 @@ class MLIPCalculator(Calculator):
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if memory_budget_gb is not None:
             memory_budget_bytes(memory_budget_gb, "cpu")  # a bad value raises here, not at the first step
-        if isinstance(model, (list, tuple)):
+        if isinstance(model, (list, tuple)) and model and all(isinstance(member, str) for member in model):
+            model = potentials.load_committee(model, checkpoint_dtype="float64")  # (an error names the member)
+        elif isinstance(model, (list, tuple)):
             model = Committee([self.model_of(member) for member in model])
         model = self.model_of(model)
         if not isinstance(model, (Potential, Committee)):
