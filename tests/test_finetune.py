@@ -40,7 +40,7 @@ from systems import (ALLEGRO_PRUNED, FAIRCHEM_DIR, FAIRCHEM_FIXTURES, MACE_DIR, 
 pytestmark = [pytest.mark.filterwarnings("ignore:::(mace|e3nn|nequip|allegro|sevenn|lightning|torch_geometric|fairchem)"),
               pytest.mark.slow]  # (training other packages' models: left out of the quick tier)
 
-SEED, EPOCHS, BATCH, LR, CLIP = 1, 3, 3, 0.003, 1.0
+SEED, EPOCHS, BATCH, LR, CLIP = 1, 2, 3, 0.003, 1.0
 FAIRCHEM = ("esen", "uma-moe", "uma-dense")  # tests/data/fairchem's checkpoints, run with systems.FAIRCHEM_FIXTURES
 # The omol fixture trains on structures with their own total charge and spin multiplicity (atoms.info; the others
 # at the run's model.charge and model.spin): {structure: (charge, spin)}, None where the structure has none
@@ -431,7 +431,7 @@ def parallel(files, one_process, mpirun, torchrun):
     for family in PARALLEL for strategy in ("data", "graph") for ranks in (2, 3)
     if family in DATA_PARALLEL or (strategy, ranks) == ("graph", 3)])
 def test_data_and_graph_parallel_equal_one_process(parallel, family, strategy, ranks):
-    """The trained weights after 3 epochs (9 steps, gradient clipping), graph parallel on 3 ranks (every family;
+    """The trained weights after 2 epochs (6 steps, gradient clipping), graph parallel on 3 ranks (every family;
     mpiexec, a rank without atoms, the data streamed from disk), and data and graph parallel of ``DATA_PARALLEL`` on 2
     (torchrun) and 3 ranks (data parallel read ahead by a worker process per rank there), equal one process's (the
     data held) to 1e-10 relative (float64)."""
@@ -646,8 +646,8 @@ def test_lora_trains_its_updates_alone_and_the_merged_file_loads_in_the_packages
 
 
 @pytest.mark.parametrize("family", each_family(("mace", "nequip", "allegro", "sevennet", "uma-moe")))
-def test_resume_one_plus_two_epochs_equals_three(files, one_process, family):
-    """A run stopped after epoch 1 and resumed (resume: true, epochs 3) ends with the uninterrupted run's
+def test_resumed_after_the_first_epoch_equals_the_uninterrupted_run(files, one_process, family):
+    """A run stopped after epoch 1 and resumed (resume: true, epochs EPOCHS) ends with the uninterrupted run's
     weights, optimizer state, EMA and metrics, bit for bit (nequip with refit reference energies: the
     resumed run rebuilds its per-type shifts before reading its state)."""
     directory = files["root"] / f"resumed-{family}"

@@ -215,9 +215,9 @@ def check_families(out: str, ranks: int, families, backend=None) -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_distributed_equals_its_packages_calculator(mpirun, family):
-    """Each family in full on 2 ranks (mpiexec): every model of its fixtures on every geometry (the first on every
-    grid), chunked and one pass, wide mode, the ASE calculator, the halo's faults == its package's own calculator
-    (MACECalculator, NequIPCalculator, FAIRChemCalculator, SevenNetCalculator)."""
+    """Each family in full on 2 ranks (mpiexec): every model of its fixtures on every geometry (fairchem's second and
+    third on four of them; the first on every grid), chunked and one pass, wide mode, the ASE calculator, the halo's
+    faults == its package's own calculator (MACECalculator, NequIPCalculator, FAIRChemCalculator, SevenNetCalculator)."""
     require(FAMILY_PACKAGES[family][0])
     rc, out, _ = mpirun(2, MPI_DIR / "families.py", family)
     assert rc == 0, out
