@@ -52,7 +52,7 @@ def worker(args):
     import torch
 
     import potentials
-    from mlip_parallel.train.cli import keep_freed_memory
+    from mlip_parallel.allocator import keep_freed_memory
     from mlip_parallel.train.training import Batch, Counts, LossRule, batch_gradients
 
     torch.set_num_threads(1)

@@ -7,6 +7,7 @@ from ase.calculators.calculator import Calculator, all_changes
 
 import mlip_parallel
 import potentials
+from mlip_parallel import allocator
 from potentials.base import Potential
 from potentials.committee import Committee
 from potentials.graph import MIN_DISTANCE
@@ -20,8 +21,11 @@ class MLIPCalculator(Calculator):
     Launched with ``mpiexec -n P python script.py``, every rank builds the same Atoms and attaches its
     own calculator; each evaluation is split by space over the ranks and every rank gets the full
     results, so ASE optimizers and integrators run unchanged. Serial without MPI. ``mode``, ``grid``,
-    ``comm``, ``memory_budget_gb`` and ``min_distance`` are those of ``mlip_parallel.evaluate``. Stress is given when
-    the cell has a volume.
+    ``comm``, ``memory_budget_gb`` and ``min_distance`` are those of ``mlip_parallel.evaluate``: by default one
+    process evaluates the whole structure (periodic images as edge shifts, as the packages' own calculators) and
+    every edge at once where that fits half the free memory, in chunks where it does not. Stress is given when the
+    cell has a volume. ``keep_freed_memory``: set glibc's malloc of this process to keep freed memory for reuse
+    (``mlip_parallel.allocator``; fewer page faults, the resident size stays near its peak), as the tools do.
 
     ``model`` may be a model spec, as the tools take it: ``MLIPCalculator("sevennet:7net-0")``, ``"mace:FILE.model"``,
     ``"cu-emt"`` or a checkpoint path (``potentials.load_model``; this package's checkpoints run in float64, as in
@@ -37,7 +41,7 @@ class MLIPCalculator(Calculator):
     DEVIATION = ["devi_f", "devi_energies", "max_devi_f", "min_devi_f", "avg_devi_f", "devi_e", "member_energies"]
 
     def __init__(self, model, mode: str = "layerwise", grid=None, comm=None, memory_budget_gb: float | None = None,
-                 min_distance: float = MIN_DISTANCE, **kwargs):
+                 min_distance: float = MIN_DISTANCE, keep_freed_memory: bool = True, **kwargs):
         super().__init__(**kwargs)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -57,6 +61,8 @@ class MLIPCalculator(Calculator):
         if not (math.isfinite(min_distance) and min_distance >= 0):
             raise ValueError(f"min_distance must be a finite number >= 0 (Å), got {min_distance}")
         self.memory_budget_gb, self.min_distance = memory_budget_gb, min_distance
+        if keep_freed_memory:
+            allocator.keep_freed_memory()
 
     @staticmethod
     def model_of(model):

@@ -51,8 +51,12 @@ SECTIONS = {
     "skin": (float, 1.0, "neighbour skin, Å: rebuild when an atom moved more than skin/2"),
     "mode": (str, "layerwise", "layerwise or wide halo"),
     "memory_budget_gb": (float, None, "GB one chunk of a block's per-edge temporaries may take on a rank (default: "
-                                      "5 % of the device's free memory, at most 2 GiB on a GPU and 8 MiB on a CPU); "
-                                      "bounds memory, never changes results"),
+                                      "every edge at once where the memory pre-flight predicts that fits half the "
+                                      "memory a rank has, else chunks of 5 % of the device's free memory, at most "
+                                      "2 GiB on a GPU and 8 MiB on a CPU); bounds memory, never changes results"),
+    "keep_freed_memory": (bool, True, "glibc's malloc keeps freed tensors' memory for reuse instead of returning it "
+                                      "to the system and faulting it in again (less system time; the resident size "
+                                      "stays at its peak); your own MALLOC_*_ variables or glibc.malloc tunables win"),
     "device": (str, "auto", "where each rank's model and atoms live: auto (cuda:<local rank> where CUDA exists, "
                             "else cpu), cpu or cuda"),
     "balance_every": (int, 0, "load balance: 0 keeps uniform cut planes; N > 0 shifts them so ranks own similar "
@@ -118,8 +122,12 @@ def schema_help() -> str:
 
 def simulate(config) -> list:
     """Run the validated ``config`` (``job.MDJob``); return the thermo rows (every rank)."""
+    from mlip_parallel.allocator import keep_freed_memory
+
     from .job import MDJob
 
+    if config["keep_freed_memory"]:
+        keep_freed_memory()
     return MDJob(config).run()
 
 

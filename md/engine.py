@@ -36,7 +36,7 @@ from mlip_parallel.evaluate import committee_step, deviation_summary, ghost_reac
 from mlip_parallel.preflight import check_rank_memory
 from potentials.errors import InvalidStructureError
 from potentials.files import atomic_write
-from potentials.messages import resolved_budget_gb
+from potentials.messages import memory_budget_bytes
 
 PER_ATOM = ("positions", "velocities", "masses", "numbers", "ids", "image")
 PHASES = ("force", "halo", "neighbour", "integrate", "output")  # where a step's time goes (``MDSystem.timers``)
@@ -66,8 +66,9 @@ class MDSystem:
     droplets), set at the start and again at every ``maybe_rebuild(rebalance=True)`` (``run``'s
     ``balance_every``); otherwise uniform planes. ``cuts``:
     given cut planes (three arrays of relative positions 0 … 1; restarts keep the decomposition).
-    ``memory_budget_gb``: the most one chunk of a block's per-edge temporaries may take (None: a share
-    of the device's free memory at the start, ``potentials.messages.memory_budget_bytes``).
+    ``memory_budget_gb``: the most one chunk of a block's per-edge temporaries may take (None: chosen at the start
+    by the memory pre-flight and kept for the run: every edge at once where that fits, else a share of the device's
+    free memory; ``mlip_parallel.preflight.check_rank_memory``).
     """
 
     def __init__(self, model, atoms: dict, cell, pbc, *, skin: float = 1.0, mode: str = "layerwise",
@@ -78,7 +79,8 @@ class MDSystem:
             raise ValueError(f"skin must be a finite number >= 0 (Å), got {skin}")
         self.model, self.mode, self.skin, self.grid_dims = model, mode, float(skin), grid
         self.backend, self.device = get_backend(comm), model.device
-        self.memory_budget_gb = resolved_budget_gb(memory_budget_gb, self.device)  # fixed for the run
+        memory_budget_bytes(memory_budget_gb, self.device)  # a bad value raises here
+        self.memory_budget_gb = memory_budget_gb  # None: chosen by the first rebuild's pre-flight, then kept
         self.cell, self.pbc = np.asarray(cell, dtype=np.float64), np.asarray(pbc, dtype=bool)
         self.atoms = {k: _host(atoms[k]) for k in PER_ATOM}
         self.n_atoms = int(self.backend.allreduce(len(self.atoms["ids"])))
@@ -165,9 +167,9 @@ class MDSystem:
         self.thinnest = min((np.diff(grid.planes[d]).min() / np.linalg.norm(domain.inverse[:, d])
                              for d in range(3) if grid.dims[d] > 1 or self.pbc[d]), default=np.inf)
         if self.rebuilds == 0:  # before the first ghosts: stop every rank when the fullest would not fit
-            budget = None if np.isinf(self.memory_budget_gb) else int(self.memory_budget_gb * 1e9)
-            check_rank_memory(self.backend, self.model, self.n_atoms, domain, self.dims,
-                              ghost_reach(self.model, self.mode), self.skin, self.mode == "layerwise", budget)
+            self.memory_budget_gb = check_rank_memory(self.backend, self.model, self.n_atoms, domain, self.dims,
+                                                      ghost_reach(self.model, self.mode), self.skin,
+                                                      self.mode == "layerwise", self.memory_budget_gb)
         self.sub = Subdomain(self.backend, domain, grid)
         host = self.sub.comm.exchange(host)
         count = int(self.backend.allreduce(len(host["ids"])))

@@ -11,7 +11,7 @@ import torch
 from potentials.graph import (MIN_DISTANCE, AtomGraph, NoHalo, check_positions, check_structure, edge_vectors,
                               neighbour_pairs, strained_coordinates, system_of)
 from potentials.messages import memory_budget_bytes
-from potentials.predict import voigt_stress
+from potentials.predict import periodic_graph, voigt_stress
 
 from .backend import SerialBackend, get_backend, rank_device
 from .comm import FeatureHalo
@@ -28,16 +28,18 @@ class Decomposition(Subdomain):
     """The ``Subdomain`` of this rank in a structure ``atoms`` that every rank holds alike (ghosts within
     ``r_ghost`` Å; no skin, no candidates); ``owned`` [n_local] indices of its atoms in ``atoms``. With
     ``model``, the memory pre-flight runs first (``preflight.check_rank_memory``: MemoryLimitError on every
-    rank when the fullest rank would not fit; ``layerwise`` and ``budget_bytes`` as the evaluation runs)."""
+    rank when the fullest rank would not fit; ``layerwise`` as the evaluation runs) and ``memory_budget_gb`` becomes
+    the budget the evaluation runs with (given, or the automatic choice: inf where one pass fits)."""
 
     def __init__(self, atoms, r_ghost: float, backend, grid=None, model=None, layerwise: bool = True,
-                 budget_bytes: int | None = None):
+                 memory_budget_gb: float | None = None):
         positions = check_positions(atoms.positions)
         domain = Domain.from_positions(positions, atoms.cell, atoms.pbc)
         super().__init__(backend, domain, Grid.for_ranks(backend.size, domain, grid))
+        self.memory_budget_gb = memory_budget_gb
         if model is not None:
-            check_rank_memory(backend, model, len(positions), domain, self.grid.dims, r_ghost, 0.0, layerwise,
-                              budget_bytes)
+            self.memory_budget_gb = check_rank_memory(backend, model, len(positions), domain, self.grid.dims, r_ghost,
+                                                      0.0, layerwise, memory_budget_gb)
         wrapped, _ = domain.wrap(positions)
         self.owned = np.flatnonzero(self.grid.owner(domain.wrapped_fractional(wrapped)) == backend.rank)
         self.build(wrapped[self.owned], self.owned, np.asarray(atoms.numbers)[self.owned], r_ghost)
@@ -196,12 +198,21 @@ def members_decomposed(committee, sub: Subdomain, mode: str = "layerwise",
     """Each member of ``committee`` (``potentials.Committee``) on one graph of ``sub`` (one decomposition, one set
     of ghosts and pairs; each member its own halo exchanges, one after another on every rank): torch float64
     (energies [K, n_local], forces [K, n_local, 3], dE/dstrain [K, 3, 3]) of the owned atoms (collective)."""
-    x, graph = decomposed_graph(committee, sub, mode, False, memory_budget_gb, system)
+    return graph_results(committee, *decomposed_graph(committee, sub, mode, False, memory_budget_gb, system))
+
+
+def graph_results(model, x, graph) -> tuple:
+    """torch float64 (energies [K, n_local], forces [K, n_local, 3], dE/dstrain [K, 3, 3]) of the graph's owned
+    atoms, for each of the K members of a committee (one after another on ``graph``) or for a model (K = 1);
+    ``x``: the strained coordinates ``graph``'s edge vectors were computed from."""
+    from potentials.committee import Committee
+
+    members = [(model.member_graph(k, graph), member) for k, member in enumerate(model.members)] \
+        if isinstance(model, Committee) else [(graph, model)]
     results = []
-    last = len(committee.members) - 1
-    for k, member in enumerate(committee.members):
-        energies = member(committee.member_graph(k, graph)).to(torch.float64)
-        dE_dpos, dE_dstrain = torch.autograd.grad(energies.sum(), [x.pos, x.strain], retain_graph=k < last)
+    for k, (member_graph, member) in enumerate(members):
+        energies = member(member_graph).to(torch.float64)
+        dE_dpos, dE_dstrain = torch.autograd.grad(energies.sum(), [x.pos, x.strain], retain_graph=k < len(members) - 1)
         results.append((energies.detach(), -dE_dpos, dE_dstrain))
     return tuple(torch.stack(values) for values in zip(*results))
 
@@ -243,7 +254,8 @@ def check_same_structure(backend, atoms) -> None:
 
 
 def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, stress: bool = True,
-             device=None, memory_budget_gb: float | None = None, min_distance: float = MIN_DISTANCE) -> dict:
+             device=None, memory_budget_gb: float | None = None, min_distance: float = MIN_DISTANCE,
+             decompose: bool | None = None) -> dict:
     """Energy, forces, per-atom energies and stress of ``atoms``, computed spatially decomposed.
 
     Every rank calls this with the same ``atoms`` (checked on every call: RanksDisagreeError otherwise). ``mode``:
@@ -252,7 +264,11 @@ def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, str
     communicator, a backend, or None (MPI.COMM_WORLD under mpiexec, serial otherwise). ``device``: None
     puts each rank's model on ``cuda:<local rank>`` where CUDA exists, else CPU (the model is moved).
     ``memory_budget_gb``: the most one chunk of a block's per-edge temporaries may take on a rank
-    (None: a share of the device's free memory); it bounds memory and leaves the results unchanged.
+    (None: every edge at once where the memory pre-flight predicts that fits, else a share of the device's free
+    memory); it bounds memory and leaves the results unchanged. ``decompose``: split the structure into
+    subdomains with ghost atoms (None: where there are several ranks or a ``grid``); one process otherwise
+    evaluates the whole structure with periodic images as edge shifts, as the packages' own calculators do
+    (True on one rank: the images come through the halo as ghost atoms, the decomposed code path in one process).
     ``min_distance``: atoms closer than this (Å; 0: unchecked) are an error (``check_structure``). The
     structure's ``atoms.info`` "charge" and "spin" (whole numbers) go to a model that reads them (fairchem's omol
     task, as FAIRChemCalculator reads them); without them the model's own.
@@ -285,16 +301,16 @@ def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, str
         raise ValueError(f"min_distance must be a finite number >= 0 (Å), got {min_distance}")
     check_structure(atoms.positions, atoms.cell, atoms.pbc, min_distance)
     system = system_of(atoms.info)
-    budget = memory_budget_bytes(memory_budget_gb, device)
-    part = Decomposition(atoms, ghost_reach(model, mode), backend, grid, model, mode == "layerwise", budget)
-    committee = isinstance(model, Committee)
-    if committee:  # [K, ...]: each member's
-        energies, forces, dE_dstrain = members_decomposed(model, part, mode, memory_budget_gb, system)
-    else:
-        energies, forces, dE_dstrain = (t[None] for t in forward_decomposed(
-            model, part, mode, memory_budget_gb=memory_budget_gb, system=system))
-    parts = backend.allgather((part.owned, energies.detach().cpu().numpy(), forces.cpu().numpy(),
-                               dE_dstrain.cpu().numpy()))
+    if decompose or (decompose is None and (backend.size > 1 or grid is not None)):
+        part = Decomposition(atoms, ghost_reach(model, mode), backend, grid, model, mode == "layerwise",
+                             memory_budget_gb)
+        owned, (x, graph) = part.owned, decomposed_graph(model, part, mode, False, part.memory_budget_gb, system)
+    else:  # one process, the whole structure: the pre-flight of one rank without ghosts, then the periodic graph
+        domain = Domain.from_positions(check_positions(atoms.positions), atoms.cell, atoms.pbc)
+        budget_gb = check_rank_memory(backend, model, len(atoms), domain, (1, 1, 1), 0.0, 0.0, True, memory_budget_gb)
+        owned, (x, graph) = np.arange(len(atoms)), periodic_graph(model, atoms, False, budget_gb)
+    energies, forces, dE_dstrain = graph_results(model, x, graph)  # [K, ...]: each member's, K = 1 for a model
+    parts = backend.allgather((owned, energies.cpu().numpy(), forces.cpu().numpy(), dE_dstrain.cpu().numpy()))
     n, k = len(atoms), energies.shape[0]
     counts = np.zeros(n, dtype=np.int64)
     all_energies, all_forces = np.zeros((k, n)), np.zeros((k, n, 3))
@@ -305,7 +321,7 @@ def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, str
         raise LostAtomsError(f"{int((counts == 0).sum())} atom(s) owned by no rank and "
                              f"{int((counts > 1).sum())} by several")
     virials = sum(p[3] for p in parts)
-    if committee:
+    if isinstance(model, Committee):
         return committee_result(model, all_energies, all_forces, virials if stress and atoms.cell.rank == 3 else None,
                                 atoms.cell.volume if atoms.cell.rank == 3 else None)
     result = {"energy": float(all_energies[0].sum()), "energies": all_energies[0], "forces": all_forces[0]}

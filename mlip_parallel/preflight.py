@@ -127,18 +127,27 @@ def memory_everywhere(backend, device) -> float:
 
 
 def check_rank_memory(backend, model, n_atoms: int, domain: Domain, dims, r_ghost: float, skin: float = 0.0,
-                      layerwise: bool = True, budget_bytes: int | None = None) -> RankLoad:
-    """Raise MemoryLimitError on every rank (collective) when the fullest rank's estimated load
-    (``rank_load``) exceeds the memory a rank has (``memory_everywhere``); else return the load."""
-    load = rank_load(model, n_atoms, domain, dims, r_ghost, skin, layerwise, budget_bytes)
+                      layerwise: bool = True, memory_budget_gb: float | None = None) -> float:
+    """The memory pre-flight of an evaluation, and the chunk budget it runs with (collective; the same on every
+    rank). Returns ``memory_budget_gb`` (GB; inf: every edge at once) when given, else inf where the fullest rank's
+    estimated load with every edge at once (``rank_load``) fits (``potentials.messages.one_pass_fits``) in the memory
+    a rank has (``memory_everywhere``), else the automatic chunk budget. Raises MemoryLimitError on every rank when
+    the fullest rank's load at that budget exceeds what a rank has."""
+    from potentials.messages import memory_budget_bytes, one_pass_fits
+
     have = memory_everywhere(backend, model.device)
+    if memory_budget_gb is None and one_pass_fits(
+            rank_load(model, n_atoms, domain, dims, r_ghost, skin, layerwise, None).bytes, have):
+        return math.inf
+    budget = memory_budget_bytes(memory_budget_gb, model.device)
+    load = rank_load(model, n_atoms, domain, dims, r_ghost, skin, layerwise, budget)
     if load.bytes > have:
         raise MemoryLimitError(
             f"not enough memory: the fullest of the {backend.size} rank(s) would hold about {load.rows:,} atoms with "
             f"ghosts and search {load.pairs:.3g} pairs within the cutoff + skin ({model.cutoff + skin:g} Å), about "
             f"{load.bytes / 1e9:.3g} GB, but a rank has {have / 1e9:.3g} GB; use more ranks, a smaller cutoff or skin, "
             f"a smaller memory_budget_gb, or a machine with more memory{density(n_atoms, domain)}")
-    return load
+    return math.inf if budget is None else budget / 1e9
 
 
 def check_training_memory(backend, model, structures, per_step: int, graph_parallel: bool,

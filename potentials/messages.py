@@ -30,10 +30,15 @@ PROBE_EDGES = 1024     # edges whose saved tensors are counted to size the chunk
 # block's many small operations (e3nn's tensor products: ~100 per chunk) outweighs the memory saved
 # (NequIP, 864 atoms, one CPU thread: 700-edge chunks 1.3× slower than one pass, 2,800-edge ones 0.9×).
 MIN_CHUNK_EDGES = 2048
-# The automatic budget: a fraction of the free device memory, capped. On a CPU cache-sized chunks are the
-# fastest (SchNet, 4,000 atoms: 8 MiB 0.3× the time of one pass over all edges, 64 MiB 0.7×: no page
-# faults on fresh large allocations); on a GPU large chunks keep the kernels busy (not yet measured).
-# See benchmarks/memory_per_atom.py.
+# The automatic budget: one pass over every edge (no chunks) where the evaluation's predicted peak that way (the
+# model's ``evaluation_bytes(rows, edges, chunked=False)``) is at most ONE_PASS_SHARE of the free memory: chunks
+# only bound memory, and where one pass fits it is the fastest (benchmarks/calculator_defaults.py; on a CPU with
+# freed memory kept for reuse, ``mlip_parallel.allocator``: SchNet on 4,000 atoms 0.49 s against 0.60 s in 8 MiB
+# chunks; with glibc's defaults the one pass's large blocks are mmapped and faulted in at every call, 0.82 s).
+# Else chunks of a fraction of the free device memory, capped: on a CPU cache-sized chunks are the fastest of
+# the chunked runs (8 MiB 0.60 s, 64 MiB 0.67 s, 512 MiB 0.72 s there); on a GPU large chunks keep the kernels
+# busy (not yet measured).
+ONE_PASS_SHARE = 0.5
 AUTO_FRACTION = 0.05
 AUTO_CAP_BYTES = {"cpu": 8 * 2**20, "cuda": 2 * 2**30}
 
@@ -68,11 +73,20 @@ def memory_budget_bytes(memory_budget_gb: float | None, device) -> int | None:
     return max(2**20, min(cap, int(AUTO_FRACTION * available_bytes(device))))
 
 
-def resolved_budget_gb(memory_budget_gb: float | None, device) -> float:
-    """``memory_budget_gb`` with the automatic choice made now (GB; inf: every edge at once), for a run
-    that keeps one chunk size throughout (MD, LAMMPS)."""
-    budget = memory_budget_bytes(memory_budget_gb, device)
-    return math.inf if budget is None else budget / 1e9
+def one_pass_fits(one_pass_bytes: float, free_bytes: float) -> bool:
+    """Whether the automatic budget runs every edge at once: an evaluation predicted to take ``one_pass_bytes`` that
+    way (``evaluation_bytes(rows, edges, chunked=False)``) within ONE_PASS_SHARE of ``free_bytes``."""
+    return one_pass_bytes <= ONE_PASS_SHARE * free_bytes
+
+
+def evaluation_budget(model, memory_budget_gb: float | None, rows: int, edges: int, device) -> int | None:
+    """The chunk budget (bytes; None: every edge at once) of one evaluation of ``model`` over ``rows`` atoms and
+    ``edges`` edges on ``device``: ``memory_budget_bytes(memory_budget_gb)`` when given, else one pass where it fits
+    (``one_pass_fits`` in the device's free memory) and the automatic chunks where it does not."""
+    if memory_budget_gb is None and one_pass_fits(model.evaluation_bytes(rows, edges, chunked=False),
+                                                  available_bytes(device)):
+        return None
+    return memory_budget_bytes(memory_budget_gb, device)
 
 
 def edge_sum(graph, features: Callable, message: Callable, nodes: Sequence[torch.Tensor],

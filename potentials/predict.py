@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from .base import Potential
-from .messages import memory_budget_bytes
+from .messages import evaluation_budget
 from .graph import (AtomGraph, check_positions, complete_cell, edge_vectors, neighbour_list, strained_coordinates,
                     system_of)
 
@@ -17,15 +17,10 @@ def voigt_stress(dE_dstrain: np.ndarray, volume: float) -> np.ndarray:
     return full_3x3_to_voigt_6_stress(0.5 * (dE_dstrain + dE_dstrain.T) / volume)
 
 
-def energy_forces(model: Potential, atoms, create_graph: bool = False, memory_budget_gb: float | None = None):
-    """Differentiable single-process evaluation.
-
-    Returns torch float64 (energies [N], forces [N, 3], dE/dstrain [3, 3]) on the model's device;
-    with ``create_graph`` they stay differentiable w.r.t. the model's parameters (force training).
-    Without it the blocks' edge steps run in chunks of at most ``memory_budget_gb`` (None: chosen from
-    the device's free memory; ``messages.memory_budget_bytes``). ``atoms.info``'s charge and spin go to the graph's
-    ``system`` (a model that reads them uses them).
-    """
+def periodic_graph(model: Potential, atoms, create_graph: bool = False, memory_budget_gb: float | None = None) -> tuple:
+    """(the strained coordinates, the AtomGraph) of the whole structure ``atoms`` for ``model``: its atoms are the
+    nodes and periodic images enter as edge shifts (no ghost atoms; what the packages' own calculators build).
+    ``memory_budget_gb`` as in ``energy_forces``."""
     positions = check_positions(atoms.positions)
     cell = complete_cell(atoms.cell, atoms.pbc)
     device = model.device
@@ -35,9 +30,22 @@ def energy_forces(model: Potential, atoms, create_graph: bool = False, memory_bu
     x = strained_coordinates(positions, cell, device)
     i_t, j_t = torch.as_tensor(i, device=device), torch.as_tensor(j, device=device)
     edge_vec = edge_vectors(x.positions, i_t, j_t, torch.as_tensor(shifts, dtype=torch.float64, device=device), x.cell)
+    budget = None if create_graph else evaluation_budget(model, memory_budget_gb, len(positions), len(i), device)
     graph = AtomGraph(species=species, edge_index=torch.stack([j_t, i_t]), edge_vec=edge_vec,
-                      n_local=len(positions), system=system_of(atoms.info),
-                      memory_budget=None if create_graph else memory_budget_bytes(memory_budget_gb, device))
+                      n_local=len(positions), system=system_of(atoms.info), memory_budget=budget)
+    return x, graph
+
+
+def energy_forces(model: Potential, atoms, create_graph: bool = False, memory_budget_gb: float | None = None):
+    """Differentiable single-process evaluation.
+
+    Returns torch float64 (energies [N], forces [N, 3], dE/dstrain [3, 3]) on the model's device;
+    with ``create_graph`` they stay differentiable w.r.t. the model's parameters (force training).
+    Without it the blocks' edge steps run in chunks of at most ``memory_budget_gb`` (None: every edge at once
+    where that fits the device's free memory, else automatic chunks; ``messages.evaluation_budget``).
+    ``atoms.info``'s charge and spin go to the graph's ``system`` (a model that reads them uses them).
+    """
+    x, graph = periodic_graph(model, atoms, create_graph, memory_budget_gb)
     energies = model(graph).to(torch.float64)
     dE_dpos, dE_dstrain = torch.autograd.grad(energies.sum(), [x.pos, x.strain], create_graph=create_graph)
     return energies, -dE_dpos, dE_dstrain
@@ -46,7 +54,7 @@ def energy_forces(model: Potential, atoms, create_graph: bool = False, memory_bu
 def predict(model: Potential, atoms, stress: bool = True, memory_budget_gb: float | None = None) -> dict:
     """Energy (float, eV), energies (N,), forces (N, 3) eV/Å, and stress (6,) eV/Å³ when asked for and
     the cell has a volume. numpy float64, atom order of ``atoms``. Runs on the model's device, its edge
-    steps in chunks of at most ``memory_budget_gb`` (None: automatic)."""
+    steps in chunks of at most ``memory_budget_gb`` (None: automatic, ``energy_forces``)."""
     energies, forces, dE_dstrain = energy_forces(model, atoms, memory_budget_gb=memory_budget_gb)
     energies = energies.detach().cpu().numpy()
     result = {"energy": float(energies.sum()), "energies": energies, "forces": forces.cpu().numpy()}

@@ -18,6 +18,8 @@ from potentials.base import MemoryModel, PackageModel, Splittable, Trainable
 from potentials.errors import MLIPError
 from systems import FAIRCHEM_DIR, GEOMETRIES, MACE_DIR, NEQUIP_DIR
 
+CHUNKED = 1e-3  # memory_budget_gb: the chunked path (the default runs one pass where it fits)
+
 
 ADAPTERS = {  # family: (module, model class, error class, a model of the test fixtures)
     "mace": pytest.param("mace", "MACE", "MACEModelError", lambda: potentials.MACE(MACE_DIR / "mace-zbl-f64.model"),
@@ -128,7 +130,7 @@ def test_a_mace_patch_is_undone_when_a_warning_is_an_error(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with pytest.raises(UserWarning, match="runs its own forward over all edges at once"):
-            potentials.predict(model, atoms)
+            potentials.predict(model, atoms, memory_budget_gb=CHUNKED)
     blocks = [*model.mace.products, *model.mace.interactions]
     assert [m for m in blocks if "forward" in vars(m)] == []
 
@@ -141,11 +143,11 @@ def test_maces_copied_code_runs_only_under_the_version_it_was_copied_from(monkey
 
     model = potentials.MACE(MACE_DIR / "mace-zbl-f64.model")
     atoms = GEOMETRIES["fcc_bulk"]()
-    chunked = potentials.predict(model, atoms)
+    chunked = potentials.predict(model, atoms, memory_budget_gb=CHUNKED)
     monkeypatch.setattr(adapter, "mace_version", lambda: "0.3.99")
     monkeypatch.setattr(adapter, "_NOTED", set())
     with pytest.warns(UserWarning, match=r"under mace-torch 0\.3\.99 \(written from 0\.3\.16\)"):
-        own = potentials.predict(model, atoms)
+        own = potentials.predict(model, atoms, memory_budget_gb=CHUNKED)
     assert_close(own["forces"], chunked["forces"], 1e-12, scale="absolute", label="forces")
 
 
@@ -164,7 +166,7 @@ def test_a_nequip_patch_is_undone_when_a_warning_is_an_error(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with pytest.raises(UserWarning, match="OtherKernel runs its own forward"):
-            potentials.predict(model, GEOMETRIES["small_cell"]())
+            potentials.predict(model, GEOMETRIES["small_cell"](), memory_budget_gb=CHUNKED)
     assert [m for b in blocks for m in (b.edge_mlp, b.tp_scatter) if "forward" in vars(m)] == []
 
 

@@ -82,14 +82,14 @@ def test_serial_decomposition_matches_predict(name):
     atoms = GEOMETRIES[name]()
     backend = SerialBackend()
     reference_lj = ase_lj_results(atoms)
-    assert_close(mlip_parallel.evaluate(lennard_jones(), atoms, comm=backend), reference_lj, 1e-10, label="LJ")
+    assert_close(mlip_parallel.evaluate(lennard_jones(), atoms, comm=backend, decompose=True), reference_lj, 1e-10, label="LJ")
     for cls in (potentials.SchNet, potentials.PaiNN, potentials.NequIP):
         for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5))[: 1 if cls is potentials.NequIP else 2]:
             torch.manual_seed(2)
             model = schnet(dtype) if cls is potentials.SchNet else cls(SPECIES, cutoff=4.0, features=8).to(dtype)
             reference = potentials.predict(model, atoms)
             for mode in ("layerwise", "wide"):
-                assert_close(mlip_parallel.evaluate(model, atoms, mode=mode, comm=backend), reference, tol,
+                assert_close(mlip_parallel.evaluate(model, atoms, mode=mode, comm=backend, decompose=True), reference, tol,
                              label=f"{cls.__name__} {dtype} {mode}")
 
 
@@ -240,18 +240,24 @@ def test_molecule_without_cell_has_no_stress_like_ase():
 
 
 def test_memory_budget_knob():
-    """The automatic budget is a share of the free memory within its bounds; inf is the plain path; a
-    budget that is not a positive number is refused by every entry point, naming the knob."""
+    """The automatic chunk budget is a share of the free memory within its bounds; inf is the plain path; by default
+    an evaluation runs every edge at once where its predicted peak fits half the free memory and in the automatic
+    chunks where it does not; a budget that is not a positive number is refused by every entry point, naming the
+    knob."""
     from md import MLIPCalculator
     from md.engine import MDSystem
-    from potentials.messages import AUTO_CAP_BYTES, memory_budget_bytes, resolved_budget_gb
+    from potentials.messages import AUTO_CAP_BYTES, available_bytes, evaluation_budget, memory_budget_bytes
 
     auto = memory_budget_bytes(None, "cpu")
     assert 2**20 <= auto <= AUTO_CAP_BYTES["cpu"]
     assert memory_budget_bytes(0.25, "cpu") == 250_000_000 and memory_budget_bytes(float("inf"), "cpu") is None
-    assert resolved_budget_gb(float("inf"), "cpu") == float("inf") and resolved_budget_gb(None, "cpu") == auto / 1e9
     atoms = bulk("Cu", "fcc", a=3.61, cubic=True)
     model = potentials.SchNet(["Cu"], cutoff=4.0, features=8, layers=2, seed=0)
+    fits = int(0.4 * available_bytes("cpu") / model.PLAIN_BYTES_PER_EDGE)  # edges whose one pass takes 0.4 of it
+    assert evaluation_budget(model, None, 100, 1000, "cpu") is None
+    assert evaluation_budget(model, None, 0, fits, "cpu") is None
+    assert evaluation_budget(model, None, 0, 2 * fits, "cpu") == auto  # 0.8 of the free memory: in chunks
+    assert evaluation_budget(model, 0.25, 100, 1000, "cpu") == 250_000_000
     for bad in (0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="memory_budget_gb must be a positive number of GB"):
             potentials.predict(model, atoms, memory_budget_gb=bad)
@@ -322,3 +328,24 @@ def test_the_halo_hook_runs_eagerly_under_torch_compile():
     assert torch.equal(torch.compile(model, backend="eager")(x), model(x))
     assert traced == [False, False], traced  # the compiled call ran it eagerly too
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", ["sheared", "slab", "clusters"])
+def test_one_process_evaluates_the_periodic_graph(name, monkeypatch):
+    """One process by default evaluates the whole structure with periodic images as edge shifts (no ghost atoms, no
+    halo: what ``potentials.predict`` and the packages' calculators build), bit for bit predict's result;
+    ``decompose=True`` takes the ghost-atom path, equal up to summation order. A halo call on the default path
+    fails the test."""
+    from mlip_parallel import comm
+
+    atoms = GEOMETRIES[name]()
+    model = schnet(torch.float64)
+    decomposed = mlip_parallel.evaluate(model, atoms, decompose=True)
+
+    def no_halo(*args, **kwargs):
+        raise AssertionError("the one-process default built a halo")
+    monkeypatch.setattr(comm.FeatureHalo, "__init__", no_halo)
+    default, reference = mlip_parallel.evaluate(model, atoms), potentials.predict(model, atoms)
+    for key in reference:
+        assert np.array_equal(default[key], reference[key]), key
+    assert_close(default, decomposed, 1e-12, label="periodic graph vs ghost atoms")

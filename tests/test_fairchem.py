@@ -41,7 +41,7 @@ def test_fixture_equals_fairchem_calculator(name):
         atoms = build()
         reference = fairchem_reference(name, atoms)
         assert_close(cached_fairchem_reference(name, geometry), reference, 1e-12, label=f"cached {geometry}")
-        for result in (potentials.predict(model, atoms), mlip_parallel.evaluate(model, atoms, comm=SERIAL)):
+        for result in (potentials.predict(model, atoms), mlip_parallel.evaluate(model, atoms, comm=SERIAL, decompose=True)):
             assert_close(ours(result, reference), reference, 1e-9, label=geometry)
     if name == "uma-moe":
         for geometry in ("sheared", "slab"):
@@ -64,7 +64,7 @@ def test_wide_mode_and_merged_experts():
     default dtype when it merges) whatever the model's precision."""
     model = fairchem_model("uma-moe")
     atoms = GEOMETRIES["clusters"]()  # (tests/mpi/fairchem_models.py: wide mode on 2-4 ranks)
-    result = mlip_parallel.evaluate(model, atoms, mode="wide", comm=SERIAL)
+    result = mlip_parallel.evaluate(model, atoms, mode="wide", comm=SERIAL, decompose=True)
     reference = fairchem_reference("uma-moe", atoms)
     assert_close(ours(result, reference), reference, 1e-9, label="wide")
     atoms = GEOMETRIES["hcp_triclinic"]()
@@ -85,9 +85,9 @@ def test_comparison_is_sensitive():
     reference = fairchem_reference("uma-dense", atoms)
     for fault in FAULTS:  # serial evaluate of a periodic cell: the images are ghost rows
         with planted(fault):
-            result = mlip_parallel.evaluate(model, atoms, comm=SERIAL)
+            result = mlip_parallel.evaluate(model, atoms, comm=SERIAL, decompose=True)
         assert_beyond(ours(result, reference), reference, 1e-4, label=fault)
-    assert_close(ours(mlip_parallel.evaluate(model, atoms, comm=SERIAL), reference), reference, 1e-9, label="evaluate")
+    assert_close(ours(mlip_parallel.evaluate(model, atoms, comm=SERIAL, decompose=True), reference), reference, 1e-9, label="evaluate")
 
     uncut = fairchem_model("uma-dense")
     uncut.max_neighbors = 10**6
@@ -122,7 +122,7 @@ def test_comparison_is_sensitive():
     charged = atoms.copy()  # the structure's own charge and spin (atoms.info, as FAIRChemCalculator reads them)
     charged.info.update(charge=1, spin=2)
     assert_close(ours(potentials.predict(default, charged), reference), reference, 1e-9, label="atoms.info's charge")
-    assert_close(ours(mlip_parallel.evaluate(default, charged, comm=SERIAL), reference), reference, 1e-9,
+    assert_close(ours(mlip_parallel.evaluate(default, charged, comm=SERIAL, decompose=True), reference), reference, 1e-9,
                  label="atoms.info's charge (evaluate)")
     assert potentials.predict(omat, charged)["energy"] == potentials.predict(omat, atoms)["energy"]  # omol's only
     charged.info["charge"] = 0.5
@@ -286,7 +286,7 @@ def test_md_force_call_is_memory_bounded():
     atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat((4, 4, 4))
     atoms.rattle(0.05, seed=0)
     saved = md_force_call_saved_bytes(fairchem_model("uma-moe", task="omat"), atoms)
-    bounded, budget_gb = saved[None]
+    bounded, budget_gb = saved["chunks"]
     assert bounded <= budget_gb * 1e9 + 160e3 * len(atoms), (bounded / len(atoms), budget_gb)
     assert saved[float("inf")][0] > 10 * bounded, saved
 

@@ -231,15 +231,16 @@ def test_steps_between_rebuilds_keep_atoms_on_the_device(monkeypatch, integrator
 
 
 def md_force_call_saved_bytes(model, atoms) -> dict:
-    """{memory_budget_gb given: (peak saved-tensor bytes of one MD force call after a first one, the budget the
-    MD system resolved)} for the automatic budget (None) and one pass over all edges (inf)."""
+    """{"chunks" (the automatic chunk budget, what the default takes where one pass would not fit) and inf (one pass
+    over all edges): (peak saved-tensor bytes of one MD force call after a first one, the budget in GB)}."""
     from md.engine import MDSystem
+    from potentials.messages import memory_budget_bytes
 
     saved = {}
-    for budget in (None, float("inf")):
+    for name, budget in (("chunks", memory_budget_bytes(None, "cpu") / 1e9), (float("inf"), float("inf"))):
         system = MDSystem.from_atoms(model, atoms, skin=1.0, memory_budget_gb=budget)
         system.compute_forces()
-        saved[budget] = (peak_saved_bytes(system.compute_forces), system.memory_budget_gb)
+        saved[name] = (peak_saved_bytes(system.compute_forces), system.memory_budget_gb)
     return saved
 
 
@@ -271,22 +272,62 @@ def peak_saved_bytes(call) -> int:
     return peak
 
 
-def test_md_force_call_takes_the_memory_bounded_path():
-    """One MD force call on 864 Cu atoms (SchNet F=64, 3 layers, cutoff 5 Å, ~42 edges per atom) keeps at
-    most its chunk budget + 25 KB per atom in saved tensors, with the default (automatic) budget and
-    with an explicit one; one pass over all edges (``memory_budget_gb=inf``, training's path) keeps
-    ~10× more. Guards against a change that silently brings the all-edges path back into MD."""
+def test_md_force_call_chunks_where_one_pass_would_not_fit(monkeypatch):
+    """One MD force call on 864 Cu atoms (SchNet F=64, 3 layers, cutoff 5 Å, ~42 edges per atom): by default one
+    pass over all edges where the pre-flight predicts that fits (here), and the automatic chunks where it does not
+    (a host with 1e-9 of its memory free, as ``one_pass_fits`` sees it), which keep at most their chunk budget +
+    25 KB per atom in saved tensors, as an explicit budget does; one pass (``memory_budget_gb=inf``) keeps ~10×
+    more. Guards against a change that silently drops the bound where memory is short."""
+    import potentials.messages as messages
+
     atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat((6, 6, 6))
     atoms.rattle(0.05, seed=0)
     model = potentials.SchNet(["Cu"], cutoff=5.0, features=64, layers=3, seed=0)
     n = len(atoms)
+    assert MDSystem.from_atoms(model, atoms, skin=1.0).memory_budget_gb == float("inf")
+    monkeypatch.setattr(messages, "ONE_PASS_SHARE", 1e-9)
     per_atom = {}
     for budget in (None, 0.004, float("inf")):
         system = MDSystem.from_atoms(model, atoms, skin=1.0, memory_budget_gb=budget)
         system.compute_forces()  # the first call builds the neighbour list
         per_atom[budget] = (peak_saved_bytes(system.compute_forces), system.memory_budget_gb)
+    assert per_atom[None][1] == messages.memory_budget_bytes(None, "cpu") / 1e9, per_atom
     for budget in (None, 0.004):
         saved, budget_gb = per_atom[budget]
         assert budget_gb < 1, budget_gb
         assert saved <= budget_gb * 1e9 + 25e3 * n, (budget, saved / n, budget_gb)
     assert per_atom[float("inf")][0] > 100e3 * n, per_atom
+
+
+CALCULATOR_ALLOCATOR = """
+import ctypes, sys, numpy as np
+import potentials
+from md import MLIPCalculator
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+MLIPCalculator(potentials.LennardJones(0.0104, 3.4, 8.5), keep_freed_memory=sys.argv[1] == "keep")
+block = np.ones(64 << 17)  # 64 MiB: above glibc's largest mmap threshold
+print(libc.mallinfo2().hblkhd >= 64 << 20)
+"""
+
+
+@pytest.mark.parametrize("keep", ["keep", "leave"])
+def test_calculator_keeps_freed_memory_unless_told_not_to(keep):
+    """MLIPCalculator sets this process's malloc to serve even a 64 MiB tensor from the heap, where freed memory is
+    kept for the next call (mlip_parallel.allocator; the mmapped blocks glibc uses by default are faulted in afresh
+    at every call: system time); keep_freed_memory=False leaves glibc's defaults."""
+    import ctypes
+    import os
+    import subprocess
+    import sys
+
+    from mlip_parallel.allocator import USER_MALLOC
+
+    if not hasattr(ctypes.CDLL(None), "mallinfo2"):
+        pytest.skip("needs glibc >= 2.33 (mallinfo2)")
+    env = {k: v for k, v in os.environ.items() if k not in USER_MALLOC and k != "GLIBC_TUNABLES"}
+    run = subprocess.run([sys.executable, "-c", CALCULATOR_ALLOCATOR, keep], capture_output=True, text=True, env=env)
+    assert run.stdout.split() == [str(keep == "leave")], run.stdout + run.stderr

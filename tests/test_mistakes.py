@@ -1,6 +1,7 @@
 """A user's mistakes end in one named line before anything is written, and good inputs at their legal limits run
 (tests/mpi/mistakes.py: a table of each per tool, one mpiexec launch each, under a per-process address-space
 limit); a run that blows up ends in one line with its restart and outputs intact."""
+import importlib
 import json
 import re
 
@@ -210,8 +211,10 @@ def test_memory_preflight_estimates_follow_the_decomposition():
 
 
 def test_evaluate_stops_what_would_not_fit_before_building_it(monkeypatch):
-    """Argon in a 15.8 Å cell with a 100 Å cutoff: ~270,000 ghost rows and 3e10 pairs, refused with the estimate and
-    the ways out before a ghost is built (it grew to ~12 GB per rank before the out-of-memory killer ended it)."""
+    """Argon in a 15.8 Å cell with a 100 Å cutoff, decomposed: ~270,000 ghost rows and 3e10 pairs, refused with the
+    estimate and the ways out before a ghost is built (it grew to ~12 GB per rank before the out-of-memory killer
+    ended it). One process without ghosts (its default: periodic images as edge shifts) holds that one in ~6 GB; a
+    300 Å cutoff (5e8 pairs, ~170 GB) is refused there before its neighbour list is built."""
     from ase.build import bulk
 
     import mlip_parallel
@@ -222,11 +225,14 @@ def test_evaluate_stops_what_would_not_fit_before_building_it(monkeypatch):
         raise AssertionError("the ghosts were built")
 
     monkeypatch.setattr(Subdomain, "build", never)
+    monkeypatch.setattr(importlib.import_module("potentials.predict"), "neighbour_list", never)  # (the module)
     argon = bulk("Ar", "fcc", a=5.26, cubic=True).repeat(3)
-    with pytest.raises(mlip_parallel.MemoryLimitError, match="^not enough memory: the fullest of the 1 rank") as info:
-        mlip_parallel.evaluate(potentials.LennardJones(0.0104, 3.4, 100.0), argon)
-    for words in ("cutoff + skin (100 Å)", "more ranks", "smaller cutoff", "0.0275 atoms/Å³", "GB"):
-        assert words in str(info.value), info.value
+    for cutoff, decompose in ((100.0, True), (300.0, None)):
+        with pytest.raises(mlip_parallel.MemoryLimitError, match="^not enough memory: the fullest of the 1 rank") \
+                as info:
+            mlip_parallel.evaluate(potentials.LennardJones(0.0104, 3.4, cutoff), argon, decompose=decompose)
+        for words in (f"cutoff + skin ({cutoff:g} Å)", "more ranks", "smaller cutoff", "0.0275 atoms/Å³", "GB"):
+            assert words in str(info.value), info.value
 
 
 def test_weights_of_a_wide_model_are_counted_without_building_it():

@@ -40,9 +40,9 @@ def test_equals_the_frameworks_calculator(path):
     for geometry, make in GEOMETRIES.items():
         atoms = make()
         reference = nequip_reference(path, atoms)
-        results = [potentials.predict(model, atoms), mlip_parallel.evaluate(model, atoms, comm="serial")]
+        results = [potentials.predict(model, atoms), mlip_parallel.evaluate(model, atoms, comm="serial", decompose=True)]
         if geometry in ("clusters", "small_cell"):
-            results.append(mlip_parallel.evaluate(model, atoms, mode="wide", comm="serial"))
+            results.append(mlip_parallel.evaluate(model, atoms, mode="wide", comm="serial", decompose=True))
         for result in results:
             result.pop("energies")
             assert_close(result, reference, 1e-9, label=geometry)
@@ -139,7 +139,7 @@ def test_md_force_call_of_a_framework_model_is_memory_bounded(name):
     atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat((5, 5, 5))
     atoms.rattle(0.05, seed=0)
     saved = md_force_call_saved_bytes(model, atoms)
-    bounded, budget_gb = saved[None]
+    bounded, budget_gb = saved["chunks"]
     assert bounded <= budget_gb * 1e9 + 50e3 * len(atoms), (bounded / len(atoms), budget_gb)
     assert saved[float("inf")][0] > 3 * bounded, saved
 
@@ -158,7 +158,7 @@ def test_memory_bounded_path_in_many_chunks_equals_one_pass(name, monkeypatch):
         plain = potentials.predict(model, atoms, memory_budget_gb=float("inf"))
         plain.pop("energies")
         for result in (potentials.predict(model, atoms, memory_budget_gb=1e-9),
-                       mlip_parallel.evaluate(model, atoms, memory_budget_gb=1e-9, comm=mlip_parallel.SerialBackend())):
+                       mlip_parallel.evaluate(model, atoms, memory_budget_gb=1e-9, comm=mlip_parallel.SerialBackend(), decompose=True)):
             result = {k: v for k, v in result.items() if k != "energies"}
             assert_close(result, plain, 1e-12, label=f"{geometry} chunked vs plain")
             assert_close(result, reference, 1e-9, label=geometry)
@@ -259,10 +259,10 @@ def test_layers_are_read_from_the_model_not_from_its_exchange_slots(monkeypatch)
     assert model.layers == 3 and not model.state_per_edge and not model.exchange_filled
     atoms = GEOMETRIES["small_cell"]()
     reference = nequip_reference(path, atoms)
-    wide = mlip_parallel.evaluate(model, atoms, mode="wide", comm="serial")
+    wide = mlip_parallel.evaluate(model, atoms, mode="wide", comm="serial", decompose=True)
     assert_close({k: wide[k] for k in reference}, reference, 1e-9, label="wide")
     with pytest.raises(NequIPFrameworkError, match="ghost-exchange slots cannot be filled .* wide mode"):
-        mlip_parallel.evaluate(model, atoms, comm="serial")
+        mlip_parallel.evaluate(model, atoms, comm="serial", decompose=True)
 
     def renamed(path, model_key="sole_model"):
         model = load(path, model_key)

@@ -77,7 +77,7 @@ def test_every_fault_moves_the_comparison_far_beyond_its_tolerance(case):
     model = build()
 
     def comparison():
-        result = mlip_parallel.evaluate(model, atoms, comm=mlip_parallel.SerialBackend())
+        result = mlip_parallel.evaluate(model, atoms, comm=mlip_parallel.SerialBackend(), decompose=True)
         return compare({k: result[k] for k in reference}, reference, tolerance)
 
     calls = []

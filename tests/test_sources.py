@@ -353,3 +353,30 @@ def test_a_structure_unreadable_mid_run_stops_the_job_in_one_line(tmp_path, monk
     assert cli.main([str(tmp_path / "job.yaml")]) == 2
     err = capsys.readouterr().err
     assert err.count("mlip-train: error:") == 1 and "structure 7 cannot be read; training stopped" in err, err
+
+
+def test_large_data_is_streamed_by_default_and_the_log_says_so(tmp_path, monkeypatch):
+    """data.stream left out: the structures are held where the data files take at most STREAM_ABOVE_BYTES on disk
+    and streamed from disk above it (here the threshold lowered below the file's size), data.workers stream, an
+    explicit data.stream wins; the log line names the choice and the key that reverses it."""
+    from mlip_parallel.train import model_setup
+
+    path = tmp_path / "data.extxyz"
+    write(path, frames(12), format="extxyz")
+    size = path.stat().st_size
+
+    def loaded(**data):
+        config = validate({"data": {"train": str(path), "validation_fraction": 0.25, **data},
+                           "model": {"name": "SchNet"}, "output": {"directory": str(tmp_path / "out")}}, SCHEMA, RULES)
+        train_set, _, _, _, note = model_setup.load_data(config)
+        return isinstance(train_set, list), note
+
+    held, note = loaded()
+    assert held and "held in memory (within 256 MB; data.stream: true to stream it)" in note, note
+    monkeypatch.setattr(model_setup, "STREAM_ABOVE_BYTES", size - 1)
+    held, note = loaded()
+    assert not held and f"data {size / 1e6:.3g} MB on disk, streamed from disk (above 0 MB; data.stream: false" \
+        in note, note
+    assert loaded(stream=False)[0] and not loaded(stream=True)[0]
+    monkeypatch.setattr(model_setup, "STREAM_ABOVE_BYTES", 10**12)
+    assert not loaded(workers=1)[0] and "data.workers read ahead" in loaded(workers=1)[1]

@@ -16,7 +16,6 @@ and status 2, any other with ``rank N: <type>: <message>`` and an abort (LAMMPS 
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 import sys
 import time
@@ -124,9 +123,11 @@ class LammpsDecomposition:
     the candidate pairs within cutoff + ``skin``, the user's skin (the ghost shell's is wider by twice the
     farthest excursion of an atom out of its subdomain). ``rebuilds`` counts the halo rebuilds."""
 
-    def __init__(self, model, backend, mode: str, skin: float, budget_bytes: int | None = None):
+    def __init__(self, model, backend, mode: str, skin: float, memory_budget_gb: float | None = None):
         self.model, self.backend, self.mode, self.skin = model, backend, mode, float(skin)
-        self.budget_bytes = budget_bytes  # the evaluation's chunk budget (None: every edge at once), for the pre-flight
+        # the evaluations' chunk budget (GB; inf: every edge at once), None until the first rebuild's pre-flight
+        # chooses it, then kept for the run
+        self.memory_budget_gb = memory_budget_gb
         self.sub, self.rebuilds = None, 0
 
     @property
@@ -178,8 +179,9 @@ class LammpsDecomposition:
 
             n_atoms = int(backend.allreduce(len(ids))) if backend.size > 1 else len(ids)
             try:
-                check_rank_memory(backend, self.model, n_atoms, domain, grid.dims, ghost_reach(self.model, self.mode),
-                                  self.skin, self.mode == "layerwise", self.budget_bytes)
+                self.memory_budget_gb = check_rank_memory(
+                    backend, self.model, n_atoms, domain, grid.dims, ghost_reach(self.model, self.mode), self.skin,
+                    self.mode == "layerwise", self.memory_budget_gb)
             except MemoryLimitError as exc:
                 raise LammpsBridgeError(str(exc)) from None
         self.sub = Subdomain(backend, domain, grid).build(
@@ -235,10 +237,10 @@ class Bridge:
         device = torch.device(device) if device is not None else rank_device(self.backend)
         if model.device != device:
             model.to(device)
-        from potentials.messages import resolved_budget_gb
+        from potentials.messages import memory_budget_bytes
 
         try:  # the knob's one check (potentials.messages), reported as the bridge's error
-            self.memory_budget_gb = resolved_budget_gb(memory_budget_gb, device)
+            memory_budget_bytes(memory_budget_gb, device)
         except ValueError as exc:
             raise LammpsBridgeError(str(exc)) from None
         self.ntypes = int(lmp.extract_global("ntypes"))
@@ -254,8 +256,7 @@ class Bridge:
                                         f"{self.ntypes} atom type(s): give one element per type")
             _check_model_knows(model, elements, "--elements")
         self.elements = elements
-        budget = None if math.isinf(self.memory_budget_gb) else int(self.memory_budget_gb * 1e9)
-        self.decomposition = LammpsDecomposition(model, self.backend, mode, skin, budget)
+        self.decomposition = LammpsDecomposition(model, self.backend, mode, skin, memory_budget_gb)
         self.mode, self.calls, self.seconds = mode, 0, 0.0
         self.verify, self.verified = verify, None
         self._masses, self._type_numbers = None, None
@@ -335,12 +336,13 @@ class Bridge:
         self.decomposition.update(x - boxlo, tags, numbers, cell, pbc, lo, hi)
         try:  # the non-finite forces are counted over every rank: all of them raise alike
             if self.committee:
-                members = committee_step(self.model, self.decomposition.sub, self.mode, self.memory_budget_gb)
+                members = committee_step(self.model, self.decomposition.sub, self.mode,
+                                         self.decomposition.memory_budget_gb)
                 energies, forces = members.energies, members.forces
                 self.energy, d = members.energy, members.dE_dstrain
             else:
                 energies, forces, dE_dstrain = forward_decomposed(self.model, self.decomposition.sub, self.mode,
-                                                                  memory_budget_gb=self.memory_budget_gb)
+                                                                  memory_budget_gb=self.decomposition.memory_budget_gb)
                 # both global, the same on every rank (LAMMPS divides the virial by the number of ranks and sums)
                 self.energy, d = global_sums(self.backend, energies, dE_dstrain, forces=forces)
         except SimulationError as exc:

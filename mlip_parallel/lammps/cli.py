@@ -8,6 +8,7 @@ from pathlib import Path
 
 from potentials.families import FamilyError, families
 
+from ..allocator import keep_freed_memory
 from ..config import obeys, report_error
 from ..errors import LammpsBridgeError
 from ..model_section import DTYPE_HELP, add_option_arguments, argument_options
@@ -127,6 +128,7 @@ def simulate(args, lammps_args) -> None:
                                 f"one after the box is defined (the model's forces enter LAMMPS through it), or "
                                 f"run with --add-fix")
     lammps = lammps_class()
+    keep_freed_memory()  # as mlip-md does by default: freed tensors' memory kept for the next step
     if args.committee is not None:
         model = load_committee(args.committee, args.dtype, args.committee_forces, **argument_options(args))
     else:

@@ -26,6 +26,7 @@ from potentials.errors import OutputError
 from potentials.families import FamilyError, families
 from potentials.families.checkpoint import ARCHITECTURES
 
+from ..allocator import keep_freed_memory
 from ..config import ConfigError, config_parser, read_job, report_error, validate  # noqa: F401  (validate: with SCHEMA, RULES)
 from ..errors import MLIPError
 from ..launch import end_job
@@ -44,9 +45,11 @@ SECTIONS = {
         "validation": ((str, list), None, "validation file(s) (default: validation_fraction of train)"),
         "test": ((str, list), None, "test file(s) (default: test_fraction of train), evaluated with best.pt at the "
                                     "end"),
-        "stream": (bool, False, "read the structures from disk at each use instead of holding them: memory that does "
-                                "not grow with the data set, each structure parsed again at every use (extxyz through "
-                                "an index of its frames; only each rank's share of a data-parallel batch is read)"),
+        "stream": (bool, None, "read the structures from disk at each use instead of holding them: memory that does "
+                               "not grow with the data set, each structure parsed again at every use (extxyz through "
+                               "an index of its frames; only each rank's share of a data-parallel batch is read); "
+                               "default: streamed where the data files take more than 256 MB on disk, or with "
+                               "data.workers (the log says which)"),
         "workers": (int, 0, "data.stream: worker processes per rank that read the training structures and build "
                             "their neighbour lists ahead of the model (0: read when used)"),
         "keys": (dict, None, "the labels' names in the files, e.g. {energy: REF_energy, forces: REF_forces, stress: "
@@ -210,32 +213,6 @@ def train(config) -> list:
     from .trainer import Trainer
 
     return Trainer(config).fit()
-
-
-MALLOPT = {"M_TRIM_THRESHOLD": (-1, 2 ** 31 - 1), "M_TOP_PAD": (-2, 256 << 20), "M_MMAP_THRESHOLD": (-3, 32 << 20)}
-USER_MALLOC = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_MMAP_MAX_")
-
-
-def keep_freed_memory() -> bool:
-    """Set glibc's malloc to keep freed memory for reuse in this process (``mallopt``): blocks up to 32 MiB
-    from the heap, not from mmaps of their own; the heap top trimmed only beyond 2 GiB, grown 256 MiB
-    at a time. A training step frees and reallocates the same large tensors, and by default glibc hands
-    their pages back and faults them in again (``benchmarks/pipeline_epoch.py --allocator`` measures
-    both). The ``mlip-train`` command calls it (config key ``keep_freed_memory``); ``train(config)``
-    leaves the calling process as it is. Returns False, changing nothing, where the user set one of these
-    thresholds (``USER_MALLOC``, or ``glibc.malloc`` in ``GLIBC_TUNABLES``) or the C library has no
-    ``mallopt``."""
-    import ctypes
-    import os
-
-    if any(key in os.environ for key in USER_MALLOC) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError, TypeError):  # no such symbol; TypeError: no CDLL(None) (Windows)
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return all([mallopt(param, value) == 1 for param, value in MALLOPT.values()])
 
 
 def evaluate_model(model_path, data_path, batch_size: int = 8, progress: bool = False, deviations=None, keys=None,

@@ -68,7 +68,7 @@ class Trainer(Checkpoints):
         self.starting = starting_model(section)  # (the config alone: before any process group exists)
         self.procs = procs = Processes(config["parallel"])
         self.root = procs.rank == 0
-        self.train_set, self.validation, self.test, mixture = load_data(config)
+        self.train_set, self.validation, self.test, mixture, self.data_note = load_data(config)
         self.rules = loss_rules(config)  # (stage one's, stage two's or None)
         # the labels either stage reads
         needed = {q: max(r[q] for r in self.rules if r is not None) for q in QUANTITIES}
@@ -432,7 +432,7 @@ class Trainer(Checkpoints):
             print(f"mlip-train: {type(self.model).__name__}{start} {species_text(self.model.species)}, {trained}, "
                   f"{self.training_count()} training / {len(self.validation)} validation / {len(self.test)} test "
                   f"structures\nmlip-train: {procs.size} rank(s) x {torch.get_num_threads()} thread(s), "
-                  f"{procs.parallel} parallel{layout}", flush=True)
+                  f"{procs.parallel} parallel{layout}\n{self.data_note}", flush=True)
             if self.reference_note:
                 print(self.reference_note, flush=True)
         procs.barrier()  # the output directory exists before any rank writes into it

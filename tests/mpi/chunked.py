@@ -54,8 +54,9 @@ for name, build in GEOMETRIES.items():
             pairs.append(("predict", potentials.predict(model, atoms, memory_budget_gb=TINY),
                           potentials.predict(model, atoms, memory_budget_gb=PLAIN)))
         for mode in cases_for(label, name):
-            pairs.append((mode, mlip_parallel.evaluate(model, atoms, mode=mode, memory_budget_gb=TINY),
-                          mlip_parallel.evaluate(model, atoms, mode=mode, memory_budget_gb=PLAIN)))
+            pairs.append((mode, *(mlip_parallel.evaluate(model, atoms, mode=mode, memory_budget_gb=budget,
+                                                         decompose=True)  # one rank too: ghost atoms, in chunks
+                                  for budget in (TINY, PLAIN))))
         for how, chunked, plain in pairs:
             cases += 1
             c = compare(chunked, plain, tolerance[label])  # per key max |Δ| / max |plain|, the worst key
