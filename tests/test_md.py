@@ -298,36 +298,3 @@ def test_md_force_call_chunks_where_one_pass_would_not_fit(monkeypatch):
         assert saved <= budget_gb * 1e9 + 25e3 * n, (budget, saved / n, budget_gb)
     assert per_atom[float("inf")][0] > 100e3 * n, per_atom
 
-
-CALCULATOR_ALLOCATOR = """
-import ctypes, sys, numpy as np
-import potentials
-from md import MLIPCalculator
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
-libc = ctypes.CDLL(None)
-libc.mallinfo2.restype = MallInfo2
-MLIPCalculator(potentials.LennardJones(0.0104, 3.4, 8.5), keep_freed_memory=sys.argv[1] == "keep")
-block = np.ones(64 << 17)  # 64 MiB: above glibc's largest mmap threshold
-print(libc.mallinfo2().hblkhd >= 64 << 20)
-"""
-
-
-@pytest.mark.parametrize("keep", ["keep", "leave"])
-def test_calculator_keeps_freed_memory_unless_told_not_to(keep):
-    """MLIPCalculator sets this process's malloc to serve even a 64 MiB tensor from the heap, where freed memory is
-    kept for the next call (mlip_parallel.allocator; the mmapped blocks glibc uses by default are faulted in afresh
-    at every call: system time); keep_freed_memory=False leaves glibc's defaults."""
-    import ctypes
-    import os
-    import subprocess
-    import sys
-
-    from mlip_parallel.allocator import USER_MALLOC
-
-    if not hasattr(ctypes.CDLL(None), "mallinfo2"):
-        pytest.skip("needs glibc >= 2.33 (mallinfo2)")
-    env = {k: v for k, v in os.environ.items() if k not in USER_MALLOC and k != "GLIBC_TUNABLES"}
-    run = subprocess.run([sys.executable, "-c", CALCULATOR_ALLOCATOR, keep], capture_output=True, text=True, env=env)
-    assert run.stdout.split() == [str(keep == "leave")], run.stdout + run.stderr

@@ -5,8 +5,6 @@ import csv
 import importlib.util
 import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -20,7 +18,6 @@ import potentials
 from comparison import assert_beyond, assert_close
 from conftest import MPI_DIR, ROOT, assert_log_lines, require
 from mlip_parallel.config import ConfigError
-from mlip_parallel.allocator import USER_MALLOC
 from mlip_parallel.train.cli import RULES, SCHEMA, main, train, validate
 from mlip_parallel.train.training import DataError
 
@@ -648,34 +645,3 @@ def test_bundled_model_matches_emt_on_held_out_structures():
     print(f"cu-emt on {len(held_out)} held-out structures: force MAE {1e3 * errors['forces_mae']:.1f} meV/A, "
           f"energy MAE {1e3 * errors['energy_mae']:.2f} meV/atom")
     assert errors["forces_mae"] <= 0.050, errors
-
-
-KEEP_FREED_MEMORY = """
-import ctypes, numpy as np
-from mlip_parallel.allocator import keep_freed_memory
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
-libc = ctypes.CDLL(None)
-libc.mallinfo2.restype = MallInfo2
-def mmapped(mib):  # bytes in mmaps of their own while a block of ``mib`` MiB is held
-    block = np.ones(mib << 17)
-    return libc.mallinfo2().hblkhd
-print(mmapped(8) >= 8 << 20, keep_freed_memory(), mmapped(16) < 1 << 20, mmapped(64) < 1 << 20)
-"""
-
-
-def test_keep_freed_memory_serves_large_blocks_from_the_heap():
-    """The tools' keep_freed_memory (glibc's mallopt): 16 and 64 MiB blocks (the latter above glibc's largest mmap
-    threshold), mmapped by default, then come from the heap (where freed memory is kept for the next step); a
-    MALLOC_*_ variable the user set wins."""
-    import ctypes
-
-    if not hasattr(ctypes.CDLL(None), "mallinfo2"):
-        pytest.skip("needs glibc >= 2.33 (mallinfo2)")
-    env = {k: v for k, v in os.environ.items() if k not in USER_MALLOC and k != "GLIBC_TUNABLES"}
-    run = subprocess.run([sys.executable, "-c", KEEP_FREED_MEMORY], capture_output=True, text=True, env=env)
-    assert run.stdout.split() == ["True", "True", "True", "True"], run.stdout + run.stderr
-    env = dict(env, MALLOC_TOP_PAD_="0")
-    run = subprocess.run([sys.executable, "-c", KEEP_FREED_MEMORY], capture_output=True, text=True, env=env)
-    assert run.stdout.split() == ["True", "False", "False", "False"], run.stdout + run.stderr
