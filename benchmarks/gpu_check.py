@@ -152,19 +152,19 @@ TRAINING_RUNS = {"one process": (1, "data"), "data-parallel, 2 ranks": (2, "data
 TRAINING_METRICS = ("train_loss", "val_loss", "energy_mae", "forces_mae", "stress_mae")
 
 
-def training_config(data, out, parallel):
+def training_config(data, out, parallel, epochs=3):
     return {"data": {"train": str(data), "validation_fraction": 0.125},
             "model": {"name": "SchNet", "cutoff": 4.5, "hyperparameters": {"features": 32, "layers": 6},
                       "dtype": "float64"},
             "loss": {"energy_weight": 1.0, "forces_weight": 10.0, "stress_weight": 1.0}, "ema_decay": 0.9,
-            "schedule": {"name": "none"}, "epochs": 3, "batch_size": 4, "seed": 0, "parallel": parallel,
+            "schedule": {"name": "none"}, "epochs": epochs, "batch_size": 4, "seed": 0, "parallel": parallel,
             "pipeline": {"stages": 2, "microbatches": 4, "schedule": "auto"},
             "output": {"directory": str(out), "overwrite": True}}
 
 
-def training_checks(device, env):
-    """Each ``TRAINING_RUNS`` run of ``mlip-train`` on ``device`` (ranks share the GPU) against one process
-    on the CPU: every epoch's metrics (relative, 1e-9)."""
+def training_checks(device, env, epochs=3):
+    """Each ``TRAINING_RUNS`` run of ``mlip-train`` on ``device`` (ranks share the GPU), ``epochs`` epochs, against
+    one process on the CPU: every epoch's metrics (relative, 1e-9)."""
     import csv
     import tempfile
 
@@ -174,7 +174,7 @@ def training_checks(device, env):
 
     def train(ranks, parallel, where, tmp, name):
         job = tmp / f"{name}.yaml"
-        job.write_text(yaml.safe_dump(training_config(tmp / "cu.extxyz", tmp / name, parallel)))
+        job.write_text(yaml.safe_dump(training_config(tmp / "cu.extxyz", tmp / name, parallel, epochs)))
         cmd = train_command(ranks, job)
         cuda = {} if where == "cuda" else {"CUDA_VISIBLE_DEVICES": ""}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(env, **cuda))
@@ -195,7 +195,7 @@ def training_checks(device, env):
             if device == "cpu" and ranks == 1:
                 continue  # that is the reference itself
             metrics, error = train(ranks, parallel, device, tmp, f"run{k}")
-            setting = f"{label}, SchNet float64, 3 epochs"
+            setting = f"{label}, SchNet float64, {epochs} epochs"
             if metrics is None:
                 rows.append((f"mlip-train on {device}", setting, str(error)[:120], False))
                 continue
@@ -288,6 +288,7 @@ def main():
                              "14 and 29 (11 k, 98 k atoms) on a GPU, 10 and 15 (4 k, 13.5 k) on the CPU")
     parser.add_argument("--steps", type=int, default=None, help="timed MD steps per throughput run")
     parser.add_argument("--md-steps", type=int, default=100, help="steps of the device-vs-CPU MD check")
+    parser.add_argument("--train-epochs", type=int, default=3, help="epochs of each mlip-train run")
     parser.add_argument("--skip", nargs="*", default=[],
                         choices=["self-check", "models", "md", "training", "throughput"])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -308,7 +309,7 @@ def main():
           f"torch {torch.__version__}", flush=True)
     start, rows = time.perf_counter(), []
     sections = {"self-check": lambda: self_checks(args.ranks, env), "models": lambda: model_checks(device),
-                "md": lambda: md_check(device, args.md_steps), "training": lambda: training_checks(device, env),
+                "md": lambda: md_check(device, args.md_steps), "training": lambda: training_checks(device, env, args.train_epochs),
                 "throughput": lambda: throughput(sizes, steps, args.cpu)}
     for name, section in sections.items():
         if name not in args.skip:

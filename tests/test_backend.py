@@ -89,7 +89,7 @@ def test_gpu_check_cpu_parts_pass():
     from conftest import HANG_GUARD, ROOT
 
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu", "--ranks", "2", "--sizes", "4",
-           "--steps", "2", "--md-steps", "10", "--skip", "self-check"]
+           "--steps", "2", "--md-steps", "10", "--train-epochs", "1", "--skip", "self-check"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_GUARD, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout

@@ -141,14 +141,17 @@ def test_self_check_under_torchrun_without_mpi(torchrun):
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_ase_dynamics_with_distributed_calculator_equal_serial(mpirun, ranks):
-    """ASE's integrators and BFGS with the distributed calculator == one process; ASE's NEB(parallel=True), 2 images
+    """ASE's integrators, BFGS, FIRE and FIRE on FrechetCellFilter, and phonopy's frequencies with the distributed
+    calculator == one process; ASE's NEB(parallel=True), 2 images
     each on its own communicator of P / 2 ranks (examples/neb_parallel.py) == the band in one process; ranks that pass
     different structures (the band's calculators on the whole world; velocities drawn on each rank) end in one
     RanksDisagreeError naming the way out (tests/mpi/ase_dynamics.py)."""
+    require("phonopy")
     rc, out, _ = mpirun(ranks, "-W", "ignore", MPI_DIR / "ase_dynamics.py")
     assert rc == 0, out
     assert "ASE dynamics 0 failures" in out, out
-    assert f"NEB, 2 images x {ranks // 2} rank(s)" in out, out
+    assert f"NEB, 2 images x {ranks // 2} rank(s)" in out and "phonopy: highest frequency" in out, out
+    assert "fire-cell: max |x_P - x_serial|" in out, out
     assert out.count("ranks of this communicator were given") == 2, out
 
 

@@ -1,12 +1,13 @@
 """The SevenNet adapter on one process: predict, serial evaluate and the ASE calculator against
 sevenn's own SevenNetCalculator('7net-0')."""
+import numpy as np
 import pytest
 import torch
 
 import mlip_parallel
 import potentials
 from comparison import assert_close
-from conftest import needs
+from conftest import needs, require
 from md import MLIPCalculator
 from potentials.adapters.sevennet import SevenNet
 from systems import in_many_chunks, oxide_triclinic, sevennet_reference
@@ -58,3 +59,63 @@ def test_sevennet_unknown_element(sevennet):
     atoms.numbers[0] = 118  # Og: not in SevenNet-0's 89 elements
     with pytest.raises(potentials.UnknownSpeciesError, match="Og"):
         potentials.predict(sevennet, atoms)
+
+
+def silicon_rattled():
+    """8-atom diamond Si, rattled, its cell strained by 1 %: forces and stress to relax."""
+    from ase.build import bulk
+
+    atoms = bulk("Si", "diamond", a=5.43, cubic=True)
+    atoms.set_cell(atoms.cell[:] @ [[1.01, 0.003, 0.0], [0.0, 0.995, 0.0], [0.0, 0.0, 1.0]], scale_atoms=True)
+    atoms.rattle(0.05, seed=3)
+    return atoms
+
+
+@pytest.mark.parametrize("cell", [False, True], ids=["positions", "cell"])
+def test_fire_relaxation_equals_sevenns_own_calculator(sevennet, cell):
+    """ASE's FIRE, of the positions and of ASE's FrechetCellFilter degrees of freedom, 12 steps with our calculator at
+    its defaults == with SevenNetCalculator('7net-0'): positions and cell to 1e-5 Å (float32), energies to 1e-5."""
+    from ase.filters import FrechetCellFilter
+    from ase.optimize import FIRE
+    from sevenn.calculator import SevenNetCalculator
+
+    relaxed = {}
+    for name, calculator in (("ours", MLIPCalculator(sevennet)), ("sevenn", SevenNetCalculator("7net-0"))):
+        atoms = silicon_rattled()
+        atoms.calc = calculator
+        FIRE(FrechetCellFilter(atoms) if cell else atoms, logfile=None).run(fmax=1e-4, steps=12)
+        relaxed[name] = {"positions": atoms.positions.copy(), "cell": atoms.cell[:].copy(),
+                         "energy": atoms.get_potential_energy()}
+    assert np.abs(relaxed["ours"]["positions"] - silicon_rattled().positions).max() > 1e-3  # the structure moved
+    assert_close(relaxed["ours"], relaxed["sevenn"], 1e-5, scale="absolute", label="FIRE")
+
+
+def test_phonopy_frequencies_equal_sevenns_own_calculator(sevennet):
+    """phonopy's finite displacements (Si, 2×2×2 primitive cells, one displacement) with our calculator == with
+    SevenNetCalculator: Γ's optical frequencies and X's and L's to 1e-3 THz (Γ's zero modes carry the square root of
+    float32 rounding, ~1e-2 THz)."""
+    require("phonopy")
+    from ase import Atoms
+    from ase.build import bulk
+    from phonopy import Phonopy
+    from phonopy.structure.atoms import PhonopyAtoms
+    from sevenn.calculator import SevenNetCalculator
+
+    primitive = bulk("Si", "diamond", a=5.43)
+    frequencies = {}
+    for name, calculator in (("ours", MLIPCalculator(sevennet)), ("sevenn", SevenNetCalculator("7net-0"))):
+        unit = PhonopyAtoms(symbols=primitive.get_chemical_symbols(), cell=primitive.cell[:],
+                            scaled_positions=primitive.get_scaled_positions())
+        phonon = Phonopy(unit, supercell_matrix=2 * np.eye(3, dtype=int))
+        phonon.generate_displacements(distance=0.01)
+        forces = []
+        for supercell in phonon.supercells_with_displacements:
+            atoms = Atoms(supercell.symbols, cell=supercell.cell, scaled_positions=supercell.scaled_positions, pbc=True)
+            atoms.calc = calculator
+            forces.append(atoms.get_forces().copy())
+        phonon.forces = forces
+        phonon.produce_force_constants()
+        frequencies[name] = np.concatenate([phonon.get_frequencies([0, 0, 0])[3:],
+                                            *(phonon.get_frequencies(q) for q in ([0.5, 0, 0.5], [0.5] * 3))])
+    assert frequencies["ours"].max() > 10  # THz: Si's optical branch (15.5 THz)
+    assert_close(frequencies["ours"], frequencies["sevenn"], 1e-3, scale="absolute", label="phonon frequencies")

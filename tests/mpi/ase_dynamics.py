@@ -1,8 +1,10 @@
 """ASE dynamics with MLIPCalculator under mpiexec == the same dynamics on one process.
 
-Every rank runs VelocityVerlet, Langevin and a BFGS relaxation with the distributed calculator, then
-again with the serial backend (every rank, so that ASE's own collectives on its world stay matched);
-final positions and velocities must agree to 1e-9 (float64: only summation order differs).
+Every rank runs VelocityVerlet, Langevin, a BFGS and a FIRE relaxation, and FIRE on ASE's FrechetCellFilter (positions
+and cell) with the distributed calculator, then again with the serial backend (every rank, so that ASE's own
+collectives on its world stay matched); final positions, velocities and cells must agree to 1e-9 (float64: only
+summation order differs). phonopy's frequencies of fcc Cu at X and L (cu-emt, 2×2×2 conventional cells) likewise, to
+1e-9 THz.
 
 ASE's NEB(parallel=True) as examples/neb_parallel.py runs it (a vacancy hop in copper, cu-emt; 2 images, each on
 P / 2 ranks through its own communicator) == the same band relaxed in one process, every image in turn (1e-9). Ranks
@@ -22,7 +24,8 @@ from ase.md.velocitydistribution import thermalize_momenta  # noqa: E402
 from ase.mep import NEB  # noqa: E402
 from ase.parallel import DummyMPI  # noqa: E402
 from ase.md.verlet import VelocityVerlet  # noqa: E402
-from ase.optimize import BFGS  # noqa: E402
+from ase.filters import FrechetCellFilter  # noqa: E402
+from ase.optimize import BFGS, FIRE  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import mlip_parallel  # noqa: E402
@@ -43,9 +46,10 @@ model = schnet(torch.float64)
 def run(kind, comm):
     atoms = GEOMETRIES["sheared"]()
     atoms.calc = MLIPCalculator(model, comm=comm)
-    if kind == "bfgs":
-        BFGS(atoms, logfile=None).run(fmax=1e-3, steps=15)
-        return atoms.positions.copy(), atoms.get_potential_energy()
+    if kind in ("bfgs", "fire", "fire-cell"):
+        optimizer = BFGS if kind == "bfgs" else FIRE
+        optimizer(FrechetCellFilter(atoms) if kind == "fire-cell" else atoms, logfile=None).run(fmax=1e-3, steps=15)
+        return np.concatenate([atoms.positions, atoms.cell[:]]), atoms.get_potential_energy()
     thermalize_momenta(atoms, temperature_K=600, rng=np.random.default_rng(1))
     if kind == "verlet":
         dyn = VelocityVerlet(atoms, timestep=2 * units.fs)
@@ -57,7 +61,7 @@ def run(kind, comm):
 
 
 failures = []
-for kind in ("verlet", "langevin", "bfgs"):
+for kind in ("verlet", "langevin", "bfgs", "fire", "fire-cell"):
     distributed, energy = run(kind, None)
     reference = run(kind, mlip_parallel.SerialBackend())
     c = compare(distributed, reference[0], 1e-9, scale="absolute")
@@ -68,6 +72,44 @@ for kind in ("verlet", "langevin", "bfgs"):
         failures.append(c.message(f"{kind} positions and velocities"))
     if not ce.ok:
         failures.append(ce.message(f"{kind} energy"))
+
+
+
+def phonon_frequencies(comm) -> np.ndarray:
+    """phonopy on fcc Cu (cu-emt, float64; 2×2×2 conventional cells, one displacement): THz at X and L (Γ holds only
+    fcc's three zero modes, which carry the square root of rounding, 1e-7)."""
+    from ase import Atoms
+    from ase.build import bulk
+    from phonopy import Phonopy
+    from phonopy.structure.atoms import PhonopyAtoms
+
+    unit = bulk("Cu", "fcc", a=3.6, cubic=True)
+    phonon = Phonopy(PhonopyAtoms(symbols=unit.get_chemical_symbols(), cell=unit.cell[:],
+                                  scaled_positions=unit.get_scaled_positions()),
+                     supercell_matrix=2 * np.eye(3, dtype=int), primitive_matrix="F")
+    phonon.generate_displacements(distance=0.01)
+    calculator = MLIPCalculator(cu_emt, comm=comm)
+    forces = []
+    for supercell in phonon.supercells_with_displacements:
+        atoms = Atoms(supercell.symbols, cell=supercell.cell, scaled_positions=supercell.scaled_positions, pbc=True)
+        atoms.calc = calculator
+        forces.append(atoms.get_forces().copy())
+    phonon.forces = forces
+    phonon.produce_force_constants()
+    return np.concatenate([phonon.get_frequencies(q) for q in ([0.5, 0, 0.5], [0.5, 0.5, 0.5])])
+
+
+cu_emt = potentials.load_model("cu-emt", checkpoint_dtype="float64")
+distributed = phonon_frequencies(None)
+c = compare(distributed, phonon_frequencies(mlip_parallel.SerialBackend()), 1e-9, scale="absolute")
+if world.rank == 0:
+    print(f"phonopy: highest frequency {distributed.max():.6f} THz; max |f_P - f_serial| = {c.error:.2e} THz",
+          flush=True)
+if not c.ok:
+    failures.append(c.message("phonopy frequencies"))
+if not distributed.max() > 5:  # THz: copper's highest branch is about 7
+    failures.append(f"phonopy: highest frequency {distributed.max()} THz")
+
 
 def disagreeing(label, call, *words) -> None:
     """``call()`` must raise RanksDisagreeError on this rank, its message holding ``words``."""
@@ -83,7 +125,6 @@ def disagreeing(label, call, *words) -> None:
 
 
 # NEB images in parallel, each image decomposed over its ranks (examples/neb_parallel.py) == one process
-cu_emt = potentials.load_model("cu-emt", checkpoint_dtype="float64")
 initial, final = vacancy_hop(cu_emt, cells=2, comm=world)
 parallel = band(cu_emt, initial, final, 2, comm=world, steps=8)
 serial = band(cu_emt, initial, final, 2, comm=None, steps=8)
