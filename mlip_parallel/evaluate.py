@@ -301,6 +301,9 @@ def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, str
         raise ValueError(f"min_distance must be a finite number >= 0 (Å), got {min_distance}")
     check_structure(atoms.positions, atoms.cell, atoms.pbc, min_distance)
     system = system_of(atoms.info)
+    if decompose is False and backend.size > 1:
+        raise ValueError(f"decompose=False evaluates the whole structure in one process, but the communicator has "
+                         f"{backend.size} ranks: leave decompose at None (or pass a one-rank comm)")
     if decompose or (decompose is None and (backend.size > 1 or grid is not None)):
         part = Decomposition(atoms, ghost_reach(model, mode), backend, grid, model, mode == "layerwise",
                              memory_budget_gb)

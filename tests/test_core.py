@@ -349,3 +349,14 @@ def test_one_process_evaluates_the_periodic_graph(name, monkeypatch):
     for key in reference:
         assert np.array_equal(default[key], reference[key]), key
     assert_close(default, decomposed, 1e-12, label="periodic graph vs ghost atoms")
+
+
+def test_one_process_path_refuses_a_communicator_of_several_ranks():
+    """decompose=False on a communicator of two ranks would evaluate the whole structure on each: refused in one line
+    (a stand-in backend of size 2 whose collectives echo this rank's values)."""
+    class TwoRanks(SerialBackend):
+        size = 2
+
+    with pytest.raises(ValueError, match="decompose=False evaluates the whole structure in one process, but the "
+                                         "communicator has 2 ranks"):
+        mlip_parallel.evaluate(lennard_jones(), GEOMETRIES["fcc_bulk"](), comm=TwoRanks(), decompose=False)
