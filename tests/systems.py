@@ -624,3 +624,25 @@ def fairchem_reference(name: str, atoms, dtype=torch.float64, merge_mole: bool =
     finally:
         logging.disable(level)
     return result
+
+
+def phonon_frequencies(unit, calculator, primitive_matrix=None, zero_modes: int = 3) -> np.ndarray:
+    """phonopy's frequencies (THz) of ``unit`` (ASE Atoms) from ``calculator``'s forces: 2×2×2 ``unit`` cells,
+    displacements of 0.01 Å, at Γ (its first ``zero_modes`` left out: the acoustic modes' zero carries the square root
+    of rounding), X (0.5, 0, 0.5) and L (0.5, 0.5, 0.5) of ``primitive_matrix`` (phonopy's: None, "F", ...)."""
+    from phonopy import Phonopy
+    from phonopy.structure.atoms import PhonopyAtoms
+
+    phonon = Phonopy(PhonopyAtoms(symbols=unit.get_chemical_symbols(), cell=unit.cell[:],
+                                  scaled_positions=unit.get_scaled_positions()),
+                     supercell_matrix=2 * np.eye(3, dtype=int), primitive_matrix=primitive_matrix)
+    phonon.generate_displacements(distance=0.01)
+    forces = []
+    for supercell in phonon.supercells_with_displacements:
+        atoms = Atoms(supercell.symbols, cell=supercell.cell, scaled_positions=supercell.scaled_positions, pbc=True)
+        atoms.calc = calculator
+        forces.append(atoms.get_forces().copy())
+    phonon.forces = forces
+    phonon.produce_force_constants()
+    return np.concatenate([phonon.get_frequencies([0, 0, 0])[zero_modes:],
+                           *(phonon.get_frequencies(q) for q in ([0.5, 0, 0.5], [0.5, 0.5, 0.5]))])

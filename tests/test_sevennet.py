@@ -10,7 +10,7 @@ from comparison import assert_close
 from conftest import needs, require
 from md import MLIPCalculator
 from potentials.adapters.sevennet import SevenNet
-from systems import in_many_chunks, oxide_triclinic, sevennet_reference
+from systems import in_many_chunks, oxide_triclinic, phonon_frequencies, sevennet_reference
 
 pytestmark = [needs("sevenn"), pytest.mark.filterwarnings("ignore:::sevenn")]  # (quiet: its own deprecations)
 
@@ -95,27 +95,10 @@ def test_phonopy_frequencies_equal_sevenns_own_calculator(sevennet):
     SevenNetCalculator: Γ's optical frequencies and X's and L's to 1e-3 THz (Γ's zero modes carry the square root of
     float32 rounding, ~1e-2 THz)."""
     require("phonopy")
-    from ase import Atoms
     from ase.build import bulk
-    from phonopy import Phonopy
-    from phonopy.structure.atoms import PhonopyAtoms
     from sevenn.calculator import SevenNetCalculator
 
-    primitive = bulk("Si", "diamond", a=5.43)
-    frequencies = {}
-    for name, calculator in (("ours", MLIPCalculator(sevennet)), ("sevenn", SevenNetCalculator("7net-0"))):
-        unit = PhonopyAtoms(symbols=primitive.get_chemical_symbols(), cell=primitive.cell[:],
-                            scaled_positions=primitive.get_scaled_positions())
-        phonon = Phonopy(unit, supercell_matrix=2 * np.eye(3, dtype=int))
-        phonon.generate_displacements(distance=0.01)
-        forces = []
-        for supercell in phonon.supercells_with_displacements:
-            atoms = Atoms(supercell.symbols, cell=supercell.cell, scaled_positions=supercell.scaled_positions, pbc=True)
-            atoms.calc = calculator
-            forces.append(atoms.get_forces().copy())
-        phonon.forces = forces
-        phonon.produce_force_constants()
-        frequencies[name] = np.concatenate([phonon.get_frequencies([0, 0, 0])[3:],
-                                            *(phonon.get_frequencies(q) for q in ([0.5, 0, 0.5], [0.5] * 3))])
+    frequencies = {name: phonon_frequencies(bulk("Si", "diamond", a=5.43), calculator)
+                   for name, calculator in (("ours", MLIPCalculator(sevennet)), ("sevenn", SevenNetCalculator("7net-0")))}
     assert frequencies["ours"].max() > 10  # THz: Si's optical branch (15.5 THz)
     assert_close(frequencies["ours"], frequencies["sevenn"], 1e-3, scale="absolute", label="phonon frequencies")

@@ -33,7 +33,7 @@ import potentials  # noqa: E402
 from md import MLIPCalculator  # noqa: E402
 from mlip_parallel.errors import RanksDisagreeError  # noqa: E402
 from comparison import compare  # noqa: E402
-from systems import GEOMETRIES, schnet  # noqa: E402
+from systems import GEOMETRIES, phonon_frequencies, schnet  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 from neb_parallel import band, band_energies, vacancy_hop, world_of  # noqa: E402
@@ -75,33 +75,17 @@ for kind in ("verlet", "langevin", "bfgs", "fire", "fire-cell"):
 
 
 
-def phonon_frequencies(comm) -> np.ndarray:
+def cu_phonons(comm) -> np.ndarray:
     """phonopy on fcc Cu (cu-emt, float64; 2×2×2 conventional cells, one displacement): THz at X and L (Γ holds only
     fcc's three zero modes, which carry the square root of rounding, 1e-7)."""
-    from ase import Atoms
     from ase.build import bulk
-    from phonopy import Phonopy
-    from phonopy.structure.atoms import PhonopyAtoms
 
-    unit = bulk("Cu", "fcc", a=3.6, cubic=True)
-    phonon = Phonopy(PhonopyAtoms(symbols=unit.get_chemical_symbols(), cell=unit.cell[:],
-                                  scaled_positions=unit.get_scaled_positions()),
-                     supercell_matrix=2 * np.eye(3, dtype=int), primitive_matrix="F")
-    phonon.generate_displacements(distance=0.01)
-    calculator = MLIPCalculator(cu_emt, comm=comm)
-    forces = []
-    for supercell in phonon.supercells_with_displacements:
-        atoms = Atoms(supercell.symbols, cell=supercell.cell, scaled_positions=supercell.scaled_positions, pbc=True)
-        atoms.calc = calculator
-        forces.append(atoms.get_forces().copy())
-    phonon.forces = forces
-    phonon.produce_force_constants()
-    return np.concatenate([phonon.get_frequencies(q) for q in ([0.5, 0, 0.5], [0.5, 0.5, 0.5])])
+    return phonon_frequencies(bulk("Cu", "fcc", a=3.6, cubic=True), MLIPCalculator(cu_emt, comm=comm), "F")
 
 
 cu_emt = potentials.load_model("cu-emt", checkpoint_dtype="float64")
-distributed = phonon_frequencies(None)
-c = compare(distributed, phonon_frequencies(mlip_parallel.SerialBackend()), 1e-9, scale="absolute")
+distributed = cu_phonons(None)
+c = compare(distributed, cu_phonons(mlip_parallel.SerialBackend()), 1e-9, scale="absolute")
 if world.rank == 0:
     print(f"phonopy: highest frequency {distributed.max():.6f} THz; max |f_P - f_serial| = {c.error:.2e} THz",
           flush=True)
