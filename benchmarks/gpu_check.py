@@ -89,14 +89,20 @@ def models():
     return out
 
 
-def model_checks(device):
+def model_checks(device, names=None):
+    """Each of ``models()`` (``names``: those alone) on ``device`` against the CPU, float64 and float32."""
     import numpy as np
 
     import potentials
 
+    unknown = set(names or ()) - set(models())
+    if unknown:
+        raise ValueError(f"--models: {sorted(unknown)} not among {sorted(models())}")
     atoms = alloy()
     rows = []
     for name, build in models().items():
+        if names is not None and name not in names:
+            continue
         model = build()
         reference, precision = potentials.predict(model, atoms), str(model.dtype).replace("torch.", "")
         scale = float(np.abs(reference["forces"]).max())
@@ -162,9 +168,9 @@ def training_config(data, out, parallel, epochs=3):
             "output": {"directory": str(out), "overwrite": True}}
 
 
-def training_checks(device, env, epochs=3):
-    """Each ``TRAINING_RUNS`` run of ``mlip-train`` on ``device`` (ranks share the GPU), ``epochs`` epochs, against
-    one process on the CPU: every epoch's metrics (relative, 1e-9)."""
+def training_checks(device, env, epochs=3, ranks=None):
+    """Each ``TRAINING_RUNS`` run of ``mlip-train`` (``ranks``: those on these rank counts alone) on ``device`` (ranks
+    share the GPU), ``epochs`` epochs, against one process on the CPU: every epoch's metrics (relative, 1e-9)."""
     import csv
     import tempfile
 
@@ -191,10 +197,10 @@ def training_checks(device, env, epochs=3):
         reference, error = train(1, "data", "cpu", tmp, "reference")
         if reference is None:
             return [("training", "one process on the CPU (the reference)", str(error), False)]
-        for k, (label, (ranks, parallel)) in enumerate(TRAINING_RUNS.items()):
-            if device == "cpu" and ranks == 1:
-                continue  # that is the reference itself
-            metrics, error = train(ranks, parallel, device, tmp, f"run{k}")
+        for k, (label, (run_ranks, parallel)) in enumerate(TRAINING_RUNS.items()):
+            if device == "cpu" and run_ranks == 1 or ranks is not None and run_ranks not in ranks:
+                continue  # (one process on the CPU: that is the reference itself)
+            metrics, error = train(run_ranks, parallel, device, tmp, f"run{k}")
             setting = f"{label}, SchNet float64, {epochs} epochs"
             if metrics is None:
                 rows.append((f"mlip-train on {device}", setting, str(error)[:120], False))
@@ -289,6 +295,10 @@ def main():
     parser.add_argument("--steps", type=int, default=None, help="timed MD steps per throughput run")
     parser.add_argument("--md-steps", type=int, default=100, help="steps of the device-vs-CPU MD check")
     parser.add_argument("--train-epochs", type=int, default=3, help="epochs of each mlip-train run")
+    parser.add_argument("--models", nargs="+", help="the models checked on the device (default: every one installed: "
+                                                    "SchNet, PaiNN, NequIP, SevenNet-0, MACE)")
+    parser.add_argument("--train-ranks", type=int, nargs="+", help="the mlip-train runs on these rank counts alone "
+                                                                   "(default: every run, on 1, 2 and 4)")
     parser.add_argument("--skip", nargs="*", default=[],
                         choices=["self-check", "models", "md", "training", "throughput"])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -308,8 +318,9 @@ def main():
     print(f"mlip-parallel gpu_check on {torch.cuda.get_device_name() if device == 'cuda' else 'the CPU'}, "
           f"torch {torch.__version__}", flush=True)
     start, rows = time.perf_counter(), []
-    sections = {"self-check": lambda: self_checks(args.ranks, env), "models": lambda: model_checks(device),
-                "md": lambda: md_check(device, args.md_steps), "training": lambda: training_checks(device, env, args.train_epochs),
+    sections = {"self-check": lambda: self_checks(args.ranks, env), "models": lambda: model_checks(device, args.models),
+                "md": lambda: md_check(device, args.md_steps),
+                "training": lambda: training_checks(device, env, args.train_epochs, args.train_ranks),
                 "throughput": lambda: throughput(sizes, steps, args.cpu)}
     for name, section in sections.items():
         if name not in args.skip:

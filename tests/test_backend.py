@@ -80,16 +80,19 @@ def test_nccl_only_where_each_rank_has_its_own_gpu(monkeypatch):
 @pytest.mark.slow  # (launches jobs of every kind)
 def test_gpu_check_cpu_parts_pass():
     """benchmarks/gpu_check.py --cpu (the GPU machine's one command, with the CPU as the device): every
-    section runs and every correctness row passes (training: data-parallel and pipeline runs equal one
-    process); the throughput rows cover both backends. The self-check section is left out here: its command
-    (``mlip_parallel.check`` under mpiexec and torchrun) runs in tests/test_mpi.py."""
+    section runs and every correctness row passes (training: 2 data-parallel replicas of 2 pipeline stages equal one
+    process); the throughput rows cover both backends. Left out here: the self-check section (its command,
+    ``mlip_parallel.check`` under mpiexec and torchrun, runs in tests/test_mpi.py), SevenNet-0 and MACE among the
+    models (the packages' imports; they run distributed in tests/test_mpi.py), the 2-rank training runs (the 4-rank
+    run holds both kinds; tests/test_training.py runs each)."""
     import subprocess
     import sys
 
     from conftest import HANG_GUARD, ROOT
 
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu", "--ranks", "2", "--sizes", "4",
-           "--steps", "2", "--md-steps", "10", "--train-epochs", "1", "--skip", "self-check"]
+           "--steps", "2", "--md-steps", "10", "--train-epochs", "1", "--skip", "self-check",
+           "--models", "SchNet", "PaiNN", "NequIP", "--train-ranks", "4"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_GUARD, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
@@ -97,3 +100,4 @@ def test_gpu_check_cpu_parts_pass():
     for text in ("SchNet on cpu", "PaiNN on cpu", "NequIP on cpu", "MD on cpu", "2 ranks, torch.distributed gloo",
                  "one process", "mlip-train on cpu", "pipeline 2 replicas x 2 stages, 4 ranks"):
         assert text in out, (text, out)
+    assert "SevenNet-0 on cpu" not in out and "data-parallel, 2 ranks" not in out, out  # (the options took)

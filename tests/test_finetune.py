@@ -370,8 +370,8 @@ PIPELINES = {2: [("mace-lora", ONE_F_ONE_B), ("sevennet", ONE_F_ONE_B), ("allegr
                  ("allegro3", {"stages": 3, "microbatches": 3, "schedule": "1f1b"}),
                  ("uma-moe", {"stages": 3, "microbatches": 3})]}
 # each also stopped after epoch 1 and resumed: MACE (with LoRA's updates), SevenNet (its radial coefficients held by
-# both stages), fairchem's experts on 2 stages, the nequip framework (Allegro) on 3 (a middle stage)
-RESUMED = ((2, "mace-lora"), (2, "sevennet"), (3, "allegro3"), (2, "uma-moe"))
+# both stages), the nequip framework (Allegro) on 3 (a middle stage); fairchem's experts are resumed in one process
+RESUMED = ((2, "mace-lora"), (2, "sevennet"), (3, "allegro3"))
 LORA = {"lora": {"targets": ["interactions.*.linear.weight", "interactions.*.conv_tp_weights.*"], "rank": 2,
                  "alpha": 4.0}}  # mace-lora: MACE with these updates, one process and 2 stages (and resumed)
 REFIT = {"reference_energies": "refit"}

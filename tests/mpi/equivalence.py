@@ -56,10 +56,11 @@ def grids_for(label):
     return GRIDS[:2]
 
 
-def modes_for(label):
-    """Both modes, except Lennard-Jones (one layer) and, on P > 2, NequIP (its wide mode, a 12 Å shell,
-    is the slowest case; the wide path is model-agnostic and runs with SchNet and PaiNN there)."""
-    if label == "LJ" or (label.startswith("NequIP") and P > 2):
+def modes_for(label, grid):
+    """Both modes, except Lennard-Jones (one layer) and NequIP (its wide mode, a 12 Å shell, is the slowest case; the
+    wide path is model-agnostic and runs with SchNet and PaiNN on every grid), which runs wide on 2 ranks' automatic
+    grid alone (MPI)."""
+    if label == "LJ" or (label.startswith("NequIP") and (P > 2 or LEAN or grid is not None)):
         return ("layerwise",)
     return ("layerwise", "wide")
 
@@ -86,7 +87,7 @@ for name, build in GEOMETRIES.items():
         for label, model in models.items():
             if grid not in grids_for(label):
                 continue
-            for mode in modes_for(label):
+            for mode in modes_for(label, grid):
                 start = time.perf_counter()
                 result = mlip_parallel.evaluate(model, atoms, mode=mode, grid=grid)
                 seconds[label] += time.perf_counter() - start

@@ -4,7 +4,8 @@ mpiexec -n P or torchrun):
     families.py [--grids | --lean | --backend] FAMILY [FAMILY ...]        FAMILY: mace, nequip, fairchem, sevennet
 
 Each family's module (tests/mpi/FAMILY_models.py) runs its cases through ``AdapterRun`` and returns its verdict; rank
-0 prints each family's summary line ("P=…: TITLE N cases, K failures, …; faults caught F of G; …") and its failures,
+0 prints each family's summary line ("P=…: TITLE N cases, K failures, …; faults caught F of G; …") and its failures
+("FAIL FAMILY: …"),
 and "skipped: FAMILY (needs PACKAGE)" for a family whose package is not installed (the pytest side skips or fails on
 it). On 2 and 3 ranks, each family's halo faults are planted (tests/faults.py) and must be caught. The scope: by
 default (2 ranks) every model, every grid for the first, the memory-bounded path in many chunks against one pass,
@@ -110,7 +111,7 @@ def run_family(name: str, world, scope: str) -> list:
     if world.rank == 0:
         print(line, flush=True)
         for failure in failures:
-            print("FAIL", failure, flush=True)
+            print(f"FAIL {name}:", failure, flush=True)
     return failures
 
 
