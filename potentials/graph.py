@@ -121,16 +121,20 @@ def complete_cell(cell, pbc) -> np.ndarray:
     """
     cell = np.asarray(cell, dtype=np.float64).reshape(3, 3)
     pbc = np.broadcast_to(np.asarray(pbc, dtype=bool), (3,))
-    if not np.all(np.isfinite(cell)):
+    if not np.isfinite(cell).all():
         raise InvalidStructureError(f"cell contains non-finite values: {cell.tolist()}")
-    lengths = np.linalg.norm(cell, axis=1)
+    lengths = np.sqrt(np.einsum("ij,ij->i", cell, cell))
     for d in range(3):
         if pbc[d] and lengths[d] < 1e-8:
             raise InvalidStructureError(
                 f"zero-volume cell: direction {'xyz'[d]} is periodic but cell vector {d} is {cell[d].tolist()}")
-    full = np.asarray(Cell(cell).complete())
+    if cell.any(axis=1).all():  # no vector missing: Cell.complete would return a copy (the common case, made cheap)
+        full = cell.copy()
+    else:
+        full = np.asarray(Cell(cell).complete())
+        lengths = np.sqrt(np.einsum("ij,ij->i", full, full))
     volume = abs(np.linalg.det(full))
-    if volume < 1e-8 * max(1.0, float(np.prod(np.maximum(np.linalg.norm(full, axis=1), 1e-300)))):
+    if volume < 1e-8 * max(1.0, float(np.prod(np.maximum(lengths, 1e-300)))):
         raise InvalidStructureError(f"zero-volume cell (volume {volume:.3g} Å^3): {cell.tolist()}")
     return full
 
@@ -140,8 +144,8 @@ def check_positions(positions) -> np.ndarray:
     positions = np.asarray(positions, dtype=np.float64)
     if positions.ndim != 2 or positions.shape[1] != 3:
         raise InvalidStructureError(f"positions must have shape (N, 3), got {positions.shape}")
-    bad = np.flatnonzero(~np.all(np.isfinite(positions), axis=1))
-    if bad.size:
+    if not np.isfinite(positions).all():
+        bad = np.flatnonzero(~np.isfinite(positions).all(axis=1))
         raise InvalidStructureError(
             f"non-finite positions (NaN or inf) for {bad.size} atom(s), first indices {bad[:5].tolist()}")
     return positions

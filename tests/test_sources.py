@@ -175,19 +175,19 @@ def test_eval_holds_one_batch_at_a_time(tmp_path, monkeypatch):
     path = tmp_path / "data.extxyz"
     write(path, frames(40, seed=2), format="extxyz")
     alive, most = [0], [0]
-    read_one = sources.ExtxyzSource.__getitem__
+    read_one = sources.ExtxyzSource.frame  # (every read of a structure: by index, or in turn by the survey)
 
-    def counted(self, k):
-        structure = read_one(self, k)
+    def counted(self, f, k):
+        structure = read_one(self, f, k)
         alive[0] += 1
         most[0] = max(most[0], alive[0])
         weakref.finalize(structure, lambda: alive.__setitem__(0, alive[0] - 1))
         return structure
 
-    monkeypatch.setattr(sources.ExtxyzSource, "__getitem__", counted)
+    monkeypatch.setattr(sources.ExtxyzSource, "frame", counted)
     streamed = evaluate_model("cu-emt", str(path), batch_size=4)
     assert most[0] <= 8, most  # this batch and, at most, the last one not yet collected
-    monkeypatch.setattr(sources.ExtxyzSource, "__getitem__", read_one)
+    monkeypatch.setattr(sources.ExtxyzSource, "frame", read_one)
     model = potentials.load_model("cu-emt")
     whole = error_table(error_sums(model, read_structures(path), 4, model.device))
     for key, value in whole.items():

@@ -153,13 +153,13 @@ def test_a_files_facts_are_read_once_and_again_when_it_changes(tmp_path, monkeyp
     path = tmp_path / "alloys.extxyz"
     write(path, alloy_frames(40), format="extxyz")
     reads = []
-    original = sources.ExtxyzSource.__getitem__
+    original = sources.ExtxyzSource.frame  # (every read of a structure: by index, or in turn by the survey)
 
-    def counted(self, k):
+    def counted(self, f, k):
         reads.append(k)
-        return original(self, k)
+        return original(self, f, k)
 
-    monkeypatch.setattr(sources.ExtxyzSource, "__getitem__", counted)
+    monkeypatch.setattr(sources.ExtxyzSource, "frame", counted)
 
     def survey_now(keys=None):
         reads.clear()

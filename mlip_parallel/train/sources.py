@@ -116,13 +116,19 @@ def take(structures, indices):
 
 
 class FileSource:
-    """One file's structures (``len``, ``[k]``: a ``training.Structure`` named ``PATH:k``)."""
+    """One file's structures (``len``, ``[k]``: a ``training.Structure`` named ``PATH:k``; ``read``: many in turn)."""
 
     def __init__(self, path: str, keys: dict):
         self.path, self.keys = path, keys
 
     def structure(self, atoms, k: int):
         return structure_of(atoms, self.path, k, self.keys)
+
+    def read(self, positions):
+        """The structures at ``positions``, in turn (a generator: one held at a time; DataError at one that cannot
+        be read)."""
+        for k in positions:
+            yield self[k]
 
 
 class ExtxyzSource(FileSource):
@@ -136,11 +142,20 @@ class ExtxyzSource(FileSource):
         return len(self.offsets) - 1
 
     def __getitem__(self, k: int):
+        with open(self.path, "rb") as f:
+            return self.frame(f, k)
+
+    def read(self, positions):
+        with open(self.path, "rb") as f:  # (one open file for all: a survey reads every structure)
+            for k in positions:
+                yield self.frame(f, k)
+
+    def frame(self, f, k: int):
+        """Structure ``k`` read from ``f``, this file opened in binary."""
         from ase.io.extxyz import read_xyz
 
-        with open(self.path, "rb") as f:
-            f.seek(int(self.offsets[k]))
-            text = f.read(int(self.offsets[k + 1] - self.offsets[k])).decode()
+        f.seek(int(self.offsets[k]))
+        text = f.read(int(self.offsets[k + 1] - self.offsets[k])).decode()
         try:
             atoms = next(read_xyz(io.StringIO(text), index=0))
         except Exception as exc:  # ASE raises many types for a malformed frame

@@ -177,9 +177,12 @@ def share_facts(structures, rank: int, size: int) -> tuple:
 
     def read():  # one structure at a time: none is kept
         nonlocal error
-        for position in range(rank, len(structures), size):
+        mine = range(rank, len(structures), size)
+        # a file's structures in turn from one open file (sources.FileSource.read), others by index
+        found = structures.read(mine) if hasattr(structures, "read") else (structures[p] for p in mine)
+        for position in mine:
             try:
-                s = structures[position]
+                s = next(found)
             except DataError as exc:
                 error = (position, str(exc))
                 return

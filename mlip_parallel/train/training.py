@@ -108,7 +108,7 @@ def structure_of(atoms, path: str, k: int, keys: dict | None = None) -> Structur
         raise DataError(f"{path}: structure {k} (counting from 0): {exc}") from None
     for quantity, value in (("energy", energy), ("forces", forces), ("stress", stress)):
         values = None if value is None else np.asarray(value, dtype=np.float64)
-        if values is not None and not np.all(np.isfinite(values)):
+        if values is not None and not np.isfinite(values).all():
             where = ""
             if quantity == "forces" and values.ndim == 2:
                 atom = int(np.flatnonzero(~np.all(np.isfinite(values), axis=1))[0])
