@@ -71,23 +71,48 @@ def silicon_rattled():
     return atoms
 
 
-@pytest.mark.parametrize("cell", [False, True], ids=["positions", "cell"])
-def test_fire_relaxation_equals_sevenns_own_calculator(sevennet, cell):
-    """ASE's FIRE, of the positions and of ASE's FrechetCellFilter degrees of freedom, 12 steps with our calculator at
-    its defaults == with SevenNetCalculator('7net-0'): positions and cell to 1e-5 Å (float32), energies to 1e-5."""
+@pytest.mark.parametrize("how", ["fire", "fire-cell", "bfgs"])
+def test_relaxation_equals_sevenns_own_calculator(sevennet, how):
+    """ASE's FIRE (of the positions, and of ASE's FrechetCellFilter degrees of freedom) and BFGS, 12 steps with our
+    calculator at its defaults == with SevenNetCalculator('7net-0'): positions and cell to 1e-5 Å (float32), energies
+    to 1e-5."""
     from ase.filters import FrechetCellFilter
-    from ase.optimize import FIRE
+    from ase.optimize import BFGS, FIRE
     from sevenn.calculator import SevenNetCalculator
 
     relaxed = {}
     for name, calculator in (("ours", MLIPCalculator(sevennet)), ("sevenn", SevenNetCalculator("7net-0"))):
         atoms = silicon_rattled()
         atoms.calc = calculator
-        FIRE(FrechetCellFilter(atoms) if cell else atoms, logfile=None).run(fmax=1e-4, steps=12)
+        optimizer = BFGS if how == "bfgs" else FIRE
+        optimizer(FrechetCellFilter(atoms) if how == "fire-cell" else atoms, logfile=None).run(fmax=1e-4, steps=12)
         relaxed[name] = {"positions": atoms.positions.copy(), "cell": atoms.cell[:].copy(),
                          "energy": atoms.get_potential_energy()}
     assert np.abs(relaxed["ours"]["positions"] - silicon_rattled().positions).max() > 1e-3  # the structure moved
-    assert_close(relaxed["ours"], relaxed["sevenn"], 1e-5, scale="absolute", label="FIRE")
+    assert_close(relaxed["ours"], relaxed["sevenn"], 1e-5, scale="absolute", label=how)
+
+
+@pytest.mark.parametrize("dynamics", ["verlet", "langevin"])
+def test_ase_md_equals_sevenns_own_calculator(sevennet, dynamics):
+    """ASE's VelocityVerlet and Langevin (its noise seeded), 20 steps of 1 fs from 600 K, with our calculator at its
+    defaults == with SevenNetCalculator('7net-0'): positions to 1e-5 Å, velocities to 1e-5 Å/fs (float32)."""
+    from ase import units
+    from ase.md.langevin import Langevin
+    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
+    from ase.md.verlet import VelocityVerlet
+    from sevenn.calculator import SevenNetCalculator
+
+    final = {}
+    for name, calculator in (("ours", MLIPCalculator(sevennet)), ("sevenn", SevenNetCalculator("7net-0"))):
+        atoms = silicon_rattled()
+        MaxwellBoltzmannDistribution(atoms, temperature_K=600, rng=np.random.default_rng(0))
+        atoms.calc = calculator
+        md = VelocityVerlet(atoms, timestep=units.fs) if dynamics == "verlet" else \
+            Langevin(atoms, units.fs, temperature_K=600, friction=0.01 / units.fs, rng=np.random.default_rng(1))
+        md.run(20)
+        final[name] = {"positions": atoms.positions.copy(), "velocities": atoms.get_velocities() * units.fs}
+    assert np.abs(final["ours"]["positions"] - silicon_rattled().positions).max() > 1e-2  # the atoms moved
+    assert_close(final["ours"], final["sevenn"], 1e-5, scale="absolute", label=dynamics)
 
 
 def test_phonopy_frequencies_equal_sevenns_own_calculator(sevennet):
