@@ -20,6 +20,7 @@ edge steps), ``chunked_rows`` (a per-atom function in checkpointed row chunks, M
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable, Sequence
 
@@ -41,6 +42,27 @@ MIN_CHUNK_EDGES = 2048
 ONE_PASS_SHARE = 0.5
 AUTO_FRACTION = 0.05
 AUTO_CAP_BYTES = {"cpu": 8 * 2**20, "cuda": 2 * 2**30}
+
+
+class SavedBytes:
+    """``with SavedBytes() as saved:`` gradients enabled, and ``saved.bytes`` the bytes (elements × element size) of
+    every tensor autograd saves for the backward inside: the probe by which the chunked paths size their chunks."""
+
+    def __init__(self):
+        self.bytes = 0
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.bytes += t.numel() * t.element_size()
+        return t
+
+    def __enter__(self) -> "SavedBytes":
+        self._within = contextlib.ExitStack()
+        self._within.enter_context(torch.enable_grad())
+        self._within.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._within.close()
 
 
 def available_bytes(device: torch.device) -> int:
@@ -166,17 +188,10 @@ def chunked_rows(function: Callable, budget: int, *inputs: torch.Tensor | None) 
     n = next(x for x in inputs if x is not None).shape[0]
     if n <= MIN_CHUNK_ROWS:
         return function(*inputs)
-    saved = 0
-
-    def pack(t):
-        nonlocal saved
-        saved += t.numel() * t.element_size()
-        return t
-
     probe = PROBE_ROWS
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedBytes() as saved:
         function(*(None if x is None else x[:probe].detach().requires_grad_(x.is_floating_point()) for x in inputs))
-    chunk = max(MIN_CHUNK_ROWS, int(budget // max(saved / probe, 1.0)))
+    chunk = max(MIN_CHUNK_ROWS, int(budget // max(saved.bytes / probe, 1.0)))
     if chunk >= n:
         return function(*inputs)
     return torch.cat([checkpoint(function, *(None if x is None else x[start:start + chunk] for x in inputs),
@@ -217,17 +232,10 @@ def chunked_local(function: Callable, edge_index: torch.Tensor, edge_data: torch
     if n_edges <= min_edges:
         return group(0, rows, edge_data)
     probe_rows = int(sorted_receivers[min(PROBE_EDGES, n_edges) - 1]) + 1  # rows holding about PROBE_EDGES edges
-    saved = 0
-
-    def pack(t):
-        nonlocal saved
-        saved += t.numel() * t.element_size()
-        return t
-
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedBytes() as saved:
         group(0, probe_rows, edge_data.detach().requires_grad_(True))
     probed = int(torch.searchsorted(sorted_receivers, probe_rows))
-    chunk = max(min_edges, int(budget // max(2 * saved / max(probed, 1), 1.0)))  # saved tensors and their gradients
+    chunk = max(min_edges, int(budget // max(2 * saved.bytes / max(probed, 1), 1.0)))  # saved tensors and their gradients
     if chunk >= n_edges:
         return group(0, rows, edge_data)
     bounds = sorted(set(sorted_receivers[::chunk].tolist()[1:]) | {0, rows})
@@ -244,20 +252,13 @@ def _bytes_per_edge(message, edge_vec, gathered) -> float:
     """Bytes autograd keeps per edge for ``message`` (saved tensors, gathered inputs, output, and their
     gradients in the backward), measured on the first ``PROBE_EDGES`` edges. ``gathered``: (node tensor, the
     edges' rows in it) pairs, in the order ``message`` takes them."""
-    saved = 0
-
-    def pack(t):
-        nonlocal saved
-        saved += t.numel() * t.element_size()
-        return t
-
     probe = slice(0, min(PROBE_EDGES, int(edge_vec.shape[0])))
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedBytes() as saved:
         vec = edge_vec[probe].detach().requires_grad_(True)
         gathered = [x[rows[probe]].detach().requires_grad_(x.is_floating_point()) for x, rows in gathered]
         out = message(vec, *gathered)
     inputs = vec.numel() * vec.element_size() + sum(g.numel() * g.element_size() for g in gathered)
-    return (saved + 2 * out.numel() * out.element_size() + 2 * inputs) / max(1, probe.stop)
+    return (saved.bytes + 2 * out.numel() * out.element_size() + 2 * inputs) / max(1, probe.stop)
 
 
 class _ChunkedEdgeSum(torch.autograd.Function):

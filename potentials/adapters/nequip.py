@@ -24,6 +24,7 @@ from ase.data import atomic_numbers
 
 from ..base import EMBED, READOUT, BlockPotential, PackageModel, all_parts, held_blocks
 from ..graph import AtomGraph
+from ..messages import SavedBytes
 from .exchange import GhostExchange, default_dtype
 from .nequip_layers import layers_of, run_modules
 from .nequip_loading import (NequIPFrameworkError, build_framework_model, framework_architecture,  # noqa: F401
@@ -77,19 +78,12 @@ class NequIPFramework(PackageModel, BlockPotential):
             centre = pairs[:, (pairs[0] == 0) | (pairs[1] == 0)]
 
             def saved_bytes(index) -> int:
-                saved = 0
-
-                def pack(t):
-                    nonlocal saved
-                    saved += t.numel() * t.element_size()
-                    return t
-
                 graph = AtomGraph(species=torch.zeros(len(points), dtype=torch.long, device=self.device),
                                   edge_index=index.to(self.device), n_local=len(points),
                                   edge_vec=(points[index[0]] - points[index[1]]).to(self.device).requires_grad_())
-                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with SavedBytes() as saved:
                     self._held_parts(graph)
-                return saved
+                return saved.bytes
 
             extra = saved_bytes(pairs) - saved_bytes(centre)
             self._plain_bytes_per_edge = 2 * max(extra, 0) / (pairs.shape[1] - centre.shape[1])
