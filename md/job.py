@@ -78,9 +78,9 @@ class MDJob:
 
     def _verify(self) -> str:
         """The first step's energy, forces and stress against one process's evaluation of the same structure
-        (``mlip_parallel.verify.check_step``); SimulationError naming the differences where they are beyond
+        (``mlip_parallel.verify.verify_step``); SimulationError naming the differences where they are beyond
         summation order. Returns the comparison's line. Collective, before anything is written."""
-        from mlip_parallel.verify import check_step
+        from mlip_parallel.verify import verify_step
 
         frame = self.snapshot(self.first_step)
         result = None
@@ -88,12 +88,7 @@ class MDJob:
             result = {"energy": frame.calc.results["energy"], "forces": frame.calc.results["forces"]}
             if "stress" in frame.calc.results:
                 result["stress"] = frame.calc.results["stress"]
-        comparison = check_step(self.model, frame, result, self.backend)
-        line = comparison.line(f"verify: step {self.first_step} on {self.backend.size} rank(s) against one process")
-        if not comparison.ok:
-            raise SimulationError(f"{line}: the model is not exact when distributed (does every layer after the first "
-                                  f"refresh its ghost rows with graph.halo?)")
-        return line
+        return verify_step(self.model, frame, result, self.backend, self.first_step, SimulationError)
 
     def _options(self) -> dict:
         config = self.config

@@ -123,3 +123,15 @@ def check_step(model, frame, result: dict, backend) -> Comparison:
         comparison = compare(result, one_process(model, frame), len(frame), model.dtype) if backend.rank == 0 else None
         return backend.bcast(comparison)
     return check(model, backend.bcast(frame), backend, ("layerwise",))[1][0][1]
+
+
+def verify_step(model, frame, result: dict, backend, step: int, error: type) -> str:
+    """``check_step`` as a verdict (``verify: true`` / ``--verify`` of the MD tools): its line ("verify: step STEP on
+    P rank(s) against one process: …"), or ``error`` raised on every rank, naming the differences, where they are
+    beyond summation order. Collective."""
+    comparison = check_step(model, frame, result, backend)
+    line = comparison.line(f"verify: step {step} on {backend.size} rank(s) against one process")
+    if not comparison.ok:
+        raise error(f"{line}: the model is not exact when distributed (does every layer after the first refresh its "
+                    f"ghost rows with graph.halo?)")
+    return line

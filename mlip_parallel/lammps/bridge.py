@@ -388,7 +388,7 @@ class Bridge:
 
         from potentials.predict import voigt_stress
 
-        from ..verify import check_step
+        from ..verify import verify_step
 
         pieces = self.backend.allgather((tags, x, numbers, forces))
         frame = result = None
@@ -399,11 +399,7 @@ class Bridge:
             result = {"energy": self.energy, "forces": forces[order]}
             if frame.cell.rank == 3:
                 result["stress"] = voigt_stress(dE_dstrain, frame.cell.volume)
-        comparison = check_step(self.model, frame, result, self.backend)
-        line = comparison.line(f"verify: step {step} on {self.backend.size} rank(s) against one process")
-        if not comparison.ok:
-            raise LammpsBridgeError(f"{line}: the model is not exact when distributed (does every layer after the "
-                                    f"first refresh its ghost rows with graph.halo?)")
+        line = verify_step(self.model, frame, result, self.backend, step, LammpsBridgeError)
         if self.backend.rank == 0:
             print(f"{PROG}: {line}", flush=True)
         return line
