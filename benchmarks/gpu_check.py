@@ -95,12 +95,13 @@ def model_checks(device, names=None):
 
     import potentials
 
-    unknown = set(names or ()) - set(models())
+    available = models()
+    unknown = set(names or ()) - set(available)
     if unknown:
-        raise ValueError(f"--models: {sorted(unknown)} not among {sorted(models())}")
+        raise ValueError(f"--models: {sorted(unknown)} not among {sorted(available)}")
     atoms = alloy()
     rows = []
-    for name, build in models().items():
+    for name, build in available.items():
         if names is not None and name not in names:
             continue
         model = build()

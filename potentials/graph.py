@@ -123,7 +123,7 @@ def complete_cell(cell, pbc) -> np.ndarray:
     pbc = np.broadcast_to(np.asarray(pbc, dtype=bool), (3,))
     if not np.isfinite(cell).all():
         raise InvalidStructureError(f"cell contains non-finite values: {cell.tolist()}")
-    lengths = np.sqrt(np.einsum("ij,ij->i", cell, cell))
+    lengths = np.linalg.norm(cell, axis=1)
     for d in range(3):
         if pbc[d] and lengths[d] < 1e-8:
             raise InvalidStructureError(
@@ -132,7 +132,7 @@ def complete_cell(cell, pbc) -> np.ndarray:
         full = cell.copy()
     else:
         full = np.asarray(Cell(cell).complete())
-        lengths = np.sqrt(np.einsum("ij,ij->i", full, full))
+        lengths = np.linalg.norm(full, axis=1)
     volume = abs(np.linalg.det(full))
     if volume < 1e-8 * max(1.0, float(np.prod(np.maximum(lengths, 1e-300)))):
         raise InvalidStructureError(f"zero-volume cell (volume {volume:.3g} Å^3): {cell.tolist()}")
