@@ -116,9 +116,9 @@ def thermo(directory) -> list:
 
 def straight_and_requeued(tmp_path, job: dict, seed: int) -> tuple:
     """mlip-md ``job`` on 2 ranks straight through in tmp_path/straight, then in tmp_path/requeued killed (SIGKILL)
-    at 3 moments drawn with ``seed`` within the first 30 % of the straight run's time after its start-up, and
-    requeued with the identical command until it ends (each launch killed: together they run at most 90 % of it). Returns (the command, its environment,
-    the straight run's output directory, the requeued one's)."""
+    at ``KILLS`` moments drawn with ``seed`` within the first 30 % of the straight run's time after its start-up,
+    and requeued with the identical command until it ends (each launch killed: together they run at most 90 % of
+    it). Returns (the command, its environment, the straight run's output directory, the requeued one's)."""
     env = environment(2)
     for name in ("straight", "requeued"):
         (tmp_path / name).mkdir()

@@ -71,6 +71,13 @@ def silicon_rattled():
     return atoms
 
 
+def both_calculators(sevennet) -> tuple:
+    """(name, ASE calculator) of ours at its defaults and of sevenn's own SevenNetCalculator('7net-0')."""
+    from sevenn.calculator import SevenNetCalculator
+
+    return ("ours", MLIPCalculator(sevennet)), ("sevenn", SevenNetCalculator("7net-0"))
+
+
 @pytest.mark.parametrize("how", ["fire", "fire-cell", "bfgs"])
 def test_relaxation_equals_sevenns_own_calculator(sevennet, how):
     """ASE's FIRE (of the positions, and of ASE's FrechetCellFilter degrees of freedom) and BFGS, 12 steps with our
@@ -78,10 +85,9 @@ def test_relaxation_equals_sevenns_own_calculator(sevennet, how):
     to 1e-5."""
     from ase.filters import FrechetCellFilter
     from ase.optimize import BFGS, FIRE
-    from sevenn.calculator import SevenNetCalculator
 
     relaxed = {}
-    for name, calculator in (("ours", MLIPCalculator(sevennet)), ("sevenn", SevenNetCalculator("7net-0"))):
+    for name, calculator in both_calculators(sevennet):
         atoms = silicon_rattled()
         atoms.calc = calculator
         optimizer = BFGS if how == "bfgs" else FIRE
@@ -100,10 +106,9 @@ def test_ase_md_equals_sevenns_own_calculator(sevennet, dynamics):
     from ase.md.langevin import Langevin
     from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
     from ase.md.verlet import VelocityVerlet
-    from sevenn.calculator import SevenNetCalculator
 
     final = {}
-    for name, calculator in (("ours", MLIPCalculator(sevennet)), ("sevenn", SevenNetCalculator("7net-0"))):
+    for name, calculator in both_calculators(sevennet):
         atoms = silicon_rattled()
         MaxwellBoltzmannDistribution(atoms, temperature_K=600, rng=np.random.default_rng(0))
         atoms.calc = calculator
@@ -121,9 +126,8 @@ def test_phonopy_frequencies_equal_sevenns_own_calculator(sevennet):
     float32 rounding, ~1e-2 THz)."""
     require("phonopy")
     from ase.build import bulk
-    from sevenn.calculator import SevenNetCalculator
 
     frequencies = {name: phonon_frequencies(bulk("Si", "diamond", a=5.43), calculator)
-                   for name, calculator in (("ours", MLIPCalculator(sevennet)), ("sevenn", SevenNetCalculator("7net-0")))}
+                   for name, calculator in both_calculators(sevennet)}
     assert frequencies["ours"].max() > 10  # THz: Si's optical branch (15.5 THz)
     assert_close(frequencies["ours"], frequencies["sevenn"], 1e-3, scale="absolute", label="phonon frequencies")

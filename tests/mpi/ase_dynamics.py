@@ -74,7 +74,6 @@ for kind in ("verlet", "langevin", "bfgs", "fire", "fire-cell"):
         failures.append(ce.message(f"{kind} energy"))
 
 
-
 def cu_phonons(comm) -> np.ndarray:
     """phonopy on fcc Cu (cu-emt, float64; 2×2×2 conventional cells, one displacement): THz at X and L (Γ holds only
     fcc's three zero modes, which carry the square root of rounding, 1e-7)."""
