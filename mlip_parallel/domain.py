@@ -27,9 +27,8 @@ class Domain:
         """Build the domain for atoms at ``positions`` [N, 3] (Å). With ``backend``, each rank passes its
         own atoms and the non-periodic extent is reduced over ranks (collective)."""
         positions = check_positions(positions)
-        pbc = np.broadcast_to(np.asarray(pbc, dtype=bool), (3,))
-        full = complete_cell(cell, pbc)
-        s = positions @ np.linalg.inv(full)
+        domain = cls(cell, pbc, np.zeros(3), np.ones(3))
+        s = positions @ domain.inverse
         lo = s.min(axis=0) if len(s) else np.full(3, np.inf)
         hi = s.max(axis=0) if len(s) else np.full(3, -np.inf)
         if backend is not None and backend.size > 1:
@@ -37,10 +36,10 @@ class Domain:
             hi = backend.allreduce(hi, op="max")
         if not np.all(np.isfinite(lo)):
             raise DecompositionError("the system has no atoms")
-        pad = _PAD_ANGSTROM * np.linalg.norm(np.linalg.inv(full), axis=0)
-        lo = np.where(pbc, 0.0, lo - pad)
-        hi = np.where(pbc, 1.0, hi + pad)
-        return cls(full, pbc, lo, hi)
+        pad = _PAD_ANGSTROM * np.linalg.norm(domain.inverse, axis=0)
+        domain.lo = np.where(domain.pbc, 0.0, lo - pad)
+        domain.hi = np.where(domain.pbc, 1.0, hi + pad)
+        return domain
 
     def fractional(self, positions: np.ndarray) -> np.ndarray:
         """[N, 3] Å → [N, 3] fractional coordinates."""

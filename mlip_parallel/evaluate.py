@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import math
+import time
+import weakref
 import zlib
 from typing import NamedTuple
 
@@ -18,7 +20,7 @@ from .comm import FeatureHalo
 from .domain import Domain
 from .errors import LostAtomsError, RanksDisagreeError, SimulationError
 from .grid import Grid
-from .preflight import check_rank_memory
+from .preflight import HOST_MEMORY_REFRESH_S, check_rank_memory
 from .subdomain import Subdomain
 
 MODES = ("layerwise", "wide")
@@ -299,22 +301,57 @@ def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, str
     model.species_index(atoms.numbers)  # unknown elements and bad structures raise here, on every rank alike
     if not 0 <= min_distance < math.inf:
         raise ValueError(f"min_distance must be a finite number >= 0 (Å), got {min_distance}")
-    check_structure(atoms.positions, atoms.cell, atoms.pbc, min_distance)
+    decomposed = bool(decompose or (decompose is None and (backend.size > 1 or grid is not None)))
+    # one process: the binning here, the closest pair from the periodic graph's own neighbour list
+    check_structure(atoms.positions, atoms.cell, atoms.pbc, min_distance, search=decomposed)
     system = system_of(atoms.info)
     if decompose is False and backend.size > 1:
         raise ValueError(f"decompose=False evaluates the whole structure in one process, but the communicator has "
                          f"{backend.size} ranks: leave decompose at None (or pass a one-rank comm)")
-    if decompose or (decompose is None and (backend.size > 1 or grid is not None)):
+    n = len(atoms)
+    if decomposed:
         part = Decomposition(atoms, ghost_reach(model, mode), backend, grid, model, mode == "layerwise",
                              memory_budget_gb)
-        owned, (x, graph) = part.owned, decomposed_graph(model, part, mode, False, part.memory_budget_gb, system)
+        x, graph = decomposed_graph(model, part, mode, False, part.memory_budget_gb, system)
+        energies, forces, virials = gathered(backend, part.owned, *graph_results(model, x, graph), n)
     else:  # one process, the whole structure: the pre-flight of one rank without ghosts, then the periodic graph
-        domain = Domain.from_positions(check_positions(atoms.positions), atoms.cell, atoms.pbc)
-        budget_gb = check_rank_memory(backend, model, len(atoms), domain, (1, 1, 1), 0.0, 0.0, True, memory_budget_gb)
-        owned, (x, graph) = np.arange(len(atoms)), periodic_graph(model, atoms, False, budget_gb)
-    energies, forces, dE_dstrain = graph_results(model, x, graph)  # [K, ...]: each member's, K = 1 for a model
+        budget_gb = one_process_budget(backend, model, atoms, memory_budget_gb)
+        x, graph = periodic_graph(model, atoms, False, budget_gb, min_distance)
+        energies, forces, virials = (value.cpu().numpy() for value in graph_results(model, x, graph))
+    volume = atoms.cell.volume if atoms.cell.rank == 3 else None  # (the cell of a structure checked above)
+    if isinstance(model, Committee):
+        return committee_result(model, energies, forces, virials if stress and volume else None, volume)
+    result = {"energy": float(energies[0].sum()), "energies": energies[0], "forces": forces[0]}
+    if stress and volume:
+        result["stress"] = voigt_stress(virials[0], volume)
+    return result
+
+
+_last_budget: dict = {}  # one_process_budget's last (key, when, GB)
+
+
+def one_process_budget(backend, model, atoms, memory_budget_gb: float | None) -> float:
+    """``check_rank_memory`` of one process that holds the whole structure ``atoms`` (no ghosts): the chunk budget
+    (GB; inf: one pass) or MemoryLimitError. Its estimate reads only the atom count and the region, so within the
+    host memory's refresh time (``preflight.HOST_MEMORY_REFRESH_S``) the last answer stands for the same model, count,
+    region and ``memory_budget_gb`` (an optimizer's or integrator's steps in a fixed periodic cell)."""
+    domain = Domain.from_positions(atoms.positions, atoms.cell, atoms.pbc)
+    key = (weakref.ref(model), str(model.device), getattr(model, "dtype", None), len(atoms), domain.cell.tobytes(), domain.pbc.tobytes(), domain.lo.tobytes(),
+           domain.hi.tobytes(), memory_budget_gb)
+    last = _last_budget.get("key")
+    if last == key and time.monotonic() - _last_budget["when"] <= HOST_MEMORY_REFRESH_S:
+        return _last_budget["budget_gb"]
+    budget_gb = check_rank_memory(backend, model, len(atoms), domain, (1, 1, 1), 0.0, 0.0, True, memory_budget_gb)
+    _last_budget.update(key=key, when=time.monotonic(), budget_gb=budget_gb)
+    return budget_gb
+
+
+def gathered(backend, owned: np.ndarray, energies, forces, dE_dstrain, n: int) -> tuple:
+    """numpy float64 (energies [K, n], forces [K, n, 3], dE/dstrain [K, 3, 3]) of the whole structure, on every rank
+    (collective), from each rank's ``graph_results`` of its ``owned`` atoms (indices [n_local]): LostAtomsError
+    unless every atom is owned by exactly one rank."""
     parts = backend.allgather((owned, energies.cpu().numpy(), forces.cpu().numpy(), dE_dstrain.cpu().numpy()))
-    n, k = len(atoms), energies.shape[0]
+    k = energies.shape[0]
     counts = np.zeros(n, dtype=np.int64)
     all_energies, all_forces = np.zeros((k, n)), np.zeros((k, n, 3))
     for ids, e, f, _ in parts:
@@ -323,14 +360,7 @@ def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, str
     if np.any(counts != 1):
         raise LostAtomsError(f"{int((counts == 0).sum())} atom(s) owned by no rank and "
                              f"{int((counts > 1).sum())} by several")
-    virials = sum(p[3] for p in parts)
-    if isinstance(model, Committee):
-        return committee_result(model, all_energies, all_forces, virials if stress and atoms.cell.rank == 3 else None,
-                                atoms.cell.volume if atoms.cell.rank == 3 else None)
-    result = {"energy": float(all_energies[0].sum()), "energies": all_energies[0], "forces": all_forces[0]}
-    if stress and atoms.cell.rank == 3:
-        result["stress"] = voigt_stress(virials[0], atoms.cell.volume)
-    return result
+    return all_energies, all_forces, sum(p[3] for p in parts)
 
 
 def committee_result(committee, energies: np.ndarray, forces: np.ndarray, virials=None, volume=None) -> dict:

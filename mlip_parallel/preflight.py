@@ -19,6 +19,7 @@ import math
 import os
 import resource
 import socket
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -104,9 +105,25 @@ def _address_space_free() -> float:
     return soft - used
 
 
+HOST_MEMORY_REFRESH_S = 1.0  # the host's free memory is read again after this long (a read: ~40 µs, 5 files)
+_host_memory_read = [-math.inf, 0.0]  # [when (time.monotonic()), bytes]
+
+
+def host_memory() -> float:
+    """The host's available memory and what this process's cgroup still allows, the smaller, in bytes: read at most
+    once per HOST_MEMORY_REFRESH_S (an ASE optimizer calls the calculator every few milliseconds on small
+    structures, and the pre-flight's decisions are orders of magnitude apart)."""
+    from potentials.messages import available_bytes
+
+    now = time.monotonic()
+    if now - _host_memory_read[0] > HOST_MEMORY_REFRESH_S:
+        _host_memory_read[:] = now, min(float(available_bytes("cpu")), _cgroup_free())
+    return _host_memory_read[1]
+
+
 def rank_memory(device, ranks_here: int) -> float:
     """Bytes this rank may use: a GPU's free memory, or on the host the available memory (and what the
-    cgroup still allows) shared by the ``ranks_here`` ranks of this node, at most this process's
+    cgroup still allows, ``host_memory``) shared by the ``ranks_here`` ranks of this node, at most this process's
     address-space headroom."""
     import torch
 
@@ -115,8 +132,7 @@ def rank_memory(device, ranks_here: int) -> float:
     device = torch.device(device)
     if device.type == "cuda":
         return float(available_bytes(device))
-    shared = min(float(available_bytes(device)), _cgroup_free()) / max(1, ranks_here)
-    return min(shared, _address_space_free())
+    return min(host_memory() / max(1, ranks_here), _address_space_free())
 
 
 def memory_everywhere(backend, device) -> float:

@@ -154,7 +154,7 @@ def check_positions(positions) -> np.ndarray:
 MIN_DISTANCE = 0.5  # Å: closer atoms are a mistake in the structure (the shortest bond, H2's, is 0.74 Å)
 
 
-def check_structure(positions, cell, pbc, min_distance: float = MIN_DISTANCE) -> None:
+def check_structure(positions, cell, pbc, min_distance: float = MIN_DISTANCE, search: bool = True) -> None:
     """InvalidStructureError unless ``positions`` [N, 3] (Å) are finite, the ``cell`` [3, 3] has a real
     vector along every periodic direction and a volume (``complete_cell``), and no two atoms (periodic
     images included) are closer than ``min_distance`` Å (0: not checked); the error names the pair.
@@ -162,11 +162,13 @@ def check_structure(positions, cell, pbc, min_distance: float = MIN_DISTANCE) ->
     Memory stays O(N) whatever the input (all atoms on one point included): atoms are first binned in
     cubes of side min_distance/√3, where two atoms in one cube are already too close; only when every
     cube holds at most one atom (so each atom has a bounded number of neighbours within min_distance)
-    does a neighbour list look for the closest pair."""
-    check_min_distance(check_positions(positions), complete_cell(cell, pbc), pbc, min_distance)
+    does a neighbour list look for the closest pair. ``search`` False: the binning only, for a caller that
+    then passes its own neighbour list (of at least ``min_distance``) to ``check_pair_distances``."""
+    check_min_distance(check_positions(positions), complete_cell(cell, pbc), pbc, min_distance, search)
 
 
-def check_min_distance(positions: np.ndarray, full_cell: np.ndarray, pbc, min_distance: float) -> None:
+def check_min_distance(positions: np.ndarray, full_cell: np.ndarray, pbc, min_distance: float,
+                       search: bool = True) -> None:
     """The distance part of ``check_structure``: ``positions`` [N, 3] finite, ``full_cell`` complete."""
     if not min_distance > 0 or len(positions) < 2:
         return
@@ -174,22 +176,51 @@ def check_min_distance(positions: np.ndarray, full_cell: np.ndarray, pbc, min_di
     pbc = np.broadcast_to(np.asarray(pbc, dtype=bool), (3,))
     fractional = positions @ np.linalg.inv(full)
     wrapped = (fractional - np.where(pbc, np.floor(fractional), 0.0)) @ full
-    bins = np.floor(wrapped / (min_distance / np.sqrt(3.0))).astype(np.int64)
-    _, first, inverse, counts = np.unique(bins, axis=0, return_index=True, return_inverse=True, return_counts=True)
-    crowded = np.flatnonzero(counts > 1)
-    if crowded.size:
-        a, b = np.flatnonzero(inverse.ravel() == crowded[0])[:2]
-        i, j, d = np.array([a]), np.array([b]), np.linalg.norm(wrapped[[b]] - wrapped[[a]], axis=1)
-    else:
+    crowded = crowded_bin(np.floor(wrapped / (min_distance / np.sqrt(3.0))).astype(np.int64))
+    if crowded is not None:  # two atoms in one cube: closer than its diagonal, min_distance
+        a, b = crowded
+        raise_too_close(a, b, float(np.linalg.norm(wrapped[b] - wrapped[a])), min_distance)
+    if search:
         i, j, d = vesin.NeighborList(cutoff=float(min_distance), full_list=False).compute(
             points=positions, box=full, periodic=pbc, quantities="ijd")
-        if not len(d):
-            return
+        check_pair_distances(i, j, d, min_distance)
+
+
+def crowded_bin(bins: np.ndarray) -> tuple | None:
+    """The first two atoms (by index) of the lowest bin that holds more than one atom, or None;
+    ``bins`` [N, 3] int64 the atoms' bin indices. Sorts one int64 key per atom (the bins' lexicographic order)
+    where the bins' span allows, else the rows themselves."""
+    low = bins.min(axis=0)
+    span = bins.max(axis=0) - low + 1
+    if float(np.prod(span.astype(np.float64))) < 2.0 ** 62:
+        shifted = bins - low
+        key = (shifted[:, 0] * span[1] + shifted[:, 1]) * span[2] + shifted[:, 2]
+    else:
+        key = np.unique(bins, axis=0, return_inverse=True)[1].ravel()
+    order = np.argsort(key, kind="stable")
+    repeated = np.flatnonzero(key[order[1:]] == key[order[:-1]])
+    if not repeated.size:
+        return None
+    first = order[repeated[0]]
+    a, b = np.flatnonzero(key == key[first])[:2]
+    return int(a), int(b)
+
+
+def check_pair_distances(i, j, d, min_distance: float) -> None:
+    """InvalidStructureError naming the closest of the pairs (atoms ``i``, ``j``, ``d`` [E] Å apart, periodic
+    images included) when it is closer than ``min_distance`` Å."""
+    if not len(d):
+        return
     k = int(np.argmin(d))
+    if d[k] < min_distance:
+        raise_too_close(i[k], j[k], d[k], min_distance)
+
+
+def raise_too_close(a: int, b: int, distance: float, min_distance: float):
+    """The InvalidStructureError of atoms ``a`` and ``b`` ``distance`` Å apart, closer than ``min_distance``."""
     raise InvalidStructureError(
-        f"atoms {min(i[k], j[k])} and {max(i[k], j[k])} are {d[k]:.3g} Å apart (periodic images included), closer "
-        f"than {min_distance:g} Å: atoms on top of each other (check the structure's units, lattice constant and "
-        f"cell)")
+        f"atoms {min(a, b)} and {max(a, b)} are {distance:.3g} Å apart (periodic images included), closer than "
+        f"{min_distance:g} Å: atoms on top of each other (check the structure's units, lattice constant and cell)")
 
 
 def neighbour_pairs(positions: torch.Tensor, cutoff: float) -> tuple:
@@ -207,20 +238,21 @@ def neighbour_pairs(positions: torch.Tensor, cutoff: float) -> tuple:
     return i.to(torch.int64), j.to(torch.int64)
 
 
-def neighbour_list(positions: np.ndarray, cell: np.ndarray, pbc, cutoff: float):
+def neighbour_list(positions: np.ndarray, cell: np.ndarray, pbc, cutoff: float, distances: bool = False):
     """Pairs closer than ``cutoff`` (both directions), via vesin.
 
     Returns (i, j, shifts): int64 [E], int64 [E], int64 [E, 3] with r_j - r_i + shifts @ cell the pair
-    vector. Without periodicity the cell is ignored and shifts are zero.
+    vector, and with ``distances`` their lengths float64 [E] (Å) as a fourth. Without periodicity the cell is
+    ignored and shifts are zero.
     """
     pbc = [bool(p) for p in np.broadcast_to(pbc, (3,))]
     if len(positions) == 0:
         empty = np.zeros(0, dtype=np.int64)
-        return empty, empty, np.zeros((0, 3), dtype=np.int64)
+        return (empty, empty, np.zeros((0, 3), dtype=np.int64)) + ((np.zeros(0),) if distances else ())
     box = cell if any(pbc) else np.zeros((3, 3))
-    i, j, s = vesin.NeighborList(cutoff=float(cutoff), full_list=True).compute(
-        points=positions, box=box, periodic=pbc, quantities="ijS")
-    return i.astype(np.int64), j.astype(np.int64), s.astype(np.int64)
+    found = vesin.NeighborList(cutoff=float(cutoff), full_list=True).compute(
+        points=positions, box=box, periodic=pbc, quantities="ijSd" if distances else "ijS")
+    return (found[0].astype(np.int64), found[1].astype(np.int64), found[2].astype(np.int64)) + tuple(found[3:])
 
 
 class StrainedCoordinates(NamedTuple):

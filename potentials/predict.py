@@ -6,8 +6,8 @@ import torch
 
 from .base import Potential
 from .messages import evaluation_budget
-from .graph import (AtomGraph, check_positions, complete_cell, edge_vectors, neighbour_list, strained_coordinates,
-                    system_of)
+from .graph import (AtomGraph, check_min_distance, check_pair_distances, check_positions, complete_cell, edge_vectors,
+                    neighbour_list, strained_coordinates, system_of)
 
 
 def voigt_stress(dE_dstrain: np.ndarray, volume: float) -> np.ndarray:
@@ -17,15 +17,23 @@ def voigt_stress(dE_dstrain: np.ndarray, volume: float) -> np.ndarray:
     return full_3x3_to_voigt_6_stress(0.5 * (dE_dstrain + dE_dstrain.T) / volume)
 
 
-def periodic_graph(model: Potential, atoms, create_graph: bool = False, memory_budget_gb: float | None = None) -> tuple:
+def periodic_graph(model: Potential, atoms, create_graph: bool = False, memory_budget_gb: float | None = None,
+                   min_distance: float = 0.0) -> tuple:
     """(the strained coordinates, the AtomGraph) of the whole structure ``atoms`` for ``model``: its atoms are the
     nodes and periodic images enter as edge shifts (no ghost atoms; what the packages' own calculators build).
-    ``memory_budget_gb`` as in ``energy_forces``."""
+    ``memory_budget_gb`` as in ``energy_forces``. ``min_distance`` (Å; 0: unchecked): atoms closer are an
+    InvalidStructureError, found in the model's own neighbour list when its cutoff reaches that far; the caller
+    first runs ``check_structure(..., search=False)``, whose binning bounds that list's memory."""
     positions = check_positions(atoms.positions)
     cell = complete_cell(atoms.cell, atoms.pbc)
     device = model.device
     species = torch.as_tensor(model.species_index(atoms.numbers), device=device)
-    i, j, shifts = neighbour_list(positions, cell, atoms.pbc, model.cutoff)
+    if min_distance > 0 and model.cutoff >= min_distance:
+        i, j, shifts, distances = neighbour_list(positions, cell, atoms.pbc, model.cutoff, distances=True)
+        check_pair_distances(i, j, distances, min_distance)
+    else:
+        check_min_distance(positions, cell, atoms.pbc, min_distance)
+        i, j, shifts = neighbour_list(positions, cell, atoms.pbc, model.cutoff)
 
     x = strained_coordinates(positions, cell, device)
     i_t, j_t = torch.as_tensor(i, device=device), torch.as_tensor(j, device=device)

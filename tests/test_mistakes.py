@@ -170,14 +170,31 @@ def test_api_arguments_and_structures_are_named():
             model(**arguments)
     close = atoms.copy()
     close.positions[7] = close.positions[2] + [0.05, 0.1, 0.0]
-    with pytest.raises(potentials.InvalidStructureError, match=r"atoms 2 and 7 are 0.112 Å apart"):
-        mlip_parallel.evaluate(schnet(), close)
+    for decompose in (None, True):  # the closest pair from the periodic graph's list, or from a search of its own
+        with pytest.raises(potentials.InvalidStructureError, match=r"atoms 2 and 7 are 0.112 Å apart"):
+            mlip_parallel.evaluate(schnet(), close, decompose=decompose)
     assert np.isfinite(mlip_parallel.evaluate(lennard_jones(), close, min_distance=0.0)["energy"])
     # all on one point: found by binning, without a neighbour list of N² pairs
     crowd = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(12)
     crowd.positions[:] = 1.0
     with pytest.raises(potentials.InvalidStructureError, match=r"atoms 0 and 1 are 0 Å apart"):
         mlip_parallel.evaluate(lennard_jones(), crowd)
+
+
+def test_crowded_bin_is_the_lowest_bin_of_several_atoms():
+    """The structure check's binning: the first two atoms of the lexicographically lowest bin holding more than one
+    (what np.unique over the rows gives), from one int64 key per atom, or from the rows where the bins span more
+    than an int64 key holds."""
+    from potentials.graph import crowded_bin
+
+    rng = np.random.default_rng(3)
+    for span in (3, 10**7):
+        bins = rng.integers(-span, span, size=(200, 3))
+        bins[150] = bins[40]
+        _, inverse, counts = np.unique(bins, axis=0, return_inverse=True, return_counts=True)
+        first = np.flatnonzero(counts > 1)[0]
+        assert crowded_bin(bins) == tuple(np.flatnonzero(inverse.ravel() == first)[:2])
+    assert crowded_bin(np.arange(30).reshape(10, 3)) is None
 
 
 def test_memory_preflight_estimates_follow_the_decomposition():
