@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from mlip_parallel.config import ConfigError, config_parser, read_job, report_error, schema_help as config_help, \
-    validate as config_validate
+from mlip_parallel.config import ConfigError, ConfigTable, config_parser, read_job, report_error
 from mlip_parallel.errors import SimulationError
 from mlip_parallel.launch import end_job
 from mlip_parallel.model_section import COMMITTEE_KEYS, COMMITTEE_RULES, model_rules, model_schema
@@ -97,27 +96,26 @@ RULES = {"ensemble": ("nve", "langevin", "bussi", "nose-hoover", "npt"), "mode":
          "memory_budget_gb": "> 0", "uncertainty.stop_above": "> 0"}
 
 
-def schema() -> dict:
-    """mlip-md's configuration keys: the model section (from the model families), then ``SECTIONS``."""
+def model_keys() -> tuple:
+    """(keys, rules) of mlip-md's model section: a key per model family and its options, dtype, the committee's."""
     from .start import DEFAULT_MODEL
 
     model = {**model_schema(), **COMMITTEE_KEYS}
     types, default, text = model["checkpoint"]
     model["checkpoint"] = (types, default, f"{text}; with no model given, {DEFAULT_MODEL}")
-    return {"model": model, **SECTIONS}
+    return model, {**model_rules(), **COMMITTEE_RULES}
 
 
-def rules() -> dict:
-    return {**model_rules(), **COMMITTEE_RULES, **RULES}
+TABLE = ConfigTable(SECTIONS, RULES, model_keys)  # mlip-md's configuration: the model section first, then SECTIONS
 
 
 def validate(config) -> dict:
     """Fill defaults and check every key and type; raise ConfigError naming the key."""
-    return config_validate(config, schema(), rules())
+    return TABLE.validate(config)
 
 
 def schema_help() -> str:
-    return config_help(schema())
+    return TABLE.help()
 
 
 def simulate(config) -> list:
@@ -133,13 +131,13 @@ def simulate(config) -> list:
 
 def main(argv=None) -> int:
     try:
-        keys = schema()
+        keys = TABLE.schema()
     except FamilyError as exc:  # an installed package's model family that cannot be registered
         report_error("mlip-md", exc)
         return 2
     args = config_parser("mlip-md", __doc__.splitlines()[0], keys).parse_args(argv)
     try:
-        simulate(read_job(args, keys, rules()))
+        simulate(read_job(args, keys, TABLE.all_rules()))
     except ConfigError as exc:  # raised alike on every rank by prepare(), before any output and any collective
         report_error("mlip-md", exc)
         return 2

@@ -19,7 +19,7 @@ import argparse
 import socket
 import sys
 
-from potentials.families.checkpoint import ARCHITECTURES, SMALL
+from potentials.families import check_models
 
 from .config import report_error
 from .errors import MLIPError
@@ -27,20 +27,6 @@ from .evaluate import MODES
 from .model_section import DTYPE_HELP, add_option_arguments, argument_options
 
 PROG = "python -m mlip_parallel.check"
-
-
-def small_model(name: str):
-    """A small model with random weights (seeded: the same on every rank): Lennard-Jones, or one of this
-    package's architectures (``families.checkpoint.SMALL``)."""
-    import potentials
-    from potentials.families.checkpoint import architecture
-
-    if name == "LennardJones":
-        return potentials.LennardJones(epsilon=0.4, sigma=2.3, cutoff=5.0)
-    return architecture(name)(["Ag", "Cu"], cutoff=4.0, seed=0, **SMALL[name])
-
-
-MODELS = ("LennardJones", *ARCHITECTURES)
 
 
 def built_structure(model, repeat: int):
@@ -68,16 +54,17 @@ def main(argv=None) -> int:
                                      epilog="Exit status: 0 every comparison within tolerance, 1 one beyond, 2 bad input.")
     parser.add_argument("--repeat", type=int, default=4, help="cubic cell repeats per direction of the built crystal "
                                                               "(4 → 256 atoms of fcc)")
-    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS),
+    models = list(check_models())  # the families' small models: Lennard-Jones and this package's architectures
+    parser.add_argument("--models", nargs="+", choices=models, default=models,
                         help="the small random models to check (default: all), without --model")
     parser.add_argument("--model", action="append", metavar="SPEC",
                         help="check this model instead (repeat for several): a checkpoint path, cu-emt, or NAME:SPEC "
                              "of a model family; its family's options as the flags below")
-    add_option_arguments(parser)
     parser.add_argument("--dtype", choices=("float32", "float64"), help=DTYPE_HELP)
     parser.add_argument("--structure", metavar="FILE", help="any ASE-readable structure file (default: a rattled "
                                                             "crystal of the model's elements)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="halo modes (default both)")
+    add_option_arguments(parser)  # each model family's options (none of the above)
     args = parser.parse_args(argv)
     try:
         return check(args)
@@ -92,7 +79,8 @@ def load_models(args) -> list:
     from potentials.families import split_spec
 
     if not args.model:
-        return [(name, small_model(name).double()) for name in args.models]
+        small = check_models()
+        return [(name, small[name]().double()) for name in args.models]
     given = argument_options(args)
     models = []
     for spec in args.model:

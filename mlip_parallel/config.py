@@ -5,10 +5,12 @@ share. This module imports neither torch nor MPI: a CLI validates its config bef
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 from potentials.rules import describe_rule, number_problem, obeys  # noqa: F401  (obeys: the CLIs' rule check)
 
@@ -18,6 +20,39 @@ from .launch import launched_by_torchrun
 
 class ConfigError(MLIPError, ValueError):
     """An invalid configuration; the message names the key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigTable:
+    """A tool's configuration keys (mlip-md's, mlip-train's): ``sections`` {key: (types, default, help), or a nested
+    section of such}, ``rules`` {dotted key: rule} (``validate``), and ``model()`` -> (keys, rules): the model
+    section's keys and rules that come from the model families (``model_section``), built at each use since another
+    package's family may join the registry. Those keys go after the first ``model_after`` of the section's own keys
+    (a table without a model section gets one, first). A model key's spec may be a function that returns it, called
+    at each use (a help text that lists what the registry holds)."""
+
+    sections: dict
+    rules: dict
+    model: Callable[[], tuple]
+    model_after: int = 0
+
+    def schema(self) -> dict:
+        """The whole table, the families' model keys in it."""
+        own = [(key, spec() if callable(spec) else spec) for key, spec in self.sections.get("model", {}).items()]
+        model = dict(own[:self.model_after] + list(self.model()[0].items()) + own[self.model_after:])
+        return {**self.sections, "model": model} if "model" in self.sections else {"model": model, **self.sections}
+
+    def all_rules(self) -> dict:
+        """``rules`` with the families' model rules (the tool's own win)."""
+        return {**self.model()[1], **self.rules}
+
+    def validate(self, config) -> dict:
+        """Fill defaults and check every key and type of ``config``; ConfigError naming the key."""
+        return validate(config, self.schema(), self.all_rules())
+
+    def help(self) -> str:
+        """Every key with its help text and default (``schema_help``)."""
+        return schema_help(self.schema())
 
 
 def schema_help(schema: dict, prefix: str = "") -> str:

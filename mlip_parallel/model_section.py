@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from potentials.families import families, option_table
+from potentials.families import FamilyError, families, option_table
 
 from .config import ConfigError
 
@@ -144,11 +144,15 @@ def _parse_bool(text: str) -> bool:
 
 def add_option_arguments(parser: argparse.ArgumentParser) -> None:
     """``--option VALUE`` for every option any family declares (``_`` written ``-``), its help naming the
-    families that take it."""
+    families that take it; called after the tool's own flags: FamilyError for an option that is one of them."""
     for key, (option, owners) in option_table().items():
-        parser.add_argument(f"--{key.replace('_', '-')}", dest=key, metavar=option.type.__name__.upper(),
-                            type=_parse_bool if option.type is bool else option.type,
-                            help=_option_help(option, owners).replace("%", "%%"))
+        try:
+            parser.add_argument(f"--{key.replace('_', '-')}", dest=key, metavar=option.type.__name__.upper(),
+                                type=_parse_bool if option.type is bool else option.type,
+                                help=_option_help(option, owners).replace("%", "%%"))
+        except argparse.ArgumentError:
+            raise FamilyError(f"option {key!r} of the {owners[0]} family is {parser.prog}'s own flag "
+                              f"--{key.replace('_', '-')}: the family's package must rename it") from None
 
 
 def argument_options(args) -> dict:

@@ -76,7 +76,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--committee-forces", choices=("mean", "first"), default="mean",
                         help="a committee's forces, energy and virial: the members' mean (default) or the first "
                              "member's (DeePMD's convention)")
-    add_option_arguments(parser)  # each model family's options: --head, --task, --charge, ...
     parser.add_argument("--elements", nargs="+", metavar="SYMBOL",
                         help="element of each atom type, in type order (default: from the types' masses)")
     parser.add_argument("--mode", default="layerwise", choices=("layerwise", "wide"),
@@ -93,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--add-fix", action="store_true",
                         help=f"the deck has no fix external: add 'fix {ADDED_FIX_ID} all external pf/callback 1 1' "
                              f"right after the box is defined")
+    add_option_arguments(parser)  # each model family's options: --head, --task, --charge, ... (none of the above)
     return parser
 
 

@@ -23,18 +23,17 @@ import numpy as np
 
 from potentials.errors import OutputError
 
-from potentials.families import FamilyError, families
-from potentials.families.checkpoint import ARCHITECTURES
+from potentials.families import FamilyError, families, new_models
 
 from ..allocator import keep_freed_memory
-from ..config import ConfigError, config_parser, read_job, report_error, validate  # noqa: F401  (validate: with SCHEMA, RULES)
+from ..config import ConfigError, ConfigTable, config_parser, read_job, report_error, validate  # noqa: F401  (validate: with SCHEMA, RULES)
 from ..errors import MLIPError
 from ..launch import end_job
 from ..model_section import add_option_arguments, argument_options, model_rules, model_schema
 from .outputs import format_errors, species_text
 
 # key: (types, default, help); a dict value is a nested section. The model section's starting-model keys come from
-# the model families (schema()).
+# the model families (TABLE, model_keys).
 SECTIONS = {
     "data": {
         "train": ((str, list), None, "training structures: a file with energy/forces/stress (extxyz and xyz indexed "
@@ -62,8 +61,8 @@ SECTIONS = {
         "test_fraction": (float, 0.0, "share of train held out for the test when no test file"),
     },
     "model": {
-        "name": (str, None, f"a new model of this package: {', '.join(ARCHITECTURES)} (default SchNet where no "
-                            f"starting model is given)"),
+        "name": lambda: (str, None, f"a new model of this package: {', '.join(new_models())} (default "
+                                    f"{next(iter(new_models()))} where no starting model is given)"),
         "cutoff": (float, None, "new model: cutoff radius, Å (default 5.0)"),
         "hyperparameters": (dict, None, "new model: further constructor arguments, e.g. {features: 64, layers: 3}"),
         "species": (list, None, "new model: element symbols (default: those in the training data)"),
@@ -180,7 +179,7 @@ SECTIONS = {
     },
 }
 # allowed values (a tuple) or the range of a number (mlip_parallel.config.obeys); other numbers: finite, >= 0
-RULES = {"model.name": tuple(ARCHITECTURES), "model.reference_energies": ("keep", "refit", "fit"),
+KEY_RULES = {"model.reference_energies": ("keep", "refit", "fit"),
          "schedule.name": ("plateau", "cosine", "none"), "parallel": ("data", "graph", "pipeline"),
          "loss.type": ("mse", "huber", "universal"), "loss.huber_delta": "> 0",
          "stage_two.lr": "> 0",
@@ -190,21 +189,19 @@ RULES = {"model.name": tuple(ARCHITECTURES), "model.reference_energies": ("keep"
          "batch_size": ">= 1", "pipeline.stages": ">= 1", "pipeline.microbatches": ">= 1"}
 
 
-def schema() -> dict:
-    """mlip-train's configuration keys: ``SECTIONS`` with, in the model section, a key per model family that
-    trains (the starting model) and its options, and ``dtype``."""
-    model = dict(SECTIONS["model"])
-    new_model = {key: model.pop(key) for key in ("name", "cutoff", "hyperparameters", "species")}
-    return dict(SECTIONS, model={**new_model, **model_schema(trainable=True), **model})
+def model_keys() -> tuple:
+    """(keys, rules) of mlip-train's model section from the model families: a key per family that trains (the model
+    to start from) and its options, dtype, and the choices of ``model.name`` (a new model)."""
+    return model_schema(trainable=True), {**model_rules(trainable=True), "model.name": tuple(new_models())}
 
 
-def rules() -> dict:
-    return {**model_rules(trainable=True), **RULES}
+# mlip-train's configuration: the families' model keys after the new model's (name, cutoff, hyperparameters, species)
+TABLE = ConfigTable(SECTIONS, KEY_RULES, model_keys, model_after=4)
 
 
-def __getattr__(name):  # SCHEMA and RULES, built from the model families on first use
+def __getattr__(name):  # SCHEMA and RULES (TABLE's, the families' keys in them), built at each use
     if name in ("SCHEMA", "RULES"):
-        return schema() if name == "SCHEMA" else rules()
+        return TABLE.schema() if name == "SCHEMA" else TABLE.all_rules()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -338,9 +335,9 @@ def main(argv=None) -> int:
             report_error("mlip-train", exc)
             return 2
         return 0
-    args = config_parser("mlip-train", __doc__.splitlines()[0], schema()).parse_args(argv)
+    args = config_parser("mlip-train", __doc__.splitlines()[0], TABLE.schema()).parse_args(argv)
     try:
-        config = read_job(args, schema(), rules())
+        config = read_job(args, TABLE.schema(), TABLE.all_rules())
         if config["keep_freed_memory"]:
             keep_freed_memory()
         from ..backend import get_backend, set_threads

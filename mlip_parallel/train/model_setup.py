@@ -39,10 +39,11 @@ def model_species(section, training) -> list:
 
 
 def new_model_class(section):
-    """The class of the new model ``model.name`` names (SchNet where none is named)."""
-    from potentials.families.checkpoint import architecture
+    """The class of the new model ``model.name`` names (where none is named, the registry's default:
+    ``potentials.families.new_model_class``)."""
+    from potentials.families import new_model_class
 
-    return architecture(section["name"] or "SchNet")
+    return new_model_class(section["name"])
 
 
 def build_model(section, species, seed, parts=None):
@@ -61,7 +62,7 @@ def build_model(section, species, seed, parts=None):
     try:
         model = cls(species=species, cutoff=cutoff, **(section["hyperparameters"] or {}), parts=parts, seed=seed)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"model: cannot build {section['name'] or 'SchNet'}: {exc}") from None
+        raise ConfigError(f"model: cannot build {cls.__name__}: {exc}") from None
     dtype = {"float32": torch.float32, "float64": torch.float64, None: torch.float32}[section["dtype"]]
     return model.to(dtype)
 

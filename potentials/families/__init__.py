@@ -34,11 +34,10 @@ from ..rules import value_problem
 ENTRY_POINT_GROUP = "mlip_parallel.families"
 BUILTIN = ("checkpoint", "lennard_jones", "sevennet", "mace", "nequip", "fairchem")  # potentials.families.NAME
 OPTION_TYPES = (str, int, float, bool)
-# names no option may take: the model section's own keys in the tools, the keywords load_model keeps for itself,
-# and mlip-lammps's own flags
+# names no option may take: the model section's own keys in the tools and the keywords load_model keeps for itself
+# (a tool's command-line flags are the tool's: ``model_section.add_option_arguments`` refuses an option that is one)
 RESERVED = frozenset({"dtype", "parts", "checkpoint_dtype", "name", "cutoff", "hyperparameters", "species", "freeze",
-                      "reference_energies", "committee", "model", "mode", "skin", "elements", "add_fix", "input",
-                      "memory_budget_gb", "help"})
+                      "lora", "reference_energies", "committee", "committee_forces", "model"})
 
 
 class ModelSpecError(MLIPError, ValueError):
@@ -99,8 +98,10 @@ class Family:
     (``names(text)``: whether ``text`` is a model the family knows by name, without a file, e.g. SevenNet's "7net-0":
     a spec without the family's prefix then suggests it),
     ``trainable`` (``mlip-train`` may start from its models), ``model_classes`` ({class name: "module:attr"}:
-    the classes of its models, so that a potentials checkpoint of a trained one rebuilds them) and ``spec_type``
-    (the YAML types of the key's value)."""
+    the classes of its models, so that a potentials checkpoint of a trained one rebuilds them), ``new_models``
+    ({name: "module:attr"}: the architectures ``mlip-train`` builds new as ``model.name``, the first family's first
+    the default), ``check_models`` ({name: build() -> a small model with seeded random weights for Ag and Cu}: what
+    ``python -m mlip_parallel.check`` runs) and ``spec_type`` (the YAML types of the key's value)."""
 
     name: str
     load: Callable
@@ -114,6 +115,8 @@ class Family:
     names: Callable[[str], bool] | None = None
     trainable: bool = True
     model_classes: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    new_models: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    check_models: Mapping[str, Callable] = dataclasses.field(default_factory=dict)
     spec_type: Any = str
 
     def takes(self, keyword: str) -> bool:
@@ -190,6 +193,26 @@ def family(name: str) -> Family | None:
         if name == record.name or name in record.aliases:
             return record
     return None
+
+
+def new_models() -> dict:
+    """{name: "module:attr"}: every family's ``new_models``, in the registry's order (the first: mlip-train's
+    default ``model.name``)."""
+    return {name: target for record in families().values() for name, target in record.new_models.items()}
+
+
+def new_model_class(name: str | None = None):
+    """The class of the new model ``name`` (one of ``new_models()``; None: the default, the first)."""
+    from importlib import import_module
+
+    found = new_models()
+    module, _, attribute = found[next(iter(found)) if name is None else name].partition(":")
+    return getattr(import_module(module), attribute)
+
+
+def check_models() -> dict:
+    """{name: build()}: every family's ``check_models``, in the registry's order."""
+    return {name: build for record in families().values() for name, build in record.check_models.items()}
 
 
 def option_table(records=None) -> dict:

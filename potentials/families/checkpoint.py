@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from . import Family
 
-# this package's architectures that mlip-train builds new (model.name), by name
+# this package's architectures, which mlip-train builds new (model.name; SchNet the default)
 ARCHITECTURES = {"SchNet": "potentials.schnet:SchNet", "PaiNN": "potentials.painn:PaiNN",
                  "NequIP": "potentials.nequip:NequIP"}
-# a small model of each (the self-check's: python -m mlip_parallel.check), beside species, cutoff and seed
 SMALL = {"SchNet": dict(features=32, layers=3), "PaiNN": dict(features=16, layers=3),
-         "NequIP": dict(l_max=1, features=4, layers=2)}
+         "NequIP": dict(l_max=1, features=4, layers=2)}  # the self-check's small model of each
 
 
 def load(spec: str, parts=None):
@@ -20,17 +19,18 @@ def load(spec: str, parts=None):
     return load_checkpoint(spec, parts=parts)
 
 
-def architecture(name: str):
-    """The class of this package's architecture ``name`` (one of ``ARCHITECTURES``)."""
-    from importlib import import_module
+def small(name: str):
+    """A build() of the small model of architecture ``name`` for the self-check: Ag and Cu, 4 Å, seed 0."""
+    def build():
+        from ..families import new_model_class
 
-    module, _, attribute = ARCHITECTURES[name].partition(":")
-    return getattr(import_module(module), attribute)
+        return new_model_class(name)(["Ag", "Cu"], cutoff=4.0, seed=0, **SMALL[name])
+    return build
 
 
 FAMILY = Family(
     "checkpoint", load,
     help="path of a potentials checkpoint (potentials.save, e.g. mlip-train's best.pt, also of a fine-tuned model of "
          "another family) or a bundled model name (cu-emt: a PaiNN for Cu trained on EMT data)",
-    model_classes=ARCHITECTURES,
+    model_classes=ARCHITECTURES, new_models=ARCHITECTURES, check_models={name: small(name) for name in ARCHITECTURES},
 )

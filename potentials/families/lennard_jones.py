@@ -39,4 +39,5 @@ FAMILY = Family(
     help="Lennard-Jones parameters {epsilon: eV, sigma: Å, cutoff: Å} (as a spec lj:EPSILON,SIGMA,CUTOFF)",
     aliases=("lj",), trainable=False, spec_type=(dict, str),
     model_classes={"LennardJones": "potentials.lj:LennardJones"},
+    check_models={"LennardJones": lambda: load({"epsilon": 0.4, "sigma": 2.3, "cutoff": 5.0})},
 )
