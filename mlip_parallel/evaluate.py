@@ -336,8 +336,8 @@ def one_process_budget(backend, model, atoms, memory_budget_gb: float | None) ->
     host memory's refresh time (``preflight.HOST_MEMORY_REFRESH_S``) the last answer stands for the same model, count,
     region and ``memory_budget_gb`` (an optimizer's or integrator's steps in a fixed periodic cell)."""
     domain = Domain.from_positions(atoms.positions, atoms.cell, atoms.pbc)
-    key = (weakref.ref(model), str(model.device), getattr(model, "dtype", None), len(atoms), domain.cell.tobytes(), domain.pbc.tobytes(), domain.lo.tobytes(),
-           domain.hi.tobytes(), memory_budget_gb)
+    key = (weakref.ref(model), str(model.device), model.dtype, len(atoms), memory_budget_gb,
+           *(array.tobytes() for array in (domain.cell, domain.pbc, domain.lo, domain.hi)))
     last = _last_budget.get("key")
     if last == key and time.monotonic() - _last_budget["when"] <= HOST_MEMORY_REFRESH_S:
         return _last_budget["budget_gb"]

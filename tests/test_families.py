@@ -216,8 +216,9 @@ def test_a_family_taking_a_builtin_name_is_refused(tmp_path):
         lines = result.stderr.splitlines()
         assert result.returncode == 2 and len(lines) == 1 and all(w in lines[0] for w in words), result
     # an option that is one of a tool's own flags: refused by that tool alone (mlip-md's model section takes it)
-    (tmp_path / "flag.py").write_text("from potentials import Family, Option\n"
-                                      "FAMILY = Family('flagged', lambda spec: None, options={'skin': Option(float)})\n")
+    (tmp_path / "flag.py").write_text(
+        "from potentials import Family, Option\n"
+        "FAMILY = Family('flagged', lambda spec: None, options={'skin': Option(float)})\n")
     site = tmp_path / "flagged"
     installed(site, "mlip-flagged", {"flagged": "flag:FAMILY"})
     for command, words in (("from mlip_parallel.lammps import main; sys.exit(main(['-in', 'in.deck']))",
