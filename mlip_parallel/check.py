@@ -1,4 +1,5 @@
 """Self-check of an installation, and of a user's own model: ``mpiexec -n P python -m mlip_parallel.check``.
+(The command; the comparison it prints is ``verify.py``'s, and neither is the memory ``preflight.py``.)
 
 Also ``torchrun --nproc-per-node P -m mlip_parallel.check`` (the torch.distributed backend). Prints the
 ranks, the grid, each rank's host and device, the communication library and, where a rank has a GPU,

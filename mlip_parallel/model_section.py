@@ -1,5 +1,6 @@
 """The model a tool runs, as its config and command line name it, built from the model families
-(``potentials.families``): every family's key and every option any family declares.
+(``potentials.families``): every family's key and every option any family declares. For every tool; what
+``mlip-train`` alone does with the model (a new one, its checks, its data) is ``train/model_setup.py``.
 
 In a YAML model section a model is one family's key with its spec as the value (``mace: FILE``; Lennard-Jones:
 ``lennard_jones: {epsilon, sigma, cutoff}``), its options as keys beside it (``head: x``) and ``dtype``. On a

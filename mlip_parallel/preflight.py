@@ -1,6 +1,7 @@
 """The memory pre-flight: before a rank builds its ghosts and pair lists (or a trainer its model and graphs),
 estimate what they will take and stop every rank with one line when the fullest rank would not fit in the
-memory it has (``memory_everywhere``: the smallest over the ranks, so that all of them decide alike).
+memory it has (``memory_everywhere``: the smallest over the ranks, so that all of them decide alike). (Memory only:
+whether a model is exact distributed is ``verify.py``'s, the self-check command ``check.py``.)
 
 The estimate reads only the atom count and the box (no neighbour search, which is what exhausts memory
 when the input is wrong: atoms 0.3 Å apart, a 100 Å cutoff in a 16 Å cell). Atoms are taken as spread

@@ -1,7 +1,7 @@
 """Is a model exact when distributed? A distributed result compared with one process's evaluation of the same
 structure (``potentials.predict``), as the self-check (``python -m mlip_parallel.check --model SPEC``),
 ``mlip-md``'s ``verify: true`` and ``mlip-lammps --verify`` ask: the largest energy (per atom), force and stress
-differences, and a verdict.
+differences, and a verdict. (The comparison only: the command is ``check.py``; ``preflight.py`` is memory.)
 
 Tolerance: what floating-point summation order allows in the model's dtype, relative to the structure's largest
 force (stress: to its largest stress component, energy: to its energy per atom), with a floor: float64 1e-9

@@ -1,6 +1,7 @@
 """What an ``mlip-train`` run trains and what it trains on: the model (a new one of this package's architectures,
 or the starting model a model family's key names, in a pipeline stage only its parts), its checks (the weights'
-memory, ``model.freeze``), a new model's scale and shift fitted to the data, and the data sets from the config."""
+memory, ``model.freeze``), a new model's scale and shift fitted to the data, and the data sets from the config.
+(mlip-train's alone: the model section every tool reads is ``mlip_parallel/model_section.py``.)"""
 from __future__ import annotations
 
 import os

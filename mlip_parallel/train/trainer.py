@@ -1,7 +1,8 @@
 """The Trainer of ``mlip-train`` (docs/architecture.md §5): built from a validated config, it owns the
 model (a pipeline stage's parts, in pipeline mode; ``model_setup``), the AdamW optimizer, the learning-rate
 schedule and the EMA, and runs epochs through one of the parallel strategies (``strategies``) over the job's
-ranks (``processes``), writing metrics and checkpoints (``checkpoints``).
+ranks (``processes``), writing metrics and checkpoints (``checkpoints``). The job, not its steps (``training.py``:
+loss, batches, gradients); a pipeline-parallel job's own loop is ``pipeline/trainer.py``'s, which this one drives.
 """
 from __future__ import annotations
 
@@ -287,25 +288,25 @@ class Trainer(Checkpoints):
             return self.average.module
         return self.ema.module if self.ema is not None else self.model
 
-    # ------------------------------------------------------------------ stage two
-    def stage(self, steps: int) -> int:
-        """The stage (1 or 2) of the training ``steps`` steps make: 2 once a step of epoch stage_two.start_epoch
-        (counting from 1) has run; the step numbered s (from 0) is of stage ``stage(s + 1)``."""
+    # ------------------------------------------------------------------ stage two (MACE's; not a pipeline stage)
+    def phase(self, steps: int) -> int:
+        """The loss phase (1, or 2: stage two) of the training ``steps`` steps make: 2 once a step of epoch
+        stage_two.start_epoch (counting from 1) has run; the step numbered s (from 0) is of phase ``phase(s + 1)``."""
         start = self.config["stage_two"]["start_epoch"]
         return 2 if start and steps > self.batches.first_step(start - 1) else 1
 
-    def enter_stage(self, stage: int) -> None:
-        """Set the loss rule of ``stage`` for the next step, and stage two's constant learning rate (times each
+    def enter_phase(self, phase: int) -> None:
+        """Set the loss rule of ``phase`` for the next step, and stage two's constant learning rate (times each
         parameter group's factor) where stage_two.lr is set."""
-        self.strategy.rule = self.rules[stage - 1]
+        self.strategy.rule = self.rules[phase - 1]
         lr = self.config["stage_two"]["lr"]
-        if stage == 2 and lr is not None:
+        if phase == 2 and lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr * group["lr_factor"]
 
     def scheduled(self) -> bool:
         """Whether the learning-rate schedule sets the rate now (not once stage two sets its own)."""
-        return self.scheduler is not None and not (self.stage(self.step) == 2 and
+        return self.scheduler is not None and not (self.phase(self.step) == 2 and
                                                    self.config["stage_two"]["lr"] is not None)
 
     # ----------------------------------------------------------------- scoring
@@ -335,13 +336,13 @@ class Trainer(Checkpoints):
             scored = self.errors(self.evaluation_model, self.train_sample, f"epoch {epoch} (step {self.step}), "
                                  "training errors")
             errors.update({f"train_{k}": v for k, v in scored.items()})
-        stage = self.stage(self.step)
-        rule = self.rules[stage - 1]
+        phase = self.phase(self.step)
+        rule = self.rules[phase - 1]
         val_loss = sum(rule[q] * errors[f"{q}_rmse"] ** 2 for q in QUANTITIES
                        if rule[q] > 0 and np.isfinite(errors[f"{q}_rmse"]))
         if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and self.scheduled():
             self.scheduler.step(val_loss)
-        if stage == 2 and (not self.rows or self.stage(self.rows[-1]["step"]) == 1):
+        if phase == 2 and (not self.rows or self.phase(self.rows[-1]["step"]) == 1):
             self.best = float("inf")  # stage two's validation losses (of its weights) are compared among themselves
         self.rows.append(dict(epoch=epoch, step=self.step, train_loss=self.pending[0] / max(self.pending[1], 1),
                               val_loss=val_loss, lr=self.lr, seconds=seconds, **errors))
@@ -360,7 +361,7 @@ class Trainer(Checkpoints):
         """Early stopping: each of the last ``early_stopping.patience`` validations' loss is no lower than the best
         before them (from the metric rows alone, which a resumed run restores: exact under resume)."""
         patience = self.config["early_stopping"]["patience"]
-        rows = [row for row in self.rows if self.stage(row["step"]) == self.stage(self.step)]  # this stage's
+        rows = [row for row in self.rows if self.phase(row["step"]) == self.phase(self.step)]  # this phase's
         if not patience or len(rows) <= patience:
             return False
         best_before = min(row["val_loss"] for row in rows[:-patience])
@@ -444,13 +445,13 @@ class Trainer(Checkpoints):
                                  self.model.cutoff if self.strategy.builds_edges else None)
         epoch = self.batches.locate(self.step)[0]
         for global_batch in batches:
-            stage = self.stage(self.step + 1)
-            if stage == 2 and self.stage(self.step) == 1 and root:
+            phase = self.phase(self.step + 1)
+            if phase == 2 and self.phase(self.step) == 1 and root:
                 two = config["stage_two"]
                 lr = "" if two["lr"] is None else f", learning rate {two['lr']:g}"
                 print(f"mlip-train: stage two from {self.position(self.step)}: loss weights " + ", ".join(
                       f"{q} {self.rules[1][q]:g}" for q in QUANTITIES) + lr, flush=True)
-            self.enter_stage(stage)
+            self.enter_phase(phase)
             self.model.train()
             self.optimizer.zero_grad(set_to_none=False)
             self.pending[0] += self.strategy.step(global_batch, self.optimizer, epoch + 1)
@@ -463,7 +464,7 @@ class Trainer(Checkpoints):
                 self.scheduler.step()
             epoch, within = self.batches.locate(self.step)  # of the next step
             epoch_ends = within == 0
-            if self.average is not None and epoch_ends and self.stage(self.step) == 2:
+            if self.average is not None and epoch_ends and self.phase(self.step) == 2:
                 self.average.update_parameters(self.model)
             if (self.step % every == 0 if every else epoch_ends) or self.step == self.total_steps:
                 self.validate(time.perf_counter() - start)

@@ -1,7 +1,8 @@
 """Training potentials on energies, forces and stress: data, batched prediction, the loss, and the
 three ways to run it — one process, data parallel (every rank a share of each global batch, gradients
 summed with torch.distributed), and graph parallel (every structure spatially decomposed over the
-ranks with ``forward_decomposed``; the force loss back-propagates through the halo).
+ranks with ``forward_decomposed``; the force loss back-propagates through the halo). The steps a job takes, not the
+job: ``trainer.py`` runs an ``mlip-train`` job with them, ``pipeline/trainer.py`` a pipeline-parallel one.
 
 Conventions: energies eV, forces eV/Å, stress eV/Å³ as a [3, 3] tensor in ASE's sign ((1/V) dE/dε).
 The loss of a global batch is a mean over that whole batch, so summing the ranks' gradients gives

@@ -1,7 +1,8 @@
 """The pipeline's trainer: ``PipelineTrainer`` places the model's blocks on stages (``block_costs``,
 ``split_blocks``, ``check_boundaries``), measures the stages' costs in its first steps (``WARM_UP_STEPS``,
 ``combine_steps``), chooses the schedule, runs a global batch's micro-batches through its ``PipelineStage``,
-sums gradients over pipeline replicas, and writes merged checkpoints part by part."""
+sums gradients over pipeline replicas, and writes merged checkpoints part by part. Only pipeline parallelism:
+the ``mlip-train`` job around it is ``train/trainer.py``'s, the loss and batches ``train/training.py``'s."""
 from __future__ import annotations
 
 import time
