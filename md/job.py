@@ -109,34 +109,16 @@ class MDJob:
             raise SimulationError(f"{exc}; last restart written: {self.last_restart}") from None
 
     def _run(self) -> list:
-        from potentials.files import atomic_write, naming_errors
-
         from .engine import PHASES, run
-        from .outputs import RunFiles, cut_back, write_extxyz
-        from .report import close_bar, plot_thermo
 
-        config, backend, root, integrator = self.config, self.backend, self.root, self.integrator
-        out, directory, steps, first_step = config["output"], self.directory, self.steps, self.first_step
+        config, integrator = self.config, self.integrator
+        out, steps, first_step = config["output"], self.steps, self.first_step
         every, traj_every, restart_every = max(1, out["thermo_every"]), out["trajectory_every"], out["restart_every"]
         devi_every = (config["uncertainty"]["every"] or every) if self.committee else 0
         stride = max(1, (steps - first_step) // SAMPLES)
         unrecorded = self.continues == {}  # a restart written without a record of the outputs
-        trajectory = f"trajectory.{out['trajectory_format']}" if traj_every else None
-        files = bar = None
-        if root:
-            with naming_errors(directory):
-                directory.mkdir(parents=True, exist_ok=True)
-            if self.continuing:
-                cut_back(directory, self.continues, appended=(trajectory, CANDIDATES))
-            files = RunFiles(directory, THERMO_COLUMNS, trajectory, fresh=not self.continuing, deviation=self.committee)
-            via = f" ({backend.library.split(' (')[0]})" if backend.size > 1 else ""
-            print(f"mlip-md: {self.system.n_atoms} atoms on {backend.size} rank(s){via} x {self.threads} thread(s), "
-                  f"{self.system.device}, {config['ensemble']}, steps {first_step} to {steps} of {config['timestep_fs']} fs")
-            if self.verified:
-                print(f"mlip-md: {self.verified}")
-            print(" ".join(f"{c:>14s}" for c in SCREEN_COLUMNS), flush=True)
-            from mlip_parallel.progress import Progress
-            bar = Progress("mlip-md", steps, first_step, "step", None if out["progress"] else "off")
+        files, bar = self._announce(f"trajectory.{out['trajectory_format']}" if traj_every else None)
+        root = self.root
 
         rows, step = [], first_step
         stops = {steps} | {s for n in (every, traj_every, restart_every, devi_every) if n
@@ -190,16 +172,52 @@ class MDJob:
             if root:
                 bar.update(step)
             self.system.timers["output"] += time.perf_counter() - output_start
-        final = self.snapshot(steps)
-        if root:
-            with atomic_write(directory / "final.extxyz", "w") as f:
+        self._finish(files, bar, samples, start_time)
+        return rows
+
+    def _announce(self, trajectory: str | None):
+        """Rank 0: the output directory (cut back to the restart continued from), the run's files and the opening
+        lines; returns (its RunFiles, its progress bar), (None, None) on the other ranks."""
+        from mlip_parallel.progress import Progress
+        from potentials.files import naming_errors
+
+        from .outputs import RunFiles, cut_back
+
+        if not self.root:
+            return None, None
+        config, backend, directory = self.config, self.backend, self.directory
+        with naming_errors(directory):
+            directory.mkdir(parents=True, exist_ok=True)
+        if self.continuing:
+            cut_back(directory, self.continues, appended=(trajectory, CANDIDATES))
+        files = RunFiles(directory, THERMO_COLUMNS, trajectory, fresh=not self.continuing, deviation=self.committee)
+        via = f" ({backend.library.split(' (')[0]})" if backend.size > 1 else ""
+        print(f"mlip-md: {self.system.n_atoms} atoms on {backend.size} rank(s){via} x {self.threads} thread(s), "
+              f"{self.system.device}, {config['ensemble']}, steps {self.first_step} to {self.steps} of "
+              f"{config['timestep_fs']} fs")
+        if self.verified:
+            print(f"mlip-md: {self.verified}")
+        print(" ".join(f"{c:>14s}" for c in SCREEN_COLUMNS), flush=True)
+        return files, Progress("mlip-md", self.steps, self.first_step, "step",
+                               None if config["output"]["progress"] else "off")
+
+    def _finish(self, files, bar, samples: list, start_time: float) -> None:
+        """final.extxyz, the files closed and the thermo plot (rank 0), and the closing summary (collective) of the
+        run since ``start_time`` (``time.perf_counter``)."""
+        from potentials.files import atomic_write
+
+        from .outputs import write_extxyz
+        from .report import close_bar, plot_thermo
+
+        final = self.snapshot(self.steps)
+        if self.root:
+            with atomic_write(self.directory / "final.extxyz", "w") as f:
                 write_extxyz(f, final)
             files.close()
             elapsed = time.perf_counter() - start_time
             close_bar(bar)
-            plot_thermo(directory)
-        self._report(samples, elapsed if root else None)
-        return rows
+            plot_thermo(self.directory)
+        self._report(samples, elapsed if self.root else None)
 
     def _deviation_outputs(self, step: int, deviation: dict, files) -> None:
         """A committee's row of model_devi.csv, and the frame in candidates.extxyz where ``uncertainty.select``

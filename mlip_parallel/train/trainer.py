@@ -55,9 +55,6 @@ class Trainer(Checkpoints):
     (collective), ``fit()`` runs the epochs and returns the metric rows (every rank)."""
 
     def __init__(self, config):
-        import torch
-        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-
         from ..backend import rank_device
 
         self.config = config
@@ -69,22 +66,43 @@ class Trainer(Checkpoints):
         self.starting = starting_model(section)  # (the config alone: before any process group exists)
         self.procs = procs = Processes(config["parallel"])
         self.root = procs.rank == 0
+        mixture, needed = self._read_data()
+        self.last_path, self.shards = self.directory / "last.pt", self.directory / "pipeline"
+        self.resume = bool(procs.bcast(config["resume"] and self.last_path.exists()))  # rank 0's disk decides
+        self.device = rank_device(procs.backend)
+        self._build_strategy(model_species(section, self.surveys[0]), needed)
+        self._check_what_trains(needed)
+        self._check_memory(mixture)
+        self._reference_energies()
+        self._optimizer_and_averages()
+        # where training stands: optimizer steps taken, the best validation loss, the metric rows, and the training
+        # loss summed since the last row ([sum, steps]; a row's train_loss is their mean)
+        self.step, self.best, self.rows, self.pending = 0, float("inf"), [], [0.0, 0]
+        if self.resume:
+            self.load_state()
+        self.last_written = f"{self.last_path} ({self.position(self.step)})" if self.resume else "none yet"
+
+    def _read_data(self) -> tuple:
+        """The data sets, the loss rules and one survey pass over each part (the ranks sharing it: the label checks,
+        the memory check's structures, a new model's species and fits); returns (the training files' mixture,
+        {quantity: the largest weight either loss phase gives it})."""
+        config = self.config
         self.train_set, self.validation, self.test, mixture, self.data_note = load_data(config)
-        self.rules = loss_rules(config)  # (stage one's, stage two's or None)
-        # the labels either stage reads
-        needed = {q: max(r[q] for r in self.rules if r is not None) for q in QUANTITIES}
+        self.rules = loss_rules(config)  # (phase one's, stage two's or None)
+        needed = {q: max(r[q] for r in self.rules if r is not None) for q in QUANTITIES}  # the labels either reads
         if config["data"]["workers"] and not config["data"]["stream"]:
             raise ConfigError("data.workers reads structures ahead from disk: it needs data.stream: true (held "
                               "structures keep their neighbour lists after the first epoch)")
-        # one pass over each part, the ranks sharing it: the label and species checks, the memory check's
-        # structures, a new model's species and fits
-        self.surveys = surveys((self.train_set, self.validation, self.test), procs)
+        self.surveys = surveys((self.train_set, self.validation, self.test), self.procs)
         for part in self.surveys:
             part.check_labels(needed, config["data"]["keys"])
-        self.last_path, self.shards = self.directory / "last.pt", self.directory / "pipeline"
-        self.resume = bool(procs.bcast(config["resume"] and self.last_path.exists()))  # rank 0's disk decides
-        self.device = device = rank_device(procs.backend)
-        species = model_species(section, self.surveys[0])
+        return mixture, needed
+
+    def _build_strategy(self, species: list, needed: dict) -> None:
+        """The model (a new one after its size check, or the starting one; frozen weights, LoRA) and the parallel
+        strategy that trains it (a pipeline stage's parts in pipeline mode): ``self.build``, ``self.pipeline``,
+        ``self.strategy``, ``self.model``."""
+        config, section, procs, device = self.config, self.config["model"], self.procs, self.device
         self.lora = lora_settings(config)
 
         def build(parts=None):
@@ -112,10 +130,14 @@ class Trainer(Checkpoints):
             self.pipeline = pipeline_trainer(config, procs, build, self.train_set, needed, layout)
             self.strategy = PipelineParallel(self.pipeline, config, self.rules[0])
         else:
-            model = build()
             kind = GraphParallel if procs.parallel == "graph" else DataParallel
-            self.strategy = kind(procs, model, device, config, self.rules[0])
-        self.model = model = self.strategy.model
+            self.strategy = kind(procs, build(), device, config, self.rules[0])
+        self.model = self.strategy.model
+
+    def _check_what_trains(self, needed: dict) -> None:
+        """ConfigError (every rank) for globs that match nothing, a model (or a pipeline stage) left nothing to
+        train, elements the model does not know, and a weighted quantity the model cannot predict."""
+        config, section, procs, model = self.config, self.config["model"], self.procs, self.model
         check_patterns(model, section["freeze"], procs)
         check_patterns(model, list(config["optimizer"]["lr_factors"] or {}), procs, "optimizer.lr_factors")
         if self.lora is not None:  # (a glob matching a stage's weight adapted it there)
@@ -139,6 +161,11 @@ class Trainer(Checkpoints):
             problem = model.untrained_quantity(q) if needed[q] > 0 else None
             if problem is not None:
                 raise ConfigError(f"loss.{q}_weight is {needed[q]}, but {problem}: set loss.{q}_weight: 0")
+
+    def _check_memory(self, mixture) -> None:
+        """The steps' batches (``self.batches``), the training structures scored at each validation
+        (``self.train_sample``), and the training memory check of a step's graphs and the weights' state."""
+        config, procs, model = self.config, self.procs, self.model
         n = config["training_errors"]  # the training structures scored at each validation
         n = min(len(self.validation) if n is None else n, len(self.train_set))
         self.train_sample = take(self.train_set, np.sort(np.random.default_rng(config["seed"]).permutation(
@@ -154,16 +181,29 @@ class Trainer(Checkpoints):
         check_training_memory(procs.backend, model, [s for part in self.surveys for s in part.memory_candidates],
                               per_step, procs.parallel == "graph", training_state_bytes(model, self.strategy.parameters,
                                                                                         config["ema_decay"] > 0))
+
+    def _reference_energies(self) -> None:
+        """A new model's scale and shift fitted to the data (not on resume), or a starting model's reference
+        energies kept, refitted or fitted (model.reference_energies); ``self.reference_note``: the log's line."""
+        section = self.config["model"]
         self.reference_note = None  # the log's line on a starting model's reference energies
         if self.starting is None:
             if not self.resume:
-                fit_scale_shift(model, self.surveys[0])
+                fit_scale_shift(self.model, self.surveys[0])
         elif section["reference_energies"] == "refit":  # also on resume: the saved state may hold their shape
             self.refit_reference_energies()
         elif section["reference_energies"] == "fit":
             self.fit_reference_energies()
         else:
             self.reference_note = self.reference_energies_line("kept", self.held_reference_energies())
+
+    def _optimizer_and_averages(self) -> None:
+        """AdamW over the trained weights (``optimizer.lr_factors`` per group), the learning-rate schedule, the
+        weights' EMA and stage two's average."""
+        import torch
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+        config, model = self.config, self.model
         o, sch = config["optimizer"], config["schedule"]
         self.optimizer = torch.optim.AdamW(parameter_groups(model, self.strategy.parameters, o["lr"], o["lr_factors"]),
                                            lr=o["lr"], weight_decay=o["weight_decay"], amsgrad=o["amsgrad"])
@@ -185,12 +225,6 @@ class Trainer(Checkpoints):
             if config["ema_decay"] > 0 else None
         # stage two's weight average (SWA: equal weights, one sample per stage-two epoch)
         self.average = AveragedModel(model, use_buffers=False) if config["stage_two"]["average"] else None
-        # where training stands: optimizer steps taken, the best validation loss, the metric rows, and the training
-        # loss summed since the last row ([sum, steps]; a row's train_loss is their mean)
-        self.step, self.best, self.rows, self.pending = 0, float("inf"), [], [0.0, 0]
-        if self.resume:
-            self.load_state()
-        self.last_written = f"{self.last_path} ({self.position(self.step)})" if self.resume else "none yet"
 
     def training_count(self) -> str:
         """The training set's size, for the log: with sampled files, an epoch's composition."""
@@ -394,49 +428,62 @@ class Trainer(Checkpoints):
             raise DataErrorMidRun(f"{exc}; training stopped; last checkpoint written: {self.last_written}") from None
 
     def _fit(self) -> list:
-        import torch
+        bar = self._announce()
+        self.procs.barrier()  # the output directory exists before any rank writes into it
+        self._loop(bar)
+        self._finish(bar)
+        return self.rows
 
-        import potentials
+    def _announce(self):
+        """Rank 0: the output directory (and the pipeline's layout), the metric loggers, and the log's opening lines;
+        returns its progress bar (None on the other ranks)."""
+        import torch
 
         from potentials.files import atomic_write, naming_errors
 
         from ..model_section import section_options
-        from .outputs import format_errors, plot_learning_curve, species_text
+        from ..progress import Progress
+        from .outputs import species_text
 
-        config, procs, root = self.config, self.procs, self.root
+        config, procs, section = self.config, self.procs, self.config["model"]
         count = np.array([float(sum(p.numel() for p in self.strategy.parameters)),  # trained, of all weights:
                           float(sum(p.numel() for _, p in self.model.named_weights()))])  # the whole model ...
         if self.pipeline is not None:  # ... or a stage's parts: add the stages of one replica
             count = procs.sum(count) / self.pipeline.replicas
-        section = config["model"]
-        if root:
-            with naming_errors(self.directory):
-                self.directory.mkdir(parents=True, exist_ok=True)
-            if self.pipeline is not None:
-                with naming_errors(self.shards):
-                    self.shards.mkdir(exist_ok=True)
-                with atomic_write(self.shards / "layout.json", "w") as f:
-                    json.dump({"stages": self.pipeline.stages, "boundaries": self.pipeline.boundaries}, f)
-            self.loggers = MetricLoggers(config["output"], self.directory, self.step, config)
-            from ..progress import Progress
-            bar = Progress("mlip-train", *self.progress_count(total=True), None if config["output"]["progress"] else
-                           "off", every_seconds=0)
-            layout = f", stages at blocks {self.pipeline.boundaries}" if self.pipeline is not None else ""
-            start = "" if self.starting is None else f" from {self.starting} {section[self.starting]}" + "".join(
-                f" ({key} {value})" for key, value in section_options(section, self.starting).items())
-            trained = f"{int(count[0])} parameters" if count[0] == count[1] else \
-                f"{int(count[0])} of {int(count[1])} parameters trained (model.freeze {section['freeze']})"
-            if self.lora is not None:
-                trained = (f"{int(count[1] - count[0])} parameters fixed, {int(count[0])} parameters of LoRA "
-                           f"updates trained (rank {self.lora['rank']}, alpha {self.lora['alpha']:g}, on "
-                           f"{len(self.lora['adapted'])} weights)")
-            print(f"mlip-train: {type(self.model).__name__}{start} {species_text(self.model.species)}, {trained}, "
-                  f"{self.training_count()} training / {len(self.validation)} validation / {len(self.test)} test "
-                  f"structures\nmlip-train: {procs.size} rank(s) x {torch.get_num_threads()} thread(s), "
-                  f"{procs.parallel} parallel{layout}\n{self.data_note}", flush=True)
-            if self.reference_note:
-                print(self.reference_note, flush=True)
-        procs.barrier()  # the output directory exists before any rank writes into it
+        if not self.root:
+            return None
+        with naming_errors(self.directory):
+            self.directory.mkdir(parents=True, exist_ok=True)
+        if self.pipeline is not None:
+            with naming_errors(self.shards):
+                self.shards.mkdir(exist_ok=True)
+            with atomic_write(self.shards / "layout.json", "w") as f:
+                json.dump({"stages": self.pipeline.stages, "boundaries": self.pipeline.boundaries}, f)
+        self.loggers = MetricLoggers(config["output"], self.directory, self.step, config)
+        bar = Progress("mlip-train", *self.progress_count(total=True), None if config["output"]["progress"] else
+                       "off", every_seconds=0)
+        layout = f", stages at blocks {self.pipeline.boundaries}" if self.pipeline is not None else ""
+        start = "" if self.starting is None else f" from {self.starting} {section[self.starting]}" + "".join(
+            f" ({key} {value})" for key, value in section_options(section, self.starting).items())
+        trained = f"{int(count[0])} parameters" if count[0] == count[1] else \
+            f"{int(count[0])} of {int(count[1])} parameters trained (model.freeze {section['freeze']})"
+        if self.lora is not None:
+            trained = (f"{int(count[1] - count[0])} parameters fixed, {int(count[0])} parameters of LoRA "
+                       f"updates trained (rank {self.lora['rank']}, alpha {self.lora['alpha']:g}, on "
+                       f"{len(self.lora['adapted'])} weights)")
+        print(f"mlip-train: {type(self.model).__name__}{start} {species_text(self.model.species)}, {trained}, "
+              f"{self.training_count()} training / {len(self.validation)} validation / {len(self.test)} test "
+              f"structures\nmlip-train: {procs.size} rank(s) x {torch.get_num_threads()} thread(s), "
+              f"{procs.parallel} parallel{layout}\n{self.data_note}", flush=True)
+        if self.reference_note:
+            print(self.reference_note, flush=True)
+        return bar
+
+    def _loop(self, bar) -> None:
+        """The optimizer steps to the end (or an early stop), validating and writing checkpoints on the way."""
+        import torch
+
+        config, procs, root = self.config, self.procs, self.root
         every, checkpoint_every = config["validate_every"], config["output"]["checkpoint_every"]
         start = time.perf_counter()
         last = self.step if self.stalled() else self.total_steps  # (a run that stopped early, resumed: no step)
@@ -480,6 +527,14 @@ class Trainer(Checkpoints):
                 self.save(self.last_path, self.step)
                 self.last_written = f"{self.last_path} ({self.position(self.step)})"
         batches.close()  # (after an early stop: the read-ahead workers end now)
+
+    def _finish(self, bar) -> None:
+        """The closing lines, the learning curve, and the test set scored with best.pt."""
+        import potentials
+
+        from .outputs import format_errors, plot_learning_curve
+
+        config, procs, root = self.config, self.procs, self.root
         if root:
             bar.close()
             if self.stalled():
@@ -500,4 +555,3 @@ class Trainer(Checkpoints):
             written = ["best.pt"] + ([native] if native else []) + ["last.pt", "metrics.csv", "learning_curve.png"] + \
                 (["pipeline/"] if self.pipeline else [])
             print(f"mlip-train: output in {self.directory}: {', '.join(written)}", flush=True)
-        return self.rows
