@@ -646,3 +646,15 @@ def phonon_frequencies(unit, calculator, primitive_matrix=None, zero_modes: int 
     phonon.produce_force_constants()
     return np.concatenate([phonon.get_frequencies([0, 0, 0])[zero_modes:],
                            *(phonon.get_frequencies(q) for q in ([0.5, 0, 0.5], [0.5, 0.5, 0.5]))])
+
+
+def copper_vacancy_hop() -> tuple:
+    """(initial, final): fcc Cu of 2×2×1 cubic cells less atom 0, and with its nearest neighbour moved into the empty
+    site (unrelaxed end points: the band's images relax between them)."""
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat((2, 2, 1))
+    site = atoms.positions[0].copy()
+    neighbour = int(np.argsort(np.linalg.norm(atoms.positions - site, axis=1))[1])
+    del atoms[0]
+    final = atoms.copy()
+    final.positions[neighbour - 1] = site
+    return atoms, final

@@ -228,10 +228,13 @@ def test_family_distributed_equals_its_packages_calculator(every_family_on_two_r
     """Each family in full on 2 ranks (mpiexec, one launch for all): every model of its fixtures on every geometry
     (fairchem's second and third on four of them; the first on every grid), chunked and one pass, wide mode, the ASE
     calculator, the halo's faults == its package's own calculator (MACECalculator, NequIPCalculator,
-    FAIRChemCalculator, SevenNetCalculator)."""
+    FAIRChemCalculator, SevenNetCalculator); SevenNet's NEB(parallel=True), an image per rank, == the band with
+    SevenNetCalculator in one process."""
     require(FAMILY_PACKAGES[family][0])
     rc, out = every_family_on_two_ranks
     check_families(out, 2, [family])
+    if family == "sevennet":  # ASE's NEB(parallel=True) with ours == the band with SevenNetCalculator
+        assert "SevenNet-0 NEB(parallel=True), an image per rank" in out, out
     assert rc == 0 or "FAIL " in out, out  # (a launch that failed without naming a family: every family's test fails)
 
 

@@ -10,7 +10,7 @@ from comparison import assert_close
 from conftest import needs, require
 from md import MLIPCalculator
 from potentials.adapters.sevennet import SevenNet
-from systems import in_many_chunks, oxide_triclinic, phonon_frequencies, sevennet_reference
+from systems import copper_vacancy_hop, in_many_chunks, oxide_triclinic, phonon_frequencies, sevennet_reference
 
 pytestmark = [needs("sevenn"), pytest.mark.filterwarnings("ignore:::sevenn")]  # (quiet: its own deprecations)
 
@@ -131,3 +131,31 @@ def test_phonopy_frequencies_equal_sevenns_own_calculator(sevennet):
                    for name, calculator in both_calculators(sevennet)}
     assert frequencies["ours"].max() > 10  # THz: Si's optical branch (15.5 THz)
     assert_close(frequencies["ours"], frequencies["sevenn"], 1e-3, scale="absolute", label="phonon frequencies")
+
+
+def test_neb_equals_sevenns_own_calculator(sevennet):
+    """ASE's NEB (3 moving images, the middle one climbing: the highest by the hop's symmetry, where two images would
+    tie within rounding and each calculator climb its own; 8 FIRE steps) of a vacancy hop in copper with our
+    calculator at its defaults, one per image == with SevenNetCalculator('7net-0'): the images' positions to 1e-5 Å,
+    the band's energies to 1e-5 eV (float32). NEB(parallel=True) with ours against the band with sevenn's in one
+    process: tests/mpi/sevennet_models.py."""
+    from ase.mep import NEB
+    from ase.optimize import FIRE
+    from sevenn.calculator import SevenNetCalculator
+
+    bands = {}
+    makers = {"ours": lambda: MLIPCalculator(sevennet), "sevenn": lambda: SevenNetCalculator("7net-0")}
+    for name, calculator in makers.items():
+        initial, final = copper_vacancy_hop()
+        images = [initial] + [initial.copy() for _ in range(3)] + [final]
+        for image in images:
+            image.calc = calculator()
+        neb = NEB(images, climb=True)
+        neb.interpolate()
+        FIRE(neb, logfile=None).run(fmax=1e-3, steps=8)
+        bands[name] = {"positions": np.array([image.positions for image in images]),
+                       "energies": np.array([image.get_potential_energy() for image in images])}
+    initial = copper_vacancy_hop()[0].positions
+    assert np.abs(bands["ours"]["positions"][2] - initial).max() > 0.5  # the middle image on its way along the hop
+    assert bands["ours"]["energies"][2] > bands["ours"]["energies"][0] + 0.1  # a barrier between the ends
+    assert_close(bands["ours"], bands["sevenn"], 1e-5, scale="absolute", label="NEB")
