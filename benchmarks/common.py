@@ -37,7 +37,7 @@ def cu_emt_frames(count, atoms_per_structure):
 
 def cu_structures(count, atoms_per_structure):
     """``cu_emt_frames`` as ``training.Structure``s."""
-    from mlip_parallel.train.training import Structure
+    from mlip_parallel.train.structures import Structure
 
     return [Structure(atoms.numbers, atoms.positions, atoms.cell[:], atoms.pbc, atoms.get_potential_energy(),
                       atoms.get_forces(), atoms.get_stress(voigt=False), f"emt:{k}")

@@ -172,7 +172,8 @@ def ours(spec, frames, dtype, lora=None, **options):
     import torch
 
     import potentials
-    from mlip_parallel.train.training import Batch, Counts, LossRule, Structure, batch_gradients
+    from mlip_parallel.train.training import Batch, Counts, LossRule, batch_gradients
+    from mlip_parallel.train.structures import Structure
     from potentials.lora import add_lora
 
     model = potentials.load_model(spec, dtype=dtype, **options).train()

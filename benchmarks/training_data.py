@@ -135,7 +135,8 @@ def worker(args):
         result = {"seconds": time.perf_counter() - start, "peak_mb": status_mb("VmHWM") - before}
     else:  # eval: streamed (the tool) or whole (the structures read into a list first, as before)
         from mlip_parallel.train.cli import evaluate_model
-        from mlip_parallel.train.training import error_sums, read_structures
+        from mlip_parallel.train.training import error_sums
+        from mlip_parallel.train.sources import read_structures
 
         import potentials
 

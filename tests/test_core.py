@@ -117,7 +117,8 @@ def test_subdomain_pairs_and_ghosts_hold_until_atoms_moved_half_the_skin(mode):
 def test_batched_strain_and_edges_equal_one_structure_at_a_time():
     """potentials.graph's strained coordinates and edge vectors, batched (training) and for one
     structure (predict, forward_decomposed): the same energies, forces and stress."""
-    from mlip_parallel.train.training import Batch, Structure, predict_batch
+    from mlip_parallel.train.training import Batch, predict_batch
+    from mlip_parallel.train.structures import Structure
     from potentials.graph import complete_cell
     from potentials.predict import energy_forces
 

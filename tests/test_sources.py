@@ -18,7 +18,9 @@ from conftest import importable, require
 from systems import emt_labelled
 from mlip_parallel.train import sources
 from mlip_parallel.train.cli import RULES, SCHEMA, evaluate_model, train, validate
-from mlip_parallel.train.training import DataError, error_sums, error_table, read_structures
+from mlip_parallel.train.structures import DataError
+from mlip_parallel.train.training import error_sums, error_table
+from mlip_parallel.train.sources import read_structures
 
 FIELDS = ("numbers", "positions", "cell", "pbc", "energy", "forces", "stress")
 
@@ -331,7 +333,7 @@ def test_a_structure_unreadable_mid_run_stops_the_job_in_one_line(tmp_path, monk
 
     from mlip_parallel.train import cli
     from mlip_parallel.train.trainer import Trainer
-    from mlip_parallel.train.training import DataErrorMidRun
+    from mlip_parallel.train.structures import DataErrorMidRun
 
     path = tmp_path / "data.extxyz"
     write(path, frames(12), format="extxyz")

@@ -17,7 +17,7 @@ from mlip_parallel.train import sources
 from mlip_parallel.train.sources import open_source
 from mlip_parallel.train.survey import ELEMENTS, LeastSquares, Survey, merged_facts, share_facts
 from mlip_parallel.train.trainer import Trainer
-from mlip_parallel.train.training import DataError
+from mlip_parallel.train.structures import DataError
 
 
 @pytest.fixture(autouse=True)
@@ -148,7 +148,7 @@ def test_a_files_facts_are_read_once_and_again_when_it_changes(tmp_path, monkeyp
     resume) reads none (the memory check then reads its 16 a part), and gives the same survey; the file rewritten, or read under other
     label names, is read again. The split parts (training, validation) share the file's one reading."""
     from mlip_parallel.train.survey import surveys
-    from mlip_parallel.train.training import split
+    from mlip_parallel.train.sources import split
 
     path = tmp_path / "alloys.extxyz"
     write(path, alloy_frames(40), format="extxyz")
@@ -192,7 +192,7 @@ def test_a_shuffled_part_names_its_lowest_structure(tmp_path):
     """In a shuffled split every structure of which lacks energy, the label check names the lowest index of the file
     among the part's structures (not the split's first, an arbitrary one); so does the species check."""
     from mlip_parallel.train.survey import surveys
-    from mlip_parallel.train.training import split
+    from mlip_parallel.train.sources import split
 
     frames = alloy_frames(14)
     for atoms in frames:

@@ -19,7 +19,7 @@ from comparison import assert_beyond, assert_close
 from conftest import MPI_DIR, ROOT, assert_log_lines, require
 from mlip_parallel.config import ConfigError
 from mlip_parallel.train.cli import RULES, SCHEMA, main, train, validate
-from mlip_parallel.train.training import DataError
+from mlip_parallel.train.structures import DataError
 
 spec = importlib.util.spec_from_file_location("generate_cu_emt_data", ROOT / "examples" / "generate_cu_emt_data.py")
 generator = importlib.util.module_from_spec(spec)
@@ -360,7 +360,8 @@ def test_split_backward_equals_whole_backward(name):
     from ase.build import bulk
 
     from mlip_parallel.train.pipeline import backward_split
-    from mlip_parallel.train.training import Batch, Structure, batch_geometry
+    from mlip_parallel.train.training import Batch, batch_geometry
+    from mlip_parallel.train.structures import Structure
 
     atoms = bulk("Cu", "fcc", a=3.6, cubic=True)
     atoms.rattle(0.05, seed=1)
@@ -486,7 +487,8 @@ def test_losses_equal_maces_weighted_mse_huber_and_universal_losses(quick_data):
     require("mace")
     import mace.modules.loss as mace_loss
 
-    from mlip_parallel.train.training import Counts, Labels, LossRule, loss_terms, read_structures, total_loss
+    from mlip_parallel.train.training import Counts, Labels, LossRule, loss_terms, total_loss
+    from mlip_parallel.train.sources import read_structures
 
     structures = read_structures(quick_data, keys={"config_type": "config_type"})[:6]
     assert [s.config_type for s in structures] == ["bulk", "rattled", "strained"] * 2
@@ -556,7 +558,8 @@ def test_stage_two_weights_rate_and_average(quick_data, tmp_path):
 def test_nan_is_never_masked(quick_data, tmp_path):
     """Unlabelled entries are left out by label masks, but a non-finite prediction of a labelled one makes
     the loss and the errors non-finite, and training stops naming the epoch and the structures."""
-    from mlip_parallel.train.training import Batch, Counts, TrainingError, loss_terms, prediction_errors, read_structures
+    from mlip_parallel.train.training import Batch, Counts, TrainingError, loss_terms, prediction_errors
+    from mlip_parallel.train.sources import read_structures
 
     structures = read_structures(quick_data)[:3]
     structures[1].forces = None  # unlabelled: no force term from it
@@ -611,7 +614,7 @@ def test_output_directory_not_overwritten_and_eval_header(quick_data, tmp_path, 
 def test_reads_ase_db_with_labels(quick_data, tmp_path):
     from ase.io import read
 
-    from mlip_parallel.train.training import read_structures
+    from mlip_parallel.train.sources import read_structures
 
     frames = read(quick_data, ":")
     write(tmp_path / "data.db", frames)
@@ -636,7 +639,8 @@ def test_help_documents_every_key(capsys):
 def test_bundled_model_matches_emt_on_held_out_structures():
     """cu-emt (trained with mlip-train on examples/generate_cu_emt_data.py, seed 0) on fresh structures
     (seed 1234) at 300–900 K: force MAE ≤ 50 meV/Å."""
-    from mlip_parallel.train.training import error_sums, error_table, read_structures
+    from mlip_parallel.train.training import error_sums, error_table
+    from mlip_parallel.train.sources import read_structures
 
     model = potentials.load("cu-emt")
     held_out = [a for a in generator.generate(seed=1234, frames=6) if a.info["temperature_K"] <= 900]

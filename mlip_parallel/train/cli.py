@@ -266,7 +266,7 @@ DEVIATION_COLUMNS = ("structure", "max_devi_f", "min_devi_f", "avg_devi_f", "dev
 
 
 def structure_deviation(committee, structure) -> tuple:
-    """A committee's evaluation of one structure (``training.Structure``): (the [9] error sums of its mean energy,
+    """A committee's evaluation of one structure (``structures.Structure``): (the [9] error sums of its mean energy,
     forces and stress against the labels, ``training.prediction_errors``; its model deviation, a row of
     ``DEVIATION_COLUMNS``)."""
     import torch

@@ -150,7 +150,7 @@ class _StepReads:
         return self.last - self.first
 
     def __getitem__(self, i: int) -> dict:
-        from .training import DataError
+        from .structures import DataError
 
         ready = {}
         try:
@@ -182,7 +182,7 @@ def global_batches(structures, batches: StepBatches, first: int, last: int, work
         return
     import torch
 
-    from .training import DataError
+    from .structures import DataError
 
     loader = torch.utils.data.DataLoader(
         _StepReads(structures, batches, first, last, reads, cutoff), batch_size=None, shuffle=False,

@@ -225,7 +225,7 @@ def load_data(config):
     training set whole, after them, and ``mixture`` holds its positions there and its share (``loader.StepBatches``).
     """
     from .sources import Source, open_source
-    from .training import split
+    from .sources import split
 
     d = config["data"]
     if d["train"] is None:

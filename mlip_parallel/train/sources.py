@@ -1,7 +1,7 @@
 """Labelled structures read lazily, by index, in the files' own order: a data set that is never held whole.
 
 ``open_source(paths, keys=None)`` gives a ``Source``: ``len(source)`` structures, ``source[k]`` reads structure k
-from disk (a ``training.Structure``; DataError naming the file and the index for one that cannot be used) and
+from disk (a ``structures.Structure``; DataError naming the file and the index for one that cannot be used) and
 keeps nothing of it. The formats:
 
 * extxyz / xyz: a one-time index of each frame's byte offset (a scan of the count lines, no parsing), kept in a
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .training import DataError, structure_of
+from .structures import DataError, Structure, structure_of
 
 QUANTITIES = ("energy", "forces", "stress")
 EXTXYZ = (".xyz", ".extxyz")
@@ -340,3 +340,22 @@ def index_extxyz(path) -> np.ndarray:
             line_number += count + 1
     offsets.append(position)
     return np.asarray(offsets, dtype=np.int64)
+
+
+def read_structures(path, keys=None) -> list[Structure]:
+    """All structures of a data set (a file ASE reads, or a list of them; ``keys``: the labels' names, see
+    the module docstring), read into memory."""
+    return list(open_source(path, keys))
+
+
+def split(structures, fractions, seed: int):
+    """Shuffle (seeded) and cut into len(fractions) + 1 parts: the first takes what the others leave. Lists give
+    lists; a ``sources.Source`` gives ``Subset`` views (nothing read)."""
+    order = np.random.default_rng(seed).permutation(len(structures))
+    sizes = [int(round(f * len(structures))) for f in fractions]
+    parts, start = [], sum(sizes)
+    parts.append(take(structures, order[:len(structures) - start]))
+    for size in sizes:
+        parts.append(take(structures, order[len(structures) - start: len(structures) - start + size]))
+        start -= size
+    return parts

@@ -34,7 +34,8 @@ from functools import cached_property
 
 import numpy as np
 
-from .training import QUANTITIES, DataError
+from .training import QUANTITIES
+from .structures import DataError
 
 FACTS_VERSION = 1  # of the cached facts' layout; another version is read again
 MEMORY_CANDIDATES = 8  # structures kept per ranking for the memory check

@@ -418,7 +418,7 @@ class Trainer(Checkpoints):
         that cannot be read (the files changed since start-up) DataErrorMidRun, naming it and the last checkpoint."""
         from potentials.errors import OutputError
 
-        from .training import DataError, DataErrorMidRun
+        from .structures import DataError, DataErrorMidRun
 
         try:
             return self._fit()

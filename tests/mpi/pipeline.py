@@ -44,7 +44,8 @@ from mlip_parallel.train.pipeline import WARM_UP_STEPS, PipelineTrainer  # noqa:
 from mlip_parallel.train.pipeline.schedule import (SWEEPS, Costs, check, defer_tail, gpipe, one_f_one_b,  # noqa: E402
                                           split, sweeps_of)
 from mlip_parallel.train.processes import Processes  # noqa: E402
-from mlip_parallel.train.training import Batch, Counts, LossRule, Structure, error_sums, loss_terms, predict_batch, \
+from mlip_parallel.train.structures import Structure  # noqa: E402
+from mlip_parallel.train.training import Batch, Counts, LossRule, error_sums, loss_terms, predict_batch, \
     total_loss  # noqa: E402
 from comparison import compare  # noqa: E402
 

@@ -24,7 +24,8 @@ from mpi4py import MPI  # noqa: E402
 import potentials  # noqa: E402
 from comparison import compare  # noqa: E402
 from mlip_parallel.train.cli import RULES, SCHEMA, train, validate  # noqa: E402
-from mlip_parallel.train.training import error_sums, error_table, read_structures, split  # noqa: E402
+from mlip_parallel.train.training import error_sums, error_table  # noqa: E402
+from mlip_parallel.train.sources import read_structures, split
 
 torch.set_num_threads(1)
 world = MPI.COMM_WORLD
