@@ -9,6 +9,7 @@ from ase.data import atomic_numbers, chemical_symbols
 
 from .errors import MLIPError, UnknownSpeciesError
 from .graph import AtomGraph
+from .weights import weight_groups
 
 
 class Potential(torch.nn.Module):
@@ -247,23 +248,6 @@ class PackageModel:
 
 class FreezeError(MLIPError, ValueError):
     """A ``freeze`` pattern that matches none of the model's weights."""
-
-
-def weight_groups(names) -> list:
-    """The parameter groups of weight ``names``, for messages: each name cut after its first component that
-    tells modules apart (a layer index stays with its module: "interactions.0.*", "model.func.layer1_convnet.*")."""
-    names = list(names)
-    for depth in range(1, 8):
-        groups = set()
-        for name in names:
-            parts = name.split(".")
-            cut = min(depth, len(parts) - 1)
-            while cut < len(parts) - 1 and parts[cut].isdigit():
-                cut += 1
-            groups.add(".".join(parts[:cut]) + ".*" if cut else name)
-        if len(groups) > 1 or depth >= max((n.count(".") for n in names), default=0):
-            return sorted(groups)
-    return sorted(groups)
 
 
 def select_weights(model: Potential, freeze=(), require_match: bool = True) -> list:

@@ -119,7 +119,7 @@ def check_patterns(model, patterns, procs, key: str = "model.freeze", matched=No
     (LoRA's adapted weights, named as before the adaptation)."""
     from fnmatch import fnmatchcase
 
-    from potentials.base import weight_groups
+    from potentials.weights import weight_groups
 
     names = [name for held in procs.allgather([name for name, _ in model.named_weights()]) for name in held]
     for pattern in patterns:

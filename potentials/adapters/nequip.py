@@ -11,11 +11,12 @@ integration does): each interaction block after the first pads its node features
 calls ``lmp_mliap_data.forward_exchange`` / ``reverse_exchange``, here ``GhostExchange`` over our halo.
 Edges go in as the framework's (receiver, sender) pairs with our edge vectors. How the model's layers run —
 NequIP's message passing or Allegro's strictly local layers — is read from the model itself
-(``nequip_layers.layers_of``): one strategy each behind this one adapter.
+(``layers_of``): one strategy each behind this one adapter.
 """
 from __future__ import annotations
 
 import os
+import re
 import warnings
 
 import numpy as np
@@ -26,9 +27,25 @@ from ..base import EMBED, READOUT, BlockPotential, PackageModel, all_parts, held
 from ..graph import AtomGraph
 from ..messages import SavedBytes
 from .exchange import GhostExchange, default_dtype
-from .nequip_layers import layers_of, run_modules
+from .allegro_layers import AllegroLayers
+from .nequip_layers import NequIPLayers, run_modules
 from .nequip_loading import (NequIPFrameworkError, build_framework_model, framework_architecture,  # noqa: F401
                              load_framework_model, process_state_kept)
+
+
+def layers_of(network, where: str):
+    """The layers of the framework's sequential ``network``: Allegro's (one ``Allegro_Module``) or NequIP's
+    (``layer{k}_convnet`` modules). NequIPFrameworkError for a network with neither: its message-passing steps,
+    hence the ghost atoms it needs, are not known here."""
+    names = list(network._modules)
+    allegro = [k for k, name in enumerate(names) if type(network._modules[name]).__name__ == "Allegro_Module"]
+    if len(allegro) == 1:
+        return AllegroLayers(network, names, allegro[0])
+    if any(re.fullmatch(r"layer\d+_convnet", name) for name in names):
+        return NequIPLayers(network, names)
+    raise NequIPFrameworkError(f"{where}: its network holds neither NequIP's layerK_convnet modules nor one "
+                               f"Allegro_Module: how many message-passing steps it takes, hence which ghost atoms it "
+                               f"needs, is not known here")
 
 
 class NequIPFramework(PackageModel, BlockPotential):

@@ -1,5 +1,5 @@
-"""How a nequip-framework model's layers run, read from the model itself (``layers_of``): NequIP's message passing
-(``NequIPLayers``, here) or Allegro's strictly local layers (``allegro_layers.AllegroLayers``). Both answer the
+"""How a nequip-framework model's layers run, read from the model itself (``nequip.layers_of``): NequIP's message
+passing (``NequIPLayers``, here) or Allegro's strictly local layers (``allegro_layers.AllegroLayers``). Both answer the
 adapter's questions alike:
 
 * ``layers`` (message-passing steps: the halo's reach in cutoffs), ``n_blocks`` (pipeline blocks),
@@ -36,23 +36,6 @@ def run_modules(network, names, data: dict) -> dict:
     for name in names:
         data = network._modules[name](data)
     return data
-
-
-def layers_of(network, where: str):
-    """The layers of the framework's sequential ``network``: Allegro's (one ``Allegro_Module``) or NequIP's
-    (``layer{k}_convnet`` modules). NequIPFrameworkError for a network with neither: its message-passing steps,
-    hence the ghost atoms it needs, are not known here."""
-    names = list(network._modules)
-    allegro = [k for k, name in enumerate(names) if type(network._modules[name]).__name__ == "Allegro_Module"]
-    if len(allegro) == 1:
-        from .allegro_layers import AllegroLayers
-
-        return AllegroLayers(network, names, allegro[0])
-    if any(re.fullmatch(r"layer\d+_convnet", name) for name in names):
-        return NequIPLayers(network, names)
-    raise NequIPFrameworkError(f"{where}: its network holds neither NequIP's layerK_convnet modules nor one "
-                               f"Allegro_Module: how many message-passing steps it takes, hence which ghost atoms it "
-                               f"needs, is not known here")
 
 
 class NequIPLayers:
