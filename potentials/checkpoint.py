@@ -204,7 +204,7 @@ def save_native_from(checkpoint, path, data=None) -> None:
     beside its stage's training state); else the model is loaded whole. ``data``: as ``save_native``'s."""
     import zlib
 
-    from .adapters.pickled import Deferred, read_each, read_module_tree
+    from .pickled import Deferred, read_each, read_module_tree
 
     checkpoint = os.fspath(checkpoint)
     try:

@@ -565,7 +565,7 @@ def fairchem_training_model(path, task: str, dtype=torch.float64):
     normaliser and element references as ``MLIPPredictUnit`` applies them, {property: tensor})."""
     from fairchem.core.units.mlip_unit.utils import load_inference_model, load_tasks
 
-    from potentials.adapters.exchange import default_dtype
+    from potentials.exchange import default_dtype
     from potentials.adapters.fairchem import import_fairchem
 
     import_fairchem()
@@ -594,7 +594,7 @@ def fairchem_reference(name: str, atoms, dtype=torch.float64, merge_mole: bool =
     import contextlib
     import logging
 
-    from potentials.adapters.exchange import default_dtype
+    from potentials.exchange import default_dtype
 
     from fairchem.core.calculate.ase_calculator import FAIRChemCalculator
     from fairchem.core.units.mlip_unit import load_predict_unit

@@ -1,6 +1,6 @@
 """The contract every model keeps (potentials.base: the Trainable, MemoryModel and Splittable protocols) and the one
 shape of the adapters (potentials.base.PackageModel): the rebuild keyword, an error class per family, the memory
-model; the one helper that puts the process back (adapters/process.py); temporary patches of packages' modules
+model; the one helper that puts the process back (potentials/process.py); temporary patches of packages' modules
 undone on any exit; fairchem's mixed experts made again when their weights change; MACE's copied code run only
 under the mace-torch it was copied from."""
 import copy
@@ -92,7 +92,7 @@ def test_sevennet_checkpoints_of_before_the_shared_keyword_still_load(tmp_path):
 def test_process_kept_puts_back_exactly_what_changed(monkeypatch):
     """Variables set, changed or removed inside come back as they were; no other is written again (the
     environment is not cleared and refilled); with ``random``, ``dtype`` and ``warning_filters`` those too."""
-    from potentials.adapters.process import process_kept
+    from potentials.process import process_kept
 
     monkeypatch.setenv("KEPT_CHANGED", "before")
     monkeypatch.setenv("KEPT_REMOVED", "before")

@@ -134,7 +134,7 @@ def test_bad_inputs_are_named(tmp_path, monkeypatch):
     """A file that is not a fairchem checkpoint, a task it does not have (its tasks named), an element outside the
     model, charge/spin for a task that takes none, a key given to another kind of model, fairchem missing (the
     extra named) or of a version the adapter does not know."""
-    from potentials.adapters.pickled import PickleFileError
+    from potentials.pickled import PickleFileError
 
     path = FAIRCHEM_DIR / "uma-moe.pt"
     (tmp_path / "text.pt").write_text("not a checkpoint")
@@ -297,7 +297,7 @@ def test_a_pipeline_stage_builds_and_reads_only_its_blocks(monkeypatch):
     the whole model reads every EMA tensor once. Its weights equal the whole model's."""
     from fairchem.core.models.uma import escn_md
 
-    from potentials.adapters import pickled
+    from potentials import pickled
     from potentials.adapters.fairchem import BLOCK_KEY, FAIRChem, read_checkpoint
 
     path = FAIRCHEM_DIR / "uma-moe.pt"

@@ -30,7 +30,7 @@ import potentials
 from comparison import assert_beyond, assert_close
 from conftest import MPI_DIR, missing as missing_modules, needs as needs_modules
 from mlip_parallel.train.cli import RULES, SCHEMA, main, train, validate
-from potentials.adapters.exchange import default_dtype
+from potentials.exchange import default_dtype
 from test_training import trained_parameters  # (last.pt's state, or the pipeline stages' shards)
 from systems import (ALLEGRO_PRUNED, FAIRCHEM_DIR, FAIRCHEM_FIXTURES, MACE_DIR, NEQUIP_DIR, allegro_architecture,
                      fairchem_reference, fairchem_training_model, labelled_alloys, write_framework_model,

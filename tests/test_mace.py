@@ -19,7 +19,7 @@ from comparison import assert_beyond, assert_close
 from conftest import needs
 from md import MLIPCalculator
 from potentials.adapters.mace import MACEModelError, load_mace
-from potentials.adapters.pickled import codegen_tensors, read_module_tree, state_dict
+from potentials.pickled import codegen_tensors, read_module_tree, state_dict
 from systems import (GEOMETRIES, MACE_DIR, MACE_FIXTURES, in_many_chunks, mace_fixture, mace_view,
                      run_md_comparison, write_small_mace)
 
@@ -415,7 +415,7 @@ def test_a_model_mace_run_train_writes_loads_in_every_tool(tmp_path, restore_env
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-3000:]
     path = tmp_path / "tiny.model"
-    from potentials.adapters.pickled import codegen_tensors, read_module_tree
+    from potentials.pickled import codegen_tensors, read_module_tree
     folded = [k for k in codegen_tensors(read_module_tree(path)) if "_tensor_constant" in k]
     assert folded, "the file should hold e3nn's folded constants (the case the loader must tolerate)"
     with pytest.raises(MACEModelError, match=r"tiny_compiled.model: a TorchScript archive of a "  # (written beside it)
@@ -461,7 +461,7 @@ def test_files_from_maces_accelerated_training_and_torch_compile_load(tmp_path, 
     from ase.build import bulk
     from mace.calculators import MACECalculator
 
-    from potentials.adapters.pickled import COMPILED_MODULE, Pickled, _check_archive, _load_archive, _opened, \
+    from potentials.pickled import COMPILED_MODULE, Pickled, _check_archive, _load_archive, _opened, \
         traced_prefixes
 
     cueq = os.path.join(MACE_DIR, "mace-cueq-f64.model")

@@ -67,7 +67,7 @@ class MetricLoggers:
             id_file = directory / "wandb_id"
             run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
             id_file.write_text(run_id)
-            from potentials.adapters.process import process_kept
+            from potentials.process import process_kept
 
             self.kept = process_kept(warning_filters=True)  # wandb's service variable and warning filters: until
             self.kept.__enter__()  # the run is finished (close), then put back

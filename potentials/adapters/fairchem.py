@@ -38,8 +38,8 @@ from ..base import BlockPotential, PackageModel, held_blocks
 from ..errors import MLIPError
 from ..graph import SYSTEM_RANGES, AtomGraph
 from ..messages import edge_sum
-from .exchange import default_dtype
-from .process import process_kept
+from ..exchange import default_dtype
+from ..process import process_kept
 
 # fairchem-core versions whose internals (block modules, Wigner helpers, MOLE globals) this adapter was proved on
 KNOWN_VERSIONS = ("2.24",)
@@ -121,7 +121,7 @@ def read_checkpoint(path) -> dict:
     pickle; the EMA state dict's tensors not read yet (``pickled.Deferred``: ``read_weights`` reads those a model
     holds; its model state dict is never read). FAIRChemModelError when the file is not one (PickleFileError: not a
     torch archive at all)."""
-    from .pickled import Pickled, read_deferred, read_module_tree
+    from ..pickled import Pickled, read_deferred, read_module_tree
 
     tree = read_module_tree(path, deferred=True)
     kind = type(tree).path if isinstance(tree, Pickled) else type(tree).__name__
@@ -144,7 +144,7 @@ def read_checkpoint(path) -> dict:
 def read_weights(path, deferred: dict, blocks=None) -> dict:
     """The tensors of ``deferred`` (``read_checkpoint``'s EMA state dict) read from ``path``: every one, or with
     ``blocks`` (block indices) those of the backbone's blocks not listed left out, unread."""
-    from .pickled import read_deferred
+    from ..pickled import read_deferred
 
     def wanted(key: str) -> bool:
         match = BLOCK_KEY.search(key)
@@ -279,7 +279,7 @@ class FAIRChem(PackageModel, BlockPotential):
     def __init__(self, checkpoint: str | None = None, task: str | None = None, charge: int | None = None,
                  spin: int | None = None, dtype: torch.dtype | None = None, architecture: dict | None = None,
                  parts=None, seed: int = 0):
-        from .plain import decode, encode
+        from ..plain import decode, encode
 
         if (checkpoint is None) == (architecture is None):
             raise TypeError("FAIRChem takes a checkpoint or an architecture, one of the two")
@@ -384,7 +384,7 @@ class FAIRChem(PackageModel, BlockPotential):
         from fairchem.core.models.uma.compat import apply_uma_compat_fixups
         from fairchem.core.units.mlip_unit.utils import load_state_dict, match_state_dict
 
-        from .pickled import PickleFileError
+        from ..pickled import PickleFileError
 
         holder = types.SimpleNamespace(model_config=config)
         try:
@@ -457,7 +457,7 @@ class FAIRChem(PackageModel, BlockPotential):
     def set_reference_energies(self, energies) -> None:
         """Replace the task's element references; the tasks config (the hyperparameters' architecture, written to
         ``inference_ckpt.pt``) holds them too, so that a checkpoint rebuilds them."""
-        from .plain import decode, encode
+        from ..plain import decode, encode
 
         refs = self.element_references.clone()
         refs[1: len(self.species) + 1] = torch.as_tensor(np.asarray(energies, dtype=np.float64))
@@ -500,7 +500,7 @@ class FAIRChem(PackageModel, BlockPotential):
         references."""
         from fairchem.core.units.mlip_unit.api.inference import MLIPInferenceCheckpoint
 
-        from .plain import decode
+        from ..plain import decode
 
         architecture = decode(hyperparameters["architecture"])
         weights = {k[len("hydra."):]: v for k, v in state.items() if k.startswith("hydra.")}

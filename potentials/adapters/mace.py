@@ -20,7 +20,7 @@ from ase.data import chemical_symbols
 
 from ..base import EMBED, READOUT, BlockPotential, PackageModel
 from ..graph import AtomGraph
-from .exchange import GhostExchange, default_dtype
+from ..exchange import GhostExchange, default_dtype
 from .mace_chunked import chunked_interactions, runs_chunked
 from .mace_loading import MACEModelError, build_mace, import_mace, load_mace  # noqa: F401  (the adapter's names)
 

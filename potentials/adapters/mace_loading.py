@@ -17,10 +17,10 @@ import zipfile
 import torch
 
 from ..errors import MLIPError
-from .exchange import default_dtype
-from .pickled import (GRAPH_MODULE, Pickled, PickleFileError, codegen_tensors, read_module_tree, state_dict,
+from ..exchange import default_dtype
+from ..pickled import (GRAPH_MODULE, Pickled, PickleFileError, codegen_tensors, read_module_tree, state_dict,
                       traced_prefixes)
-from .process import process_kept
+from ..process import process_kept
 
 MODEL_CLASSES = ("mace.modules.models.ScaleShiftMACE", "mace.modules.models.MACE")
 INSTALL = "pip install -e .[mace] && pip install --no-deps mace-torch==0.3.16"

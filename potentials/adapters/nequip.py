@@ -26,7 +26,7 @@ from ase.data import atomic_numbers
 from ..base import EMBED, READOUT, BlockPotential, PackageModel, all_parts, held_blocks
 from ..graph import AtomGraph
 from ..messages import SavedBytes
-from .exchange import GhostExchange, default_dtype
+from ..exchange import GhostExchange, default_dtype
 from .allegro_layers import AllegroLayers
 from .nequip_layers import NequIPLayers, run_modules
 from .nequip_loading import (NequIPFrameworkError, build_framework_model, framework_architecture,  # noqa: F401

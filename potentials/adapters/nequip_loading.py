@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import torch
 
 from ..errors import MLIPError
-from .process import process_kept
+from ..process import process_kept
 
 INSTALL = "pip install -e .[nequip]"
 COMPILED = (".nequip.pth", ".nequip.pt2", ".pth", ".pt2")

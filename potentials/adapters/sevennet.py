@@ -80,7 +80,7 @@ class SevenNet(PackageModel, BlockPotential):
             from sevenn.model_build import build_E3_equivariant_model
         except ImportError as exc:
             raise ImportError("SevenNet needs the sevenn package: pip install -e .[sevenn]") from exc
-        from .plain import decode, encode
+        from ..plain import decode, encode
 
         architecture = config if architecture is None else architecture  # its former name, in older checkpoints
         if checkpoint is None and architecture is None:

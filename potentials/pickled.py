@@ -33,7 +33,7 @@ import pickle
 
 import torch
 
-from ..errors import MLIPError
+from .errors import MLIPError
 
 
 GRAPH_MODULE = "torch.fx.graph_module.reduce_graph_module"  # how an fx.GraphModule pickles: (body dict, imports)
