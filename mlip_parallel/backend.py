@@ -54,6 +54,12 @@ class SerialBackend:
     def barrier(self):
         pass
 
+    def allreduce_(self, tensor, group=None):
+        return tensor
+
+    def subgroup(self, ranks):
+        return None
+
     @property
     def library(self) -> str:
         return "none (serial backend)"
@@ -220,6 +226,46 @@ class TorchBackend:
 
     def barrier(self):
         self.dist.barrier()
+
+    # What training adds to the halo's verbs: tensors summed where they are (gradients on their device), groups of
+    # ranks (a pipeline stage's replicas), messages between two ranks (a pipeline's stages), objects to one rank.
+    def allreduce_(self, tensor: torch.Tensor, group=None) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks (of ``group``, a ``subgroup``), in place on its device; returns it."""
+        t0 = time.perf_counter()
+        self.dist.all_reduce(tensor, group=group)
+        self.comm_seconds += time.perf_counter() - t0
+        return tensor
+
+    def subgroup(self, ranks):
+        """A group of ``ranks`` (collective: every rank makes every group, in the same order)."""
+        return self.dist.new_group(list(ranks))
+
+    def send(self, tensor: torch.Tensor, dest: int) -> None:
+        """``tensor`` to rank ``dest`` (blocking)."""
+        self.dist.send(tensor, dest)
+
+    def recv(self, tensor: torch.Tensor, source: int) -> torch.Tensor:
+        """Rank ``source``'s message into ``tensor`` (blocking); returns it."""
+        self.dist.recv(tensor, source)
+        return tensor
+
+    def isend(self, tensor: torch.Tensor, dest: int, tag: int = 0):
+        """Start sending ``tensor`` to ``dest``; the request's ``wait()`` completes it."""
+        return self.dist.isend(tensor, dest, tag=tag)
+
+    def irecv(self, tensor: torch.Tensor, source: int, tag: int = 0):
+        """Start receiving ``source``'s message of ``tag`` into ``tensor``; the request's ``wait()`` completes it."""
+        return self.dist.irecv(tensor, source, tag=tag)
+
+    def send_object(self, obj, dest: int) -> None:
+        """A picklable ``obj`` to rank ``dest``."""
+        self.dist.send_object_list([obj], dst=dest)
+
+    def recv_object(self, source: int):
+        """The object rank ``source`` sent (``send_object``)."""
+        holder = [None]
+        self.dist.recv_object_list(holder, src=source)
+        return holder[0]
 
     @property
     def library(self) -> str:

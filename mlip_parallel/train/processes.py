@@ -1,5 +1,5 @@
-"""The ranks of an ``mlip-train`` run: rank, size and sums over ranks through the job's halo backend, and
-torch.distributed's process group where data-parallel and pipeline training talk through it directly."""
+"""The ranks of an ``mlip-train`` run: rank, size and sums over ranks through the job's halo backend, and the
+torch.distributed backend where data-parallel gradients and the pipeline's messages travel on the device."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,20 +8,18 @@ import numpy as np
 class Processes:
     """Rank, size and sums over ranks, through the job's halo backend (``backend_kind``: MPI under
     mpiexec, torch.distributed under torchrun or ``MLIP_PARALLEL_BACKEND=torch``). Pipeline and
-    data-parallel training also talk torch.distributed directly, on the process group that the torch
-    halo backend uses too (``backend.init_process_group``)."""
+    data-parallel training also talk through the torch.distributed backend (``device_backend``: gradients summed
+    where they are), on the process group that the torch halo backend uses too (``backend.init_process_group``)."""
 
     def __init__(self, parallel: str):
         from ..backend import get_backend, init_process_group
 
-        self.parallel, self.dist = parallel, None
+        self.parallel, self.device_backend = parallel, None
         self.backend = get_backend()
         self.rank, self.size = self.backend.rank, self.backend.size
         if parallel == "pipeline" or (parallel == "data" and self.size > 1):
-            import torch.distributed as dist
-
             init_process_group()
-            self.dist = dist
+            self.device_backend = get_backend("torch")
 
     def bcast(self, obj):
         """Rank 0's ``obj`` on every rank (a decision rank 0 takes alone, e.g. from its disk)."""
@@ -48,9 +46,8 @@ class Processes:
         from .training import sum_gradients
 
         def reduce(flat):
-            if self.dist is not None:
-                self.dist.all_reduce(flat)
-                return flat
+            if self.device_backend is not None:
+                return self.device_backend.allreduce_(flat)
             return torch.as_tensor(self.backend.allreduce(flat.cpu().numpy()), dtype=flat.dtype, device=flat.device)
 
         sum_gradients(parameters, reduce)

@@ -60,7 +60,7 @@ class PipelineStage:
     and those A and B captured for WA and WB; "merged": 1 where B1's graph is held until B).
     """
 
-    def __init__(self, model, stage: int, stages: int, boundaries, peers, recompute: bool = False):
+    def __init__(self, model, stage: int, stages: int, boundaries, peers, recompute: bool = False, comm=None):
         expected = stage_parts(model.n_blocks, boundaries, stage)
         if model.parts != expected:
             raise PipelineError(f"stage {stage} must hold exactly the parts {sorted(expected)}, "
@@ -69,6 +69,10 @@ class PipelineStage:
         self.first, self.last = stage == 0, stage == stages - 1
         self.blocks = range(boundaries[stage], boundaries[stage + 1])
         self.prev, self.next = peers
+        if comm is None:
+            from ...backend import get_backend
+            comm = get_backend("torch")
+        self.comm = comm  # the backend its messages go through (isend, irecv)
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         # trained weights of no part (SevenNet's radial coefficients, read by every block): every stage holds a copy,
         # whose gradient the trainer sums over all stages, so that the copies stay equal
@@ -110,18 +114,16 @@ class PipelineStage:
         return self.net.device if self.net.device.type != "cuda" or nccl_in_use() else torch.device("cpu")
 
     def _post_receives(self, actions) -> None:
-        import torch.distributed as dist
         where = self.message_device()
         for action in actions:
             for part, shape, dtype, source in self._incoming(action):
                 out = torch.empty(shape, dtype=dtype, device=where)
                 key = action.microbatch, action.sweep, part
-                self.inbox[key] = dist.irecv(out, source, tag=_tag(*key)), out
+                self.inbox[key] = self.comm.irecv(out, source, tag=_tag(*key)), out
 
     def _send(self, tensor, to, m, sweep, part=0):
-        import torch.distributed as dist
         message = tensor.detach().to(self.message_device()).contiguous()
-        self.pending.append(dist.isend(message, to, tag=_tag(m, sweep, part)))
+        self.pending.append(self.comm.isend(message, to, tag=_tag(m, sweep, part)))
         self._synchronize()
         self.sent = time.perf_counter(), self.wait_seconds  # when, and the waits until then (``timings``)
 

@@ -127,7 +127,8 @@ def combine_steps(steps) -> tuple:
 
 
 class PipelineTrainer:
-    """Data parallel × pipeline parallel over torch.distributed's world (initialise it first): ranks
+    """Data parallel × pipeline parallel over torch.distributed's world (initialise it first; ``comm``: the backend
+    its ranks talk through, default ``get_backend("torch")``): ranks
     [d·S, d·S + S) form pipeline replica d; stage s of every replica holds the same parts and their
     gradients are summed over replicas.
 
@@ -155,12 +156,12 @@ class PipelineTrainer:
 
     def __init__(self, build, stages: int, microbatches: int, schedule: str = "auto", sweeps: str = "forces",
                  boundaries=None, sample=None, two_bw: bool = False, recompute: bool = False, costs=None,
-                 merge: bool = True):
-        import torch.distributed as dist
-
+                 merge: bool = True, comm=None):
+        from ...backend import get_backend
         from .schedule import SCHEDULE_NAMES
 
-        world, rank = dist.get_world_size(), dist.get_rank()
+        self.comm = comm = get_backend("torch") if comm is None else comm
+        world, rank = comm.size, comm.rank
         blocks = build(frozenset()).n_blocks
         if stages < 1 or world % stages:
             raise PipelineError(f"{world} rank(s) cannot hold pipelines of {stages} stages (ranks = replicas × stages)")
@@ -180,15 +181,14 @@ class PipelineTrainer:
         if boundaries is None:
             if sample is None:
                 raise PipelineError("give boundaries, or sample structures to measure the block costs on")
-            holder = [block_costs(build, sample) if rank == 0 else None]
+            costs_of_blocks = block_costs(build, sample) if rank == 0 else None
             if rank == 0:
                 release_freed_memory()  # the one-block models it built and freed (~190 MB at F=768)
-            dist.broadcast_object_list(holder, src=0)
-            boundaries = split_blocks(holder[0], stages)
+            boundaries = split_blocks(comm.bcast(costs_of_blocks), stages)
         self.boundaries = check_boundaries(boundaries, stages, blocks)
         self.model = build(stage_parts(blocks, self.boundaries, stage))
         peers = (rank - 1 if stage > 0 else None, rank + 1 if stage < stages - 1 else None)
-        self.stage = PipelineStage(self.model, stage, stages, self.boundaries, peers, recompute)
+        self.stage = PipelineStage(self.model, stage, stages, self.boundaries, peers, recompute, comm)
         self.stage.merge_a_into_b = merge
         if costs is not None and not self._usable(costs):
             raise PipelineError("schedule auto needs costs that time the split sweeps "
@@ -196,7 +196,7 @@ class PipelineTrainer:
         self.costs, self._actions, self._warm_up = costs, {}, []  # the warm-up steps' measurements
         self._timed_size = 0  # structures in the global batches the warm-up times (the most seen)
         self.actions(microbatches, sweeps)  # check the schedule now
-        groups = [dist.new_group([d * stages + s for d in range(self.replicas)]) for s in range(stages)]
+        groups = [comm.subgroup([d * stages + s for d in range(self.replicas)]) for s in range(stages)]
         self.replica_group = groups[stage]
         self.two_bw = two_bw
         self.stale = [p.detach().clone() for p in self.stage.parameters] if two_bw else None
@@ -268,8 +268,6 @@ class PipelineTrainer:
     def _latency(self, batches) -> float | None:
         """Half the fastest of three round trips, to the next stage, of a message the size of a micro-batch's
         features (None on the last stage). Collective over the stages of this replica."""
-        import torch.distributed as dist
-
         stage, best, device = self.stage, None, self.stage.message_device()
         # the same on every stage of the replica
         rows = max(1, int(np.mean([self.model.state_rows(len(b.species), len(b.i)) for b in batches])))
@@ -279,12 +277,12 @@ class PipelineTrainer:
         for _ in range(3):
             if not stage.first:
                 echo = message(stage.blocks.start)
-                dist.recv(echo, stage.prev), dist.send(echo, stage.prev)
+                self.comm.recv(echo, stage.prev), self.comm.send(echo, stage.prev)
             if not stage.last:
                 ping = message(stage.blocks.stop)
                 _wait_for_device(device)
                 begin = time.perf_counter()
-                dist.send(ping, stage.next), dist.recv(ping, stage.next)
+                self.comm.send(ping, stage.next), self.comm.recv(ping, stage.next)
                 _wait_for_device(device)
                 trip = (time.perf_counter() - begin) / 2
                 best = trip if best is None else min(best, trip)
@@ -315,12 +313,9 @@ class PipelineTrainer:
         over replicas; the latency the median over steps and links. Collective over all ranks, and the
         same costs on each; no costs (the warm-up starts over) when a stage has no replica that ran every
         step."""
-        import torch.distributed as dist
-
         from .schedule import Costs
 
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, None if None in steps else steps)
+        gathered = self.comm.allgather(None if None in steps else steps)
         self._warm_up, seconds, memory, latencies = [], [], [], []
         for s in range(self.stages):
             runs = [gathered[d * self.stages + s] for d in range(self.replicas)]
@@ -340,16 +335,13 @@ class PipelineTrainer:
         d, d + R, …; a replica with none adds zero gradients. The first steps on global batches as
         large as any seen (not a remainder batch: its micro-batches are smaller, or fewer) measure the
         costs of their actions (``self.costs``): ``WARM_UP_STEPS[auto or not]`` of them."""
-        import torch.distributed as dist
-
         for p in self.parameters:
             p.grad = None
         mine = list(structures[self.replica::self.replicas])  # (of a streamed batch's view: read here, once)
         loss, measured = 0.0, None
         size = len(structures)  # the same on every rank
         # the global batch's counts from the replicas' shares (each counted by its replica's every stage)
-        sums = torch.as_tensor(Counts.sums(mine), dtype=torch.float64)
-        dist.all_reduce(sums)
+        sums = self.comm.allreduce_(torch.as_tensor(Counts.sums(mine), dtype=torch.float64))
         counts = Counts.of_sums(sums.numpy() / self.stages)
         if self.costs is None and size > self._timed_size:
             self._timed_size, self._warm_up = size, []
@@ -369,18 +361,11 @@ class PipelineTrainer:
                 self._measure_costs(self._warm_up)
         shared = {id(p) for p in self.stage.shared}
         if self.replicas > 1:
-            def all_reduce(flat):
-                dist.all_reduce(flat, group=self.replica_group)
-                return flat
-            sum_gradients([p for p in self.parameters if id(p) not in shared], all_reduce)
+            sum_gradients([p for p in self.parameters if id(p) not in shared],
+                          lambda flat: self.comm.allreduce_(flat, group=self.replica_group))
         if shared:  # a weight every stage holds: its gradient summed over every stage and replica
-            def all_reduce_everywhere(flat):
-                dist.all_reduce(flat)
-                return flat
-            sum_gradients(self.stage.shared, all_reduce_everywhere)
-        total = torch.tensor([loss], dtype=torch.float64)
-        dist.all_reduce(total)
-        return float(total[0])
+            sum_gradients(self.stage.shared, self.comm.allreduce_)
+        return float(self.comm.allreduce_(torch.tensor([loss], dtype=torch.float64))[0])
 
     def step(self, structures, rule, optimizer, clip_norm: float = 0.0) -> float:
         """One optimizer step on the global batch ``structures`` (2BW: gradient at the previous
@@ -400,12 +385,11 @@ class PipelineTrainer:
                     p.copy_(now)
             self.stale = current
         if clip_norm > 0:  # the whole model's norm: this stage's, squared and summed over the stages
-            import torch.distributed as dist
             shared = {id(p) for p in self.stage.shared} if not self.stage.first else set()  # counted on stage 0 only
             grads = [p.grad for p in self.parameters if p.grad is not None and id(p) not in shared]
             square = (torch.nn.utils.get_total_norm(grads).to(torch.float64) ** 2 if grads
                       else torch.zeros((), dtype=torch.float64)).reshape(1)
-            dist.all_reduce(square)  # every replica holds the same gradients: divide their copies out
+            self.comm.allreduce_(square)  # every replica holds the same gradients: divide their copies out
             norm = torch.sqrt(square[0] / self.replicas)
             if not torch.isfinite(norm):
                 raise TrainingError(f"the gradient norm is not finite (batch of {', '.join(s.source for s in structures)})")
@@ -417,17 +401,13 @@ class PipelineTrainer:
         """Pipelined evaluation: error sums [9] of the whole model (``model``: this stage's parts, default
         the trained ones; e.g. their EMA) over ``structures``, summed over every rank (identical on all).
         Replica d takes structures d, d + R, …, ``batch_size`` at a time, in micro-batches."""
-        import torch.distributed as dist
-
         mine = structures[self.replica::self.replicas]
         net = model if model is not None else self.model
         sums = np.zeros(9)
         for start in range(0, len(mine), batch_size):
             batches = self._micro_batches(mine[start:start + batch_size], net)
             sums += self.stage.evaluate(self.actions(len(batches), "evaluate"), batches, net)
-        total = torch.as_tensor(sums)
-        dist.all_reduce(total)
-        return total.numpy()
+        return self.comm.allreduce_(torch.as_tensor(sums)).numpy()
 
     def state_dict(self) -> dict:
         """The trainer's own state, for a stage's checkpoint shard: 2BW's stale weights of this stage, the
@@ -461,8 +441,6 @@ class PipelineTrainer:
         every rank: replica 0's stages send rank 0 their entries' shapes, then the tensors one at a time,
         which ``potentials.save_parts`` writes into place as they arrive: no rank holds more than its own
         parts and one tensor of another's. ``extra``: plain entries stored beside the weights (rank 0's)."""
-        import torch.distributed as dist
-
         from potentials.lora import merged
 
         if self.replica == 0:  # the other replicas hold the same weights
@@ -474,9 +452,7 @@ class PipelineTrainer:
             if self.stage.first:  # rank 0
                 layouts = [layout]
                 for source in range(1, self.stages):
-                    holder = [None]
-                    dist.recv_object_list(holder, src=source)
-                    layouts.append(holder[0])
+                    layouts.append(self.comm.recv_object(source))
 
                 def tensors():
                     yield from state.items()
@@ -484,12 +460,12 @@ class PipelineTrainer:
                         for key, (shape, dtype) in layouts[source].items():
                             received = torch.empty(shape, dtype=dtype, device=where)
                             if received.numel():
-                                dist.recv(received, src=source)
+                                self.comm.recv(received, source)
                             yield key, received
                 save_parts(net, str(path), {k: v for lay in layouts for k, v in lay.items()}, tensors(), extra=extra)
             else:
-                dist.send_object_list([layout], dst=0)
+                self.comm.send_object(layout, 0)
                 for value in state.values():
                     if value.numel():
-                        dist.send(value.to(where).contiguous(), dst=0)
-        dist.barrier()
+                        self.comm.send(value.to(where).contiguous(), 0)
+        self.comm.barrier()
