@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -15,7 +14,7 @@ from typing import Callable
 from potentials.rules import describe_rule, number_problem, obeys  # noqa: F401  (obeys: the CLIs' rule check)
 
 from .errors import MLIPError
-from .launch import launched_by_torchrun
+from .launch import launch_rank  # noqa: F401  (re-exported: where the CLIs' helpers are)
 
 
 class ConfigError(MLIPError, ValueError):
@@ -143,21 +142,6 @@ def read_job(args, schema: dict, rules: dict) -> dict:
     if args.no_progress:
         config["output"]["progress"] = False
     return config
-
-
-def launch_rank() -> int:
-    """This process's rank in its MPI job (0 outside one), without initialising MPI: MPI's own answer
-    when mpi4py has already initialised it, else the launcher's environment (MPICH/Hydra PMI_RANK, Open
-    MPI, PMIx, Slurm, torchrun)."""
-    if launched_by_torchrun():  # an MPI initialised under torchrun is a world of one
-        return int(os.environ["RANK"])
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        return mpi.COMM_WORLD.Get_rank()
-    for key in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        if key in os.environ:
-            return int(os.environ[key])
-    return 0
 
 
 def report_error(prog: str, exc) -> None:

