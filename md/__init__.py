@@ -7,6 +7,6 @@ __all__ = ["MLIPCalculator"]
 
 def __getattr__(name):
     if name == "MLIPCalculator":
-        from .calculator import MLIPCalculator
+        from .calculator import MLIPCalculator  # (torch: at first use)
         return MLIPCalculator
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

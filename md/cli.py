@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import sys
 
+from mlip_parallel.allocator import keep_freed_memory
 from mlip_parallel.config import ConfigError, ConfigTable, config_parser, read_job, report_error
 from mlip_parallel.errors import SimulationError
 from mlip_parallel.launch import end_job
 from mlip_parallel.model_section import COMMITTEE_KEYS, COMMITTEE_RULES, model_rules, model_schema
 from potentials.errors import OutputError
 from potentials.families import FamilyError
+
+from .start import DEFAULT_MODEL
 
 # key: (types, default, help); a dict value is a nested section. Missing keys take the defaults. The model section
 # comes from the model families (model_section.model_schema): one key per family, its options beside it, dtype.
@@ -98,8 +101,6 @@ RULES = {"ensemble": ("nve", "langevin", "bussi", "nose-hoover", "npt"), "mode":
 
 def model_keys() -> tuple:
     """(keys, rules) of mlip-md's model section: a key per model family and its options, dtype, the committee's."""
-    from .start import DEFAULT_MODEL
-
     model = {**model_schema(), **COMMITTEE_KEYS}
     types, default, text = model["checkpoint"]
     model["checkpoint"] = (types, default, f"{text}; with no model given, {DEFAULT_MODEL}")
@@ -120,9 +121,7 @@ def schema_help() -> str:
 
 def simulate(config) -> list:
     """Run the validated ``config`` (``job.MDJob``); return the thermo rows (every rank)."""
-    from mlip_parallel.allocator import keep_freed_memory
-
-    from .job import MDJob
+    from .job import MDJob  # (torch: at first use)
 
     if config["keep_freed_memory"]:
         keep_freed_memory()

@@ -34,6 +34,7 @@ from mlip_parallel import (MODES, DecompositionError, Domain, Grid, LostAtomsErr
 from mlip_parallel.errors import SimulationError
 from mlip_parallel.evaluate import committee_step, deviation_summary, ghost_reach, global_sums
 from mlip_parallel.preflight import check_rank_memory
+from potentials.committee import Committee
 from potentials.errors import InvalidStructureError
 from potentials.files import atomic_write
 from potentials.messages import memory_budget_bytes
@@ -215,8 +216,6 @@ class MDSystem:
         (``potentials.Committee``) runs its members on this one decomposition: the forces, energy and virial are
         their mean (or the first member's), and ``devi_f`` [n] (numpy) holds the owned atoms' force deviation,
         ``member_energies`` [K] the members' global energies (``deviation`` reduces them)."""
-        from potentials.committee import Committee
-
         start, messages = time.perf_counter(), self.backend.comm_seconds
         self.sub.positions = self.atoms["positions"]
         if isinstance(self.model, Committee):

@@ -20,12 +20,20 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from mlip_parallel import get_backend
+from mlip_parallel.backend import rank_device, set_threads
 from mlip_parallel.config import ConfigError
 from mlip_parallel.errors import MemoryLimitError, SimulationError
+from mlip_parallel.progress import Progress
+from mlip_parallel.verify import verify_step
 from potentials.committee import Committee
 from potentials.errors import OutputError
+from potentials.files import atomic_write, naming_errors
+from potentials.predict import voigt_stress
 
-from .outputs import CANDIDATES
+from .engine import PHASES, MDSystem, run
+from .outputs import CANDIDATES, RunFiles, cut_back, write_extxyz
+from .report import close_bar, phase_table, plot_thermo, summary
 from .start import prepare
 
 THERMO_COLUMNS = ("step", "time_fs", "temperature_K", "epot_eV", "ekin_eV", "etot_eV", "pressure_GPa",
@@ -40,9 +48,6 @@ class MDJob:
 
     def __init__(self, config):
         import torch
-
-        from mlip_parallel import get_backend
-        from mlip_parallel.backend import rank_device, set_threads
 
         self.config = config
         start = prepare(config)
@@ -61,8 +66,6 @@ class MDJob:
             if self.restart is not None:
                 self.system, self.first_step = self._from_restart(self.restart)
             else:
-                from .engine import MDSystem
-
                 self.system = MDSystem.from_atoms(self.model, start["atoms"], balance=config["balance_every"] > 0,
                                                   **self._options())
                 self.first_step = 0
@@ -80,8 +83,6 @@ class MDJob:
         """The first step's energy, forces and stress against one process's evaluation of the same structure
         (``mlip_parallel.verify.verify_step``); SimulationError naming the differences where they are beyond
         summation order. Returns the comparison's line. Collective, before anything is written."""
-        from mlip_parallel.verify import verify_step
-
         frame = self.snapshot(self.first_step)
         result = None
         if self.root:
@@ -95,8 +96,6 @@ class MDJob:
         return dict(skin=config["skin"], mode=config["mode"], memory_budget_gb=config["memory_budget_gb"])
 
     def _from_restart(self, path):
-        from .engine import MDSystem
-
         return MDSystem.from_restart(self.model, path, integrator=self.integrator, **self._options())
 
     def run(self) -> list:
@@ -109,8 +108,6 @@ class MDJob:
             raise SimulationError(f"{exc}; last restart written: {self.last_restart}") from None
 
     def _run(self) -> list:
-        from .engine import PHASES, run
-
         config, integrator = self.config, self.integrator
         out, steps, first_step = config["output"], self.steps, self.first_step
         every, traj_every, restart_every = max(1, out["thermo_every"]), out["trajectory_every"], out["restart_every"]
@@ -178,11 +175,6 @@ class MDJob:
     def _announce(self, trajectory: str | None):
         """Rank 0: the output directory (cut back to the restart continued from), the run's files and the opening
         lines; returns (its RunFiles, its progress bar), (None, None) on the other ranks."""
-        from mlip_parallel.progress import Progress
-        from potentials.files import naming_errors
-
-        from .outputs import RunFiles, cut_back
-
         if not self.root:
             return None, None
         config, backend, directory = self.config, self.backend, self.directory
@@ -204,11 +196,6 @@ class MDJob:
     def _finish(self, files, bar, samples: list, start_time: float) -> None:
         """final.extxyz, the files closed and the thermo plot (rank 0), and the closing summary (collective) of the
         run since ``start_time`` (``time.perf_counter``)."""
-        from potentials.files import atomic_write
-
-        from .outputs import write_extxyz
-        from .report import close_bar, plot_thermo
-
         final = self.snapshot(self.steps)
         if self.root:
             with atomic_write(self.directory / "final.extxyz", "w") as f:
@@ -252,8 +239,6 @@ class MDJob:
         from ase import Atoms, units
         from ase.calculators.singlepoint import SinglePointCalculator
 
-        from potentials.predict import voigt_stress
-
         system = self.system
         positions, numbers, velocities, forces = (system.gather(k) for k in
                                                   ("positions", "numbers", "velocities", "forces"))
@@ -272,9 +257,6 @@ class MDJob:
         """The closing lines on rank 0: the time, the summary of the thermo samples and where the time went
         (collective: the phase times are reduced over the ranks)."""
         import numpy as np
-
-        from .engine import PHASES
-        from .report import phase_table, summary
 
         phases = np.array([self.system.timers[phase] for phase in PHASES])
         slowest, mean = self.backend.allreduce(phases, op="max"), self.backend.allreduce(phases) / self.backend.size

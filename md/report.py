@@ -7,11 +7,14 @@ import sys
 import time
 from pathlib import Path
 
+from mlip_parallel.launch import launched_by_mpiexec
+from potentials.files import atomic_write
+
 
 def phase_table(mean, slowest) -> str:
     """Where the time went, as LAMMPS prints it after a run: seconds per phase (mean and slowest rank)
     and the share of the total."""
-    from .engine import PHASES
+    from .engine import PHASES  # (torch: at first use)
 
     total = max(float(sum(mean)), 1e-300)
     lines = [f"{'phase':10s} {'mean s':>10s} {'max s':>10s} {'% of time':>10s}"]
@@ -24,8 +27,6 @@ def close_bar(bar) -> None:
     """Close the progress bar (stderr) before the last lines go to stdout. Under mpiexec the two streams
     reach the terminal through separate pipes, in no fixed order: give the bar's last line a moment to
     arrive first, or the next line runs into it."""
-    from mlip_parallel.backend import launched_by_mpiexec
-
     bar.close()
     sys.stderr.flush()
     if launched_by_mpiexec():
@@ -86,7 +87,6 @@ def plot_thermo(directory: Path) -> None:
     pressure.plot(t_ps, [float(r["pressure_GPa"]) for r in rows])
     pressure.set_ylabel("P (GPa)")
     pressure.set_xlabel("time (ps)")
-    from potentials.files import atomic_write
 
     with atomic_write(directory / "thermo.png") as f:
         fig.savefig(f, format="png", dpi=100)

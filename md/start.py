@@ -8,8 +8,12 @@ import math
 from pathlib import Path
 
 from mlip_parallel.config import ConfigError, check_output_directory
+from mlip_parallel.launch import ranks_on_node
 from mlip_parallel.model_section import chosen_family, load_section_committee, load_section_model, model_families
+from potentials import UnknownSpeciesError
+from potentials.errors import InvalidStructureError
 
+from .outputs import check_recorded
 
 DEFAULT_MODEL = "cu-emt"  # a potentials checkpoint: the bundled PaiNN for Cu
 
@@ -27,7 +31,7 @@ def build_model(section):
 
 
 def build_integrator(config):
-    from .integrators import MTK, Bussi, Langevin, NoseHoover, VelocityVerlet
+    from .integrators import MTK, Bussi, Langevin, NoseHoover, VelocityVerlet  # (torch: at first use)
 
     dt, t, b, ensemble = config["timestep_fs"], config["thermostat"], config["barostat"], config["ensemble"]
     if ensemble != "nve" and t["temperature_K"] <= 0:
@@ -50,8 +54,7 @@ def build_atoms(config):
     from ase.md.velocitydistribution import thermalize_momenta
     from ase.parallel import DummyMPI
 
-    from potentials.errors import InvalidStructureError
-    from potentials.graph import check_min_distance, check_positions, complete_cell
+    from potentials.graph import check_min_distance, check_positions, complete_cell  # (torch: at first use)
 
     section = config["structure"]
     if section["file"] is not None:
@@ -90,8 +93,6 @@ HOST_BYTES_PER_ATOM = 2_000  # the start structure every rank holds (ASE's array
 def check_structure_fits(n_atoms: int) -> None:
     """ConfigError when every rank of this node holding a start structure of ``n_atoms`` atoms would
     take more than the node's memory (before it is built: ``structure.repeat`` can ask for billions)."""
-    from mlip_parallel.launch import ranks_on_node
-
     try:
         with open("/proc/meminfo") as f:
             total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
@@ -106,8 +107,6 @@ def check_structure_fits(n_atoms: int) -> None:
 def check_species(model, numbers, section) -> None:
     """ConfigError naming the structure's elements that ``model`` was not built for (and the ones it
     knows); nothing to check for element-agnostic models (species None)."""
-    from potentials import UnknownSpeciesError
-
     try:
         model.species_index(numbers)
     except UnknownSpeciesError as exc:
@@ -122,7 +121,7 @@ def check_species(model, numbers, section) -> None:
 def check_uncertainty(section, model) -> None:
     """ConfigError for an uncertainty section that does not fit: set without a committee (the deviation is the
     committee members'), or a select range that is not [low, high] with 0 <= low <= high."""
-    from potentials.committee import Committee
+    from potentials.committee import Committee  # (torch: at first use)
 
     given = [k for k in ("select", "stop_above") if section[k] is not None] + (["every"] if section["every"] else [])
     if given and not isinstance(model, Committee):
@@ -146,7 +145,7 @@ def read_restart(path, key: str = "restart_from") -> dict:
 
     import numpy as np
 
-    from .engine import PER_ATOM
+    from .engine import PER_ATOM  # (torch: at first use)
 
     try:
         with np.load(path) as data:
@@ -184,8 +183,6 @@ def prepare(config) -> dict:
     continues, the integrator, the structure, the model and the structure's elements. Returns {"model",
     "integrator", "atoms" (None when continuing a restart), "restart" (its path or None), "steps" (the
     last step), "continues" (the outputs of the restart's run to cut back and append to, or None)}."""
-    from .outputs import check_recorded
-
     out = config["output"]
     restart, key = continued_restart(config)
     directory = Path(out["directory"])

@@ -20,11 +20,14 @@ import argparse
 import socket
 import sys
 
-from potentials.families import check_models
+from potentials.families import check_models, split_spec
 
+from . import get_backend, rank_device, verify
 from .config import report_error
+from .domain import Domain
 from .errors import MLIPError
 from .evaluate import MODES
+from .grid import Grid
 from .model_section import DTYPE_HELP, add_option_arguments, argument_options
 
 PROG = "python -m mlip_parallel.check"
@@ -77,7 +80,6 @@ def main(argv=None) -> int:
 def load_models(args) -> list:
     """[(label, model)] the arguments name (loaded on every rank alike; MLIPError naming the problem)."""
     import potentials
-    from potentials.families import split_spec
 
     if not args.model:
         small = check_models()
@@ -99,11 +101,6 @@ def load_models(args) -> list:
 def check(args) -> int:
     import numpy as np
     import torch
-
-    from . import get_backend, rank_device
-    from .domain import Domain
-    from .grid import Grid
-    from .verify import check as compare_with_one_process
 
     backend = get_backend()
     device = rank_device(backend)
@@ -132,7 +129,7 @@ def check(args) -> int:
             model.species_index(atoms.numbers)
         except MLIPError as exc:
             raise MLIPError(f"{label}: {exc}") from None
-        compared, results = compare_with_one_process(model, atoms, backend, args.modes)
+        compared, results = verify.check(model, atoms, backend, args.modes)  # (the module's: a test replaces it)
         if backend.rank == 0:
             domain = Domain.from_positions(compared.positions, compared.cell, compared.pbc)
             grid = Grid.for_ranks(backend.size, domain).dims

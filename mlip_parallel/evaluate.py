@@ -10,6 +10,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from potentials.committee import Committee, deviations
 from potentials.graph import (MIN_DISTANCE, AtomGraph, NoHalo, check_positions, check_structure, edge_vectors,
                               neighbour_pairs, strained_coordinates, system_of)
 from potentials.messages import memory_budget_bytes
@@ -101,8 +102,6 @@ def committee_step(committee, sub: Subdomain, mode: str = "layerwise",
                    memory_budget_gb: float | None = None) -> CommitteeStep:
     """``members_decomposed`` combined (``Committee.combine``: the members' mean, or the first's) and summed over
     the ranks, with the model deviation of the owned atoms (collective; SimulationError on non-finite forces)."""
-    from potentials.committee import deviations
-
     energies, forces, dE_dstrain = members_decomposed(committee, sub, mode, memory_budget_gb)
     combined = committee.combine(forces)
     totals, virials, bad = rank_totals(sub.comm.backend, energies, dE_dstrain, combined)
@@ -207,8 +206,6 @@ def graph_results(model, x, graph) -> tuple:
     """torch float64 (energies [K, n_local], forces [K, n_local, 3], dE/dstrain [K, 3, 3]) of the graph's owned
     atoms, for each of the K members of a committee (one after another on ``graph``) or for a model (K = 1);
     ``x``: the strained coordinates ``graph``'s edge vectors were computed from."""
-    from potentials.committee import Committee
-
     members = [(model.member_graph(k, graph), member) for k, member in enumerate(model.members)] \
         if isinstance(model, Committee) else [(graph, model)]
     results = []
@@ -287,8 +284,6 @@ def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, str
     deviation, "max_devi_f", "min_devi_f", "avg_devi_f" (eV/Å), "devi_e" (the members' standard deviation of the
     energy per atom, eV) and "member_energies" (K,).
     """
-    from potentials.committee import Committee
-
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if isinstance(model, (list, tuple)):
@@ -367,8 +362,6 @@ def committee_result(committee, energies: np.ndarray, forces: np.ndarray, virial
     """A committee's result from its members' per-atom ``energies`` [K, N], ``forces`` [K, N, 3] and, with a
     ``volume``, ``virials`` [K, 3, 3] (dE/dstrain): the combined energy, per-atom energies, forces and stress
     (``Committee.combine``), and the model deviation (see ``evaluate``)."""
-    from potentials.committee import deviations
-
     pick = committee.combine
     devi_f, devi_energies = (d.numpy() for d in deviations(torch.as_tensor(forces), torch.as_tensor(energies)))
     totals = energies.sum(axis=1)

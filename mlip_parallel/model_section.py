@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from mlip_parallel.config import validate
 from potentials.families import FamilyError, families, option_table
 
 from .config import ConfigError
@@ -107,8 +108,7 @@ COMMITTEE_RULES = {"model.committee_forces": ("mean", "first")}
 def load_section_committee(section: dict, checkpoint_dtype: str | None = None):
     """The ``potentials.Committee`` of the validated model ``section``'s ``committee``: each member a model section
     of its own (validated here; messages name ``model.committee[k]``), and no model named beside the list."""
-    from mlip_parallel.config import validate
-    from potentials.committee import Committee, CommitteeError
+    from potentials.committee import Committee, CommitteeError  # (torch: at first use)
 
     beside = [k for k in model_schema() if k != "dtype" and section.get(k) is not None]  # families' keys, options
     if beside:

@@ -26,9 +26,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from potentials.messages import available_bytes, memory_budget_bytes, one_pass_fits
+
 from .domain import Domain
 from .errors import MemoryLimitError
-
+from .grid import Grid
 
 SEARCH_BYTES_PER_PAIR = 128  # a searched pair: the search's and the candidates' indices, its vector while cut
 LATTICE_MARGIN = 0.4  # the ghost shell widened by this share of the mean spacing between atoms (``rank_load``)
@@ -114,8 +116,6 @@ def host_memory() -> float:
     """The host's available memory and what this process's cgroup still allows, the smaller, in bytes: read at most
     once per HOST_MEMORY_REFRESH_S (an ASE optimizer calls the calculator every few milliseconds on small
     structures, and the pre-flight's decisions are orders of magnitude apart)."""
-    from potentials.messages import available_bytes
-
     now = time.monotonic()
     if now - _host_memory_read[0] > HOST_MEMORY_REFRESH_S:
         _host_memory_read[:] = now, min(float(available_bytes("cpu")), _cgroup_free())
@@ -127,8 +127,6 @@ def rank_memory(device, ranks_here: int) -> float:
     cgroup still allows, ``host_memory``) shared by the ``ranks_here`` ranks of this node, at most this process's
     address-space headroom."""
     import torch
-
-    from potentials.messages import available_bytes
 
     device = torch.device(device)
     if device.type == "cuda":
@@ -150,8 +148,6 @@ def check_rank_memory(backend, model, n_atoms: int, domain: Domain, dims, r_ghos
     estimated load with every edge at once (``rank_load``) fits (``potentials.messages.one_pass_fits``) in the memory
     a rank has (``memory_everywhere``), else the automatic chunk budget. Raises MemoryLimitError on every rank when
     the fullest rank's load at that budget exceeds what a rank has."""
-    from potentials.messages import memory_budget_bytes, one_pass_fits
-
     have = memory_everywhere(backend, model.device)
     if memory_budget_gb is None and one_pass_fits(
             rank_load(model, n_atoms, domain, dims, r_ghost, skin, layerwise, None).bytes, have):
@@ -174,8 +170,6 @@ def check_training_memory(backend, model, structures, per_step: int, graph_paral
     plus ``state_bytes`` (what training adds to the loaded weights: their gradients, the optimizer's state, the
     average; this rank's), would take more than a rank has: training keeps every edge's tensors for the force
     loss's double backward (``Potential.training_bytes``)."""
-    from .grid import Grid
-
     worst, name = 0.0, None
     for s in structures:
         domain = Domain.from_positions(s.positions, s.cell, s.pbc)

@@ -64,9 +64,9 @@ def one_process(model, atoms) -> dict:
 def fits_one_process(model, atoms) -> bool:
     """Whether one process holds an evaluation of ``atoms`` (the memory pre-flight's estimate for one rank, within
     the memory this process has)."""
-    from potentials.messages import memory_budget_bytes
+    from potentials.messages import memory_budget_bytes  # (torch: at first use)
 
-    from .domain import Domain
+    from .domain import Domain  # (torch: at first use)
     from .evaluate import ghost_reach
     from .preflight import rank_load, rank_memory
 
@@ -97,7 +97,7 @@ def check(model, atoms, backend, modes=("layerwise", "wide")) -> tuple:
     """(the structure compared, [(mode, Comparison)]): ``mlip_parallel.evaluate`` of ``atoms`` on the ranks of
     ``backend`` in each of ``modes`` against one process's evaluation on rank 0 (sent to every rank), or of a
     carve-out (``carve_out``) where one process cannot hold ``atoms``. Collective; every rank gets the same."""
-    from .evaluate import evaluate
+    from .evaluate import evaluate  # (torch: at first use)
 
     count = None
     if backend.rank == 0:  # (one rank decides: the memory each rank sees may differ)

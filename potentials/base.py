@@ -8,7 +8,9 @@ import torch
 from ase.data import atomic_numbers, chemical_symbols
 
 from .errors import MLIPError, UnknownSpeciesError
+from .families import native_file
 from .graph import AtomGraph
+from .lora import add_lora
 from .weights import weight_groups
 
 
@@ -120,8 +122,6 @@ class Potential(torch.nn.Module):
         """The file name under which ``save_native`` writes a model called ``stem`` ("best") in its package's
         own format (its family's ``native_file``, e.g. "best.model" for MACE), or None where this package's
         checkpoint is that format."""
-        from .families import native_file
-
         return native_file(type(self), stem)
 
     def save_native(self, path, data=None) -> None:
@@ -235,7 +235,6 @@ class PackageModel:
         parts = {"parts": self.parts, "seed": self.seed} if isinstance(self, BlockPotential) else {}  # a stage's
         clone = self.rebuild(copy.deepcopy(self.hyperparameters, memo), self.dtype, **parts).to(self.device)
         if getattr(self, "lora_settings", None):  # the same low-rank updates (their values: the state below)
-            from .lora import add_lora
             add_lora(clone, **self.lora_settings)
         state, rebuilt = self.state_dict(), clone.state_dict()
         # a model loaded with its package's own copy of e3nn's generated code (a .nequip.zip) keeps that code's

@@ -19,6 +19,7 @@ from . import families
 from .base import BlockPotential, PackageModel, all_parts
 from .errors import MLIPError
 from .files import atomic_write
+from .pickled import Deferred, read_each, read_module_tree
 
 FORMAT = "mlip-parallel-potential"
 VERSION = 1
@@ -203,8 +204,6 @@ def save_native_from(checkpoint, path, data=None) -> None:
     from ``checkpoint`` and written into its record (a pipeline's rank 0 writes a model whose weights do not fit
     beside its stage's training state); else the model is loaded whole. ``data``: as ``save_native``'s."""
     import zlib
-
-    from .pickled import Deferred, read_each, read_module_tree
 
     checkpoint = os.fspath(checkpoint)
     try:

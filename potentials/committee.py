@@ -22,6 +22,7 @@ from ase.data import chemical_symbols
 
 from .base import Potential
 from .errors import MLIPError, UnknownSpeciesError
+from .families import ModelSpecError, load_model, split_spec
 from .graph import AtomGraph
 
 FORCES = ("mean", "first")
@@ -123,8 +124,6 @@ def load_committee(specs, dtype: str | None = None, *, forces: str = "mean", che
     "mace:FILE.model", ...), with ``forces`` as ``Committee`` takes it. Each family option in ``options`` (``head``,
     ``task``, ...) goes to the members whose family takes it; ModelSpecError for one no member takes, and any
     member's error names the member (``member k (SPEC): ...``)."""
-    from .families import ModelSpecError, load_model, split_spec
-
     specs = list(specs)
     if not specs:
         raise CommitteeError("a committee needs at least one member")

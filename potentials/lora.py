@@ -22,6 +22,7 @@ import torch
 from torch.nn.utils import parametrize
 
 from .errors import MLIPError
+from .weights import weight_groups
 
 
 class LoRAError(MLIPError, ValueError):
@@ -86,7 +87,6 @@ def add_lora(model, rank: int, alpha: float, targets, seed: int = 0, require_mat
               for attribute, p in module._parameters.items() if p is not None}
     for glob in targets if require_match else ():
         if not any(fnmatchcase(name, glob) for name, _ in named):
-            from .weights import weight_groups
             raise LoRAError(f"model.lora.targets: {glob!r} matches none of the {type(model).__name__}'s weights; its "
                             f"parameter groups are {', '.join(weight_groups(n for n, _ in named))}")
     chosen = [(name, p) for name, p in named if any(fnmatchcase(name, glob) for glob in targets)]

@@ -20,9 +20,12 @@ import os
 import sys
 import time
 
+from potentials import UnknownSpeciesError
+
 from ..config import report_error
-from ..errors import LammpsBridgeError
+from ..errors import LammpsBridgeError, MemoryLimitError, SimulationError
 from ..launch import abort_job, finalize_mpi
+from ..verify import verify_step
 
 PROG = "mlip-lammps"
 MASS_TOLERANCE = 0.5  # amu: a type's mass must be this close to its element's atomic mass
@@ -33,8 +36,6 @@ DEVIATION_VECTOR = ("max_devi_f", "min_devi_f", "avg_devi_f", "devi_e")  # f_ID[
 
 
 def _check_model_knows(model, numbers, where: str) -> None:
-    from potentials import UnknownSpeciesError
-
     try:
         model.species_index(numbers)
     except UnknownSpeciesError as exc:
@@ -76,7 +77,7 @@ def numbers_from_masses(masses, model) -> list:
 def _lammps_grid_type():
     import numpy as np
 
-    from ..grid import Grid
+    from ..grid import Grid  # (torch: at first use)
 
     class LammpsGrid(Grid):
         """LAMMPS's brick decomposition: its cut planes and its rank ↔ brick layout (any ``processors
@@ -158,7 +159,7 @@ class LammpsDecomposition:
     def _rebuild(self, positions, ids, numbers, cell, pbc, lo, hi) -> None:
         import numpy as np
 
-        from ..domain import Domain
+        from ..domain import Domain  # (torch: at first use)
         from ..evaluate import ghost_reach
         from ..subdomain import Subdomain
 
@@ -174,8 +175,7 @@ class LammpsDecomposition:
         drift = outside.max(initial=0.0)
         drift = float(backend.allreduce(drift, op="max")) if backend.size > 1 else drift
         if self.sub is None:  # before the first ghosts: stop every rank when the fullest would not fit
-            from ..errors import MemoryLimitError
-            from ..preflight import check_rank_memory
+            from ..preflight import check_rank_memory  # (torch: at first use)
 
             n_atoms = int(backend.allreduce(len(ids))) if backend.size > 1 else len(ids)
             try:
@@ -217,7 +217,7 @@ class Bridge:
         import numpy as np
         import torch
 
-        from ..backend import SerialBackend, get_backend, rank_device
+        from ..backend import SerialBackend, get_backend, rank_device  # (torch: at first use)
         from ..evaluate import MODES
 
         if mode not in MODES:
@@ -237,7 +237,7 @@ class Bridge:
         device = torch.device(device) if device is not None else rank_device(self.backend)
         if model.device != device:
             model.to(device)
-        from potentials.messages import memory_budget_bytes
+        from potentials.messages import memory_budget_bytes  # (torch: at first use)
 
         try:  # the knob's one check (potentials.messages), reported as the bridge's error
             memory_budget_bytes(memory_budget_gb, device)
@@ -262,7 +262,7 @@ class Bridge:
         self._masses, self._type_numbers = None, None
         self.energy, self.forces, self.virial = 0.0, np.zeros((0, 3)), np.zeros(6)
         lmp.command(f"fix_modify {fix_id} energy yes virial yes")
-        from potentials.committee import Committee
+        from potentials.committee import Committee  # (torch: at first use)
 
         self.committee, self.deviation = isinstance(model, Committee), None
         if self.committee:
@@ -310,8 +310,7 @@ class Bridge:
         """Forces on LAMMPS's local atoms; the global energy and virial to LAMMPS (collective)."""
         import numpy as np
 
-        from ..errors import SimulationError
-        from ..evaluate import committee_step, forward_decomposed, global_sums
+        from ..evaluate import committee_step, forward_decomposed, global_sums  # (torch: at first use)
 
         lmp = self.lmp
         table = self.type_numbers()  # may raise alike on every rank, before any message
@@ -369,7 +368,7 @@ class Bridge:
         and energy deviation into the per-atom properties, the frame's summary into the fix's vector (collective)."""
         import numpy as np
 
-        from ..evaluate import deviation_summary
+        from ..evaluate import deviation_summary  # (torch: at first use)
 
         if nlocal:
             for name, values in zip(DEVIATION_PROPERTIES, (members.devi_f, members.devi_energies)):
@@ -386,9 +385,7 @@ class Bridge:
         import numpy as np
         from ase import Atoms
 
-        from potentials.predict import voigt_stress
-
-        from ..verify import verify_step
+        from potentials.predict import voigt_stress  # (torch: at first use)
 
         pieces = self.backend.allgather((tags, x, numbers, forces))
         frame = result = None

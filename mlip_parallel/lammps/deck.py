@@ -8,6 +8,8 @@ import shlex
 import tempfile
 from typing import NamedTuple
 
+from potentials.families import ModelSpecError, families
+
 from ..errors import LammpsBridgeError
 from .bridge import PROG, SCRATCH, Bridge
 
@@ -79,8 +81,6 @@ def deck_model(deck_path, lines) -> "DeckModel | None":
     """The model a deck names in its own pair style, as a model family translates it (a MACE user's ``pair_style
     mace`` / ``pair_style mliap unified``); None when no family's translator takes the deck. LammpsBridgeError when
     one takes it but cannot run it."""
-    from potentials.families import ModelSpecError, families
-
     commands = [(start, end, _words(text)) for start, end, text in _logical_commands(lines)]
     for record in families().values():
         if record.lammps_deck is None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from potentials.files import atomic_write
+
 from ..config import ConfigError
 
 
@@ -115,9 +117,7 @@ class Checkpoints:
         each stage first writes its resume shard of ``step``, and removes its older ones once last.pt is
         complete: a resume finds every stage's shard of last.pt's step."""
         import potentials
-        from potentials.files import atomic_write
-
-        from potentials.lora import merged
+        from potentials.lora import merged  # (torch: at first use)
 
         if self.pipeline is None:
             if self.root:
@@ -135,7 +135,7 @@ class Checkpoints:
         self.pipeline.save_merged(path, self.evaluation_model, extra={"step": step})
         native = self.model.native_file("best") if path == self.directory / "best.pt" else None
         if native is not None and self.root:  # the package's own format, from the merged file (weight by weight)
-            from potentials.checkpoint import save_native_from
+            from potentials.checkpoint import save_native_from  # (torch: at first use)
 
             save_native_from(path, self.directory / native, data=self.config["data"]["train"])
         if self.pipeline.replica == 0 and last:

@@ -22,14 +22,16 @@ import sys
 import numpy as np
 
 from potentials.errors import OutputError
-
 from potentials.families import FamilyError, families, new_models
+from potentials.files import atomic_write
 
 from ..allocator import keep_freed_memory
-from ..config import ConfigError, ConfigTable, config_parser, read_job, report_error, validate  # noqa: F401  (validate: with SCHEMA, RULES)
+from ..config import (ConfigError, ConfigTable, config_parser, read_job,  # noqa: F401  (validate: with SCHEMA, RULES)
+                      report_error, validate)
 from ..errors import MLIPError
 from ..launch import end_job
 from ..model_section import add_option_arguments, argument_options, model_rules, model_schema
+from ..progress import Progress
 from .outputs import format_errors, species_text
 
 # key: (types, default, help); a dict value is a nested section. The model section's starting-model keys come from
@@ -207,7 +209,7 @@ def __getattr__(name):  # SCHEMA and RULES (TABLE's, the families' keys in them)
 
 def train(config) -> list:
     """Run the validated ``config`` (``trainer.Trainer``); return the metric rows (every rank)."""
-    from .trainer import Trainer
+    from .trainer import Trainer  # (torch: at first use)
 
     return Trainer(config).fit()
 
@@ -224,7 +226,7 @@ def evaluate_model(model_path, data_path, batch_size: int = 8, progress: bool = 
     labels' names), so memory does not grow with the file."""
     import potentials
 
-    from .sources import open_source
+    from .sources import open_source  # (torch: at first use)
     from .training import check_species, error_sums, error_table
 
     specs = [model_path] if isinstance(model_path, str) else list(model_path)
@@ -240,7 +242,6 @@ def evaluate_model(model_path, data_path, batch_size: int = 8, progress: bool = 
         print(f"mlip-train eval: {what} {species_text(model.species)} (cutoff {model.cutoff:g} Å) from "
               f"{', '.join(specs)}\nscoring every structure of {structures.name}: {len(structures)} structures",
               flush=True)
-    from ..progress import Progress
 
     sums = np.zeros(9)
     bar = Progress("mlip-train eval", len(structures), 0, "structure", None if progress else "off")
@@ -272,7 +273,7 @@ def structure_deviation(committee, structure) -> tuple:
     import torch
     from ase.stress import voigt_6_to_full_3x3_stress
 
-    from ..backend import SerialBackend
+    from ..backend import SerialBackend  # (torch: at first use)
     from ..evaluate import evaluate
     from .training import Labels, prediction_errors
 
@@ -286,8 +287,6 @@ def structure_deviation(committee, structure) -> tuple:
 def write_deviations(target, rows) -> None:
     """The rows (``structure_deviation``) as CSV into ``target``: a path (written atomically) or an open file."""
     import csv
-
-    from potentials.files import atomic_write
 
     def write(f):
         writer = csv.DictWriter(f, fieldnames=DEVIATION_COLUMNS)
@@ -340,7 +339,7 @@ def main(argv=None) -> int:
         config = read_job(args, TABLE.schema(), TABLE.all_rules())
         if config["keep_freed_memory"]:
             keep_freed_memory()
-        from ..backend import get_backend, set_threads
+        from ..backend import get_backend, set_threads  # (torch: at first use)
         set_threads(get_backend())  # cores ÷ ranks each, on cores of their own where the job fills the node
         train(config)
     except OutputError as exc:  # this rank could not write: one line, and the whole job ends

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .sources import take
+from .structures import DataError
 
 PREFETCH = 2  # steps each worker prepares ahead
 DRAWS = 0x5A3D  # the seed word of a sampled file's draws (an epoch's order: [seed, epoch])
@@ -150,8 +151,6 @@ class _StepReads:
         return self.last - self.first
 
     def __getitem__(self, i: int) -> dict:
-        from .structures import DataError
-
         ready = {}
         try:
             for k in self.reads(self.batches(self.first + i)):
@@ -181,8 +180,6 @@ def global_batches(structures, batches: StepBatches, first: int, last: int, work
             yield take(structures, batches(step))
         return
     import torch
-
-    from .structures import DataError
 
     loader = torch.utils.data.DataLoader(
         _StepReads(structures, batches, first, last, reads, cutoff), batch_size=None, shuffle=False,

@@ -8,10 +8,14 @@ import os
 
 import numpy as np
 
-from ..config import ConfigError
-from ..preflight import check_parameter_memory
-from .training import QUANTITIES
+from potentials.families import new_model_class as registry_new_model_class
+from potentials.weights import weight_groups
 
+from ..config import ConfigError
+from ..model_section import chosen_family, load_section_model
+from ..preflight import check_parameter_memory
+from .sources import Source, open_source, split
+from .training import QUANTITIES, LossRule
 
 NEW_MODEL_KEYS = ("name", "cutoff", "hyperparameters", "species")  # model keys describing a new model
 
@@ -20,8 +24,6 @@ def starting_model(section) -> str | None:
     """The model family whose key names the model training starts from (None: a new model); ConfigError for
     keys that contradict each other (two starting models, a new model's keys beside one, an option of another
     family)."""
-    from ..model_section import chosen_family
-
     given = chosen_family(section, trainable=True, conflict="model: start from one of")
     if given is not None and given != "checkpoint":  # (a checkpoint's architecture replaces these keys, as it always did)
         described = [k for k in NEW_MODEL_KEYS if section[k] is not None]
@@ -42,9 +44,7 @@ def model_species(section, training) -> list:
 def new_model_class(section):
     """The class of the new model ``model.name`` names (where none is named, the registry's default:
     ``potentials.families.new_model_class``)."""
-    from potentials.families import new_model_class
-
-    return new_model_class(section["name"])
+    return registry_new_model_class(section["name"])
 
 
 def build_model(section, species, seed, parts=None):
@@ -52,8 +52,6 @@ def build_model(section, species, seed, parts=None):
     ``seed`` part by part, or the starting model its family's key names (only ``parts`` of it), in
     ``model.dtype`` (default: its own)."""
     import torch
-
-    from ..model_section import load_section_model
 
     key = starting_model(section)
     if key is not None:
@@ -118,8 +116,6 @@ def check_patterns(model, patterns, procs, key: str = "model.freeze", matched=No
     the model's parameter groups (collective). ``matched``: every rank's names to match instead of its weights'
     (LoRA's adapted weights, named as before the adaptation)."""
     from fnmatch import fnmatchcase
-
-    from potentials.weights import weight_groups
 
     names = [name for held in procs.allgather([name for name, _ in model.named_weights()]) for name in held]
     for pattern in patterns:
@@ -224,9 +220,6 @@ def load_data(config):
     read whole are split into train / validation / test; each sampled file (``training_entries``) joins the
     training set whole, after them, and ``mixture`` holds its positions there and its share (``loader.StepBatches``).
     """
-    from .sources import Source, open_source
-    from .sources import split
-
     d = config["data"]
     if d["train"] is None:
         raise ConfigError("data.train is required: a file of labelled structures")
@@ -262,8 +255,6 @@ def load_data(config):
 def loss_rules(config):
     """(stage one's ``training.LossRule``, stage two's or None) of the loss and stage_two sections; ConfigError for
     weights that fit nothing or a config_type weight that is not a number >= 0."""
-    from .training import LossRule
-
     loss, two = config["loss"], config["stage_two"]
     factors = check_factors(loss["config_type_weights"], "loss.config_type_weights", "a weight")
     rule = LossRule(**{q: loss[f"{q}_weight"] for q in QUANTITIES}, type=loss["type"], huber_delta=loss["huber_delta"],

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from potentials.files import atomic_write
 
+from ..config import ConfigError
+
 ERROR_COLUMNS = ("energy_mae", "energy_rmse", "forces_mae", "forces_rmse", "stress_mae", "stress_rmse")
 # the validation set's errors, then the training subset's (training_errors; NaN: none scored)
 METRIC_COLUMNS = ("epoch", "step", "train_loss", "val_loss", *ERROR_COLUMNS, *(f"train_{k}" for k in ERROR_COLUMNS),
@@ -35,8 +37,6 @@ class MetricLoggers:
         """ConfigError for an ``output.wandb`` section of other keys, or a logger whose package is missing (before
         anything is written, on every rank)."""
         import importlib.util
-
-        from ..config import ConfigError
 
         if output["tensorboard"] and importlib.util.find_spec("tensorboard") is None:
             raise ConfigError("output.tensorboard: needs the tensorboard package (pip install tensorboard)")
@@ -67,7 +67,7 @@ class MetricLoggers:
             id_file = directory / "wandb_id"
             run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
             id_file.write_text(run_id)
-            from potentials.process import process_kept
+            from potentials.process import process_kept  # (torch: at first use)
 
             self.kept = process_kept(warning_filters=True)  # wandb's service variable and warning filters: until
             self.kept.__enter__()  # the run is finished (close), then put back

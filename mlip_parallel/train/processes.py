@@ -12,7 +12,7 @@ class Processes:
     where they are), on the process group that the torch halo backend uses too (``backend.init_process_group``)."""
 
     def __init__(self, parallel: str):
-        from ..backend import get_backend, init_process_group
+        from ..backend import get_backend, init_process_group  # (torch: at first use)
 
         self.parallel, self.device_backend = parallel, None
         self.backend = get_backend()
@@ -43,7 +43,7 @@ class Processes:
             return
         import torch
 
-        from .training import sum_gradients
+        from .training import sum_gradients  # (torch: at first use)
 
         def reduce(flat):
             if self.device_backend is not None:

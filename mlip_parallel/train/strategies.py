@@ -20,7 +20,7 @@ def pipeline_trainer(config, procs, build, train_set, weights, resume_layout):
     """The ``PipelineTrainer`` of this rank (its stage's model: ``trainer.model``); ``weights`` {quantity: the
     largest weight of any stage of training} (an energy-only loss needs no force sweeps). On resume the stage
     layout of the interrupted run (``resume_layout``) is kept; a different one is refused."""
-    from .pipeline import PipelineError, PipelineTrainer
+    from .pipeline import PipelineError, PipelineTrainer  # (torch: at first use)
 
     pc = config["pipeline"]
     boundaries = pc["boundaries"]
@@ -56,6 +56,7 @@ class DataParallel:
         self.parameters = [p for p in model.parameters() if p.requires_grad]
 
     def gradients(self, global_batch, epoch) -> float:
+        # (torch: at first use)
         from .training import Batch, Counts, TrainingError, batch_gradients, nonfinite_structures
 
         procs = self.procs
@@ -78,7 +79,7 @@ class DataParallel:
         """Gradients of the global batch's loss, summed over ranks, clipped; one optimizer step. Returns the loss."""
         import torch
 
-        from .training import TrainingError
+        from .training import TrainingError  # (torch: at first use)
 
         value = self.gradients(global_batch, epoch)
         self.procs.sum_gradients(self.parameters)
@@ -101,7 +102,7 @@ class DataParallel:
         return positions[self.procs.rank::self.procs.size]
 
     def error_sums(self, net, structures) -> np.ndarray:
-        from .training import error_sums
+        from .training import error_sums  # (torch: at first use)
 
         return self.procs.sum(error_sums(net, self.share(structures), self.batch_size, self.device))
 
@@ -118,7 +119,7 @@ class GraphParallel(DataParallel):
     there, and only training is split by space)."""
 
     def gradients(self, global_batch, epoch) -> float:
-        from .training import Counts, TrainingError, graph_parallel_loss, total_loss
+        from .training import Counts, TrainingError, graph_parallel_loss, total_loss  # (torch: at first use)
 
         value, counts = 0.0, Counts.of(global_batch)
         for s in global_batch:
@@ -152,7 +153,7 @@ class PipelineParallel:
         self.reported = False
 
     def step(self, global_batch, optimizer, epoch) -> float:
-        from .training import TrainingError
+        from .training import TrainingError  # (torch: at first use)
 
         try:
             loss = self.pipeline.step(global_batch, self.rule, optimizer, self.clip)

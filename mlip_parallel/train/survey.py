@@ -34,8 +34,11 @@ from functools import cached_property
 
 import numpy as np
 
-from .training import QUANTITIES
+from potentials.errors import UnknownSpeciesError
+
+from .sources import FileSource, Source, Subset, cached_file, file_stamp, load_cached, save_cached
 from .structures import DataError
+from .training import QUANTITIES, predicted_energies
 
 FACTS_VERSION = 1  # of the cached facts' layout; another version is read again
 MEMORY_CANDIDATES = 8  # structures kept per ranking for the memory check
@@ -219,8 +222,6 @@ def file_facts(part, procs) -> Facts:
     """The facts of one file's structures (a ``sources.FileSource``): from the cache (``sources.load_cached``, keyed
     by the file's absolute path, the labels' names and ``FACTS_VERSION``) when every rank's holds this very file's,
     else read (the ranks sharing it) and cached by the first rank, where writable (collective)."""
-    from .sources import cached_file, file_stamp, load_cached, save_cached
-
     path = os.path.abspath(part.path)
     cached = cached_file(json.dumps([path, part.keys, FACTS_VERSION], sort_keys=True), ".facts.npz")
     stamp = file_stamp(path)
@@ -239,8 +240,6 @@ def facts(structures, procs, known=None) -> Facts:
     """The facts of ``structures`` (a list, a ``sources.Source``, ``Subset`` or file part), by position; each file's
     read once (``file_facts``) and kept in ``known`` ({id: Facts}) for the other parts of the same files.
     Collective."""
-    from .sources import FileSource, Source, Subset
-
     known = {} if known is None else known
     key = id(structures)
     if key not in known:
@@ -262,7 +261,6 @@ class Survey:
         self.structures, f = structures, part_facts
         self.size = len(f)
         self.atoms = f.atoms
-        from .sources import Subset
 
         # "first": in the files' order (a shuffled split's structures by their place in the data set)
         self.order = order = structures.indices if isinstance(structures, Subset) else np.arange(len(f))
@@ -328,8 +326,6 @@ class Survey:
 
     def check_species(self, model, role: str, error=DataError) -> None:
         """``error`` naming the first structure that holds an element ``model`` does not know."""
-        from potentials.errors import UnknownSpeciesError
-
         for z, position in sorted(self.first_element.items(), key=lambda item: self.order[item[1]]):
             try:
                 model.species_index(np.array([z]))
@@ -358,8 +354,6 @@ def energy_residuals(model, structures, procs, batch_size: int, device) -> Least
     """The least squares of the energy residuals (label − ``model``'s prediction) of the labelled ``structures`` on
     their element counts, read and predicted a batch at a time, each of ``procs``' ranks its share (collective:
     merged over the ranks; ``procs`` None: this process alone, all of them)."""
-    from .training import predicted_energies
-
     rank, size = (0, 1) if procs is None else (procs.rank, procs.size)
     mine, positions = LeastSquares(ELEMENTS), range(rank, len(structures), size)
     for start in range(0, len(positions), batch_size):

@@ -12,18 +12,27 @@ from pathlib import Path
 
 import numpy as np
 
+from potentials.base import select_weights
+from potentials.errors import OutputError
+from potentials.files import atomic_write, naming_errors
+from potentials.lora import LoRAError, add_lora
+
+from ..backend import rank_device
 from ..config import ConfigError, check_output_directory
+from ..model_section import section_options
 from ..preflight import check_training_memory
+from ..progress import Progress
 from .checkpoints import Checkpoints
-from .model_setup import build_model, check_patterns, check_new_model_size, fit_scale_shift, load_data, lora_settings, \
-    loss_rules, model_species, parameter_groups, starting_model
-from .survey import surveys
-from .processes import Processes
 from .loader import StepBatches, global_batches
-from .strategies import DataParallel, GraphParallel, PipelineParallel, pipeline_trainer
-from .outputs import MetricLoggers, write_metrics
+from .model_setup import (build_model, check_new_model_size, check_patterns, fit_scale_shift, load_data, lora_settings,
+                          loss_rules, model_species, parameter_groups, starting_model)
+from .outputs import MetricLoggers, format_errors, plot_learning_curve, species_text, write_metrics
+from .processes import Processes
 from .sources import take
-from .training import QUANTITIES
+from .strategies import DataParallel, GraphParallel, PipelineParallel, pipeline_trainer
+from .structures import DataError, DataErrorMidRun
+from .survey import energy_residuals, surveys
+from .training import QUANTITIES, TrainingError, error_table
 
 
 def learning_rate_factor(warmup: int, total: int, cosine_floor: float | None):
@@ -55,8 +64,6 @@ class Trainer(Checkpoints):
     (collective), ``fit()`` runs the epochs and returns the metric rows (every rank)."""
 
     def __init__(self, config):
-        from ..backend import rank_device
-
         self.config = config
         self.directory = Path(config["output"]["directory"])
         if not config["resume"]:
@@ -106,9 +113,6 @@ class Trainer(Checkpoints):
         self.lora = lora_settings(config)
 
         def build(parts=None):
-            from potentials.base import select_weights
-            from potentials.lora import LoRAError, add_lora
-
             model = build_model(section, species, config["seed"], parts).to(device)
             select_weights(model, section["freeze"], require_match=False)  # checked below, over every stage
             if self.lora is not None:  # (a pipeline stage's parts: the globs checked over every stage below)
@@ -289,8 +293,6 @@ class Trainer(Checkpoints):
         shares' least squares are merged (``survey.energy_residuals``)."""
         from ase.data import atomic_numbers
 
-        from .survey import energy_residuals
-
         model, labelled = self.model, self.surveys[0].energies.rows
         batch_size = self.config["batch_size"]
         if self.pipeline is None:
@@ -347,8 +349,6 @@ class Trainer(Checkpoints):
     def errors(self, net, structures, when: str) -> dict:
         """MAE/RMSE of ``net`` on ``structures`` (``training.error_table``); a non-finite prediction ends
         training, naming ``when``."""
-        from .training import TrainingError, error_table
-
         sums = self.strategy.error_sums(net, structures)
         bad = [q for k, q in enumerate(QUANTITIES)
                if sums[3 * k + 2] > 0 and not np.all(np.isfinite(sums[3 * k: 3 * k + 2]))]
@@ -416,10 +416,6 @@ class Trainer(Checkpoints):
         learning curve; score the test set with best.pt. Returns the metric rows (every rank). An output
         file that cannot be written raises OutputError naming it, the reason and the last checkpoint; a structure
         that cannot be read (the files changed since start-up) DataErrorMidRun, naming it and the last checkpoint."""
-        from potentials.errors import OutputError
-
-        from .structures import DataError, DataErrorMidRun
-
         try:
             return self._fit()
         except OutputError as exc:
@@ -438,12 +434,6 @@ class Trainer(Checkpoints):
         """Rank 0: the output directory (and the pipeline's layout), the metric loggers, and the log's opening lines;
         returns its progress bar (None on the other ranks)."""
         import torch
-
-        from potentials.files import atomic_write, naming_errors
-
-        from ..model_section import section_options
-        from ..progress import Progress
-        from .outputs import species_text
 
         config, procs, section = self.config, self.procs, self.config["model"]
         count = np.array([float(sum(p.numel() for p in self.strategy.parameters)),  # trained, of all weights:
@@ -531,8 +521,6 @@ class Trainer(Checkpoints):
     def _finish(self, bar) -> None:
         """The closing lines, the learning curve, and the test set scored with best.pt."""
         import potentials
-
-        from .outputs import format_errors, plot_learning_curve
 
         config, procs, root = self.config, self.procs, self.root
         if root:

@@ -16,9 +16,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from potentials.graph import AtomGraph, edge_vectors, strained_coordinates, SYSTEM_RANGES
+from potentials.errors import UnknownSpeciesError
+from potentials.graph import SYSTEM_RANGES, AtomGraph, edge_vectors, strained_coordinates
 
 from ..errors import MLIPError
+from ..evaluate import Decomposition, forward_decomposed, ghost_reach, global_sums
 from .structures import DataError, Structure
 
 QUANTITIES = ("energy", "forces", "stress")
@@ -236,8 +238,6 @@ def sum_gradients(parameters, reduce) -> None:
 
 def check_species(model, structures, role: str, error=DataError) -> None:
     """Every structure's elements are known to ``model``; otherwise ``error`` naming the structure."""
-    from potentials.errors import UnknownSpeciesError
-
     for s in structures:
         try:
             model.species_index(s.numbers)
@@ -252,8 +252,6 @@ def graph_parallel_loss(model, structure: Structure, rule: LossRule, counts: Cou
     the global energy and stress (allreduced values whose gradient flows through this rank's share
     only), so the sum over ranks of ``surrogate``'s parameter gradients equals the gradient of the
     structure's loss. ``terms``: the loss values (floats, identical on every rank)."""
-    from ..evaluate import Decomposition, forward_decomposed, ghost_reach, global_sums
-
     part = Decomposition(structure.to_atoms(), ghost_reach(model, mode), backend)
     energies, forces, dE_dstrain = forward_decomposed(model, part, mode, create_graph=True, system=structure.system())
     totals = global_sums(backend, energies, dE_dstrain)

@@ -15,6 +15,8 @@ import math
 import torch
 
 from ..base import block_part
+from ..messages import chunked_local
+from .nequip_layers import MIN_CHUNK_EDGES
 
 # the Allegro_Module attributes its forward reads (nequip-allegro 0.8)
 _READ = ("first_layer_env_embed_projection", "latents", "tps", "_env_weighter", "avg_num_neighbors_norm",
@@ -131,9 +133,6 @@ class AllegroLayers:
         of atoms whose edges' tensors take at most that many bytes, each group the framework's own forward on its
         atoms' edges, recomputed in the backward (``messages.chunked_local``); None: the framework's forward."""
         from nequip.data import AtomicDataDict
-
-        from ..messages import chunked_local
-        from .nequip_layers import MIN_CHUNK_EDGES
 
         if budget is None:
             return framework(data)[AtomicDataDict.PER_ATOM_ENERGY_KEY].reshape(-1)

@@ -36,9 +36,12 @@ from ase.data import chemical_symbols
 
 from ..base import BlockPotential, PackageModel, held_blocks
 from ..errors import MLIPError
+from ..exchange import default_dtype
+from ..files import atomic_write
 from ..graph import SYSTEM_RANGES, AtomGraph
 from ..messages import edge_sum
-from ..exchange import default_dtype
+from ..pickled import Pickled, PickleFileError, read_deferred, read_module_tree
+from ..plain import decode, encode
 from ..process import process_kept
 
 # fairchem-core versions whose internals (block modules, Wigner helpers, MOLE globals) this adapter was proved on
@@ -121,8 +124,6 @@ def read_checkpoint(path) -> dict:
     pickle; the EMA state dict's tensors not read yet (``pickled.Deferred``: ``read_weights`` reads those a model
     holds; its model state dict is never read). FAIRChemModelError when the file is not one (PickleFileError: not a
     torch archive at all)."""
-    from ..pickled import Pickled, read_deferred, read_module_tree
-
     tree = read_module_tree(path, deferred=True)
     kind = type(tree).path if isinstance(tree, Pickled) else type(tree).__name__
     if not kind.endswith("MLIPInferenceCheckpoint"):
@@ -144,8 +145,6 @@ def read_checkpoint(path) -> dict:
 def read_weights(path, deferred: dict, blocks=None) -> dict:
     """The tensors of ``deferred`` (``read_checkpoint``'s EMA state dict) read from ``path``: every one, or with
     ``blocks`` (block indices) those of the backbone's blocks not listed left out, unread."""
-    from ..pickled import read_deferred
-
     def wanted(key: str) -> bool:
         match = BLOCK_KEY.search(key)
         return blocks is None or match is None or int(match.group(1)) in blocks
@@ -279,8 +278,6 @@ class FAIRChem(PackageModel, BlockPotential):
     def __init__(self, checkpoint: str | None = None, task: str | None = None, charge: int | None = None,
                  spin: int | None = None, dtype: torch.dtype | None = None, architecture: dict | None = None,
                  parts=None, seed: int = 0):
-        from ..plain import decode, encode
-
         if (checkpoint is None) == (architecture is None):
             raise TypeError("FAIRChem takes a checkpoint or an architecture, one of the two")
         fairchem_version()
@@ -384,8 +381,6 @@ class FAIRChem(PackageModel, BlockPotential):
         from fairchem.core.models.uma.compat import apply_uma_compat_fixups
         from fairchem.core.units.mlip_unit.utils import load_state_dict, match_state_dict
 
-        from ..pickled import PickleFileError
-
         holder = types.SimpleNamespace(model_config=config)
         try:
             apply_uma_compat_fixups(holder, checkpoint_location=where)
@@ -457,8 +452,6 @@ class FAIRChem(PackageModel, BlockPotential):
     def set_reference_energies(self, energies) -> None:
         """Replace the task's element references; the tasks config (the hyperparameters' architecture, written to
         ``inference_ckpt.pt``) holds them too, so that a checkpoint rebuilds them."""
-        from ..plain import decode, encode
-
         refs = self.element_references.clone()
         refs[1: len(self.species) + 1] = torch.as_tensor(np.asarray(energies, dtype=np.float64))
         self.element_references = refs
@@ -481,8 +474,6 @@ class FAIRChem(PackageModel, BlockPotential):
         """``path``: fairchem's inference checkpoint (``native_object``), as fairchem's training writes
         ``inference_ckpt.pt``: ``load_predict_unit`` and ``FAIRChemCalculator`` load it. The weights keep this model's
         dtype (float64 ones load unrounded where fairchem builds in float64)."""
-        from ..files import atomic_write
-
         if not self.complete:
             raise FAIRChemModelError(f"this FAIRChem holds only the parts {sorted(self.parts)} (a pipeline stage); "
                                      f"its inference_ckpt.pt is written from the whole model")
@@ -499,8 +490,6 @@ class FAIRChem(PackageModel, BlockPotential):
         HydraModel's weights as both its model and its EMA state dict, the tasks config with the model's element
         references."""
         from fairchem.core.units.mlip_unit.api.inference import MLIPInferenceCheckpoint
-
-        from ..plain import decode
 
         architecture = decode(hyperparameters["architecture"])
         weights = {k[len("hydra."):]: v for k, v in state.items() if k.startswith("hydra.")}

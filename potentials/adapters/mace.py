@@ -19,8 +19,9 @@ import torch
 from ase.data import chemical_symbols
 
 from ..base import EMBED, READOUT, BlockPotential, PackageModel
-from ..graph import AtomGraph
 from ..exchange import GhostExchange, default_dtype
+from ..files import atomic_write
+from ..graph import AtomGraph
 from .mace_chunked import chunked_interactions, runs_chunked
 from .mace_loading import MACEModelError, build_mace, import_mace, load_mace  # noqa: F401  (the adapter's names)
 
@@ -202,8 +203,6 @@ class MACE(PackageModel, BlockPotential):
         MACE's training writes it; ``MACECalculator(model_paths=path)`` loads it where mace-torch runs beside
         the e3nn this process has (e3nn >= 0.5 reads e3nn 0.6's pickled code)."""
         import copy
-
-        from ..files import atomic_write
 
         if not self.complete:
             raise MACEModelError(f"this MACE holds only the parts {sorted(self.parts)} (a pipeline stage); its .model "

@@ -12,6 +12,8 @@ import warnings
 
 import torch
 
+from ..messages import chunked_edge_sum, chunked_rows
+
 # The interaction classes whose edge step runs in chunks (``chunked_interaction``); others run MACE's own forward.
 CHUNKED = ("RealAgnosticInteractionBlock", "RealAgnosticResidualInteractionBlock", "RealAgnosticDensityInteractionBlock",
            "RealAgnosticDensityResidualInteractionBlock", "RealAgnosticResidualNonLinearInteractionBlock",
@@ -78,8 +80,6 @@ def chunked_interactions(mace, budget: int | None):
 def chunked_product(product, budget: int, node_feats, sc, node_attrs):
     """MACE's product block (``EquivariantProductBasisBlock.forward``: symmetric contraction, linear, + sc), each
     atom alone, in row chunks of at most ``budget`` bytes recomputed in the backward (``messages.chunked_rows``)."""
-    from ..messages import chunked_rows
-
     forward = type(product).forward
 
     def rows(feats, skip, attrs):
@@ -94,8 +94,6 @@ def _edge_step(block, budget: int, shared: dict, edge_index, rows: int, conv_fea
     block.conv_tp_weights(w_e) * cutoff_e)``, w_e = edge_feats_e, or [edge_feats_e, sender_extra[s],
     receiver_extra[r]] (the blocks whose radial weights read the two atoms too), in chunks of at most ``budget``
     bytes recomputed in the backward (``messages.chunked_edge_sum``)."""
-    from ..messages import chunked_edge_sum
-
     pieces = [edge_feats] + ([receiver_extra[edge_index[1]]] if receiver_extra is not None else []) + [edge_attrs] \
         + ([cutoff] if cutoff is not None else [])
     if receiver_extra is not None:

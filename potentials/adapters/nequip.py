@@ -24,9 +24,10 @@ import torch
 from ase.data import atomic_numbers
 
 from ..base import EMBED, READOUT, BlockPotential, PackageModel, all_parts, held_blocks
+from ..exchange import GhostExchange, default_dtype
+from ..files import atomic_write
 from ..graph import AtomGraph
 from ..messages import SavedBytes
-from ..exchange import GhostExchange, default_dtype
 from .allegro_layers import AllegroLayers
 from .nequip_layers import NequIPLayers, run_modules
 from .nequip_loading import (NequIPFrameworkError, build_framework_model, framework_architecture,  # noqa: F401
@@ -320,8 +321,6 @@ class NequIPFramework(PackageModel, BlockPotential):
         from hydra.utils import get_class
         from nequip.utils import get_current_code_versions
         from nequip.utils.global_state import set_global_state
-
-        from ..files import atomic_write
 
         if not self.complete:
             raise NequIPFrameworkError(f"this model holds only the parts {sorted(self.parts)} (a pipeline stage); its "

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import torch
 
 from ..base import block_part
+from ..messages import chunked_edge_sum
 from .nequip_loading import NequIPFrameworkError
 
 # Edges per chunk at least (potentials.messages' default is 2,048): a NequIP or Allegro edge carries several KB of
@@ -147,8 +148,6 @@ def chunked_tp_scatter(block, budget: int, shared: dict, x, edge_attr, edge_weig
     embedding [E, basis] (``edge_mlp`` handed it through): Σ over the edges into each row of
     ``tp(x[src], edge_attr, edge_mlp(embedding))``, in chunks (``messages.chunked_edge_sum``). Every block of
     one forward reads the same embedding and attributes: packed once."""
-    from ..messages import chunked_edge_sum
-
     same = shared.get("pieces") is not None and all(a is b for a, b in zip(shared["pieces"], (edge_weight, edge_attr))) \
         and shared["index"] == (edge_src.data_ptr(), edge_dst.data_ptr(), edge_dst.shape)
     if not same:

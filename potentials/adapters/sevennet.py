@@ -19,8 +19,10 @@ from ase.data import chemical_symbols
 
 from ..base import EMBED, READOUT, BlockPotential, PackageModel, Potential, all_parts, block_part
 from ..errors import MLIPError
+from ..files import atomic_write
 from ..graph import AtomGraph
 from ..messages import edge_sum
+from ..plain import decode, encode
 
 _SKIPPED_MODULES = ("reduce_total_enegy", "force_output")  # sevenn's own spelling
 _EDGE_EMBEDDING = "edge_embedding"
@@ -80,7 +82,6 @@ class SevenNet(PackageModel, BlockPotential):
             from sevenn.model_build import build_E3_equivariant_model
         except ImportError as exc:
             raise ImportError("SevenNet needs the sevenn package: pip install -e .[sevenn]") from exc
-        from ..plain import decode, encode
 
         architecture = config if architecture is None else architecture  # its former name, in older checkpoints
         if checkpoint is None and architecture is None:
@@ -219,8 +220,6 @@ class SevenNet(PackageModel, BlockPotential):
         import uuid
 
         import sevenn
-
-        from ..files import atomic_write
 
         if not self.complete:
             raise SevenNetModelError(f"this SevenNet holds only the parts {sorted(self.parts)} (a pipeline stage); its "

@@ -3,6 +3,7 @@ config, e.g. ``mlip-train``'s ``best.pt``) and bundled models (``cu-emt``). A sp
 names one of these."""
 from __future__ import annotations
 
+from ..families import new_model_class
 from . import Family
 
 # this package's architectures, which mlip-train builds new (model.name; SchNet the default)
@@ -14,7 +15,7 @@ SMALL = {"SchNet": dict(features=32, layers=3), "PaiNN": dict(features=16, layer
 
 def load(spec: str, parts=None):
     """The checkpoint at ``spec`` (a path, or a bundled model's name), only ``parts`` of a block model if given."""
-    from ..checkpoint import load as load_checkpoint
+    from ..checkpoint import load as load_checkpoint  # (torch: at first use)
 
     return load_checkpoint(spec, parts=parts)
 
@@ -22,8 +23,6 @@ def load(spec: str, parts=None):
 def small(name: str):
     """A build() of the small model of architecture ``name`` for the self-check: Ag and Cu, 4 Å, seed 0."""
     def build():
-        from ..families import new_model_class
-
         return new_model_class(name)(["Ag", "Cu"], cutoff=4.0, seed=0, **SMALL[name])
     return build
 

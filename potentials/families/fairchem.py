@@ -6,7 +6,7 @@ from . import Family, Option, archive_pickle
 
 
 def load(spec: str, task=None, charge=None, spin=None, dtype=None, parts=None):
-    from ..adapters.fairchem import FAIRChem
+    from ..adapters.fairchem import FAIRChem  # (its package: loaded with a model)
 
     return FAIRChem(spec, task=task, charge=charge, spin=spin, dtype=dtype, parts=parts)
 

@@ -12,7 +12,7 @@ PARAMETERS = ("epsilon", "sigma", "cutoff")
 
 def load(spec):
     """A ``LennardJones`` from ``spec``: "EPSILON,SIGMA,CUTOFF" (eV, Å, Å) or a mapping of those three."""
-    from ..lj import LennardJones
+    from ..lj import LennardJones  # (torch: at first use)
 
     if isinstance(spec, str):
         fields = spec.split(",")

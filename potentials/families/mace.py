@@ -11,7 +11,7 @@ EXPORTS = ("-mliap_lammps.pt", "-lammps.pt")  # mace_create_lammps_model writes 
 
 
 def load(spec: str, head=None, dtype=None, parts=None):
-    from ..adapters.mace import MACE
+    from ..adapters.mace import MACE  # (its package: loaded with a model)
 
     return MACE(spec, head=head, dtype=dtype, parts=parts)
 

@@ -7,7 +7,7 @@ from . import Family, archive_pickle
 
 
 def load(spec: str, parts=None):
-    from ..adapters.nequip import NequIPFramework
+    from ..adapters.nequip import NequIPFramework  # (its package: loaded with a model)
 
     return NequIPFramework(spec, parts=parts)
 

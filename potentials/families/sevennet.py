@@ -8,7 +8,7 @@ from . import Family, archive_pickle
 
 
 def load(spec: str, parts=None):
-    from ..adapters.sevennet import SevenNet
+    from ..adapters.sevennet import SevenNet  # (its package: loaded with a model)
 
     return SevenNet(spec, parts=parts)
 

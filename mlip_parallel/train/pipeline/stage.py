@@ -11,11 +11,11 @@ import torch
 
 from potentials.base import stage_parts
 
+from ...backend import get_backend, nccl_in_use
 from ...errors import MLIPError
 from ..training import Counts, batch_geometry, loss_terms, prediction_errors, structure_energies, symmetric_stress
 from .schedule import DEFERRED, Action, Sweep, deferred_parts, is_split
 from .split_backward import _Seeds, _startable, backward_split
-
 
 
 class PipelineError(MLIPError, ValueError):
@@ -70,7 +70,6 @@ class PipelineStage:
         self.blocks = range(boundaries[stage], boundaries[stage + 1])
         self.prev, self.next = peers
         if comm is None:
-            from ...backend import get_backend
             comm = get_backend("torch")
         self.comm = comm  # the backend its messages go through (isend, irecv)
         self.parameters = [p for p in model.parameters() if p.requires_grad]
@@ -110,7 +109,6 @@ class PipelineStage:
     def message_device(self):
         """Where messages live: the stage's device, or the host where the process group cannot move
         CUDA tensors (gloo: ranks sharing a GPU)."""
-        from ...backend import nccl_in_use
         return self.net.device if self.net.device.type != "cuda" or nccl_in_use() else torch.device("cpu")
 
     def _post_receives(self, actions) -> None:

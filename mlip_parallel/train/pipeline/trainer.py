@@ -12,11 +12,13 @@ import torch
 
 from potentials.base import block_part, stage_parts
 from potentials.checkpoint import save_parts
+from potentials.lora import merged
 
+from ...backend import get_backend
 from ..training import Batch, Counts, TrainingError, batch_geometry, sum_gradients
-from .schedule import Sweep, deferred_parts, is_split
+from .schedule import (SCHEDULE_NAMES, SCHEDULES, SWEEPS, Costs, Sweep, auto, check, deferred_parts, is_split,
+                       one_f_one_b, split, sweeps_of)
 from .stage import PipelineError, PipelineStage, _wait_for_device
-
 
 
 def block_costs(build, structures) -> list:
@@ -157,9 +159,6 @@ class PipelineTrainer:
     def __init__(self, build, stages: int, microbatches: int, schedule: str = "auto", sweeps: str = "forces",
                  boundaries=None, sample=None, two_bw: bool = False, recompute: bool = False, costs=None,
                  merge: bool = True, comm=None):
-        from ...backend import get_backend
-        from .schedule import SCHEDULE_NAMES
-
         self.comm = comm = get_backend("torch") if comm is None else comm
         world, rank = comm.size, comm.rank
         blocks = build(frozenset()).n_blocks
@@ -213,8 +212,6 @@ class PipelineTrainer:
         split sweeps (the timed warm-up, ``WARM_UP_STEPS``: plain, split, plain, split, plain), then
         ``schedule.auto``'s choice. Once ``self.costs`` are known the result predicts the step in seconds
         (``schedule.render`` shows it)."""
-        from .schedule import SCHEDULES, SWEEPS, auto, check, one_f_one_b, split, sweeps_of
-
         warming_up = self.costs is None and sweeps != "evaluate"  # (an evaluation has no split sweeps)
         key = microbatches, sweeps, len(self._warm_up) % 2 if warming_up else None
         if key not in self._actions:
@@ -243,7 +240,6 @@ class PipelineTrainer:
 
     def _split_sweeps(self) -> tuple:
         """This trainer's sweeps with the parameter parts of ``_split_parts`` split off."""
-        from .schedule import SWEEPS, split
         return split(SWEEPS[self.sweeps], self._split_parts())
 
     def _usable(self, costs) -> bool:
@@ -313,8 +309,6 @@ class PipelineTrainer:
         over replicas; the latency the median over steps and links. Collective over all ranks, and the
         same costs on each; no costs (the warm-up starts over) when a stage has no replica that ran every
         step."""
-        from .schedule import Costs
-
         gathered = self.comm.allgather(None if None in steps else steps)
         self._warm_up, seconds, memory, latencies = [], [], [], []
         for s in range(self.stages):
@@ -421,8 +415,6 @@ class PipelineTrainer:
         return {"stale": [p.cpu() for p in self.stale] if self.two_bw else [], "costs": costs, "warm_up": warm_up}
 
     def load_state_dict(self, state: dict) -> None:
-        from .schedule import Costs
-
         if self.two_bw:
             self.stale = [p.to(q.device) for p, q in zip(state["stale"], self.parameters)]
         costs = state.get("costs")
@@ -441,8 +433,6 @@ class PipelineTrainer:
         every rank: replica 0's stages send rank 0 their entries' shapes, then the tensors one at a time,
         which ``potentials.save_parts`` writes into place as they arrive: no rank holds more than its own
         parts and one tensor of another's. ``extra``: plain entries stored beside the weights (rank 0's)."""
-        from potentials.lora import merged
-
         if self.replica == 0:  # the other replicas hold the same weights
             net = merged(model if model is not None else self.model)  # (LoRA: the updates added into the weights)
             state = {k: v.detach() for k, v in net.state_dict().items()
