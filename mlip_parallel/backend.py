@@ -7,7 +7,8 @@
 * ``SerialBackend``: one process.
 
 Each moves numpy arrays or torch tensors and counts the seconds spent communicating in
-``comm_seconds``. ``get_backend`` chooses one; ``init_process_group`` is the one torch.distributed
+``comm_seconds``. The MPI and torch backends also carry training's messages (``allreduce_``, ``subgroup``,
+``send`` / ``recv``, ``isend`` / ``irecv``, ``send_object`` / ``recv_object``: a pipeline's stages and replicas). ``get_backend`` chooses one; ``init_process_group`` is the one torch.distributed
 set-up, shared with training; ``rank_device`` is each rank's device.
 """
 from __future__ import annotations
@@ -145,9 +146,70 @@ class MPIBackend:
     def barrier(self):
         self.comm.Barrier()
 
+    # What training adds (as TorchBackend's): tensors travel as their host copies unless the MPI is CUDA-aware.
+    def _buffer(self, tensor: torch.Tensor):
+        """What MPI reads or writes for ``tensor``: the tensor itself where MPI takes it (CPU, or CUDA with a
+        CUDA-aware MPI), else its host copy."""
+        if tensor.device.type == "cpu" or self.cuda_aware:
+            return tensor.detach().contiguous()
+        return tensor.detach().cpu()
+
+    def allreduce_(self, tensor: torch.Tensor, group=None) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks (of ``group``, a ``subgroup``), in place; returns it."""
+        t0 = time.perf_counter()
+        buf = self._buffer(tensor)
+        (group or self.comm).Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+        if buf.data_ptr() != tensor.data_ptr():
+            tensor.copy_(buf)
+        self.comm_seconds += time.perf_counter() - t0
+        return tensor
+
+    def subgroup(self, ranks):
+        """A communicator of ``ranks`` (collective: every rank makes every group, in the same order; a rank outside
+        it gets none)."""
+        group = self.comm.Create(self.comm.Get_group().Incl(list(ranks)))
+        return None if group == self.MPI.COMM_NULL else group
+
+    def send(self, tensor: torch.Tensor, dest: int) -> None:
+        self.comm.Send(self._buffer(tensor), dest=dest, tag=0)
+
+    def recv(self, tensor: torch.Tensor, source: int) -> torch.Tensor:
+        buf = self._buffer(tensor)
+        self.comm.Recv(buf, source=source, tag=0)
+        if buf.data_ptr() != tensor.data_ptr():
+            tensor.copy_(buf)
+        return tensor
+
+    def isend(self, tensor: torch.Tensor, dest: int, tag: int = 0):
+        buf = self._buffer(tensor)
+        return _Request(self.comm.Isend(buf, dest=dest, tag=tag), buf)
+
+    def irecv(self, tensor: torch.Tensor, source: int, tag: int = 0):
+        buf = self._buffer(tensor)
+        return _Request(self.comm.Irecv(buf, source=source, tag=tag), buf, tensor)
+
+    def send_object(self, obj, dest: int) -> None:
+        self.comm.send(obj, dest=dest, tag=0)
+
+    def recv_object(self, source: int):
+        return self.comm.recv(source=source, tag=0)
+
     @property
     def library(self) -> str:
         return " ".join(self.MPI.Get_library_version().splitlines()[0].split())
+
+
+class _Request:
+    """An MPI request with torch's ``wait()``: keeps its buffer alive until then, and a received host copy goes
+    into ``into`` (the tensor it was posted for) when it arrives."""
+
+    def __init__(self, request, buffer, into=None):
+        self.request, self.buffer, self.into = request, buffer, into
+
+    def wait(self) -> None:
+        self.request.Wait()
+        if self.into is not None and self.buffer.data_ptr() != self.into.data_ptr():
+            self.into.copy_(self.buffer)
 
 
 class TorchBackend:

@@ -40,6 +40,7 @@ from ase.calculators.emt import EMT  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import potentials  # noqa: E402
+import mlip_parallel  # noqa: E402
 from mlip_parallel.train.pipeline import WARM_UP_STEPS, PipelineTrainer  # noqa: E402
 from mlip_parallel.train.pipeline.schedule import (SWEEPS, Costs, check, defer_tail, gpipe, one_f_one_b,  # noqa: E402
                                           split, sweeps_of)
@@ -136,14 +137,16 @@ def tensors_with_graph() -> int:
 
 
 def gradient_case(name, schedule, sweeps, recompute, microbatches, data, boundaries=None, steps=1, costs=None,
-                  lists=None, merge=True, given=None):
+                  lists=None, merge=True, given=None, comm=None):
     """``steps`` gradient computations of one trainer (auto: the first five are the timed warm-up, 1F1B on
     plain and split sweeps in turn; the later ones auto's choice), each compared with one process.
     ``lists``: run this schedule (named ``given``). ``merge``: A's parameter part runs in B (the default; False: A runs
-    through the forward graph itself, as with A split)."""
+    through the forward graph itself, as with A split). ``comm``: the backend the stages talk through (None: the
+    torch.distributed one)."""
     weights = WEIGHTS if sweeps == "forces" else ENERGY_ONLY
     trainer = PipelineTrainer(MODELS[name], STAGES, microbatches=microbatches, schedule=schedule, sweeps=sweeps,
-                              sample=data[:2], recompute=recompute, boundaries=boundaries, costs=costs, merge=merge)
+                              sample=data[:2], recompute=recompute, boundaries=boundaries, costs=costs, merge=merge,
+                              comm=comm)
     check_parts(name, trainer)
     if lists is not None:  # a given order (e.g. split GPipe: every W after every B, the longest deferral)
         kind = sweeps_of(lists)
@@ -161,7 +164,7 @@ def gradient_case(name, schedule, sweeps, recompute, microbatches, data, boundar
                  f"M={microbatches}: gradients")
         if schedule == "auto" or lists is not None:
             label = f"{name} {trainer.schedule_name}{' recompute' if recompute else ''} {sweeps}, M={microbatches}"
-        label += "" if merge else " (A not merged into B)"
+        label += ("" if merge else " (A not merged into B)") + (" (MPI backend)" if comm is not None else "")
         fixed = schedule != "auto" and lists is None and merge
         check_close(label, mine, theirs, word="max rel err" if fixed else "largest relative difference")
         c = compare(loss, ref_loss, 1e-10, scale="each")
@@ -190,6 +193,8 @@ if P == 4:  # data x pipeline: the schedule variants already ran on a single pip
     CASES = [c for c in CASES if c[1:] == ("1f1b", "forces", False)]
 for name, schedule, sweeps, recompute in CASES:
     gradient_case(name, schedule, sweeps, recompute, microbatches=4, data=DATA[:7])  # ragged micro-batches
+# the stages (and, P = 4, the replicas) talking through the MPI backend instead of torch.distributed
+gradient_case("SchNet", "1f1b", "forces", False, microbatches=4, data=DATA[:7], comm=mlip_parallel.get_backend("mpi"))
 # A running through the forward graph itself (not merged into B), as before the merge and with A split
 gradient_case("SchNet", "1f1b", "forces", False, microbatches=4, data=DATA[:7], merge=False)
 # fewer structures than replicas × micro-batches (P = 4: replica 1 gets 1 structure; then none)

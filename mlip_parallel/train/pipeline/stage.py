@@ -11,7 +11,7 @@ import torch
 
 from potentials.base import stage_parts
 
-from ...backend import get_backend, nccl_in_use
+from ...backend import get_backend
 from ...errors import MLIPError
 from ..training import Counts, batch_geometry, loss_terms, prediction_errors, structure_energies, symmetric_stress
 from .schedule import DEFERRED, Action, Sweep, deferred_parts, is_split
@@ -107,9 +107,9 @@ class PipelineStage:
         return []
 
     def message_device(self):
-        """Where messages live: the stage's device, or the host where the process group cannot move
-        CUDA tensors (gloo: ranks sharing a GPU)."""
-        return self.net.device if self.net.device.type != "cuda" or nccl_in_use() else torch.device("cpu")
+        """Where messages live: the stage's device, or the host where the backend cannot move CUDA tensors (gloo:
+        ranks sharing a GPU; an MPI that is not CUDA-aware)."""
+        return self.net.device if self.net.device.type != "cuda" or self.comm.cuda_aware else torch.device("cpu")
 
     def _post_receives(self, actions) -> None:
         where = self.message_device()
