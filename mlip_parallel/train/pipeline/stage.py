@@ -11,7 +11,6 @@ import torch
 
 from potentials.base import stage_parts
 
-from ...backend import get_backend
 from ...errors import MLIPError
 from ..training import Counts, batch_geometry, loss_terms, prediction_errors, structure_energies, symmetric_stress
 from .schedule import DEFERRED, Action, Sweep, deferred_parts, is_split
@@ -38,7 +37,8 @@ def _tag(m: int, sweep: str, part: int) -> int:
 class PipelineStage:
     """Stage ``stage`` of ``stages``: runs blocks [boundaries[stage], boundaries[stage + 1]) of
     ``model``, which holds exactly this stage's parts (plus the embedding on stage 0, the readout on
-    the last). ``peers``: global ranks of the previous and next stage (None at the ends).
+    the last). ``peers``: global ranks of the previous and next stage (None at the ends), ``comm`` the backend they
+    talk through.
     ``batches[m]``: micro-batch m (a ``Batch``) — the same on every stage; ``counts``: sizes of the whole
     global batch (the loss normalisation). ``recompute``: keep only each micro-batch's stage input
     between its forward and its first backward sweep, and recompute the stage's forward then
@@ -60,7 +60,7 @@ class PipelineStage:
     and those A and B captured for WA and WB; "merged": 1 where B1's graph is held until B).
     """
 
-    def __init__(self, model, stage: int, stages: int, boundaries, peers, recompute: bool = False, comm=None):
+    def __init__(self, model, stage: int, stages: int, boundaries, peers, comm, recompute: bool = False):
         expected = stage_parts(model.n_blocks, boundaries, stage)
         if model.parts != expected:
             raise PipelineError(f"stage {stage} must hold exactly the parts {sorted(expected)}, "
@@ -69,9 +69,7 @@ class PipelineStage:
         self.first, self.last = stage == 0, stage == stages - 1
         self.blocks = range(boundaries[stage], boundaries[stage + 1])
         self.prev, self.next = peers
-        if comm is None:
-            comm = get_backend("torch")
-        self.comm = comm  # the backend its messages go through (isend, irecv)
+        self.comm = comm  # the backend its messages go through (isend, irecv): its trainer's
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         # trained weights of no part (SevenNet's radial coefficients, read by every block): every stage holds a copy,
         # whose gradient the trainer sums over all stages, so that the copies stay equal

@@ -187,7 +187,7 @@ class PipelineTrainer:
         self.boundaries = check_boundaries(boundaries, stages, blocks)
         self.model = build(stage_parts(blocks, self.boundaries, stage))
         peers = (rank - 1 if stage > 0 else None, rank + 1 if stage < stages - 1 else None)
-        self.stage = PipelineStage(self.model, stage, stages, self.boundaries, peers, recompute, comm)
+        self.stage = PipelineStage(self.model, stage, stages, self.boundaries, peers, comm, recompute)
         self.stage.merge_a_into_b = merge
         if costs is not None and not self._usable(costs):
             raise PipelineError("schedule auto needs costs that time the split sweeps "
