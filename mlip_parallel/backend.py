@@ -8,8 +8,10 @@
 
 Each moves numpy arrays or torch tensors and counts the seconds spent communicating in
 ``comm_seconds``. The MPI and torch backends also carry training's messages (``allreduce_``, ``subgroup``,
-``send`` / ``recv``, ``isend`` / ``irecv``, ``send_object`` / ``recv_object``: a pipeline's stages and replicas). ``get_backend`` chooses one; ``init_process_group`` is the one torch.distributed
-set-up, shared with training; ``rank_device`` is each rank's device.
+``send`` / ``recv``, ``isend`` / ``irecv``, ``send_object`` / ``recv_object``: a pipeline's stages and replicas)
+and a shared ``counter()`` (an atomic fetch-and-add: a batch job's queue of structures). ``get_backend`` chooses
+one; ``init_process_group`` is the one torch.distributed set-up, shared with training; ``rank_device`` is each
+rank's device.
 """
 from __future__ import annotations
 
@@ -57,6 +59,9 @@ class SerialBackend:
 
     def allreduce_(self, tensor, group=None):
         return tensor
+
+    def counter(self) -> "LocalCounter":
+        return LocalCounter()
 
     def subgroup(self, ranks):
         return None
@@ -188,6 +193,10 @@ class MPIBackend:
         buf = self._buffer(tensor)
         return _Request(self.comm.Irecv(buf, source=source, tag=tag), buf, tensor)
 
+    def counter(self) -> "_WindowCounter":
+        """A shared counter (collective: every rank creates it alike): an int64 in a one-sided window on rank 0."""
+        return _WindowCounter(self.comm, self.MPI)
+
     def send_object(self, obj, dest: int) -> None:
         self.comm.send(obj, dest=dest, tag=0)
 
@@ -197,6 +206,60 @@ class MPIBackend:
     @property
     def library(self) -> str:
         return " ".join(self.MPI.Get_library_version().splitlines()[0].split())
+
+
+class LocalCounter:
+    """A counter of one process: ``add(k)`` returns its value before adding ``k``; ``free()`` (collective) ends it.
+    What ``counter()`` of every backend returns, shared there by the ranks."""
+
+    def __init__(self):
+        self.value = 0
+
+    def add(self, k: int) -> int:
+        self.value += k
+        return self.value - k
+
+    def free(self) -> None:
+        pass
+
+
+class _WindowCounter:
+    """MPI's shared counter: ``add(k)`` is an atomic fetch-and-add on rank 0's window (passive target: rank 0 need not
+    take part), the value before the addition returned."""
+
+    def __init__(self, comm, MPI):
+        self.MPI = MPI
+        self.window = MPI.Win.Allocate(8 if comm.Get_rank() == 0 else 0, 8, comm=comm)
+        if comm.Get_rank() == 0:
+            self.window.Lock(0)
+            self.window.Put([np.zeros(1, dtype=np.int64), MPI.INT64_T], 0)
+            self.window.Unlock(0)
+        comm.Barrier()
+
+    def add(self, k: int) -> int:
+        before = np.zeros(1, dtype=np.int64)
+        self.window.Lock(0)
+        self.window.Fetch_and_op([np.array([k], dtype=np.int64), self.MPI.INT64_T], [before, self.MPI.INT64_T], 0, 0,
+                                 self.MPI.SUM)
+        self.window.Unlock(0)
+        return int(before[0])
+
+    def free(self) -> None:
+        """Release the window (collective)."""
+        self.window.Free()
+
+
+class _StoreCounter:
+    """torch.distributed's shared counter: an atomic ``add`` on the rendezvous store under a key of its own."""
+
+    def __init__(self, store, key: str):
+        self.store, self.key = store, key
+
+    def add(self, k: int) -> int:
+        return int(self.store.add(self.key, k)) - k
+
+    def free(self) -> None:
+        pass
 
 
 class _Request:
@@ -318,6 +381,12 @@ class TorchBackend:
     def irecv(self, tensor: torch.Tensor, source: int, tag: int = 0):
         """Start receiving ``source``'s message of ``tag`` into ``tensor``; the request's ``wait()`` completes it."""
         return self.dist.irecv(tensor, source, tag=tag)
+
+    def counter(self) -> _StoreCounter:
+        """A shared counter (collective: every rank creates it alike) on the rendezvous store."""
+        self._counters = getattr(self, "_counters", 0) + 1
+        self.barrier()  # (every rank has its key before any adds to it)
+        return _StoreCounter(self.dist.distributed_c10d._get_default_store(), f"mlip_parallel/counter/{self._counters}")
 
     def send_object(self, obj, dest: int) -> None:
         """A picklable ``obj`` to rank ``dest``."""

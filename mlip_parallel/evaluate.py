@@ -10,13 +10,14 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from potentials.committee import Committee, deviations
+from potentials.batch import graph_results
+from potentials.committee import Committee, committee_result, deviations
 from potentials.graph import (MIN_DISTANCE, AtomGraph, NoHalo, check_positions, check_structure, edge_vectors,
                               neighbour_pairs, strained_coordinates, system_of)
 from potentials.messages import memory_budget_bytes
 from potentials.predict import periodic_graph, voigt_stress
 
-from .backend import SerialBackend, get_backend, rank_device
+from .backend import get_backend, rank_device
 from .comm import FeatureHalo
 from .domain import Domain
 from .errors import LostAtomsError, RanksDisagreeError, SimulationError
@@ -202,20 +203,6 @@ def members_decomposed(committee, sub: Subdomain, mode: str = "layerwise",
     return graph_results(committee, *decomposed_graph(committee, sub, mode, False, memory_budget_gb, system))
 
 
-def graph_results(model, x, graph) -> tuple:
-    """torch float64 (energies [K, n_local], forces [K, n_local, 3], dE/dstrain [K, 3, 3]) of the graph's owned
-    atoms, for each of the K members of a committee (one after another on ``graph``) or for a model (K = 1);
-    ``x``: the strained coordinates ``graph``'s edge vectors were computed from."""
-    members = [(model.member_graph(k, graph), member) for k, member in enumerate(model.members)] \
-        if isinstance(model, Committee) else [(graph, model)]
-    results = []
-    for k, (member_graph, member) in enumerate(members):
-        energies = member(member_graph).to(torch.float64)
-        dE_dpos, dE_dstrain = torch.autograd.grad(energies.sum(), [x.pos, x.strain], retain_graph=k < len(members) - 1)
-        results.append((energies.detach(), -dE_dpos, dE_dstrain))
-    return tuple(torch.stack(values) for values in zip(*results))
-
-
 STRUCTURE_PARTS = ("number of atoms", "elements", "positions", "cell", "periodicity", "charge and spin")
 
 
@@ -280,7 +267,7 @@ def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, str
 
     A committee (``potentials.Committee``, or a list of models: one with ``forces="mean"``) runs its members on one
     decomposition; its energy, forces and stress are their mean (or its first member's), and the result also holds
-    the model deviation (``committee_result``): "devi_f" (N,) σ_F per atom, "devi_energies" (N,) the per-atom energy
+    the model deviation (``potentials.committee.committee_result``): "devi_f" (N,) σ_F per atom, "devi_energies" (N,) the per-atom energy
     deviation, "max_devi_f", "min_devi_f", "avg_devi_f" (eV/Å), "devi_e" (the members' standard deviation of the
     energy per atom, eV) and "member_energies" (K,).
     """
@@ -356,18 +343,3 @@ def gathered(backend, owned: np.ndarray, energies, forces, dE_dstrain, n: int) -
         raise LostAtomsError(f"{int((counts == 0).sum())} atom(s) owned by no rank and "
                              f"{int((counts > 1).sum())} by several")
     return all_energies, all_forces, sum(p[3] for p in parts)
-
-
-def committee_result(committee, energies: np.ndarray, forces: np.ndarray, virials=None, volume=None) -> dict:
-    """A committee's result from its members' per-atom ``energies`` [K, N], ``forces`` [K, N, 3] and, with a
-    ``volume``, ``virials`` [K, 3, 3] (dE/dstrain): the combined energy, per-atom energies, forces and stress
-    (``Committee.combine``), and the model deviation (see ``evaluate``)."""
-    pick = committee.combine
-    devi_f, devi_energies = (d.numpy() for d in deviations(torch.as_tensor(forces), torch.as_tensor(energies)))
-    totals = energies.sum(axis=1)
-    result = {"energy": float(pick(torch.as_tensor(totals))), "energies": pick(torch.as_tensor(energies)).numpy(),
-              "forces": pick(torch.as_tensor(forces)).numpy(), "devi_f": devi_f, "devi_energies": devi_energies,
-              **deviation_summary(SerialBackend(), devi_f, totals, len(devi_f)), "member_energies": totals}
-    if virials is not None:
-        result["stress"] = voigt_stress(pick(torch.as_tensor(virials)).numpy(), volume)
-    return result

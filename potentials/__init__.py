@@ -12,6 +12,7 @@ __all__ = lazy_exports(__name__, {
     "adapters.mace": ("MACE",),
     "adapters.nequip": ("NequIPFramework",),
     "adapters.sevennet": ("SevenNet",),
+    "batch": ("predict_many",),
     "base": ("BlockPotential", "Potential", "SpeciesScaleShift", "all_parts", "stage_parts"),
     "checkpoint": ("CheckpointError", "load", "save", "save_parts"),
     "committee": ("Committee", "deviations", "load_committee"),

@@ -24,6 +24,7 @@ from .base import Potential
 from .errors import MLIPError, UnknownSpeciesError
 from .families import ModelSpecError, load_model, split_spec
 from .graph import AtomGraph
+from .predict import voigt_stress
 
 FORCES = ("mean", "first")
 
@@ -116,6 +117,26 @@ def deviations(forces: torch.Tensor, energies: torch.Tensor) -> tuple:
     devi_f = ((forces - forces.mean(dim=0)) ** 2).sum(dim=2).mean(dim=0).sqrt()
     devi_e = energies.std(dim=0, unbiased=False) if energies.shape[0] > 1 else torch.zeros_like(energies[0])
     return devi_f, devi_e
+
+
+def committee_result(committee, energies: np.ndarray, forces: np.ndarray, virials=None, volume=None) -> dict:
+    """A committee's result of one whole structure from its members' per-atom ``energies`` [K, N], ``forces``
+    [K, N, 3] and, with a ``volume``, ``virials`` [K, 3, 3] (dE/dstrain): the combined "energy", "energies", "forces"
+    and "stress" (``combine``), and the model deviation: "devi_f" (N,) σ_F per atom, "devi_energies" (N,),
+    "max_devi_f", "min_devi_f", "avg_devi_f" (over the atoms, eV/Å; 0 for none), "devi_e" (the members' standard
+    deviation of the energy per atom, eV) and "member_energies" (K,)."""
+    pick = committee.combine
+    devi_f, devi_energies = (d.numpy() for d in deviations(torch.as_tensor(forces), torch.as_tensor(energies)))
+    totals = energies.sum(axis=1)
+    n = max(len(devi_f), 1)
+    result = {"energy": float(pick(torch.as_tensor(totals))), "energies": pick(torch.as_tensor(energies)).numpy(),
+              "forces": pick(torch.as_tensor(forces)).numpy(), "devi_f": devi_f, "devi_energies": devi_energies,
+              "max_devi_f": float(devi_f.max(initial=0.0)), "min_devi_f": float(devi_f.min(initial=np.inf))
+              if len(devi_f) else 0.0, "avg_devi_f": float(devi_f.sum()) / n,
+              "devi_e": float(np.std(totals)) / n, "member_energies": totals}
+    if virials is not None:
+        result["stress"] = voigt_stress(pick(torch.as_tensor(virials)).numpy(), volume)
+    return result
 
 
 def load_committee(specs, dtype: str | None = None, *, forces: str = "mean", checkpoint_dtype: str | None = None,

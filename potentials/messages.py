@@ -101,12 +101,14 @@ def one_pass_fits(one_pass_bytes: float, free_bytes: float) -> bool:
     return one_pass_bytes <= ONE_PASS_SHARE * free_bytes
 
 
-def evaluation_budget(model, memory_budget_gb: float | None, rows: int, edges: int, device) -> int | None:
+def evaluation_budget(model, memory_budget_gb: float | None, rows: int, edges: int, device,
+                      free_bytes: float | None = None) -> int | None:
     """The chunk budget (bytes; None: every edge at once) of one evaluation of ``model`` over ``rows`` atoms and
     ``edges`` edges on ``device``: ``memory_budget_bytes(memory_budget_gb)`` when given, else one pass where it fits
-    (``one_pass_fits`` in the device's free memory) and the automatic chunks where it does not."""
-    if memory_budget_gb is None and one_pass_fits(model.evaluation_bytes(rows, edges, chunked=False),
-                                                  available_bytes(device)):
+    (``one_pass_fits`` in the device's free memory, ``free_bytes`` where the caller has just read it) and the
+    automatic chunks where it does not."""
+    free = available_bytes(device) if free_bytes is None and memory_budget_gb is None else free_bytes
+    if memory_budget_gb is None and one_pass_fits(model.evaluation_bytes(rows, edges, chunked=False), free):
         return None
     return memory_budget_bytes(memory_budget_gb, device)
 

@@ -1,0 +1,138 @@
+"""Tasks on many structures at once: single points and FIRE relaxations (of the positions, or with the cell through
+ASE's ``FrechetCellFilter``), the structures in flight evaluated together as one graph (``potentials.predict_many``).
+
+Each structure runs ASE's own optimizer, stepped exactly as ``Optimizer.run(fmax, steps)`` steps it (``Relaxation``),
+with the forces and stress of its batch; nothing one structure does changes another's path, so each ends as ASE's
+FIRE with ``MLIPCalculator`` ends it (the same steps; positions equal up to floating-point summation order). When a
+structure finishes it leaves the batch and the next one enters (``run_tasks``). ``relax_many`` and
+``single_points`` are the Python API; ``mlip-batch`` (``batch_cli``) runs them from a config over ranks.
+
+Loop order of ``run_tasks``, once per round:
+    fill the batch from the queue up to its atom limit
+    evaluate every structure in the batch (one graph, split only where memory requires)
+    for each structure: give it its results; it is converged or out of steps -> done (reported, leaves);
+                        else it takes one optimizer step
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Iterator
+
+import numpy as np
+from ase.calculators.singlepoint import SinglePointCalculator
+from ase.filters import FrechetCellFilter
+from ase.optimize import FIRE
+
+from potentials.batch import BatchSizer, predict_many
+from potentials.graph import MIN_DISTANCE
+
+TASKS = ("single_point", "relax")
+DEVIATION_INFO = ("max_devi_f", "min_devi_f", "avg_devi_f", "devi_e")  # a committee's model deviation, per structure
+
+
+def attach_results(atoms, result: dict) -> None:
+    """``result`` (``predict_many``'s, of ``atoms`` as they are now) as ``atoms``' calculator: ASE's single-point
+    calculator (energy, free energy, forces, stress), which refuses to answer for other positions or another cell.
+    A committee's deviation goes to ``atoms.info`` (its summary) and ``atoms.arrays["devi_f"]`` (σ_F per atom)."""
+    keep = {key: result[key] for key in ("energy", "forces", "stress") if key in result}
+    atoms.calc = SinglePointCalculator(atoms, free_energy=result["energy"], **keep)
+    if "devi_f" in result:
+        atoms.info.update({key: result[key] for key in DEVIATION_INFO})
+        atoms.arrays["devi_f"] = np.asarray(result["devi_f"])
+
+
+class SinglePoint:
+    """One evaluation of structure ``index``."""
+
+    def __init__(self, index: int, atoms):
+        self.index, self.atoms, self.steps, self.converged = index, atoms, 0, True
+
+    def advance(self, result: dict) -> bool:
+        attach_results(self.atoms, result)
+        return True
+
+
+class Relaxation:
+    """ASE's FIRE on structure ``index`` (``cell``: on ``FrechetCellFilter(atoms)``'s degrees of freedom, the cell's
+    included), stepped as ``FIRE(...).run(fmax, max_steps)`` steps it: after each evaluation it is done when converged
+    (largest force, or filter gradient, below ``fmax`` eV/Å) or after ``max_steps`` steps, else it takes one step.
+    ``optimizer``: FIRE's own keywords (``maxstep``, ``dt``, ...)."""
+
+    def __init__(self, index: int, atoms, fmax: float = 0.05, max_steps: int = 1000, cell: bool = False,
+                 **optimizer):
+        self.index, self.atoms, self.max_steps = index, atoms, max_steps
+        self.optimizer = FIRE(FrechetCellFilter(atoms) if cell else atoms, logfile=None, **optimizer)
+        self.optimizer.fmax = fmax
+        self.converged = False
+
+    @property
+    def steps(self) -> int:
+        return self.optimizer.nsteps
+
+    def advance(self, result: dict) -> bool:
+        attach_results(self.atoms, result)
+        with warnings.catch_warnings():  # FrechetCellFilter's scipy.linalg.logm: "may be inaccurate" at ~4e-13
+            warnings.filterwarnings("ignore", "logm result may be inaccurate", RuntimeWarning)
+            self.converged = bool(self.optimizer.converged())
+            if self.converged or self.optimizer.nsteps >= self.max_steps:
+                return True
+            self.optimizer.step()
+        self.optimizer.nsteps += 1
+        return False
+
+
+def run_tasks(model, tasks: Iterator, done: Callable, max_atoms: float | None = None,
+              memory_budget_gb: float | None = None, min_distance: float = MIN_DISTANCE) -> BatchSizer:
+    """Run ``tasks`` (an iterator of ``SinglePoint`` / ``Relaxation``, taken one at a time as room frees: a queue)
+    to the end with ``model``, calling ``done(task)`` for each as it finishes (its ``atoms`` carry the final results).
+    At most ``max_atoms`` atoms are in flight (None: the graph size found fastest while running, ``BatchSizer``; a
+    structure larger than that runs alone). ``memory_budget_gb`` and ``min_distance`` as in ``predict_many``; a
+    structure that cannot be evaluated is a BatchError naming its ``index``. Returns the sizer (its choice)."""
+    sizer = BatchSizer(model, max_atoms)
+    flight, waiting, exhausted = [], None, False
+    while True:
+        while not exhausted:
+            if waiting is None:
+                waiting = next(tasks, None)
+                exhausted = waiting is None
+            if waiting is None or (flight and sum(len(t.atoms) for t in flight) + len(waiting.atoms) > sizer.max_atoms):
+                break
+            flight.append(waiting)
+            waiting = None
+        if not flight:
+            return sizer
+        results = predict_many(model, [t.atoms for t in flight], memory_budget_gb=memory_budget_gb,
+                               min_distance=min_distance, names=[t.index for t in flight], sizer=sizer)
+        still = []
+        for task, result in zip(flight, results):
+            if task.advance(result):
+                done(task)
+            else:
+                still.append(task)
+        flight = still
+
+
+def _collect(model, tasks, **options) -> list:
+    finished = []
+    run_tasks(model, iter(tasks), finished.append, **options)
+    return [task.atoms for task in sorted(finished, key=lambda task: task.index)]
+
+
+def single_points(model, structures, max_atoms: float | None = None, **options) -> list:
+    """Copies of ``structures`` (ASE Atoms) with their results as a single-point calculator (``attach_results``;
+    a committee's deviation in ``info`` and ``arrays``), evaluated in batches (``run_tasks``)."""
+    return _collect(model, [SinglePoint(k, atoms.copy()) for k, atoms in enumerate(structures)],
+                    max_atoms=max_atoms, **options)
+
+
+def relax_many(model, structures, fmax: float = 0.05, max_steps: int = 1000, cell: bool = False,
+               max_atoms: float | None = None, **options) -> list:
+    """Relaxed copies of ``structures`` (ASE Atoms): each as ``FIRE(atoms or FrechetCellFilter(atoms)).run(fmax,
+    max_steps)`` with this package's calculator leaves it, in batches (``run_tasks``). Each copy's ``info`` holds
+    "converged" and "steps"; its calculator the final energy, forces and stress."""
+    tasks = [Relaxation(k, atoms.copy(), fmax, max_steps, cell) for k, atoms in enumerate(structures)]
+    relaxed = _collect(model, tasks, max_atoms=max_atoms, **options)
+    for task, atoms in zip(sorted(tasks, key=lambda t: t.index), relaxed):
+        atoms.info.update(converged=task.converged, steps=task.steps)
+    return relaxed
+

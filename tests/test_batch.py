@@ -1,0 +1,329 @@
+"""Many structures at once (potentials.batch, md.batch, mlip-batch): batched single points equal ``predict`` of each
+structure alone for every family, on ragged batches; batched FIRE relaxations equal ASE's FIRE with our calculator
+per structure (the same steps), with and without the cell filter; the graph size is found by measured throughput
+within the memory model; a bad structure is named; mlip-batch on 1, 2 and 3 ranks gives one result per structure,
+equal to one process."""
+import dataclasses
+import re
+import sys
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from ase import Atoms
+from ase.build import bulk, molecule
+from ase.filters import FrechetCellFilter
+from ase.io import read, write
+from ase.optimize import FIRE
+
+import potentials
+from comparison import assert_beyond, assert_close
+from conftest import ROOT, needs
+from md.batch import relax_many, single_points
+from md.calculator import MLIPCalculator
+from potentials.batch import BatchError, BatchSizer, evaluate_batch, leading_group, predict_many, prepare_batch
+from systems import FAIRCHEM_DIR, GEOMETRIES, MACE_DIR, NEQUIP_DIR, fairchem_model, write_small_sevennet
+
+ONE_GRAPH = float("inf")  # max_atoms: every structure in one graph
+
+
+def ragged(elements, seed: int = 0, large: bool = True) -> list:
+    """Structures of 1 to 500 atoms (``large``: the 500-atom one included), periodic and not, triclinic and slab,
+    ``elements`` mixed at random: the test geometries, a lone atom and a dimer without a cell, a 500-atom cell."""
+    rng = np.random.default_rng(seed)
+    structures = [make() for make in GEOMETRIES.values()]
+    lone = Atoms("Cu", positions=[[0.0, 0.0, 0.0]])
+    dimer = Atoms("Cu2", positions=[[0.0, 0.0, 0.0], [2.3, 0.1, 0.2]])
+    structures += [lone, dimer]
+    if large:
+        big = bulk("Cu", "fcc", a=3.7, cubic=True).repeat((5, 5, 5))[:500]
+        big.rattle(0.05, seed=seed)
+        structures.append(big)
+    for atoms in structures:
+        atoms.set_chemical_symbols(list(rng.choice(elements, len(atoms))))
+    return structures
+
+
+def assert_equal_to_predict(model, structures, tolerance: float = 1e-12, **options) -> float:
+    """predict_many == predict of each structure alone (energy, per-atom energies, forces, stress; a committee's
+    also its model deviation, against mlip_parallel.evaluate of the structure alone), relative to the largest value of
+    each quantity; returns the largest relative difference."""
+    import mlip_parallel
+
+    many = predict_many(model, structures, **options)
+    worst = 0.0
+    for k, (result, atoms) in enumerate(zip(many, structures)):
+        alone = mlip_parallel.evaluate(model, atoms) if isinstance(model, potentials.Committee) else \
+            potentials.predict(model, atoms)
+        assert set(result) == set(alone), (k, set(result) ^ set(alone))
+        for key, reference in alone.items():
+            worst = max(worst, assert_close(result[key], reference, tolerance, label=f"structure {k} {key}"))
+    return worst
+
+
+def family_models():
+    """(id, a float64 model of the family, its elements) for every family: ours, Lennard-Jones, SevenNet, MACE,
+    NequIP and Allegro, fairchem's eSEN and UMA (experts routed per structure; the omol task with charge and spin),
+    a committee of three architectures, and a package's own family (examples/family_plugin)."""
+    cases = [
+        pytest.param(lambda tmp: potentials.SchNet(["Ag", "Cu"], cutoff=4.0, seed=0).double(), id="schnet"),
+        pytest.param(lambda tmp: potentials.PaiNN(["Ag", "Cu"], cutoff=4.0, seed=1).double(), id="painn"),
+        pytest.param(lambda tmp: potentials.NequIP(["Ag", "Cu"], cutoff=4.0, seed=2).double(), id="nequip-ours"),
+        pytest.param(lambda tmp: potentials.LennardJones(0.4, 2.3, 5.0), id="lennard-jones"),
+        pytest.param(lambda tmp: sevennet_fixture(tmp), marks=needs("sevenn"), id="sevennet"),
+        pytest.param(lambda tmp: potentials.MACE(MACE_DIR / "mace-zbl-f64.model"), marks=needs("mace"), id="mace"),
+        pytest.param(lambda tmp: potentials.NequIPFramework(NEQUIP_DIR / "nequip-zbl.ckpt").double(),
+                     marks=needs("nequip"), id="nequip"),
+        pytest.param(lambda tmp: potentials.NequIPFramework(NEQUIP_DIR / "allegro.ckpt").double(),
+                     marks=needs("nequip"), id="allegro"),
+        pytest.param(lambda tmp: fairchem_model("esen"), marks=needs("fairchem"), id="esen"),
+        pytest.param(lambda tmp: fairchem_model("uma-moe"), marks=needs("fairchem"), id="uma-moe"),
+        pytest.param(lambda tmp: potentials.Committee([potentials.SchNet(["Ag", "Cu"], cutoff=4.0, seed=0).double(),
+                                                       potentials.PaiNN(["Ag", "Cu"], cutoff=3.5, seed=1).double(),
+                                                       potentials.LennardJones(0.4, 2.3, 5.0)]), id="committee"),
+        pytest.param(lambda tmp: toy_family_model(tmp), id="package-family"),
+    ]
+    return cases
+
+
+def sevennet_fixture(tmp):
+    write_small_sevennet(tmp / "sevennet.pth")
+    return potentials.load_model(f"sevennet:{tmp / 'sevennet.pth'}").double()
+
+
+def toy_family_model(tmp):
+    sys.path.insert(0, str(ROOT / "examples" / "family_plugin"))
+    try:
+        import toy_family
+    finally:
+        sys.path.pop(0)
+    toy_family.write_model(tmp / "toy.pt", species=["Cu", "Ag"], layers=3)
+    return toy_family.load(str(tmp / "toy.pt"))
+
+
+@pytest.mark.parametrize("build", family_models())
+def test_batched_single_points_equal_predict_for_every_family(build, tmp_path):
+    """Every family, float64: a ragged batch of 1-500 atoms (the 500-atom structure for the cheaper families) as one
+    graph, as graphs of at most 64 atoms, at the sizes the sizer picks (ours), and one structure alone: each structure equals
+    ``predict`` of it alone to 1e-12 (relative to the largest value of each quantity)."""
+    model = build(tmp_path)
+    package = type(model).__name__ in ("SevenNet", "MACE", "NequIPFramework", "FAIRChem")
+    structures = ragged(["Ag", "Cu"], large=not package)
+    for max_atoms in (ONE_GRAPH, 64) if package else (ONE_GRAPH, 64, None):
+        assert_equal_to_predict(model, structures, max_atoms=max_atoms)
+    assert_equal_to_predict(model, structures[3:4])
+
+
+@needs("fairchem")
+def test_each_structures_charge_and_spin_reach_the_model_in_a_batch():
+    """UMA's omol task reads each structure's own charge and spin (atoms.info) in a batch: equal to predict of each
+    alone; the same structures with their charges swapped differ (the batch does not share one structure's)."""
+    model = fairchem_model("uma-dense", charge=None, spin=None)
+    one, two = molecule("H2O"), molecule("CH4")
+    one.info.update(charge=1, spin=2)
+    two.info.update(charge=0, spin=1)
+    assert_equal_to_predict(model, [one, two, one.copy()], max_atoms=ONE_GRAPH)
+    swapped = [one.copy(), two.copy()]
+    swapped[0].info.update(charge=0, spin=1)
+    assert_beyond(predict_many(model, swapped, max_atoms=ONE_GRAPH)[0]["energy"],
+                  potentials.predict(model, one)["energy"], 1e-6, scale="absolute", label="charge swapped")
+
+
+def test_the_comparison_catches_edges_that_cross_structures_and_a_shared_strain():
+    """The equality above fails, by orders of magnitude, on a batch whose edges point into the wrong structure
+    (senders not offset by their structure's first row), and on stress taken from one strain shared by all."""
+    model = potentials.SchNet(["Ag", "Cu"], cutoff=4.0, seed=0).double()
+    structures = ragged(["Ag", "Cu"], large=False)
+    batch = prepare_batch(model, structures)
+    offsets = batch.offsets[batch.edge_batch]
+    crossed = dataclasses.replace(batch, j=(batch.j - offsets + batch.sizes[0]) % len(batch.numbers))
+    wrong = evaluate_batch(model, crossed)
+    assert_beyond(np.concatenate([r["forces"] for r in wrong]),
+                  np.concatenate([potentials.predict(model, a)["forces"] for a in structures]), 1e-3, label="forces")
+    shared = dataclasses.replace(batch, cells=np.broadcast_to(batch.cells[:1], batch.cells.shape).copy())
+    periodic = [k for k, a in enumerate(structures) if a.cell.rank == 3 and a.pbc.any()]
+    k = periodic[-1]
+    assert_beyond(evaluate_batch(model, shared)[k]["stress"], potentials.predict(model, structures[k])["stress"],
+                  1e-3, label="stress")
+
+
+def test_the_sizer_keeps_the_fastest_graph_size_and_memory_bounds_every_graph():
+    """BatchSizer: candidates tried in turn while each is faster per atom, the fastest kept (here 64 atoms of a
+    cost curve with its minimum there), the warm-up call not counted; a given max_atoms is kept as is.
+    leading_group: consecutive structures within max_atoms and the memory model's one-pass share of the free
+    memory, never fewer than one."""
+    model = potentials.SchNet(["Cu"], cutoff=4.0, seed=0)
+    cost = {1: 3.0, 32: 2.0, 64: 1.0, 128: 1.5}  # seconds per atom at each graph size
+    sizer = BatchSizer(model, rounds=2, trial_atoms=10)
+    sizer.record(100, 1e6)  # warm-up: ignored
+    while sizer.chosen is None:
+        sizer.record(20, 20 * cost[sizer.max_atoms])
+    assert sizer.chosen == 64 and set(sizer.trials) == {1, 32, 64, 128}
+    fixed = BatchSizer(model, max_atoms=300)
+    fixed.record(10, 1.0)
+    assert fixed.max_atoms == 300 and fixed.chosen == 300
+    sizes, edges = np.array([10, 20, 30, 40]), np.array([100, 200, 300, 400])
+    assert leading_group(model, sizes, edges, 35, float("inf")) == 2
+    assert leading_group(model, sizes, edges, 5, float("inf")) == 1  # larger than max_atoms: alone
+    one_pass = model.evaluation_bytes(30, 300, chunked=False)
+    assert leading_group(model, sizes, edges, ONE_GRAPH, 2 * one_pass / 0.999) == 2  # (within half the free memory)
+    assert leading_group(model, sizes, edges, ONE_GRAPH, 1.0) == 1
+
+
+def test_a_bad_structure_is_named_by_its_index():
+    """One line naming the structure: atoms closer than min_distance (the pair), an element the model does not
+    know, no atoms, non-finite positions; no structures at all."""
+    model = potentials.SchNet(["Cu"], cutoff=4.0, seed=0).double()
+    good = bulk("Cu", "fcc", a=3.6)
+    close = Atoms("Cu2", positions=[[0, 0, 0], [0.3, 0, 0]])
+    cases = [(close, r"structure 1: atoms 0 and 1 are 0.3 Å apart"), (Atoms("Ag"), r"structure 1: .*Ag"),
+             (Atoms(), r"structure 1: no atoms"), (Atoms("Cu", positions=[[np.nan, 0, 0]]), r"structure 1: non-finite")]
+    for bad, message in cases:
+        with pytest.raises(BatchError, match=message):
+            predict_many(model, [good, bad])
+    with pytest.raises(BatchError, match="no structures"):
+        predict_many(model, [])
+    with pytest.raises(BatchError, match="structure 7: atoms 0 and 1"):
+        predict_many(model, [good, close], names=[3, 7])
+
+
+def cu_cells(count: int, seed: int) -> list:
+    """``count`` rattled, strained Cu cells of 4-32 atoms (a float64 PaiNN's relaxation targets)."""
+    rng = np.random.default_rng(seed)
+    structures = []
+    for k in range(count):
+        atoms = bulk("Cu", "fcc", a=3.55 + 0.1 * rng.random(), cubic=True).repeat(tuple(rng.integers(1, 3, 3)))
+        atoms.rattle(0.08, seed=seed + k)
+        atoms.set_cell(atoms.cell[:] @ (np.eye(3) + 0.02 * rng.standard_normal((3, 3))), scale_atoms=True)
+        structures.append(atoms)
+    return structures
+
+
+@pytest.mark.parametrize("cell", [False, True], ids=["positions", "cell-filter"])
+def test_batched_relaxation_equals_ases_fire_per_structure(cell):
+    """relax_many (cu-emt, float64), every structure in one graph and at the sizer's sizes, against ASE's FIRE with
+    MLIPCalculator on each structure alone (on FrechetCellFilter(atoms) with the cell): the same number of steps and
+    convergence (some structures stop at the step limit, others converge: each leaves the batch on its own),
+    positions and cell within 1e-8 Å, final energy within 1e-10 eV."""
+    model = potentials.load_model("cu-emt", checkpoint_dtype="float64")
+    structures = cu_cells(5, seed=4)
+    references = []
+    for atoms in structures:
+        alone = atoms.copy()
+        alone.calc = MLIPCalculator(model)
+        optimizer = FIRE(FrechetCellFilter(alone) if cell else alone, logfile=None)
+        converged = optimizer.run(fmax=0.05, steps=30)
+        references.append((alone, optimizer.nsteps, converged))
+    assert {c for _, _, c in references} == {True, False}  # (both endings exercised)
+    for max_atoms in (ONE_GRAPH, None):
+        relaxed = relax_many(model, structures, fmax=0.05, max_steps=30, cell=cell, max_atoms=max_atoms)
+        for k, (result, (alone, steps, converged)) in enumerate(zip(relaxed, references)):
+            assert (result.info["steps"], result.info["converged"]) == (steps, converged), k
+            assert_close(result.positions, alone.positions, 1e-8, scale="absolute", label=f"{k} positions")
+            assert_close(result.cell[:], alone.cell[:], 1e-8, scale="absolute", label=f"{k} cell")
+            assert_close(result.get_potential_energy(), alone.get_potential_energy(), 1e-10, scale="absolute")
+            assert np.abs(result.positions - structures[k].positions).max() > 1e-3  # (it moved)
+
+
+def test_single_points_of_a_committee_carry_its_deviation():
+    """single_points with a committee: each structure's energy, forces and model deviation (info's max_devi_f ...,
+    arrays' devi_f) equal mlip_parallel.evaluate of it alone (1e-12)."""
+    import mlip_parallel
+
+    committee = potentials.Committee([potentials.SchNet(["Ag", "Cu"], cutoff=4.0, seed=0).double(),
+                                      potentials.PaiNN(["Ag", "Cu"], cutoff=3.5, seed=1).double()])
+    structures = ragged(["Ag", "Cu"], large=False)
+    for atoms, original in zip(single_points(committee, structures, max_atoms=ONE_GRAPH), structures):
+        alone = mlip_parallel.evaluate(committee, original)
+        assert_close(atoms.get_forces(), alone["forces"], 1e-12, label="forces")
+        assert_close(atoms.arrays["devi_f"], alone["devi_f"], 1e-12, label="devi_f")
+        for key in ("max_devi_f", "min_devi_f", "avg_devi_f", "devi_e"):
+            assert_close(atoms.info[key], alone[key], 1e-12, scale="absolute", label=key)
+
+
+BATCH_JOB = {"model": {"checkpoint": "cu-emt"}, "structures": "structures.extxyz", "task": "relax",
+             "relax": {"fmax": 0.05, "max_steps": 30, "cell": True}, "output": {"directory": "out", "progress": False}}
+
+
+def test_mlip_batch_on_2_and_3_ranks_equals_one_process(mpirun, tmp_path):
+    """mlip-batch relaxations (cu-emt, cell filter) of 14 structures on 2 and 3 ranks: results.extxyz holds each
+    input structure once, in input order, with its index, steps and convergence equal to relax_many in this process;
+    positions, cell, energy, forces and stress within 1e-9. Every rank took structures (the shared queue)."""
+    structures = cu_cells(14, seed=9)
+    write(tmp_path / "structures.extxyz", structures)
+    model = potentials.load_model("cu-emt", checkpoint_dtype="float64")
+    reference = relax_many(model, read(tmp_path / "structures.extxyz", ":"), fmax=0.05, max_steps=30, cell=True)
+    for ranks in (2, 3):
+        run = tmp_path / f"ranks{ranks}"
+        run.mkdir()
+        (run / "job.yaml").write_text(yaml.safe_dump({**BATCH_JOB, "structures": str(tmp_path / "structures.extxyz"),
+                                                      "output": {"directory": str(run / "out"), "progress": False}}))
+        rc, out, _ = mpirun(ranks, "-m", "md.batch_cli", run / "job.yaml")
+        assert rc == 0, out
+        assert f"mlip-batch: 14 structures in {run / 'out' / 'results.extxyz'}" in out
+        results = read(run / "out" / "results.extxyz", ":")
+        assert [r.info["index"] for r in results] == list(range(14))
+        for k, (result, expected) in enumerate(zip(results, reference)):
+            assert (result.info["steps"], result.info["converged"]) == (expected.info["steps"],
+                                                                        expected.info["converged"]), k
+            assert_close(result.positions, expected.positions, 1e-9, scale="absolute", label=f"{k} positions")
+            assert_close(result.cell[:], expected.cell[:], 1e-9, scale="absolute", label=f"{k} cell")
+            assert_close(result.get_forces(), expected.get_forces(), 1e-9, scale="absolute", label=f"{k} forces")
+            assert_close(result.get_stress(), expected.get_stress(), 1e-9, scale="absolute", label=f"{k} stress")
+            assert_close(result.get_potential_energy(), expected.get_potential_energy(), 1e-9, scale="absolute")
+        done = [len((run / "out" / "parts" / f"rank{r}.done").read_text().split("\n")) - 1 for r in range(ranks)]
+        assert sum(done) == 14 and min(done) > 0, done
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"structures": None}, "structures: no structure file given"),
+    ({"structures": "missing.extxyz"}, "missing.extxyz: no such data file"),
+    ({"task": "md"}, "task must be one of"),
+    ({"relax": {"fmax": 0}}, "relax.fmax must be a finite number > 0, got 0.0"),
+    ({"model": {"checkpoint": "cu-emt"}, "structures": "silver.extxyz"}, "silver.extxyz:0: .*Ag"),
+])
+def test_mlip_batch_bad_input_is_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys, change, message):
+    """A missing or unreadable structures key, an unknown task, a bad setting, an element the model does not know:
+    one line naming it, exit 2, no output directory."""
+    from md.batch_cli import main
+
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path / "structures.extxyz", cu_cells(2, seed=1))
+    write(tmp_path / "silver.extxyz", [bulk("Ag", "fcc", a=4.1)])
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump({**BATCH_JOB, **change}))
+    assert main(["job.yaml"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mlip-batch: error: "), err
+    assert re.search(message, err[0]), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_mlip_batch_resume_skips_what_is_done_and_refuses_another_config(tmp_path, monkeypatch, capsys):
+    """A run whose parts hold some finished structures and a half-written frame (a kill between the frame and its
+    record) resumes: the cut frame is dropped, the recorded ones are kept and not run again, results.extxyz equals
+    an uninterrupted run; resuming with another task is one line naming the directory."""
+    from md.batch_cli import main
+
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path / "structures.extxyz", cu_cells(5, seed=2))
+    job = {**BATCH_JOB, "task": "single_point", "resume": True}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    assert main(["job.yaml"]) == 0
+    straight = (tmp_path / "out" / "results.extxyz").read_text()
+    parts = tmp_path / "out" / "parts"
+    records = (parts / "rank0.done").read_text().splitlines()
+    keep = records[:2]
+    end = int(keep[-1].split()[1])
+    frames = (parts / "rank0.extxyz").read_bytes()
+    (parts / "rank0.extxyz").write_bytes(frames[:end] + frames[end:end + 200])  # a frame cut by a kill
+    (parts / "rank0.done").write_text("\n".join(keep) + "\n" + records[2][:3])  # and its record, cut
+    (tmp_path / "out" / "results.extxyz").unlink()
+    assert main(["job.yaml"]) == 0
+    assert (tmp_path / "out" / "results.extxyz").read_text() == straight
+    lines = (parts / "rank0.done").read_text().splitlines()
+    assert [int(line.split()[0]) for line in lines[:2]] == [int(r.split()[0]) for r in keep] and len(lines) == 5
+    capsys.readouterr()
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump({**job, "task": "relax"}))
+    assert main(["job.yaml"]) == 2
+    assert "holds a run of another config" in capsys.readouterr().err
