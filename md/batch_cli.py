@@ -232,6 +232,9 @@ class BatchJob:
         counter, finished = self.backend.counter(), self.backend.counter()
         parts = PartFiles(self.parts, self.backend.rank)
         root = self.backend.rank == 0
+        if root:
+            print(f"mlip-batch: {len(self.sizes)} structures ({len(done)} done before), task {self.config['task']}, "
+                  f"{self.backend.size} rank(s)", flush=True)
         progress = Progress("mlip-batch", len(self.sizes), len(done), unit="structure") \
             if root and self.config["output"]["progress"] else None
         ran = []

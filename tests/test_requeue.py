@@ -80,11 +80,13 @@ def follow(proc, lines, begun, started) -> None:
         begun.set()
 
 
-def requeue(cmd, cwd, env, started: str, delays) -> list:
+def requeue(cmd, cwd, env, started: str, delays, outputs=None) -> list:
     """Run ``cmd`` in ``cwd`` as a batch scheduler requeues a job: the k-th launch is killed (SIGKILL to
     its process group) ``delays[k]`` seconds after it prints a line holding ``started``, unless it
     ended before; then once more to its end. Every launch must end killed or with status 0; the first
-    that exits 0 ends the job. Returns the launches' outcomes ("killed" or "done")."""
+    that exits 0 ends the job. Returns the launches' outcomes ("killed" or "done"); ``outputs`` (a list) gets each
+    launch's output."""
+    outputs = [] if outputs is None else outputs
     outcomes = []
     for delay in delays:
         proc = launch(cmd, cwd, env)
@@ -98,12 +100,15 @@ def requeue(cmd, cwd, env, started: str, delays) -> list:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             reader.join()
+            outputs.append("".join(lines))
             outcomes.append("killed")
             continue
         reader.join()
+        outputs.append("".join(lines))
         assert proc.returncode == 0, "".join(lines)
         return outcomes + ["done"]
     rc, out, _ = finish(cmd, cwd, env, started)
+    outputs.append(out)
     assert rc == 0, out
     return outcomes + ["done"]
 
@@ -203,6 +208,45 @@ def test_mlip_md_killed_at_random_moments_and_requeued_equals_an_uninterrupted_r
     trajectory.unlink()
     with pytest.raises(ConfigError, match="trajectory.extxyz is missing"):
         prepare(config)
+
+
+def test_mlip_batch_killed_at_random_moments_and_resumed_equals_an_uninterrupted_run(tmp_path):
+    """mlip-batch relaxations (cu-emt, cell filter) of 24 structures on 2 ranks, killed at 3 seeded random moments
+    of the run and started again with resume: true (the last launch finds some done and does the rest): every
+    structure is recorded exactly once over the ranks' parts,
+    results.extxyz holds each once in input order, with the steps and convergence of the uninterrupted run and its
+    positions, cells, energies and forces within 1e-9 (the structures met other batch partners: summation order)."""
+    from test_batch import cu_cells
+
+    job = {"model": {"checkpoint": "cu-emt"}, "structures": "structures.extxyz", "task": "relax",
+           "relax": {"fmax": 0.05, "max_steps": 30, "cell": True}, "resume": True,
+           "output": {"directory": "out", "progress": False}}
+    env = environment(2)
+    for name in ("straight", "requeued"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "job.yaml").write_text(yaml.safe_dump(job))
+        write(tmp_path / name / "structures.extxyz", cu_cells(24, seed=12))
+    cmd = command(2, "-m", "md.batch_cli", "job.yaml")
+    rc, out, seconds = finish(cmd, tmp_path / "straight", env, "mlip-batch: 24 structures")
+    assert rc == 0, out
+    delays = np.random.default_rng(37).uniform(0.0, 0.3, size=KILLS) * seconds
+    outputs = []
+    outcomes = requeue(cmd, tmp_path / "requeued", env, "mlip-batch: 24 structures", delays, outputs)
+    assert outcomes == ["killed"] * KILLS + ["done"], outcomes
+    before = [int(m) for m in re.findall(r"\((\d+) done before\)", "".join(outputs))]
+    assert len(before) == KILLS + 1 and before[0] == 0 and 0 < before[-1] < 24, before  # (kills cut the run)
+    parts = tmp_path / "requeued" / "out" / "parts"
+    recorded = [int(line.split()[0]) for f in sorted(parts.glob("rank*.done")) for line in f.read_text().splitlines()]
+    assert sorted(recorded) == list(range(24)), recorded
+    straight = read(tmp_path / "straight" / "out" / "results.extxyz", ":")
+    resumed = read(tmp_path / "requeued" / "out" / "results.extxyz", ":")
+    assert [a.info["index"] for a in resumed] == list(range(24))
+    for k, (a, b) in enumerate(zip(resumed, straight)):
+        assert (a.info["steps"], a.info["converged"]) == (b.info["steps"], b.info["converged"]), k
+        for name, x, y in (("positions", a.positions, b.positions), ("cell", a.cell[:], b.cell[:]),
+                           ("forces", a.get_forces(), b.get_forces()),
+                           ("energy", a.get_potential_energy(), b.get_potential_energy())):
+            assert np.abs(np.asarray(x) - np.asarray(y)).max() <= 1e-9, (k, name)
 
 
 @contextlib.contextmanager
