@@ -1,11 +1,15 @@
-"""Tasks on many structures at once: single points and FIRE relaxations (of the positions, or with the cell through
-ASE's ``FrechetCellFilter``), the structures in flight evaluated together as one graph (``potentials.predict_many``).
+"""Tasks on many structures at once: single points, FIRE relaxations (of the positions, or with the cell through
+ASE's ``FrechetCellFilter``) and MD with mlip-md's integrators, the structures in flight evaluated together as one
+graph (``potentials.predict_many``).
 
 Each structure runs ASE's own optimizer, stepped exactly as ``Optimizer.run(fmax, steps)`` steps it (``Relaxation``),
 with the forces and stress of its batch; nothing one structure does changes another's path, so each ends as ASE's
-FIRE with ``MLIPCalculator`` ends it (the same steps; positions equal up to floating-point summation order). When a
-structure finishes it leaves the batch and the next one enters (``run_tasks``). ``relax_many`` and
-``single_points`` are the Python API; ``mlip-batch`` (``batch_cli``) runs them from a config over ranks.
+FIRE with ``MLIPCalculator`` ends it (the same steps; positions equal up to floating-point summation order). MD runs
+the integrator objects of ``mlip-md`` (``md.integrators``) on each structure's own state (``StructureState``: the
+state they read of an ``MDSystem``, in one process), so each trajectory is the one ``mlip-md`` runs on the structure
+alone with the same seed (``MDRun``). When a structure finishes it leaves the batch and the next one enters
+(``run_tasks``). ``single_points``, ``relax_many`` and ``md_many`` are the Python API; ``mlip-batch``
+(``batch_cli``) runs them from a config over ranks.
 
 Loop order of ``run_tasks``, once per round:
     fill the batch from the queue up to its atom limit
@@ -19,14 +23,17 @@ import warnings
 from typing import Callable, Iterator
 
 import numpy as np
+import torch
+from ase import units
 from ase.calculators.singlepoint import SinglePointCalculator
 from ase.filters import FrechetCellFilter
 from ase.optimize import FIRE
 
 from potentials.batch import BatchSizer, predict_many
+from potentials.errors import InvalidStructureError
 from potentials.graph import MIN_DISTANCE
 
-TASKS = ("single_point", "relax")
+TASKS = ("single_point", "relax", "md")
 DEVIATION_INFO = ("max_devi_f", "min_devi_f", "avg_devi_f", "devi_e")  # a committee's model deviation, per structure
 
 
@@ -81,9 +88,84 @@ class Relaxation:
         return False
 
 
+class StructureState:
+    """One structure's MD state as ``md.integrators`` read it (what they read of an ``engine.MDSystem``, for a
+    whole structure in one process): ``atoms`` {positions [n, 3] Å, velocities [n, 3] Å/ASE time, masses [n] amu,
+    ids [n]} float64 torch tensors on ``device``, ``forces`` [n, 3] eV/Å there, ``energy`` (eV), ``virial`` [3, 3]
+    dE/dε (numpy), ``cell`` [3, 3] and ``pbc`` (numpy), ``n_atoms``. Ids are 0..n-1, as mlip-md numbers the atoms of
+    its structure, so the integrators draw the same noise."""
+
+    def __init__(self, atoms, device):
+        as_tensor = lambda a: torch.as_tensor(np.asarray(a, dtype=np.float64), device=device)  # noqa: E731
+        self.device, self.n_atoms = device, len(atoms)
+        self.atoms = {"positions": as_tensor(atoms.positions), "velocities": as_tensor(atoms.get_velocities()),
+                      "masses": as_tensor(atoms.get_masses()), "ids": torch.arange(len(atoms), device=device)}
+        self.cell, self.pbc = np.array(atoms.cell[:], dtype=np.float64), np.array(atoms.pbc, dtype=bool)
+
+    def take(self, result: dict) -> None:
+        """The forces, energy and dE/dε of a ``predict_many`` result (``strain_derivative``) at the current state."""
+        self.forces = torch.as_tensor(result["forces"], dtype=torch.float64, device=self.device)
+        self.energy, self.virial = result["energy"], np.asarray(result["dE_dstrain"], dtype=np.float64)
+
+    def kinetic_tensor(self) -> np.ndarray:
+        """[3, 3] Σ m v⊗v (eV)."""
+        v, m = self.atoms["velocities"], self.atoms["masses"]
+        return ((m[:, None] * v).T @ v).cpu().numpy()
+
+    def kinetic_energy(self) -> float:
+        return 0.5 * float(np.trace(self.kinetic_tensor()))
+
+    def set_cell(self, cell) -> None:
+        """A new periodic cell (barostats), as ``MDSystem.set_cell`` checks it."""
+        if not self.pbc.all():
+            raise InvalidStructureError(f"the cell can change only in fully periodic systems, pbc={self.pbc.tolist()}")
+        cell = np.asarray(cell, dtype=np.float64)
+        if not np.all(np.isfinite(cell)) or abs(np.linalg.det(cell)) < 1e-9:
+            raise InvalidStructureError(f"the cell became degenerate or non-finite: {cell.tolist()}")
+        self.cell = cell
+
+
+class MDRun:
+    """``steps`` steps of MD of structure ``index`` with ``integrator`` (an ``md.integrators`` object of its own:
+    its temperature, pressure and seed), in the order of ``engine.run``: after each evaluation, the second half of
+    the step (from step 1), the frame (``frame(task, step)`` every ``frame_every`` steps, step 0 and the last
+    included; 0: none), then, unless it was the last, the first half of the next step. ``atoms`` (ASE, with the
+    start velocities) follow the state: positions, cell, velocities, and the results of the last evaluation."""
+
+    def __init__(self, index: int, atoms, integrator, steps: int, frame_every: int = 0, frame=None, device="cpu"):
+        self.index, self.atoms, self.integrator, self.max_steps = index, atoms, integrator, steps
+        self.frame_every, self.frame = frame_every, frame
+        self.state, self.step, self.converged = StructureState(atoms, device), 0, False
+
+    @property
+    def steps(self) -> int:
+        return self.step
+
+    def advance(self, result: dict) -> bool:
+        state, integrator = self.state, self.integrator
+        state.take(result)
+        if self.step > 0:
+            integrator.second_half(state, self.step)
+        self.atoms.set_velocities(state.atoms["velocities"].cpu().numpy())
+        attach_results(self.atoms, result)
+        self.atoms.info.update(step=self.step, time_fs=self.step * integrator.dt / units.fs)
+        last = self.step == self.max_steps
+        if self.frame is not None and self.frame_every and (self.step % self.frame_every == 0 or last):
+            self.frame(self, self.step)
+        if last:
+            self.converged = True  # (ran its steps)
+            return True
+        self.step += 1
+        integrator.first_half(state, self.step)
+        self.atoms.set_cell(state.cell)
+        self.atoms.positions = state.atoms["positions"].cpu().numpy()
+        return False
+
+
 def run_tasks(model, tasks: Iterator, done: Callable, max_atoms: float | None = None,
               memory_budget_gb: float | None = None, min_distance: float = MIN_DISTANCE) -> BatchSizer:
-    """Run ``tasks`` (an iterator of ``SinglePoint`` / ``Relaxation``, taken one at a time as room frees: a queue)
+    """Run ``tasks`` (an iterator of ``SinglePoint``, ``Relaxation`` or ``MDRun``, taken one at a time as room frees: a
+    queue)
     to the end with ``model``, calling ``done(task)`` for each as it finishes (its ``atoms`` carry the final results).
     At most ``max_atoms`` atoms are in flight (None: the graph size found fastest while running, ``BatchSizer``; a
     structure larger than that runs alone). ``memory_budget_gb`` and ``min_distance`` as in ``predict_many``; a
@@ -102,7 +184,8 @@ def run_tasks(model, tasks: Iterator, done: Callable, max_atoms: float | None = 
         if not flight:
             return sizer
         results = predict_many(model, [t.atoms for t in flight], memory_budget_gb=memory_budget_gb,
-                               min_distance=min_distance, names=[t.index for t in flight], sizer=sizer)
+                               min_distance=min_distance, names=[t.index for t in flight], sizer=sizer,
+                               strain_derivative=True)
         still = []
         for task, result in zip(flight, results):
             if task.advance(result):
@@ -136,3 +219,22 @@ def relax_many(model, structures, fmax: float = 0.05, max_steps: int = 1000, cel
         atoms.info.update(converged=task.converged, steps=task.steps)
     return relaxed
 
+
+
+def md_many(model, structures, integrators, steps: int, frame_every: int = 0, max_atoms: float | None = None,
+            **options) -> tuple:
+    """MD of each of ``structures`` (ASE Atoms with their start velocities) for ``steps`` steps, structure k with
+    ``integrators[k]`` (its own ``md.integrators`` object: ensemble, temperature, pressure, seed), in batches
+    (``run_tasks``). Returns (the last frames, in order: positions, cell, velocities, results, info "step"; the
+    frames every ``frame_every`` steps: {k: [Atoms, ...]}, empty for 0)."""
+    frames = {}
+
+    def keep(task, step):
+        frame = task.atoms.copy()
+        frame.calc = SinglePointCalculator(frame, **task.atoms.calc.results)
+        frames.setdefault(task.index, []).append(frame)
+
+    device = model.device
+    tasks = [MDRun(k, atoms.copy(), integrator, steps, frame_every, keep, device)
+             for k, (atoms, integrator) in enumerate(zip(structures, integrators))]
+    return _collect(model, tasks, max_atoms=max_atoms, **options), frames

@@ -8,7 +8,9 @@ recorded in OUTPUT/parts/rankR.done (its input index and the file's length after
 again with ``resume: true`` skips what was done and cuts a half-written frame off. At the end rank 0 writes
 OUTPUT/results.extxyz: one frame per input structure in input order, with ``info["index"]`` (its position in the
 input), "energy", "converged", "steps", forces and stress as ASE's single-point calculator keeps them (a committee's
-deviation beside them). Here: the configuration's keys, the job and the command.
+deviation beside them); for MD, its last frame, and OUTPUT/trajectory.extxyz holds every structure's frames (every
+md.trajectory_every steps), grouped by structure in input order. Here: the configuration's keys, the job and the
+command.
 """
 from __future__ import annotations
 
@@ -31,13 +33,32 @@ from .cli import model_keys
 SECTIONS = {
     "structures": ((str, list), None, "the structures: an extxyz file, an ASE database (.db) or an ASE-LMDB "
                                       "(.aselmdb), or a list of them read as one set in order (required)"),
-    "task": (str, "single_point", "single_point (energy, forces, stress of each structure) or relax (ASE's FIRE, "
-                                  "each structure to its own fmax or step limit)"),
+    "task": (str, "single_point", "single_point (energy, forces, stress of each structure), relax (ASE's FIRE, "
+                                  "each structure to its own fmax or step limit) or md (mlip-md's integrators, each "
+                                  "structure with its own temperature, pressure and seed)"),
     "relax": {
         "fmax": (float, 0.05, "relax: converged when the largest force (with cell: the largest component of "
                               "FrechetCellFilter's gradient, stress × volume included) is below this, eV/Å"),
         "max_steps": (int, 1000, "relax: at most this many FIRE steps per structure (then converged: false)"),
         "cell": (bool, False, "relax: also relax the cell (ASE's FrechetCellFilter, at zero pressure)"),
+    },
+    "md": {
+        "ensemble": (str, "nve", "md: nve, langevin, bussi, nose-hoover or npt, as mlip-md's"),
+        "temperature_K": (float, 300.0, "md: the start temperature (Maxwell-Boltzmann velocities drawn from the "
+                                        "structure's seed; 0 keeps the file's velocities) and the thermostat's; a "
+                                        "structure's own info['temperature_K'] wins"),
+        "timestep_fs": (float, 1.0, "md: time step, fs"),
+        "steps": (int, 1000, "md: steps per structure"),
+        "seed": (int, 0, "md: structure k's seed is this + k (velocities and thermostat noise), unless its "
+                         "info['seed'] gives one"),
+        "friction_per_fs": (float, 0.01, "md: langevin friction, 1/fs"),
+        "tau_fs": (float, 100.0, "md: bussi relaxation time, fs"),
+        "tdamp_fs": (float, 100.0, "md: nose-hoover/npt thermostat damping time, fs"),
+        "pressure_GPa": (float, 0.0, "md: npt target pressure, GPa; a structure's own info['pressure_GPa'] wins"),
+        "pdamp_fs": (float, 1000.0, "md: npt barostat damping time, fs"),
+        "isotropic": (bool, True, "md: npt: true scales the cell uniformly, false lets every component move"),
+        "trajectory_every": (int, 100, "md: a frame of each structure every N steps (and its last) into "
+                                       "OUTPUT/trajectory.extxyz, tagged by info['index'] and info['step'] (0: none)"),
     },
     "max_atoms": (int, None, "the most atoms evaluated together as one graph on a rank (default: 512 on a CPU, "
                              "where larger graphs cost more per atom; on a GPU as many as the memory model allows)"),
@@ -55,87 +76,111 @@ SECTIONS = {
                                  "(or --no-progress): none"),
     },
 }
-RULES = {"task": ("single_point", "relax"), "device": ("auto", "cpu", "cuda"), "relax.fmax": "> 0",
+RULES = {"task": ("single_point", "relax", "md"), "device": ("auto", "cpu", "cuda"), "relax.fmax": "> 0",
+         "md.ensemble": ("nve", "langevin", "bussi", "nose-hoover", "npt"), "md.timestep_fs": "> 0",
+         "md.tau_fs": "> 0", "md.tdamp_fs": "> 0", "md.pdamp_fs": "> 0", "md.pressure_GPa": "finite",
          "max_atoms": "> 0", "memory_budget_gb": "> 0"}
 TABLE = ConfigTable(SECTIONS, RULES, model_keys)
-RESULTS, PARTS, RECORD = "results.extxyz", "parts", "batch.json"
+RESULTS, TRAJECTORY, PARTS, RECORD = "results.extxyz", "trajectory.extxyz", "parts", "batch.json"
 RESUMABLE = ("resume", "output")  # keys a resumed run may change
 
 
+OUTPUTS = ("extxyz", "trajectory.extxyz")  # a rank's part files: results' frames, MD trajectories' frames
+
+
 def read_records(path: Path) -> list:
-    """[(index, end offset)] of a rank's record file, its complete lines only (a line cut by a kill is not one)."""
+    """[(index, end offset in each of OUTPUTS)] of a rank's record file, its complete lines only (a line cut by a kill
+    is not one)."""
     if not path.exists():
         return []
-    text = path.read_text()
-    lines = text.split("\n")[:-1]  # (the part after the last newline is unfinished)
-    return [(int(a), int(b)) for a, b in (line.split() for line in lines)]
+    lines = path.read_text().split("\n")[:-1]  # (the part after the last newline is unfinished)
+    return [(int(fields[0]), tuple(int(f) for f in fields[1:])) for fields in (line.split() for line in lines)]
+
+
+def record_line(index: int, ends) -> str:
+    return f"{index} {' '.join(map(str, ends))}\n"
 
 
 class PartFiles:
-    """This rank's appended outputs in ``directory``: ``append(index, text)`` adds one finished structure's frame
-    to rankR.extxyz, then its record (index, the file's length after it) to rankR.done, each synced: a frame without
-    its record (a kill between the two) is cut off when the rank opens its files again."""
+    """This rank's appended outputs in ``directory``: ``append(index, texts)`` adds one finished structure's text to
+    each of rankR.extxyz (its result frame) and rankR.trajectory.extxyz (its MD frames, or nothing), then its record
+    (index, each file's length after it) to rankR.done, each synced: text without its record (a kill before the
+    record was synced) is cut off when the rank opens its files again."""
 
     def __init__(self, directory: Path, rank: int):
-        self.frames, self.records = directory / f"rank{rank}.extxyz", directory / f"rank{rank}.done"
+        self.paths = [directory / f"rank{rank}.{suffix}" for suffix in OUTPUTS]
+        self.records = directory / f"rank{rank}.done"
         done = read_records(self.records)
-        with naming_errors(self.frames):
-            with open(self.frames, "ab") as f:
-                f.truncate(done[-1][1] if done else 0)
+        with naming_errors(directory):
+            for k, path in enumerate(self.paths):
+                with open(path, "ab") as f:
+                    f.truncate(done[-1][1][k] if done else 0)
             with open(self.records, "a") as f:
-                f.truncate(sum(len(f"{k} {e}\n") for k, e in done))
-            self.frame_file, self.record_file = open(self.frames, "ab"), open(self.records, "a")
+                f.truncate(sum(len(record_line(index, ends)) for index, ends in done))
+            self.files = [open(path, "ab") for path in self.paths]
+            self.record_file = open(self.records, "a")
 
-    def append(self, index: int, text: str) -> None:
-        for handle, data, path in ((self.frame_file, text.encode(), self.frames), (self.record_file, None,
-                                                                                   self.records)):
+    def append(self, index: int, texts) -> None:
+        for handle, text, path in zip(self.files, texts, self.paths):
             with naming_errors(path):
-                handle.write(data if data is not None else f"{index} {self.frame_file.tell()}\n")
+                handle.write(text.encode())
                 handle.flush()
                 os.fsync(handle.fileno())
+        with naming_errors(self.records):
+            self.record_file.write(record_line(index, [handle.tell() for handle in self.files]))
+            self.record_file.flush()
+            os.fsync(self.record_file.fileno())
 
     def close(self) -> None:
-        self.frame_file.close()
-        self.record_file.close()
+        for handle in (*self.files, self.record_file):
+            handle.close()
 
 
-def finished_frames(directory: Path) -> dict:
-    """{index: frame text} of every structure a rank recorded in ``directory`` (any number of ranks, any runs; the
-    first record of an index wins)."""
-    frames = {}
+def finished_parts(directory: Path) -> dict:
+    """{index: (its text in each of OUTPUTS)} of every structure a rank recorded in ``directory`` (any number of
+    ranks, any runs; the first record of an index wins)."""
+    parts = {}
     for records in sorted(directory.glob("rank*.done")):
         done = read_records(records)
         if not done:
             continue
-        data = records.with_suffix(".extxyz").read_bytes()
-        start = 0
-        for index, end in done:
-            frames.setdefault(index, data[start:end].decode())
-            start = end
-    return frames
+        stem = records.name[:-len(".done")]
+        data = [(directory / f"{stem}.{suffix}").read_bytes() for suffix in OUTPUTS]
+        starts = [0] * len(OUTPUTS)
+        for index, ends in done:
+            parts.setdefault(index, tuple(d[a:b].decode() for d, a, b in zip(data, starts, ends)))
+            starts = ends
+    return parts
 
 
-def result_frame(task) -> str:
-    """The extxyz text of a finished task's structure: its results (``md.batch.attach_results``) and info "index",
-    "converged" and "steps", every number at full precision."""
+def extxyz_text(atoms) -> str:
+    """``atoms`` as extxyz text, its results included, every number at full precision (``outputs.write_extxyz``)."""
     import io
 
     from .outputs import write_extxyz
 
-    atoms = task.atoms
-    atoms.info.update(index=task.index, converged=task.converged, steps=task.steps)
     text = io.StringIO()
     write_extxyz(text, atoms)
     return text.getvalue()
 
 
-def input_atoms(structure):
-    """ASE Atoms of a read ``Structure``: geometry, and its charge, spin and config_type in ``info``."""
-    atoms = structure.to_atoms()
-    for name in ("charge", "spin", "config_type"):
-        if getattr(structure, name) is not None:
-            atoms.info[name] = getattr(structure, name)
-    return atoms
+def result_frame(task) -> str:
+    """The extxyz text of a finished task's structure: its results (``md.batch.attach_results``) and info "index",
+    "converged" and "steps"."""
+    task.atoms.info.update(index=task.index, converged=task.converged, steps=task.steps)
+    return extxyz_text(task.atoms)
+
+
+def md_settings(section: dict, atoms, index: int) -> dict:
+    """Structure ``index``'s MD settings in mlip-md's keys (what ``start.build_integrator`` reads), from the batch's md
+    ``section`` and the structure's own info "temperature_K", "pressure_GPa" and "seed"."""
+    temperature = float(atoms.info.get("temperature_K", section["temperature_K"]))
+    return {"ensemble": section["ensemble"], "timestep_fs": section["timestep_fs"], "temperature_K": temperature,
+            "seed": int(atoms.info.get("seed", section["seed"] + index)),
+            "thermostat": {"temperature_K": temperature, "friction_per_fs": section["friction_per_fs"],
+                           "tau_fs": section["tau_fs"], "tdamp_fs": section["tdamp_fs"]},
+            "barostat": {"pressure_GPa": float(atoms.info.get("pressure_GPa", section["pressure_GPa"])),
+                         "pdamp_fs": section["pdamp_fs"], "isotropic": section["isotropic"]}}
 
 
 class BatchJob:
@@ -150,9 +195,8 @@ class BatchJob:
         from mlip_parallel import get_backend
         from mlip_parallel.backend import rank_device, set_threads
         from mlip_parallel.train.sources import open_source
-        from potentials.graph import check_positions, complete_cell
 
-        from .start import build_model
+        from .start import build_integrator, build_model
 
         self.config = config
         if config["structures"] is None:
@@ -162,7 +206,7 @@ class BatchJob:
         set_threads(self.backend)
         self.model = build_model(config["model"])
         self.model.to(torch.device("cpu") if config["device"] == "cpu" else rank_device(self.backend))
-        self.source = open_source(config["structures"])
+        self.source = open_source(config["structures"], as_atoms=True)
         self.out = Path(config["output"]["directory"])
         self.parts = self.out / PARTS
         recorded = self.out / RECORD
@@ -177,16 +221,17 @@ class BatchJob:
             self.fresh = True
         sizes = []
         for k in range(len(self.source)):
-            structure = self.source[k]  # (a DataError names the file and the structure)
+            atoms = self.source[k]  # (checked as mlip-train checks its data: a DataError names the file and frame)
             try:
-                check_positions(structure.positions)
-                complete_cell(structure.cell, structure.pbc)
-                self.model.species_index(structure.numbers)
-            except MLIPError as exc:
-                raise ConfigError(f"structures: {structure.source}: {exc}") from None
-            sizes.append(len(structure.numbers))
+                self.model.species_index(atoms.numbers)
+                if config["task"] == "md":
+                    build_integrator(md_settings(config["md"], atoms, k))
+            except (MLIPError, ValueError) as exc:
+                raise ConfigError(f"structures: {self.source.where(k)}: {exc}") from None
+            sizes.append(len(atoms))
         self.sizes = sizes
         self.kept = kept
+        self.trajectories = {}  # input index -> the MD frames of a structure in flight (extxyz text)
 
     def prepare_outputs(self) -> set:
         """The output directory made (rank 0, then every rank), and the indices already finished."""
@@ -200,23 +245,36 @@ class BatchJob:
                 with atomic_write(self.out / RECORD, "w") as f:
                     json.dump(self.kept, f, indent=1)
         self.backend.barrier()
-        return set(finished_frames(self.parts))
+        return set(finished_parts(self.parts))
 
-    def tasks(self, order, counter, finished_counter):
+    def tasks(self, order, counter):
         """The tasks this rank takes from the shared queue ``order`` (input indices), one at a time."""
-        from .batch import Relaxation, SinglePoint
+        from .batch import MDRun, Relaxation, SinglePoint
+        from .start import build_integrator, thermalize
 
-        relax = self.config["relax"]
+        relax, md = self.config["relax"], self.config["md"]
         while True:
             k = counter.add(1)
             if k >= len(order):
                 return
             index = int(order[k])
-            atoms = input_atoms(self.source[index])
+            atoms = self.source[index]
             if self.config["task"] == "relax":
                 yield Relaxation(index, atoms, relax["fmax"], relax["max_steps"], relax["cell"])
+            elif self.config["task"] == "md":
+                settings = md_settings(md, atoms, index)
+                if settings["temperature_K"] > 0:
+                    thermalize(atoms, settings["temperature_K"], settings["seed"])
+                self.trajectories[index] = []
+                yield MDRun(index, atoms, build_integrator(settings), md["steps"], md["trajectory_every"],
+                            self.keep_frame, self.model.device)
             else:
                 yield SinglePoint(index, atoms)
+
+    def keep_frame(self, task, step: int) -> None:
+        """An MD frame of ``task``'s structure, kept until the structure finishes (then written with its result)."""
+        task.atoms.info.update(index=task.index)
+        self.trajectories[task.index].append(extxyz_text(task.atoms))
 
     def run(self) -> int:
         """Run every structure not yet finished; return how many this rank ran."""
@@ -241,14 +299,14 @@ class BatchJob:
         start = time.perf_counter()
 
         def finish(task):
-            parts.append(task.index, result_frame(task))
+            parts.append(task.index, (result_frame(task), "".join(self.trajectories.pop(task.index, []))))
             ran.append(task.index)
             total = len(done) + finished.add(1) + 1
             if progress is not None:
                 progress.update(total)
 
         try:
-            run_tasks(self.model, self.tasks(order, counter, finished), finish, self.config["max_atoms"],
+            run_tasks(self.model, self.tasks(order, counter), finish, self.config["max_atoms"],
                       self.config["memory_budget_gb"], self.config["min_distance"])
         finally:
             parts.close()
@@ -264,13 +322,16 @@ class BatchJob:
         return len(ran)
 
     def write_results(self) -> None:
-        """results.extxyz: every structure's frame in input order (rank 0)."""
-        frames = finished_frames(self.parts)
-        missing = [k for k in range(len(self.sizes)) if k not in frames]
+        """results.extxyz: every structure's frame in input order; for MD, trajectory.extxyz: every structure's frames
+        in input order (rank 0)."""
+        parts = finished_parts(self.parts)
+        missing = [k for k in range(len(self.sizes)) if k not in parts]
         if missing:
             raise OutputError(f"{self.parts}: no result for {len(missing)} structure(s), first {missing[:5]}")
-        with atomic_write(self.out / RESULTS, "w") as f:
-            f.writelines(frames[k] for k in range(len(self.sizes)))
+        for k, name in enumerate((RESULTS, TRAJECTORY)):
+            if k == 0 or self.config["task"] == "md":
+                with atomic_write(self.out / name, "w") as f:
+                    f.writelines(parts[index][k] for index in range(len(self.sizes)))
 
 
 def main(argv=None) -> int:

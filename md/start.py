@@ -48,11 +48,8 @@ def build_integrator(config):
 
 
 def build_atoms(config):
-    import numpy as np
     from ase.build import bulk
     from ase.io import read
-    from ase.md.velocitydistribution import thermalize_momenta
-    from ase.parallel import DummyMPI
 
     from potentials.graph import check_min_distance, check_positions, complete_cell  # (torch: at first use)
 
@@ -82,9 +79,18 @@ def build_atoms(config):
     except InvalidStructureError as exc:
         raise ConfigError(f"structure: {where}: {exc}; structure.min_distance sets the limit") from None
     if config["temperature_K"] > 0:
-        thermalize_momenta(atoms, temperature_K=config["temperature_K"], rng=np.random.default_rng(config["seed"]),
-                           comm=DummyMPI())  # every rank draws the same velocities
+        thermalize(atoms, config["temperature_K"], config["seed"])
     return atoms
+
+
+def thermalize(atoms, temperature_K: float, seed: int) -> None:
+    """Maxwell-Boltzmann velocities at ``temperature_K`` drawn from ``seed`` (ASE's ``thermalize_momenta``), the same
+    on every rank: an mlip-md start, and a batch's MD start (md.batch)."""
+    import numpy as np
+    from ase.md.velocitydistribution import thermalize_momenta
+    from ase.parallel import DummyMPI
+
+    thermalize_momenta(atoms, temperature_K=temperature_K, rng=np.random.default_rng(seed), comm=DummyMPI())
 
 
 HOST_BYTES_PER_ATOM = 2_000  # the start structure every rank holds (ASE's arrays, velocities, the copies made)

@@ -135,8 +135,9 @@ def graph_results(model, x, graph) -> tuple:
 
 
 def evaluate_batch(model, batch: StructureBatch, stress: bool = True, memory_budget_gb: float | None = None,
-                   free_bytes: float | None = None) -> list:
-    """``predict_many`` of a prepared batch, in one pass of the model."""
+                   free_bytes: float | None = None, strain_derivative: bool = False) -> list:
+    """``predict_many`` of a prepared batch, in one pass of the model; ``strain_derivative``: each result also holds
+    "dE_dstrain" [3, 3] (the unsymmetrised derivative a barostat reads; a committee's combined)."""
     x, graph = batch_graph(model, batch, memory_budget_gb=memory_budget_gb, free_bytes=free_bytes)
     energies, forces, virials = (value.detach().cpu().numpy() for value in graph_results(model, x, graph))
     virials = virials.reshape(len(virials), batch.size, 3, 3)  # (one structure: its strain is [3, 3])
@@ -144,13 +145,16 @@ def evaluate_batch(model, batch: StructureBatch, stress: bool = True, memory_bud
     for b, (start, end) in enumerate(zip(batch.offsets[:-1], batch.offsets[1:])):
         volume = batch.volumes[b] if stress else None
         if isinstance(model, Committee):
-            results.append(committee_result(model, energies[:, start:end], forces[:, start:end],
-                                            virials[:, b] if volume else None, volume))
-            continue
-        result = {"energy": float(energies[0, start:end].sum()), "energies": energies[0, start:end],
-                  "forces": forces[0, start:end]}
-        if volume:
-            result["stress"] = voigt_stress(virials[0, b], volume)
+            result = committee_result(model, energies[:, start:end], forces[:, start:end],
+                                      virials[:, b] if volume else None, volume)
+        else:
+            result = {"energy": float(energies[0, start:end].sum()), "energies": energies[0, start:end],
+                      "forces": forces[0, start:end]}
+            if volume:
+                result["stress"] = voigt_stress(virials[0, b], volume)
+        if strain_derivative:
+            result["dE_dstrain"] = model.combine(torch.as_tensor(virials[:, b])).numpy() \
+                if isinstance(model, Committee) else virials[0, b]
         results.append(result)
     return results
 
@@ -220,7 +224,7 @@ def leading_group(model, sizes, edges, max_atoms: float, free_bytes: float) -> i
 
 def predict_many(model, structures, stress: bool = True, memory_budget_gb: float | None = None,
                  max_atoms: float | None = None, min_distance: float = MIN_DISTANCE, names=None,
-                 sizer: BatchSizer | None = None) -> list:
+                 sizer: BatchSizer | None = None, strain_derivative: bool = False) -> list:
     """``predict`` of each of ``structures`` (ASE Atoms: any sizes, periodic or not, ``info`` charge and spin read
     as ``predict`` reads them), evaluated as graphs of many structures: consecutive structures up to ``max_atoms``
     atoms per graph (None: the size the ``sizer`` finds fastest, ``BatchSizer``) and within the device's free memory
@@ -228,7 +232,7 @@ def predict_many(model, structures, stress: bool = True, memory_budget_gb: float
     eV/Å, "stress" (6,) eV/Å³ where asked and the cell has a volume; a committee's also its model deviation
     (``committee_result``). ``memory_budget_gb`` bounds one chunk of a block's edge temporaries as in ``predict``;
     ``min_distance``: atoms closer are a BatchError naming the structure (``names[k]``, default k) and the pair (0:
-    unchecked)."""
+    unchecked). ``strain_derivative``: each result also holds "dE_dstrain" [3, 3] (``evaluate_batch``)."""
     batch = prepare_batch(model, structures, min_distance, names)
     sizer = sizer if sizer is not None else BatchSizer(model, max_atoms)
     edges = np.bincount(batch.edge_batch, minlength=batch.size)
@@ -237,7 +241,8 @@ def predict_many(model, structures, stress: bool = True, memory_budget_gb: float
     while first < batch.size:
         last = first + leading_group(model, batch.sizes[first:], edges[first:], sizer.max_atoms, free)
         start = time.perf_counter()
-        results += evaluate_batch(model, select(batch, range(first, last)), stress, memory_budget_gb, free)
+        results += evaluate_batch(model, select(batch, range(first, last)), stress, memory_budget_gb, free,
+                                  strain_derivative)
         sizer.record(int(batch.sizes[first:last].sum()), time.perf_counter() - start)
         first = last
     return results

@@ -1,8 +1,9 @@
 """Many structures at once (potentials.batch, md.batch, mlip-batch): batched single points equal ``predict`` of each
 structure alone for every family, on ragged batches; batched FIRE relaxations equal ASE's FIRE with our calculator
-per structure (the same steps), with and without the cell filter; the graph size is found by measured throughput
-within the memory model; a bad structure is named; mlip-batch on 1, 2 and 3 ranks gives one result per structure,
-equal to one process."""
+per structure (the same steps), with and without the cell filter; batched MD equals mlip-md on each structure alone
+in every ensemble; the graph size is found by measured throughput within the memory model; a bad structure is named;
+mlip-batch on 2 and 3 ranks gives one result per structure, equal to one process; a resumed run skips what is
+done."""
 import dataclasses
 import re
 import sys
@@ -20,7 +21,7 @@ from ase.optimize import FIRE
 import potentials
 from comparison import assert_beyond, assert_close
 from conftest import ROOT, needs
-from md.batch import relax_many, single_points
+from md.batch import md_many, relax_many, single_points
 from md.calculator import MLIPCalculator
 from potentials.batch import BatchError, BatchSizer, evaluate_batch, leading_group, predict_many, prepare_batch
 from systems import FAIRCHEM_DIR, GEOMETRIES, MACE_DIR, NEQUIP_DIR, fairchem_model, write_small_sevennet
@@ -327,3 +328,79 @@ def test_mlip_batch_resume_skips_what_is_done_and_refuses_another_config(tmp_pat
     (tmp_path / "job.yaml").write_text(yaml.safe_dump({**job, "task": "relax"}))
     assert main(["job.yaml"]) == 2
     assert "holds a run of another config" in capsys.readouterr().err
+
+
+def minimum_image_distance(a, b, cell) -> float:
+    """The largest |a_i - b_i| (Å) over atoms, each difference taken to its nearest periodic image in ``cell``."""
+    fractional = np.linalg.solve(np.asarray(cell).T, (a - b).T).T
+    return float(np.abs((fractional - np.round(fractional)) @ np.asarray(cell)).max())
+
+
+@pytest.mark.parametrize("ensemble", ["nve", "langevin", "bussi", "nose-hoover", "npt"])
+def test_batched_md_equals_mlip_md_on_each_structure_alone(tmp_path, ensemble):
+    """md_many (cu-emt, float64) of 2 structures in one graph, each with its own start temperature, seed and (npt)
+    pressure, against mlip-md run on each structure alone with the same settings: the last positions (nearest image),
+    velocities and cell within 1e-10, and the trajectory frames at the same steps within 1e-10 Å."""
+    from md.cli import simulate, validate
+    from md.start import build_integrator, thermalize
+
+    model = potentials.load_model("cu-emt", checkpoint_dtype="float64")
+    starts, configs = [], []
+    for k, repeat in enumerate([(2, 2, 1), (1, 2, 2)]):
+        atoms = bulk("Cu", "fcc", a=3.6 + 0.05 * k, cubic=True).repeat(repeat)
+        atoms.rattle(0.05, seed=k)
+        write(tmp_path / f"start{k}.extxyz", atoms)
+        config = validate({"model": {"checkpoint": "cu-emt"}, "structure": {"file": str(tmp_path / f"start{k}.extxyz")},
+                           "temperature_K": 300 + 200 * k, "ensemble": ensemble, "timestep_fs": 2.0, "steps": 20,
+                           "seed": 5 + k, "thermostat": {"temperature_K": 300 + 200 * k},
+                           "barostat": {"pressure_GPa": 1.0 * k},
+                           "output": {"directory": str(tmp_path / f"md{k}"), "trajectory_every": 5, "progress": False}})
+        simulate(config)
+        start = read(tmp_path / f"start{k}.extxyz")
+        thermalize(start, config["temperature_K"], config["seed"])
+        starts.append(start)
+        configs.append(config)
+    last, frames = md_many(model, starts, [build_integrator(c) for c in configs], 20, frame_every=5,
+                           max_atoms=ONE_GRAPH)
+    for k, atoms in enumerate(last):
+        alone = read(tmp_path / f"md{k}" / "final.extxyz")
+        assert minimum_image_distance(atoms.positions, alone.positions, alone.cell) <= 1e-10
+        assert_close(atoms.get_velocities(), alone.get_velocities(), 1e-10, scale="absolute", label="velocities")
+        assert_close(atoms.cell[:], alone.cell[:], 1e-10, scale="absolute", label="cell")
+        trajectory = read(tmp_path / f"md{k}" / "trajectory.extxyz", ":")
+        assert [f.info["step"] for f in frames[k]] == [f.info["step"] for f in trajectory] == [0, 5, 10, 15, 20]
+        for mine, theirs in zip(frames[k], trajectory):
+            assert minimum_image_distance(mine.positions, theirs.positions, theirs.cell) <= 1e-10
+        if ensemble == "npt":
+            assert np.abs(atoms.cell[:] - starts[k].cell[:]).max() > 1e-4  # (the barostat moved the cell)
+
+
+def test_mlip_batch_md_takes_each_structures_own_settings_and_groups_the_trajectory(tmp_path, monkeypatch):
+    """mlip-batch md (Bussi): a structure's info temperature_K and seed win over the md section's (the others take
+    seed + index); results.extxyz's last frames equal md_many with those settings (1e-12), and trajectory.extxyz holds
+    each structure's frames, grouped in input order."""
+    from md.batch_cli import TABLE, main, md_settings
+    from md.start import build_integrator, thermalize
+
+    monkeypatch.chdir(tmp_path)
+    structures = cu_cells(3, seed=6)
+    structures[1].info.update(temperature_K=900.0, seed=42)
+    write(tmp_path / "structures.extxyz", structures)
+    section = {"ensemble": "bussi", "temperature_K": 400.0, "timestep_fs": 2.0, "steps": 12, "seed": 3,
+               "trajectory_every": 4}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump({**BATCH_JOB, "task": "md", "md": section}))
+    assert main(["job.yaml"]) == 0
+    full = TABLE.validate({**BATCH_JOB, "task": "md", "md": section})["md"]
+    starts = read(tmp_path / "structures.extxyz", ":")
+    settings = [md_settings(full, atoms, k) for k, atoms in enumerate(starts)]
+    assert [s["seed"] for s in settings] == [3, 42, 5] and settings[1]["thermostat"]["temperature_K"] == 900.0
+    for atoms, s in zip(starts, settings):
+        thermalize(atoms, s["temperature_K"], s["seed"])
+    model = potentials.load_model("cu-emt", checkpoint_dtype="float64")
+    last, _ = md_many(model, starts, [build_integrator(s) for s in settings], 12)
+    results = read(tmp_path / "out" / "results.extxyz", ":")
+    for mine, expected in zip(results, last):
+        assert minimum_image_distance(mine.positions, expected.positions, expected.cell) <= 1e-12
+        assert mine.info["steps"] == 12 and mine.info["converged"]
+    trajectory = read(tmp_path / "out" / "trajectory.extxyz", ":")
+    assert [(f.info["index"], f.info["step"]) for f in trajectory] == [(k, s) for k in range(3) for s in (0, 4, 8, 12)]

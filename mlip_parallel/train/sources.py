@@ -82,6 +82,12 @@ class Source:
                 yield part[k]
 
 
+    def where(self, k: int) -> str:
+        """Structure ``k`` named as its file names it: ``PATH:k`` (k counted within its file, from 0)."""
+        part = int(np.searchsorted(self.starts, k, side="right")) - 1
+        owner = self.parts[part]
+        return f"{owner.path if isinstance(owner, FileSource) else owner.structures.name}:{k - int(self.starts[part])}"
+
     @property
     def name(self) -> str:
         """The files, comma-separated."""
@@ -116,13 +122,20 @@ def take(structures, indices):
 
 
 class FileSource:
-    """One file's structures (``len``, ``[k]``: a ``training.Structure`` named ``PATH:k``; ``read``: many in turn)."""
+    """One file's structures (``len``, ``[k]``: a ``training.Structure`` named ``PATH:k``, or with ``as_atoms`` the
+    ASE Atoms as read, its info and arrays whole, no calculator, after the same checks; ``read``: many in turn)."""
+
+    as_atoms = False
 
     def __init__(self, path: str, keys: dict):
         self.path, self.keys = path, keys
 
     def structure(self, atoms, k: int):
-        return structure_of(atoms, self.path, k, self.keys)
+        record = structure_of(atoms, self.path, k, self.keys)
+        if self.as_atoms:
+            atoms.calc = None
+            return atoms
+        return record
 
     def read(self, positions):
         """The structures at ``positions``, in turn (a generator: one held at a time; DataError at one that cannot
@@ -234,9 +247,9 @@ class WholeFileSource(FileSource):
         return self.structure(self.frames[k], k)
 
 
-def open_source(paths, keys=None) -> Source:
+def open_source(paths, keys=None, as_atoms: bool = False) -> Source:
     """The data set of ``paths`` (a path, or a list of them read as one set in order); DataError for a missing,
-    unreadable or empty file."""
+    unreadable or empty file. ``as_atoms``: its items are ASE Atoms (``FileSource``), not ``Structure`` records."""
     keys = check_keys(keys)
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     if not paths:
@@ -257,6 +270,7 @@ def open_source(paths, keys=None) -> Source:
             part = WholeFileSource(path, keys)
         if len(part) == 0:
             raise DataError(f"{path}: no structures in the file")
+        part.as_atoms = as_atoms
         parts.append(part)
     return Source(parts)
 
