@@ -10,7 +10,6 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 import yaml
 from ase import Atoms
 from ase.build import bulk, molecule
@@ -24,7 +23,7 @@ from conftest import ROOT, needs
 from md.batch import md_many, relax_many, single_points
 from md.calculator import MLIPCalculator
 from potentials.batch import BatchError, BatchSizer, evaluate_batch, leading_group, predict_many, prepare_batch
-from systems import FAIRCHEM_DIR, GEOMETRIES, MACE_DIR, NEQUIP_DIR, fairchem_model, write_small_sevennet
+from systems import GEOMETRIES, MACE_DIR, NEQUIP_DIR, fairchem_model, write_small_sevennet
 
 ONE_GRAPH = float("inf")  # max_atoms: every structure in one graph
 
@@ -280,13 +279,15 @@ def test_mlip_batch_on_2_and_3_ranks_equals_one_process(mpirun, tmp_path):
 @pytest.mark.parametrize("change, message", [
     ({"structures": None}, "structures: no structure file given"),
     ({"structures": "missing.extxyz"}, "missing.extxyz: no such data file"),
-    ({"task": "md"}, "task must be one of"),
+    ({"task": "phonons"}, r"task must be one of .*'md'\), got 'phonons'"),
+    ({"task": "md", "md": {"ensemble": "langevin", "temperature_K": 0.0}},
+     r"structures: structures.extxyz:0: thermostat.temperature_K must be > 0 for ensemble langevin"),
     ({"relax": {"fmax": 0}}, "relax.fmax must be a finite number > 0, got 0.0"),
     ({"model": {"checkpoint": "cu-emt"}, "structures": "silver.extxyz"}, "silver.extxyz:0: .*Ag"),
 ])
 def test_mlip_batch_bad_input_is_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys, change, message):
-    """A missing or unreadable structures key, an unknown task, a bad setting, an element the model does not know:
-    one line naming it, exit 2, no output directory."""
+    """A missing or unreadable structures key, an unknown task, a bad setting, an MD setting a structure cannot run
+    with, an element the model does not know: one line naming it, exit 2, no output directory."""
     from md.batch_cli import main
 
     monkeypatch.chdir(tmp_path)
