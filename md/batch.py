@@ -12,7 +12,7 @@ alone with the same seed (``MDRun``). When a structure finishes it leaves the ba
 (``batch_cli``) runs them from a config over ranks.
 
 Loop order of ``run_tasks``, once per round:
-    fill the batch from the queue up to its atom limit
+    fill the batch from the queue up to its atom limit (the next structure is taken only when it fits)
     evaluate every structure in the batch (one graph, split only where memory requires)
     for each structure: give it its results; it is converged or out of steps -> done (reported, leaves);
                         else it takes one optimizer step
@@ -20,7 +20,7 @@ Loop order of ``run_tasks``, once per round:
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 import torch
@@ -29,18 +29,31 @@ from ase.calculators.singlepoint import SinglePointCalculator
 from ase.filters import FrechetCellFilter
 from ase.optimize import FIRE
 
+import mlip_parallel
 from potentials.batch import BatchSizer, predict_many
 from potentials.errors import InvalidStructureError
-from potentials.graph import MIN_DISTANCE
+from potentials.graph import MIN_DISTANCE, system_of
+from potentials.predict import voigt_stress
+
+from .calculator import MLIPCalculator
+from .engine import MDSystem, run
 
 TASKS = ("single_point", "relax", "md")
 DEVIATION_INFO = ("max_devi_f", "min_devi_f", "avg_devi_f", "devi_e")  # a committee's model deviation, per structure
+# what a structure read from a file may carry of an earlier calculation: removed before its new results are attached
+STALE_INFO = ("energy", "free_energy", "stress", "virial", "step", "time_fs", "converged", "steps", *DEVIATION_INFO)
+STALE_ARRAYS = ("forces", "energies", "devi_f")
 
 
 def attach_results(atoms, result: dict) -> None:
     """``result`` (``predict_many``'s, of ``atoms`` as they are now) as ``atoms``' calculator: ASE's single-point
     calculator (energy, free energy, forces, stress), which refuses to answer for other positions or another cell.
-    A committee's deviation goes to ``atoms.info`` (its summary) and ``atoms.arrays["devi_f"]`` (σ_F per atom)."""
+    A committee's deviation goes to ``atoms.info`` (its summary) and ``atoms.arrays["devi_f"]`` (σ_F per atom).
+    Results an earlier calculation left in ``info`` and ``arrays`` (labels of a data file) are removed first."""
+    for key in STALE_INFO:
+        atoms.info.pop(key, None)
+    for key in STALE_ARRAYS:
+        atoms.arrays.pop(key, None)
     keep = {key: result[key] for key in ("energy", "forces", "stress") if key in result}
     atoms.calc = SinglePointCalculator(atoms, free_energy=result["energy"], **keep)
     if "devi_f" in result:
@@ -162,25 +175,41 @@ class MDRun:
         return False
 
 
-def run_tasks(model, tasks: Iterator, done: Callable, max_atoms: float | None = None,
+class TaskQueue:
+    """Tasks in the order they are to be taken: ``next_size()`` the atoms of the next (None: none left), ``take()``
+    the next (None: none left). ``run_tasks`` reads any object with these two methods (mlip-batch's queue is shared
+    by the ranks, its tasks made as they are taken)."""
+
+    def __init__(self, tasks):
+        self.tasks, self.k = list(tasks), 0
+
+    def next_size(self) -> int | None:
+        return len(self.tasks[self.k].atoms) if self.k < len(self.tasks) else None
+
+    def take(self):
+        if self.k >= len(self.tasks):
+            return None
+        self.k += 1
+        return self.tasks[self.k - 1]
+
+
+def run_tasks(model, queue, done: Callable, max_atoms: float | None = None,
               memory_budget_gb: float | None = None, min_distance: float = MIN_DISTANCE) -> BatchSizer:
-    """Run ``tasks`` (an iterator of ``SinglePoint``, ``Relaxation`` or ``MDRun``, taken one at a time as room frees: a
-    queue)
-    to the end with ``model``, calling ``done(task)`` for each as it finishes (its ``atoms`` carry the final results).
-    At most ``max_atoms`` atoms are in flight (None: the graph size found fastest while running, ``BatchSizer``; a
-    structure larger than that runs alone). ``memory_budget_gb`` and ``min_distance`` as in ``predict_many``; a
-    structure that cannot be evaluated is a BatchError naming its ``index``. Returns the sizer (its choice)."""
-    sizer = BatchSizer(model, max_atoms)
-    flight, waiting, exhausted = [], None, False
+    """Run the tasks of ``queue`` (``TaskQueue``'s methods; ``SinglePoint``, ``Relaxation`` or ``MDRun``) to the end
+    with ``model``, calling ``done(task)`` for each as it finishes (its ``atoms`` carry the final results). A task is
+    taken only when it fits: at most ``max_atoms`` atoms in flight (None: the graph size found fastest while running,
+    ``BatchSizer``; a structure larger than that runs alone). ``memory_budget_gb`` and ``min_distance`` as in
+    ``predict_many``; a structure that cannot be evaluated is a BatchError naming its ``index``. Returns the sizer
+    (its choice)."""
+    sizer, flight = BatchSizer(model, max_atoms), []
     while True:
-        while not exhausted:
-            if waiting is None:
-                waiting = next(tasks, None)
-                exhausted = waiting is None
-            if waiting is None or (flight and sum(len(t.atoms) for t in flight) + len(waiting.atoms) > sizer.max_atoms):
+        held = sum(len(task.atoms) for task in flight)
+        while (size := queue.next_size()) is not None and (not flight or held + size <= sizer.max_atoms):
+            task = queue.take()
+            if task is None:  # (the queue's last went elsewhere)
                 break
-            flight.append(waiting)
-            waiting = None
+            flight.append(task)
+            held += len(task.atoms)
         if not flight:
             return sizer
         results = predict_many(model, [t.atoms for t in flight], memory_budget_gb=memory_budget_gb,
@@ -196,8 +225,11 @@ def run_tasks(model, tasks: Iterator, done: Callable, max_atoms: float | None = 
 
 
 def _collect(model, tasks, **options) -> list:
+    """The tasks run (``run_tasks``), their atoms in input order, each with info "converged" and "steps"."""
     finished = []
-    run_tasks(model, iter(tasks), finished.append, **options)
+    run_tasks(model, TaskQueue(tasks), finished.append, **options)
+    for task in finished:
+        task.atoms.info.update(converged=task.converged, steps=task.steps)
     return [task.atoms for task in sorted(finished, key=lambda task: task.index)]
 
 
@@ -214,10 +246,7 @@ def relax_many(model, structures, fmax: float = 0.05, max_steps: int = 1000, cel
     max_steps)`` with this package's calculator leaves it, in batches (``run_tasks``). Each copy's ``info`` holds
     "converged" and "steps"; its calculator the final energy, forces and stress."""
     tasks = [Relaxation(k, atoms.copy(), fmax, max_steps, cell) for k, atoms in enumerate(structures)]
-    relaxed = _collect(model, tasks, max_atoms=max_atoms, **options)
-    for task, atoms in zip(sorted(tasks, key=lambda t: t.index), relaxed):
-        atoms.info.update(converged=task.converged, steps=task.steps)
-    return relaxed
+    return _collect(model, tasks, max_atoms=max_atoms, **options)
 
 
 
@@ -225,8 +254,13 @@ def md_many(model, structures, integrators, steps: int, frame_every: int = 0, ma
             **options) -> tuple:
     """MD of each of ``structures`` (ASE Atoms with their start velocities) for ``steps`` steps, structure k with
     ``integrators[k]`` (its own ``md.integrators`` object: ensemble, temperature, pressure, seed), in batches
-    (``run_tasks``). Returns (the last frames, in order: positions, cell, velocities, results, info "step"; the
-    frames every ``frame_every`` steps: {k: [Atoms, ...]}, empty for 0)."""
+    (``run_tasks``). Returns (the last frames, in order: positions, cell, velocities, results, info "step" and
+    "steps"; the frames every ``frame_every`` steps: {k: [Atoms, ...]}, empty for 0)."""
+    structures, integrators = list(structures), list(integrators)
+    if len(integrators) != len(structures) or len({id(i) for i in integrators}) != len(integrators):
+        raise ValueError(f"md_many needs one integrator object of its own per structure (its thermostat and barostat "
+                         f"state is the structure's): {len(structures)} structures, {len(integrators)} integrators, "
+                         f"{len({id(i) for i in integrators})} distinct")
     frames = {}
 
     def keep(task, step):
@@ -238,3 +272,52 @@ def md_many(model, structures, integrators, steps: int, frame_every: int = 0, ma
     tasks = [MDRun(k, atoms.copy(), integrator, steps, frame_every, keep, device)
              for k, (atoms, integrator) in enumerate(zip(structures, integrators))]
     return _collect(model, tasks, max_atoms=max_atoms, **options), frames
+
+
+class Finished:
+    """A structure run by other means than a batch (``run_decomposed``), as ``run_tasks``' tasks report one."""
+
+    def __init__(self, index: int, atoms, converged: bool = True, steps: int = 0):
+        self.index, self.atoms, self.converged, self.steps = index, atoms, converged, steps
+
+
+def run_decomposed(model, index: int, atoms, task: str, comm, relax: dict | None = None, md: dict | None = None,
+                   memory_budget_gb: float | None = None, min_distance: float = MIN_DISTANCE) -> Finished:
+    """Structure ``index`` (``atoms``, the same on every rank of ``comm``), too large for one rank, run by all of them
+    together, spatially decomposed (collective): a single point (``mlip_parallel.evaluate``); ASE's FIRE with
+    ``MLIPCalculator(model, comm)`` (``relax``: fmax, max_steps, cell); or mlip-md's engine (``md``: integrator,
+    steps, frame_every, frame(task, step)). The same result on every rank, and the same as the batch tasks give
+    (up to summation order)."""
+    if task == "single_point":
+        attach_results(atoms, mlip_parallel.evaluate(model, atoms, comm=comm, memory_budget_gb=memory_budget_gb,
+                                                     min_distance=min_distance))
+        return Finished(index, atoms)
+    if task == "relax":
+        calculator = MLIPCalculator(model, comm=comm, memory_budget_gb=memory_budget_gb, min_distance=min_distance)
+        atoms.calc = calculator
+        optimizer = FIRE(FrechetCellFilter(atoms) if relax["cell"] else atoms, logfile=None)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "logm result may be inaccurate", RuntimeWarning)
+            converged = bool(optimizer.run(fmax=relax["fmax"], steps=relax["max_steps"]))
+        attach_results(atoms, dict(calculator.results))
+        return Finished(index, atoms, converged, optimizer.nsteps)
+    system = MDSystem.from_atoms(model, atoms, comm=comm, memory_budget_gb=memory_budget_gb,
+                                 system=system_of(atoms.info))  # (the charge and spin the batch gives the model)
+    system.compute_forces()
+    integrator, steps, every = md["integrator"], md["steps"], md["frame_every"]
+    finished, step = Finished(index, atoms, True, 0), 0
+    for stop in sorted({steps} | (set(range(0, steps + 1, every)) if every else set())):
+        run(system, integrator, stop - step, start_step=step)
+        step = finished.steps = stop
+        positions, velocities, forces = (system.gather(key) for key in ("positions", "velocities", "forces"))
+        atoms.set_cell(system.cell)
+        atoms.positions = positions
+        atoms.set_velocities(velocities)
+        result = {"energy": system.energy, "forces": forces, "dE_dstrain": system.virial}
+        if atoms.cell.rank == 3:
+            result["stress"] = voigt_stress(system.virial, atoms.cell.volume)
+        attach_results(atoms, result)
+        atoms.info.update(step=stop, time_fs=stop * integrator.dt / units.fs)
+        if md.get("frame") is not None and every:
+            md["frame"](finished, stop)
+    return finished

@@ -1,9 +1,10 @@
-"""mlip-batch CONFIG.yaml: single points or relaxations of many structures, batched, spread over ranks (mpiexec -n P).
+"""mlip-batch CONFIG.yaml: single points, relaxations or MD of many structures, batched, over ranks (mpiexec -n P).
 
 Every rank reads the same config and the same structure files (extxyz, ASE db, ASE-LMDB: read one structure at a
-time, as mlip-train reads them). The structures, largest first, form one queue shared by the ranks (an atomic
-counter: a rank that finishes early takes more; none is done twice); each rank evaluates the structures it took in
-batches (``md.batch.run_tasks``). Each finished structure is appended to the rank's OUTPUT/parts/rankR.extxyz and
+time, as mlip-train reads them). Structures too large for one rank (or above ``decompose_above`` atoms) are run
+first, one after another, by all ranks together, spatially decomposed (``md.batch.run_decomposed``). The rest,
+largest first, form one queue shared by the ranks (an atomic counter: a rank that finishes early takes more; none
+is done twice); each rank evaluates the structures it took in batches (``md.batch.run_tasks``). Each finished structure is appended to the rank's OUTPUT/parts/rankR.extxyz and
 recorded in OUTPUT/parts/rankR.done (its input index and the file's length after it, synced), so a killed job run
 again with ``resume: true`` skips what was done and cuts a half-written frame off. At the end rank 0 writes
 OUTPUT/results.extxyz: one frame per input structure in input order, with ``info["index"]`` (its position in the
@@ -60,8 +61,11 @@ SECTIONS = {
         "trajectory_every": (int, 100, "md: a frame of each structure every N steps (and its last) into "
                                        "OUTPUT/trajectory.extxyz, tagged by info['index'] and info['step'] (0: none)"),
     },
-    "max_atoms": (int, None, "the most atoms evaluated together as one graph on a rank (default: 512 on a CPU, "
-                             "where larger graphs cost more per atom; on a GPU as many as the memory model allows)"),
+    "decompose_above": (int, None, "structures of more atoms than this run spatially decomposed over all ranks "
+                                   "together, one after another, before the rest are batched (default: those the "
+                                   "memory pre-flight finds too large for one rank)"),
+    "max_atoms": (int, None, "the most atoms evaluated together as one graph on a rank (default: the size found "
+                             "fastest while running, from one structure per graph up, within the memory model)"),
     "memory_budget_gb": (float, None, "GB one chunk of a block's per-edge temporaries may take (default: every edge "
                                       "at once where the memory pre-flight predicts that fits); never changes results"),
     "min_distance": (float, 0.5, "atoms closer than this (Å, periodic images included) are an error naming the "
@@ -79,7 +83,7 @@ SECTIONS = {
 RULES = {"task": ("single_point", "relax", "md"), "device": ("auto", "cpu", "cuda"), "relax.fmax": "> 0",
          "md.ensemble": ("nve", "langevin", "bussi", "nose-hoover", "npt"), "md.timestep_fs": "> 0",
          "md.tau_fs": "> 0", "md.tdamp_fs": "> 0", "md.pdamp_fs": "> 0", "md.pressure_GPa": "finite",
-         "max_atoms": "> 0", "memory_budget_gb": "> 0"}
+         "max_atoms": "> 0", "memory_budget_gb": "> 0", "decompose_above": "> 0"}
 TABLE = ConfigTable(SECTIONS, RULES, model_keys)
 RESULTS, TRAJECTORY, PARTS, RECORD = "results.extxyz", "trajectory.extxyz", "parts", "batch.json"
 RESUMABLE = ("resume", "output")  # keys a resumed run may change
@@ -114,7 +118,11 @@ class PartFiles:
         with naming_errors(directory):
             for k, path in enumerate(self.paths):
                 with open(path, "ab") as f:
-                    f.truncate(done[-1][1][k] if done else 0)
+                    end = done[-1][1][k] if done else 0
+                    if f.tell() < end:
+                        raise OutputError(f"{path} is shorter ({f.tell()} bytes) than its record {self.records} says "
+                                          f"({end}): the run's parts were changed; start it in another directory")
+                    f.truncate(end)
             with open(self.records, "a") as f:
                 f.truncate(sum(len(record_line(index, ends)) for index, ends in done))
             self.files = [open(path, "ab") for path in self.paths]
@@ -183,6 +191,24 @@ def md_settings(section: dict, atoms, index: int) -> dict:
                          "pdamp_fs": section["pdamp_fs"], "isotropic": section["isotropic"]}}
 
 
+class SharedQueue:
+    """The structures ``order`` (input indices, the largest first) shared by the ranks through ``counter`` (an atomic
+    fetch-and-add, ``backend.counter()``), as ``md.batch.run_tasks`` reads a queue: ``next_size()`` the atoms of the
+    next not yet taken by any rank, ``take()`` takes the next (``make(index)``: its task) — no larger than the one
+    seen, the order being by size. None where none is left."""
+
+    def __init__(self, order, sizes, counter, make):
+        self.order, self.sizes, self.counter, self.make = order, sizes, counter, make
+
+    def next_size(self) -> int | None:
+        k = self.counter.add(0)
+        return self.sizes[self.order[k]] if k < len(self.order) else None
+
+    def take(self):
+        k = self.counter.add(1)
+        return self.make(int(self.order[k])) if k < len(self.order) else None
+
+
 class BatchJob:
     """One ``mlip-batch`` run on every rank: ``BatchJob(config).run()``. Building checks the config, the structures
     (readable, elements the model knows, finite positions) and the output directory on every rank alike, before
@@ -226,50 +252,98 @@ class BatchJob:
                 self.model.species_index(atoms.numbers)
                 if config["task"] == "md":
                     build_integrator(md_settings(config["md"], atoms, k))
+                moving_cell = (config["task"] == "md" and config["md"]["ensemble"] == "npt") or \
+                    (config["task"] == "relax" and config["relax"]["cell"])
+                if moving_cell and not (atoms.pbc.all() and atoms.cell.rank == 3):
+                    raise ConfigError(f"{'md.ensemble npt' if config['task'] == 'md' else 'relax.cell'} moves the "
+                                      f"cell, which needs a structure periodic in every direction (pbc "
+                                      f"{atoms.pbc.tolist()})")
             except (MLIPError, ValueError) as exc:
                 raise ConfigError(f"structures: {self.source.where(k)}: {exc}") from None
             sizes.append(len(atoms))
         self.sizes = sizes
+        self.large = self.too_large(config["decompose_above"])
         self.kept = kept
         self.trajectories = {}  # input index -> the MD frames of a structure in flight (extxyz text)
 
+    def too_large(self, above: int | None) -> set:
+        """The structures run decomposed over all ranks: more than ``above`` atoms, or (None) those the memory
+        pre-flight predicts one rank cannot evaluate, at the chunk budget it would run with. Decided on rank 0 and
+        broadcast (collective)."""
+        import math
+
+        from mlip_parallel.domain import Domain
+        from mlip_parallel.preflight import memory_everywhere, rank_load
+        from potentials.messages import memory_budget_bytes
+
+        have = memory_everywhere(self.backend, self.model.device)
+        large = None
+        if self.backend.rank == 0:
+            if above is not None:
+                large = {k for k, n in enumerate(self.sizes) if n > above}
+            else:
+                budget = memory_budget_bytes(self.config["memory_budget_gb"], self.model.device)
+                budget = None if budget is None or math.isinf(budget) else budget
+                large = set()
+                for k in range(len(self.sizes)):
+                    atoms = self.source[k]
+                    domain = Domain.from_positions(atoms.positions, atoms.cell, atoms.pbc)
+                    if rank_load(self.model, len(atoms), domain, (1, 1, 1), 0.0, 0.0, True, budget).bytes > have:
+                        large.add(k)
+        return self.backend.bcast(large)
+
     def prepare_outputs(self) -> set:
-        """The output directory made (rank 0, then every rank), and the indices already finished."""
+        """The output directory made (rank 0, then every rank), and the indices already finished. A fresh run first
+        removes an earlier run's files (its records first, its config last), then writes its config, then makes
+        parts/: a kill at any point leaves a directory the same command starts or resumes from."""
         if self.backend.rank == 0:
             with naming_errors(self.out):
                 if self.fresh:
-                    for old in (self.out / RESULTS, *self.parts.glob("rank*")):
-                        if old.exists():
-                            old.unlink()
-                self.parts.mkdir(parents=True, exist_ok=True)
-                with atomic_write(self.out / RECORD, "w") as f:
-                    json.dump(self.kept, f, indent=1)
+                    old = [*self.parts.glob("rank*.done"), *self.parts.glob("rank*"), self.out / RESULTS,
+                           self.out / TRAJECTORY, self.out / RECORD]
+                    for path in old:
+                        path.unlink(missing_ok=True)
+                    if self.parts.is_dir():
+                        self.parts.rmdir()
+                    self.out.mkdir(parents=True, exist_ok=True)
+                    with atomic_write(self.out / RECORD, "w") as f:
+                        json.dump(self.kept, f, indent=1)
+                self.parts.mkdir(exist_ok=True)
         self.backend.barrier()
-        return set(finished_parts(self.parts))
+        return {index for records in self.parts.glob("rank*.done") for index, _ in read_records(records)}
 
-    def tasks(self, order, counter):
-        """The tasks this rank takes from the shared queue ``order`` (input indices), one at a time."""
+    def task(self, index: int):
+        """The task of structure ``index``, read now."""
         from .batch import MDRun, Relaxation, SinglePoint
         from .start import build_integrator, thermalize
 
-        relax, md = self.config["relax"], self.config["md"]
-        while True:
-            k = counter.add(1)
-            if k >= len(order):
-                return
-            index = int(order[k])
-            atoms = self.source[index]
-            if self.config["task"] == "relax":
-                yield Relaxation(index, atoms, relax["fmax"], relax["max_steps"], relax["cell"])
-            elif self.config["task"] == "md":
-                settings = md_settings(md, atoms, index)
-                if settings["temperature_K"] > 0:
-                    thermalize(atoms, settings["temperature_K"], settings["seed"])
-                self.trajectories[index] = []
-                yield MDRun(index, atoms, build_integrator(settings), md["steps"], md["trajectory_every"],
-                            self.keep_frame, self.model.device)
-            else:
-                yield SinglePoint(index, atoms)
+        relax, md, atoms = self.config["relax"], self.config["md"], self.source[index]
+        if self.config["task"] == "relax":
+            return Relaxation(index, atoms, relax["fmax"], relax["max_steps"], relax["cell"])
+        if self.config["task"] == "md":
+            settings = md_settings(md, atoms, index)
+            if settings["temperature_K"] > 0:
+                thermalize(atoms, settings["temperature_K"], settings["seed"])
+            self.trajectories[index] = []
+            return MDRun(index, atoms, build_integrator(settings), md["steps"], md["trajectory_every"],
+                         self.keep_frame, self.model.device)
+        return SinglePoint(index, atoms)
+
+    def decomposed(self, index: int):
+        """Structure ``index`` run by every rank together, spatially decomposed (``md.batch.run_decomposed``)."""
+        from .batch import run_decomposed
+        from .start import build_integrator, thermalize
+
+        atoms, config, md = self.source[index], self.config, None
+        if config["task"] == "md":
+            settings = md_settings(config["md"], atoms, index)
+            if settings["temperature_K"] > 0:
+                thermalize(atoms, settings["temperature_K"], settings["seed"])
+            self.trajectories[index] = []
+            md = {"integrator": build_integrator(settings), "steps": config["md"]["steps"],
+                  "frame_every": config["md"]["trajectory_every"], "frame": self.keep_frame}
+        return run_decomposed(self.model, index, atoms, config["task"], self.backend, config["relax"], md,
+                              config["memory_budget_gb"], config["min_distance"])
 
     def keep_frame(self, task, step: int) -> None:
         """An MD frame of ``task``'s structure, kept until the structure finishes (then written with its result)."""
@@ -277,16 +351,17 @@ class BatchJob:
         self.trajectories[task.index].append(extxyz_text(task.atoms))
 
     def run(self) -> int:
-        """Run every structure not yet finished; return how many this rank ran."""
-        import numpy as np
-
+        """Run every structure not yet finished: those too large for one rank first, every rank together, then the
+        queue; return how many this rank wrote."""
         from mlip_parallel.progress import Progress
 
         from .batch import run_tasks
 
         done = self.prepare_outputs()
         remaining = [k for k in range(len(self.sizes)) if k not in done]
-        order = sorted(remaining, key=lambda k: -self.sizes[k])  # the largest first: the ranks end together
+        large = sorted(k for k in remaining if k in self.large)
+        order = sorted((k for k in remaining if k not in self.large), key=lambda k: -self.sizes[k])  # the largest
+        # first: the ranks end together
         counter, finished = self.backend.counter(), self.backend.counter()
         parts = PartFiles(self.parts, self.backend.rank)
         root = self.backend.rank == 0
@@ -306,8 +381,14 @@ class BatchJob:
                 progress.update(total)
 
         try:
-            run_tasks(self.model, self.tasks(order, counter), finish, self.config["max_atoms"],
-                      self.config["memory_budget_gb"], self.config["min_distance"])
+            for index in large:  # all ranks together, one structure after another
+                task = self.decomposed(index)
+                if root:
+                    finish(task)
+                self.trajectories.pop(index, None)
+            queue = SharedQueue(order, self.sizes, counter, self.task)
+            run_tasks(self.model, queue, finish, self.config["max_atoms"], self.config["memory_budget_gb"],
+                      self.config["min_distance"])
         finally:
             parts.close()
             if progress is not None:
@@ -318,7 +399,6 @@ class BatchJob:
         if root:
             self.write_results()
         self.backend.barrier()
-        self.ran = np.array(ran, dtype=np.int64)
         return len(ran)
 
     def write_results(self) -> None:
@@ -353,7 +433,7 @@ def main(argv=None) -> int:
         end_job("mlip-batch", exc)
         return 1
     if job.backend.rank == 0:
-        print(f"mlip-batch: {len(job.sizes)} structures in {job.out / RESULTS} ({job.seconds:.1f} s)", flush=True)
+        print(f"mlip-batch: {len(job.sizes)} structures in {job.out / RESULTS} ({job.seconds:.2f} s)", flush=True)
     return 0
 
 

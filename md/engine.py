@@ -70,15 +70,18 @@ class MDSystem:
     ``memory_budget_gb``: the most one chunk of a block's per-edge temporaries may take (None: chosen at the start
     by the memory pre-flight and kept for the run: every edge at once where that fits, else a share of the device's
     free memory; ``mlip_parallel.preflight.check_rank_memory``).
+    ``system``: the structure's charge and spin as ``AtomGraph.system`` holds them (``potentials.graph.system_of``;
+    None: the model's defaults), for a model that reads them.
     """
 
     def __init__(self, model, atoms: dict, cell, pbc, *, skin: float = 1.0, mode: str = "layerwise",
-                 grid=None, comm=None, balance: bool = False, cuts=None, memory_budget_gb: float | None = None):
+                 grid=None, comm=None, balance: bool = False, cuts=None, memory_budget_gb: float | None = None,
+                 system: dict | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not 0 <= skin < np.inf:
             raise ValueError(f"skin must be a finite number >= 0 (Å), got {skin}")
-        self.model, self.mode, self.skin, self.grid_dims = model, mode, float(skin), grid
+        self.model, self.mode, self.skin, self.grid_dims, self.system = model, mode, float(skin), grid, system
         self.backend, self.device = get_backend(comm), model.device
         memory_budget_bytes(memory_budget_gb, self.device)  # a bad value raises here
         self.memory_budget_gb = memory_budget_gb  # None: chosen by the first rebuild's pre-flight, then kept
@@ -219,12 +222,14 @@ class MDSystem:
         start, messages = time.perf_counter(), self.backend.comm_seconds
         self.sub.positions = self.atoms["positions"]
         if isinstance(self.model, Committee):
-            step = committee_step(self.model, self.sub, self.mode, memory_budget_gb=self.memory_budget_gb)
+            step = committee_step(self.model, self.sub, self.mode, memory_budget_gb=self.memory_budget_gb,
+                                  system=self.system)
             self.forces, self.energy, self.virial = step.forces.detach(), step.energy, step.dE_dstrain
             self.devi_f, self.member_energies = _host(step.devi_f), step.member_energies
         else:
             energies, forces, dE_dstrain = forward_decomposed(self.model, self.sub, self.mode,
-                                                              memory_budget_gb=self.memory_budget_gb)
+                                                              memory_budget_gb=self.memory_budget_gb,
+                                                              system=self.system)
             self.forces = forces.detach()
             self.energy, self.virial = global_sums(self.backend, energies, dE_dstrain, forces=self.forces)
         halo = self.backend.comm_seconds - messages

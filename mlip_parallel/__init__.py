@@ -17,6 +17,7 @@ __all__ = lazy_exports(__name__, {
                "SimulationError", "UnknownSpeciesError"),
     "evaluate": ("MODES", "Decomposition", "evaluate", "forward_decomposed"),
     "grid": ("Grid", "choose_dims"),
+    "many": ("predict_many",),
     "subdomain": ("Subdomain",),
 }) + ["install_abort_on_error", "launched_by_mpiexec"]
 

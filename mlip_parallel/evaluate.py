@@ -100,10 +100,10 @@ class CommitteeStep(NamedTuple):
 
 
 def committee_step(committee, sub: Subdomain, mode: str = "layerwise",
-                   memory_budget_gb: float | None = None) -> CommitteeStep:
+                   memory_budget_gb: float | None = None, system: dict | None = None) -> CommitteeStep:
     """``members_decomposed`` combined (``Committee.combine``: the members' mean, or the first's) and summed over
     the ranks, with the model deviation of the owned atoms (collective; SimulationError on non-finite forces)."""
-    energies, forces, dE_dstrain = members_decomposed(committee, sub, mode, memory_budget_gb)
+    energies, forces, dE_dstrain = members_decomposed(committee, sub, mode, memory_budget_gb, system)
     combined = committee.combine(forces)
     totals, virials, bad = rank_totals(sub.comm.backend, energies, dE_dstrain, combined)
     if bad:

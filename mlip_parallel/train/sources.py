@@ -244,7 +244,7 @@ class WholeFileSource(FileSource):
         return len(self.frames)
 
     def __getitem__(self, k: int):
-        return self.structure(self.frames[k], k)
+        return self.structure(self.frames[k].copy() if self.as_atoms else self.frames[k], k)  # (a task moves its atoms)
 
 
 def open_source(paths, keys=None, as_atoms: bool = False) -> Source:
