@@ -9,7 +9,7 @@
 Each moves numpy arrays or torch tensors and counts the seconds spent communicating in
 ``comm_seconds``. The MPI and torch backends also carry training's messages (``allreduce_``, ``subgroup``,
 ``send`` / ``recv``, ``isend`` / ``irecv``, ``send_object`` / ``recv_object``: a pipeline's stages and replicas)
-and a shared ``counter()`` (an atomic fetch-and-add: a batch job's queue of structures). ``get_backend`` chooses
+and a shared ``counter()`` (an atomic fetch-and-add on a TCP store: a batch job's queue of structures). ``get_backend`` chooses
 one; ``init_process_group`` is the one torch.distributed set-up, shared with training; ``rank_device`` is each
 rank's device.
 """
@@ -193,9 +193,24 @@ class MPIBackend:
         buf = self._buffer(tensor)
         return _Request(self.comm.Irecv(buf, source=source, tag=tag), buf, tensor)
 
-    def counter(self) -> "_WindowCounter":
-        """A shared counter (collective: every rank creates it alike): an int64 in a one-sided window on rank 0."""
-        return _WindowCounter(self.comm, self.MPI)
+    def counter(self) -> "_StoreCounter":
+        """A shared counter (collective: every rank creates it alike): an atomic add on a TCP store that rank 0
+        serves from a thread of its own (torch.distributed's TCPStore, without a process group), so that a rank
+        takes from it at once, busy as rank 0 may be (an MPI one-sided window would wait for rank 0's next MPI call
+        under MPICH: up to one evaluation per take)."""
+        from torch.distributed import TCPStore
+
+        hosts = self.allgather(socket.gethostname())
+        store, address = None, None
+        if self.rank == 0:
+            host = "127.0.0.1" if len(set(hosts)) == 1 else rendezvous(hosts)[0]
+            store = TCPStore(host, 0, None, True, wait_for_workers=False)
+            address = (host, store.port)
+        host, port = self.bcast(address)
+        if store is None:
+            store = TCPStore(host, port, None, False)
+        self.barrier()
+        return _StoreCounter(store, "count")
 
     def send_object(self, obj, dest: int) -> None:
         self.comm.send(obj, dest=dest, tag=0)
@@ -223,34 +238,9 @@ class LocalCounter:
         pass
 
 
-class _WindowCounter:
-    """MPI's shared counter: ``add(k)`` is an atomic fetch-and-add on rank 0's window (passive target: rank 0 need not
-    take part), the value before the addition returned."""
-
-    def __init__(self, comm, MPI):
-        self.MPI = MPI
-        self.window = MPI.Win.Allocate(8 if comm.Get_rank() == 0 else 0, 8, comm=comm)
-        if comm.Get_rank() == 0:
-            self.window.Lock(0)
-            self.window.Put([np.zeros(1, dtype=np.int64), MPI.INT64_T], 0)
-            self.window.Unlock(0)
-        comm.Barrier()
-
-    def add(self, k: int) -> int:
-        before = np.zeros(1, dtype=np.int64)
-        self.window.Lock(0)
-        self.window.Fetch_and_op([np.array([k], dtype=np.int64), self.MPI.INT64_T], [before, self.MPI.INT64_T], 0, 0,
-                                 self.MPI.SUM)
-        self.window.Unlock(0)
-        return int(before[0])
-
-    def free(self) -> None:
-        """Release the window (collective)."""
-        self.window.Free()
-
-
 class _StoreCounter:
-    """torch.distributed's shared counter: an atomic ``add`` on the rendezvous store under a key of its own."""
+    """A shared counter on a torch.distributed store (the rendezvous store under torchrun, or one of its own under
+    MPI): an atomic ``add`` under a key of its own."""
 
     def __init__(self, store, key: str):
         self.store, self.key = store, key
@@ -259,7 +249,7 @@ class _StoreCounter:
         return int(self.store.add(self.key, k)) - k
 
     def free(self) -> None:
-        pass
+        self.store = None
 
 
 class _Request:

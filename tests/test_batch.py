@@ -294,7 +294,8 @@ def test_mlip_batch_on_2_and_3_ranks_equals_one_process(mpirun, torchrun, tmp_pa
             for mine, wanted in zip(frames, trajectory):
                 assert minimum_image_distance(mine.positions, wanted.positions, wanted.cell) <= 1e-9
         done = [len((run / "out" / "parts" / f"rank{r}.done").read_text().split("\n")) - 1 for r in range(ranks)]
-        assert sum(done) == 14 and min(done) > 0, done
+        large = sum(len(a) > 12 for a in start)  # (recorded by rank 0)
+        assert sum(done) == 14 and done[0] - large > 0 and min(done[1:]) > 0, done  # every rank took from the queue
 
 
 def test_a_structure_run_decomposed_in_one_process_equals_the_batch():
@@ -336,17 +337,29 @@ def test_mlip_batch_bad_input_is_one_line_and_writes_nothing(tmp_path, monkeypat
 
 
 def test_mlip_batch_resume_skips_what_is_done_and_refuses_another_config(tmp_path, monkeypatch, capsys):
-    """A run whose parts hold some finished structures and a half-written frame (a kill between the frame and its
+    """Structures carrying an earlier calculation's labels get their own results (nothing of the old carried over).
+    A run whose parts hold some finished structures and a half-written frame (a kill between the frame and its
     record) resumes: the cut frame is dropped, the recorded ones are kept and not run again, results.extxyz equals
     an uninterrupted run; resuming with another task is one line naming the directory."""
     from md.batch_cli import main
 
+    from ase.calculators.singlepoint import SinglePointCalculator
+
     monkeypatch.chdir(tmp_path)
-    write(tmp_path / "structures.extxyz", cu_cells(5, seed=2))
+    labelled = cu_cells(5, seed=2)
+    for atoms in labelled:  # an earlier calculation's labels and a committee's deviation: not carried into results
+        atoms.calc = SinglePointCalculator(atoms, energy=123.0, forces=np.ones((len(atoms), 3)),
+                                           stress=np.ones(6))
+        atoms.info.update(max_devi_f=9.0, step=7)
+    write(tmp_path / "structures.extxyz", labelled)
     job = {**BATCH_JOB, "task": "single_point", "resume": True}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     assert main(["job.yaml"]) == 0
     straight = (tmp_path / "out" / "results.extxyz").read_text()
+    model = potentials.load_model("cu-emt", checkpoint_dtype="float64")
+    for frame, atoms in zip(read(tmp_path / "out" / "results.extxyz", ":"), read(tmp_path / "structures.extxyz", ":")):
+        assert "max_devi_f" not in frame.info and "step" not in frame.info
+        assert_close(frame.get_forces(), potentials.predict(model, atoms)["forces"], 1e-12, label="forces")
     parts = tmp_path / "out" / "parts"
     records = (parts / "rank0.done").read_text().splitlines()
     keep = records[:2]
@@ -457,3 +470,37 @@ def test_shares_balance_atoms():
     parts = shares([10, 50, 20, 30, 40], 2)
     assert sorted(k for part in parts for k in part) == list(range(5))
     assert parts == [[0, 1, 2], [3, 4]]  # 50 | 40, 30 | 20 (70 each) | 10 to the lowest rank: loads 80 and 70
+
+
+def test_the_batch_examples_run(tmp_path, monkeypatch, capsys):
+    """examples/batch: make_structures.py, then mlip-batch on relax.yaml, md.yaml and score_candidates.yaml (a
+    committee from examples/active_learning/make_committee.py), shortened; phonons_elastic.py: its batched forces
+    equal MLIPCalculator's one at a time and its elastic constants are those of a stable cubic crystal."""
+    import runpy
+
+    from md.batch_cli import main
+
+    examples = ROOT / "examples"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["make_structures.py", "6"])
+    runpy.run_path(str(examples / "batch" / "make_structures.py"), run_name="__main__")
+    monkeypatch.setattr(sys, "argv", ["make_committee.py", "--members", "2"])
+    runpy.run_path(str(examples / "active_learning" / "make_committee.py"), run_name="__main__")
+    for name, shorten in (("relax", {"relax": {"fmax": 0.01, "max_steps": 5, "cell": True}}),
+                          ("md", {"md": {"ensemble": "langevin", "temperature_K": 300, "steps": 4,
+                                         "timestep_fs": 2.0, "seed": 1, "trajectory_every": 2}}),
+                          ("score_candidates", {})):
+        job = yaml.safe_load((examples / "batch" / f"{name}.yaml").read_text())
+        if name == "score_candidates":
+            job["model"]["committee"] = job["model"]["committee"][:2]
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({**job, **shorten}))
+        assert main([f"{name}.yaml", "--no-progress"]) == 0, name
+        results = read(tmp_path / job["output"]["directory"] / "results.extxyz", ":")
+        assert [r.info["index"] for r in results] == list(range(6)), name
+    assert all(r.info["max_devi_f"] > 0 for r in results)  # (the committee's scores)
+    capsys.readouterr()
+    runpy.run_path(str(examples / "batch" / "phonons_elastic.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    difference = float(re.search(r"largest difference ([\d.e+-]+) eV/Å", out)[1])
+    c11, c12, c44 = (float(x) for x in re.search(r"C11 ([\d.]+), C12 ([\d.]+), C44 ([\d.]+)", out).groups())
+    assert difference <= 1e-12 and c11 > c12 > 0 and c44 > 0 and c11 - c12 > 0, out

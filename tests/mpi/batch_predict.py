@@ -1,6 +1,7 @@
 """mlip_parallel.predict_many under mpiexec -n P: ragged structures (1-108 atoms, periodic and not, Cu-Ag; SchNet
 and a SchNet + PaiNN committee, float64) shared by the ranks equal potentials.predict of each structure alone in this
-process (1e-12), on every rank; ranks given different lists are a RanksDisagreeError on every rank."""
+process (1e-12), on every rank; a bad structure in one rank's share is a BatchError naming it on every rank; ranks
+given different lists are a RanksDisagreeError on every rank."""
 import os
 import sys
 
@@ -11,7 +12,9 @@ from mpi4py import MPI  # noqa: E402
 import mlip_parallel  # noqa: E402
 import potentials  # noqa: E402
 from comparison import compare  # noqa: E402
+from ase import Atoms  # noqa: E402
 from mlip_parallel.errors import RanksDisagreeError  # noqa: E402
+from potentials.batch import BatchError  # noqa: E402
 from systems import exit_with_verdict  # noqa: E402
 from test_batch import ragged  # noqa: E402
 
@@ -37,6 +40,13 @@ for name, model in models.items():
                 failures.append(f"{name} structure {k} {key}: {comparison.message('')}")
     if world.rank == 0:
         print(f"{name}: {len(results)} structures over {world.size} ranks, max rel err {worst:.1e}", flush=True)
+close = structures[:6] + [Atoms("Cu2", positions=[[0, 0, 0], [0.2, 0, 0]])]  # held by one rank only
+try:
+    mlip_parallel.predict_many(models["SchNet"], close)
+    failures.append("atoms too close: no error")
+except BatchError as exc:  # on every rank, not only the one whose share held it (no rank left waiting)
+    if "structure 6: atoms 0 and 1 are 0.2 Å apart" not in str(exc):
+        failures.append(f"atoms too close: {exc}")
 try:
     mlip_parallel.predict_many(models["SchNet"], structures[: 3 + world.rank])
     failures.append("different lists on the ranks: no error")

@@ -6,6 +6,8 @@
   subdomain holds them, each exactly once, with their per-atom data;
 * borders: the ghosts are exactly the atom images within r_ghost of the subdomain (brute force);
 * reverse_comm is the adjoint of forward_comm: sum over ranks of <F x, y> == <x, R y>;
+* the shared counter (``backend.counter()``): each value taken once over the ranks, and a busy rank 0 does not hold
+  the others up;
 * bind_to_cores: ranks × threads filling the CPUs pins each rank (every thread of it) to CPUs of its own;
   a job leaving CPUs free or oversubscribing them, one its launcher bound, and one that opted out stay as
   they are.
@@ -13,6 +15,7 @@
 import itertools
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import numpy as np  # noqa: E402
@@ -138,6 +141,19 @@ if fits:
           f"bind: {P} ranks x {fits} threads on {len(cpus)} CPUs: this rank's threads on {masks()}, returned {mine}")
     every = world.allgather(mine or [])
     check(sorted(c for m in every for c in m) == cpus, f"bind: the ranks' CPUs {every} are not a partition of {cpus}")
+
+# ---- the shared counter: every value taken exactly once over the ranks, rank 0 slowed (it serves the counter from a
+# thread of its own: the others are not held up while it computes)
+counter = backend.counter()
+taken = []
+while (k := counter.add(1)) < 60:
+    taken.append(k)
+    if rank == 0:
+        time.sleep(0.02)
+every = world.allgather(taken)
+check(sorted(k for t in every for k in t) == list(range(60)), f"counter: values taken {every}")
+check(P == 1 or len(every[0]) < 60 // P, f"counter: rank 0, slowed, took {len(every[0])} of 60 over {P} ranks")
+counter.free()
 
 failures = world.allgather(failures)
 if rank == 0:
