@@ -9,7 +9,7 @@ the integrator objects of ``mlip-md`` (``md.integrators``) on each structure's o
 state they read of an ``MDSystem``, in one process), so each trajectory is the one ``mlip-md`` runs on the structure
 alone with the same seed (``MDRun``). When a structure finishes it leaves the batch and the next one enters
 (``run_tasks``). ``single_points``, ``relax_many`` and ``md_many`` are the Python API; ``mlip-batch``
-(``batch_cli``) runs them from a config over ranks.
+(``batch_cli``, ``batch_job``) runs them from a config over ranks.
 
 Loop order of ``run_tasks``, once per round:
     fill the batch from the queue up to its atom limit (the next structure is taken only when it fits)

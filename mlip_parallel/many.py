@@ -1,6 +1,6 @@
 """Many structures over the ranks of a communicator (``predict_many``): each rank evaluates a share, several
 structures per graph (``potentials.predict_many``), and every rank gets every result. One structure spread over
-the ranks is ``evaluate.py``; a batch job with a shared queue, relaxations, MD and resume is ``md/batch_cli.py``
+the ranks is ``evaluate.py``; a batch job with a shared queue, relaxations, MD and resume is ``md/batch_job.py``
 (mlip-batch)."""
 from __future__ import annotations
 

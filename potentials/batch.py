@@ -16,10 +16,10 @@ import torch
 
 from .committee import Committee, committee_result
 from .errors import InvalidStructureError, MLIPError
-from .graph import (MIN_DISTANCE, SYSTEM_RANGES, AtomGraph, check_min_distance, check_pair_distances, check_positions,
-                    complete_cell, edge_vectors, neighbour_list, strained_coordinates, system_value)
+from .graph import (MIN_DISTANCE, SYSTEM_RANGES, AtomGraph, check_min_distance, check_positions, complete_cell,
+                    edge_vectors, strained_coordinates, system_value)
 from .messages import available_bytes, evaluation_budget, one_pass_fits
-from .predict import voigt_stress
+from .predict import model_pairs, voigt_stress
 
 
 class BatchError(MLIPError, ValueError):
@@ -63,14 +63,8 @@ def structure_pairs(model, atoms, min_distance: float = MIN_DISTANCE) -> tuple:
     positions = check_positions(atoms.positions)
     cell = complete_cell(atoms.cell, atoms.pbc)
     model.species_index(atoms.numbers)
-    check_min_distance(positions, cell, atoms.pbc, min_distance, search=False)
-    if min_distance > 0 and model.cutoff >= min_distance:
-        i, j, shifts, distances = neighbour_list(positions, cell, atoms.pbc, model.cutoff, distances=True)
-        check_pair_distances(i, j, distances, min_distance)
-    else:
-        check_min_distance(positions, cell, atoms.pbc, min_distance)
-        i, j, shifts = neighbour_list(positions, cell, atoms.pbc, model.cutoff)
-    return positions, cell, i, j, shifts
+    check_min_distance(positions, cell, atoms.pbc, min_distance, search=False)  # (the binning: bounds the list)
+    return (positions, cell, *model_pairs(model, positions, cell, atoms.pbc, min_distance))
 
 
 def prepare_batch(model, structures, min_distance: float = MIN_DISTANCE, names=None) -> StructureBatch:

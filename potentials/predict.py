@@ -17,6 +17,19 @@ def voigt_stress(dE_dstrain: np.ndarray, volume: float) -> np.ndarray:
     return full_3x3_to_voigt_6_stress(0.5 * (dE_dstrain + dE_dstrain.T) / volume)
 
 
+def model_pairs(model, positions: np.ndarray, cell: np.ndarray, pbc, min_distance: float = 0.0) -> tuple:
+    """(i, j, shifts) of the pairs within ``model.cutoff`` (``neighbour_list``; ``positions`` [n, 3] finite, ``cell``
+    complete), two atoms closer than ``min_distance`` Å an InvalidStructureError naming them (0: unchecked): read
+    off this list when the cutoff reaches that far, else from a search of their own. The caller has binned the
+    atoms first (``check_structure(..., search=False)``), which bounds this list's memory."""
+    if min_distance > 0 and model.cutoff >= min_distance:
+        i, j, shifts, distances = neighbour_list(positions, cell, pbc, model.cutoff, distances=True)
+        check_pair_distances(i, j, distances, min_distance)
+        return i, j, shifts
+    check_min_distance(positions, cell, pbc, min_distance)
+    return neighbour_list(positions, cell, pbc, model.cutoff)
+
+
 def periodic_graph(model: Potential, atoms, create_graph: bool = False, memory_budget_gb: float | None = None,
                    min_distance: float = 0.0) -> tuple:
     """(the strained coordinates, the AtomGraph) of the whole structure ``atoms`` for ``model``: its atoms are the
@@ -28,12 +41,7 @@ def periodic_graph(model: Potential, atoms, create_graph: bool = False, memory_b
     cell = complete_cell(atoms.cell, atoms.pbc)
     device = model.device
     species = torch.as_tensor(model.species_index(atoms.numbers), device=device)
-    if min_distance > 0 and model.cutoff >= min_distance:
-        i, j, shifts, distances = neighbour_list(positions, cell, atoms.pbc, model.cutoff, distances=True)
-        check_pair_distances(i, j, distances, min_distance)
-    else:
-        check_min_distance(positions, cell, atoms.pbc, min_distance)
-        i, j, shifts = neighbour_list(positions, cell, atoms.pbc, model.cutoff)
+    i, j, shifts = model_pairs(model, positions, cell, atoms.pbc, min_distance)
 
     x = strained_coordinates(positions, cell, device)
     i_t, j_t = torch.as_tensor(i, device=device), torch.as_tensor(j, device=device)

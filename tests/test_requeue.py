@@ -211,7 +211,7 @@ def test_mlip_md_killed_at_random_moments_and_requeued_equals_an_uninterrupted_r
 
 
 def test_mlip_batch_killed_at_random_moments_and_resumed_equals_an_uninterrupted_run(tmp_path):
-    """mlip-batch relaxations (cu-emt, cell filter) of 16 structures on 2 ranks, killed at 3 seeded random moments
+    """mlip-batch relaxations (cu-emt, cell filter) of 12 structures on 2 ranks, killed at 3 seeded random moments
     of the run and started again with resume: true (the last launch finds some done and does the rest): every
     structure is recorded exactly once over the ranks' parts,
     results.extxyz holds each once in input order, with the steps and convergence of the uninterrupted run and its
@@ -219,28 +219,28 @@ def test_mlip_batch_killed_at_random_moments_and_resumed_equals_an_uninterrupted
     from test_batch import cu_cells
 
     job = {"model": {"checkpoint": "cu-emt"}, "structures": "structures.extxyz", "task": "relax",
-           "relax": {"fmax": 0.05, "max_steps": 30, "cell": True}, "resume": True,
+           "relax": {"fmax": 0.05, "max_steps": 20, "cell": True}, "resume": True,
            "output": {"directory": "out", "progress": False}}
     env = environment(2)
     for name in ("straight", "requeued"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "job.yaml").write_text(yaml.safe_dump(job))
-        write(tmp_path / name / "structures.extxyz", cu_cells(16, seed=12))
+        write(tmp_path / name / "structures.extxyz", cu_cells(12, seed=12))
     cmd = command(2, "-m", "md.batch_cli", "job.yaml")
-    rc, out, seconds = finish(cmd, tmp_path / "straight", env, "mlip-batch: 16 structures")
+    rc, out, seconds = finish(cmd, tmp_path / "straight", env, "mlip-batch: 12 structures")
     assert rc == 0, out
     delays = np.random.default_rng(37).uniform(0.0, 0.3, size=KILLS) * seconds
     outputs = []
-    outcomes = requeue(cmd, tmp_path / "requeued", env, "mlip-batch: 16 structures", delays, outputs)
+    outcomes = requeue(cmd, tmp_path / "requeued", env, "mlip-batch: 12 structures", delays, outputs)
     assert outcomes == ["killed"] * KILLS + ["done"], outcomes
     before = [int(m) for m in re.findall(r"\((\d+) done before\)", "".join(outputs))]
-    assert len(before) == KILLS + 1 and before[0] == 0 and 0 < before[-1] < 16, before  # (kills cut the run)
+    assert len(before) == KILLS + 1 and before[0] == 0 and 0 < before[-1] < 12, before  # (kills cut the run)
     parts = tmp_path / "requeued" / "out" / "parts"
     recorded = [int(line.split()[0]) for f in sorted(parts.glob("rank*.done")) for line in f.read_text().splitlines()]
-    assert sorted(recorded) == list(range(16)), recorded
+    assert sorted(recorded) == list(range(12)), recorded
     straight = read(tmp_path / "straight" / "out" / "results.extxyz", ":")
     resumed = read(tmp_path / "requeued" / "out" / "results.extxyz", ":")
-    assert [a.info["index"] for a in resumed] == list(range(16))
+    assert [a.info["index"] for a in resumed] == list(range(12))
     for k, (a, b) in enumerate(zip(resumed, straight)):
         assert (a.info["steps"], a.info["converged"]) == (b.info["steps"], b.info["converged"]), k
         for name, x, y in (("positions", a.positions, b.positions), ("cell", a.cell[:], b.cell[:]),
