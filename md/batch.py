@@ -31,12 +31,11 @@ from ase.optimize import FIRE
 
 import mlip_parallel
 from potentials.batch import BatchSizer, predict_many
-from potentials.errors import InvalidStructureError
 from potentials.graph import MIN_DISTANCE, system_of
 from potentials.predict import voigt_stress
 
 from .calculator import MLIPCalculator
-from .engine import MDSystem, run
+from .engine import MDSystem, checked_new_cell, run
 
 TASKS = ("single_point", "relax", "md")
 DEVIATION_INFO = ("max_devi_f", "min_devi_f", "avg_devi_f", "devi_e")  # a committee's model deviation, per structure
@@ -129,13 +128,8 @@ class StructureState:
         return 0.5 * float(np.trace(self.kinetic_tensor()))
 
     def set_cell(self, cell) -> None:
-        """A new periodic cell (barostats), as ``MDSystem.set_cell`` checks it."""
-        if not self.pbc.all():
-            raise InvalidStructureError(f"the cell can change only in fully periodic systems, pbc={self.pbc.tolist()}")
-        cell = np.asarray(cell, dtype=np.float64)
-        if not np.all(np.isfinite(cell)) or abs(np.linalg.det(cell)) < 1e-9:
-            raise InvalidStructureError(f"the cell became degenerate or non-finite: {cell.tolist()}")
-        self.cell = cell
+        """A new periodic cell (barostats), checked as ``MDSystem.set_cell`` checks it."""
+        self.cell = checked_new_cell(cell, self.pbc)
 
 
 class MDRun:

@@ -48,6 +48,17 @@ def _host(x) -> np.ndarray:
     return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
 
 
+def checked_new_cell(cell, pbc) -> np.ndarray:
+    """A barostat's new cell [3, 3] as float64; InvalidStructureError where the system is not periodic in every
+    direction (``pbc``) or the cell became degenerate or non-finite."""
+    if not np.all(pbc):
+        raise InvalidStructureError(f"the cell can change only in fully periodic systems, pbc={np.asarray(pbc).tolist()}")
+    cell = np.asarray(cell, dtype=np.float64)
+    if not np.all(np.isfinite(cell)) or abs(np.linalg.det(cell)) < 1e-9:
+        raise InvalidStructureError(f"the cell became degenerate or non-finite: {cell.tolist()}")
+    return cell
+
+
 class MDSystem:
     """Rank-local atoms and their ``Subdomain`` (``sub``, rebuilt when they moved skin/2); computes forces.
 
@@ -187,11 +198,7 @@ class MDSystem:
     def set_cell(self, cell) -> None:
         """A new periodic cell [3, 3] (barostats). Ghosts follow it at once (their image shifts use the
         current cell); ``maybe_rebuild`` re-decomposes when they may have moved past the skin."""
-        if not self.pbc.all():
-            raise InvalidStructureError(f"the cell can change only in fully periodic systems, pbc={self.pbc.tolist()}")
-        self.cell = np.asarray(cell, dtype=np.float64)
-        if not np.all(np.isfinite(self.cell)) or abs(np.linalg.det(self.cell)) < 1e-9:
-            raise InvalidStructureError(f"the cell became degenerate or non-finite: {self.cell.tolist()}")
+        self.cell = checked_new_cell(cell, self.pbc)
         self.sub.set_cell(self.cell)
 
     def maybe_rebuild(self, previous: torch.Tensor | None = None, rebalance: bool = False) -> bool:
