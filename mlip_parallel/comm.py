@@ -280,3 +280,29 @@ class FeatureHalo:
     def adjoint(self, g: torch.Tensor) -> torch.Tensor:
         n = self.comm.n_local
         return torch.cat([g[:n] + self.comm.reverse_comm(g[n:]), torch.zeros_like(g[n:])])
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """x summed over the ranks of ``backend``; its gradient is the incoming gradients summed the same way (the sum
+    is its own adjoint), itself differentiable again."""
+
+    @staticmethod
+    def forward(ctx, x, backend):
+        ctx.backend = backend
+        return backend.allreduce_(x.detach().clone())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _SumOverRanks.apply(grad.contiguous(), ctx.backend), None
+
+
+class RankSum:
+    """``AtomGraph.rank_sum`` over a decomposition: ``x`` (a tensor, the same shape on every rank) summed over the
+    ranks, differentiable (one all-reduce forward, one backward; collective: every rank calls it alike)."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    @eager_under_compile
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _SumOverRanks.apply(x, self.backend)

@@ -18,7 +18,7 @@ from potentials.messages import memory_budget_bytes
 from potentials.predict import periodic_graph, voigt_stress
 
 from .backend import get_backend, rank_device
-from .comm import FeatureHalo
+from .comm import FeatureHalo, RankSum
 from .domain import Domain
 from .errors import LostAtomsError, RanksDisagreeError, SimulationError
 from .grid import Grid
@@ -172,6 +172,10 @@ def decomposed_graph(model, sub: Subdomain, mode: str = "layerwise", create_grap
         memory_budget=None if create_graph else memory_budget_bytes(memory_budget_gb, device),
         total=RankTotal(halo.backend),
         system=system,
+        positions=x.positions,
+        cell=x.cell,
+        pbc=tuple(bool(p) for p in sub.domain.pbc),
+        rank_sum=RankSum(halo.backend),
     )
     return x, graph
 

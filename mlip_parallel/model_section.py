@@ -19,6 +19,11 @@ DTYPE_HELP = ("float32 or float64 (default: the model's own, as its file or pack
               "run potentials checkpoints in float64)")
 
 
+LONG_RANGE_HELP = ("the Coulomb energy of a model's charges summed over the whole periodic structure: {method: ewald | "
+                   "pme | p3m, accuracy: 1.0e-6} (the force error between two unit charges 1 Å apart; smearing and "
+                   "resolution in Å fix the split instead); for a model that predicts charges, e.g. born_coulomb")
+
+
 def model_families(trainable: bool = False) -> list:
     """The families a tool names (``trainable``: those ``mlip-train`` may start from)."""
     return [f for f in families().values() if f.trainable or not trainable]
@@ -42,6 +47,7 @@ def model_schema(trainable: bool = False) -> dict:
     for key, (option, owners) in option_table(records).items():
         schema[key] = (option.type, None, _option_help(option, owners))
     schema["dtype"] = (str, None, DTYPE_HELP)
+    schema["long_range"] = (dict, None, LONG_RANGE_HELP)
     return schema
 
 
@@ -88,7 +94,8 @@ def load_section_model(section: dict, name: str, checkpoint_dtype: str | None = 
 
     try:
         return potentials.load_model((name, section[name]), section["dtype"], checkpoint_dtype=checkpoint_dtype,
-                                     parts=parts, **section_options(section, name))
+                                     parts=parts, long_range=section.get("long_range"),
+                                     **section_options(section, name))
     except (potentials.MLIPError, ImportError) as exc:
         raise ConfigError(f"{where}.{name}: {exc}") from None
 

@@ -31,7 +31,7 @@ class StructureBatch:
     """Structures prepared for one graph (numpy): ``numbers`` [N], ``positions`` [N, 3] Å, ``cells`` [B, 3, 3]
     (complete: non-periodic directions filled in), ``volumes`` [B] Å³ (None where the structure's own cell has no
     volume: no stress), ``sizes`` [B] atoms per structure; the pairs within the model's cutoff ``i``, ``j`` [E],
-    ``shifts`` [E, 3] image counts and ``edge_batch`` [E] each edge's structure; ``system`` {charge, spin: [B]}."""
+    ``shifts`` [E, 3] image counts and ``edge_batch`` [E] each edge's structure; ``system`` {charge, spin: [B]}; ``pbc`` [B, 3] bool."""
 
     numbers: np.ndarray
     positions: np.ndarray
@@ -43,6 +43,7 @@ class StructureBatch:
     shifts: np.ndarray
     edge_batch: np.ndarray
     system: dict
+    pbc: np.ndarray
 
     @property
     def size(self) -> int:
@@ -91,7 +92,8 @@ def prepare_batch(model, structures, min_distance: float = MIN_DISTANCE, names=N
         j=np.concatenate([p[3] + o for p, o in zip(parts, offsets)]),
         shifts=np.concatenate([p[4] for p in parts]).astype(np.float64),
         edge_batch=np.repeat(np.arange(len(parts)), [len(p[2]) for p in parts]),
-        system={name: [p[5][name] for p in parts] for name in SYSTEM_RANGES})
+        system={name: [p[5][name] for p in parts] for name in SYSTEM_RANGES},
+        pbc=np.stack([np.broadcast_to(np.asarray(a.pbc, dtype=bool), (3,)) for a in structures]))
 
 
 def batch_graph(model, batch: StructureBatch, create_graph: bool = False, memory_budget_gb: float | None = None,
@@ -110,7 +112,8 @@ def batch_graph(model, batch: StructureBatch, create_graph: bool = False, memory
     budget = None if create_graph else evaluation_budget(model, memory_budget_gb, n, len(i), device, free_bytes)
     graph = AtomGraph(species=torch.as_tensor(model.species_index(batch.numbers), device=device),
                       edge_index=torch.stack([j, i]), edge_vec=edge_vec, n_local=n, memory_budget=budget,
-                      structure=structure, system=batch.system)
+                      structure=structure, system=batch.system, positions=x.positions, cell=x.cell,
+                      pbc=tuple(bool(p) for p in batch.pbc[0]) if alone else batch.pbc)
     return x, graph
 
 
@@ -253,4 +256,4 @@ def select(batch: StructureBatch, group) -> StructureBatch:
         numbers=batch.numbers[start:end], positions=batch.positions[start:end], cells=batch.cells[first:last],
         volumes=batch.volumes[first:last], sizes=batch.sizes[first:last], i=batch.i[edges] - start,
         j=batch.j[edges] - start, shifts=batch.shifts[edges], edge_batch=batch.edge_batch[edges] - first,
-        system={name: values[first:last] for name, values in batch.system.items()})
+        system={name: values[first:last] for name, values in batch.system.items()}, pbc=batch.pbc[first:last])

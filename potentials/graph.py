@@ -60,6 +60,12 @@ class AtomGraph:
     structure:  [n] long, the structure each row belongs to in a graph of several structures (a training batch:
                 rows and edges grouped by structure, in order), or None: one structure (a model whose parameters
                 depend on the whole structure reads each structure's own).
+    positions:  [≥ n_local, 3] float64, the strained positions of the rows (owned first; Å), the cell [3, 3] (or
+                [B, 3, 3] with ``structure``) they are strained with, and pbc [3] bool (or [B, 3]): what a long-range
+                term reads (``potentials.coulomb``); None where an evaluation does not give them.
+    rank_sum:   ``rank_sum(x)``: ``x`` summed over every rank holding a part of the structure, differentiable (its
+                gradient is summed back the same way; collective, in lock-step like ``halo``). The identity for a
+                graph that holds all.
     system:     per-structure inputs beside the geometry, {name: [B] an int or None per structure (None: the
                 model's own default)}, B the structures of the graph (1, or those of ``structure``): ``charge``
                 (e) and ``spin`` (multiplicity) as the data give them. None: every structure at the model's
@@ -76,6 +82,10 @@ class AtomGraph:
     total: Callable[[torch.Tensor], torch.Tensor] = field(default_factory=lambda: _whole, repr=False, compare=False)
     structure: torch.Tensor | None = None
     system: dict | None = None
+    positions: torch.Tensor | None = None
+    cell: torch.Tensor | None = None
+    pbc: tuple | None = None
+    rank_sum: Callable[[torch.Tensor], torch.Tensor] = field(default_factory=lambda: _whole, repr=False, compare=False)
     # per-edge features computed once on all edges and shared by the blocks (messages.edge_sum, plain path)
     edge_features_cache: dict = field(default_factory=dict, repr=False, compare=False)
 

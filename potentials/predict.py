@@ -48,7 +48,8 @@ def periodic_graph(model: Potential, atoms, create_graph: bool = False, memory_b
     edge_vec = edge_vectors(x.positions, i_t, j_t, torch.as_tensor(shifts, dtype=torch.float64, device=device), x.cell)
     budget = None if create_graph else evaluation_budget(model, memory_budget_gb, len(positions), len(i), device)
     graph = AtomGraph(species=species, edge_index=torch.stack([j_t, i_t]), edge_vec=edge_vec,
-                      n_local=len(positions), system=system_of(atoms.info), memory_budget=budget)
+                      n_local=len(positions), system=system_of(atoms.info), memory_budget=budget,
+                      positions=x.positions, cell=x.cell, pbc=tuple(bool(p) for p in atoms.pbc))
     return x, graph
 
 

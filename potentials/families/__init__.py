@@ -32,12 +32,12 @@ from ..errors import MLIPError
 from ..rules import value_problem
 
 ENTRY_POINT_GROUP = "mlip_parallel.families"
-BUILTIN = ("checkpoint", "lennard_jones", "sevennet", "mace", "nequip", "fairchem")  # potentials.families.NAME
+BUILTIN = ("checkpoint", "lennard_jones", "born_coulomb", "sevennet", "mace", "nequip", "fairchem")  # potentials.families.NAME
 OPTION_TYPES = (str, int, float, bool)
 # names no option may take: the model section's own keys in the tools and the keywords load_model keeps for itself
 # (a tool's command-line flags are the tool's: ``model_section.add_option_arguments`` refuses an option that is one)
 RESERVED = frozenset({"dtype", "parts", "checkpoint_dtype", "name", "cutoff", "hyperparameters", "species", "freeze",
-                      "lora", "reference_energies", "committee", "committee_forces", "model"})
+                      "lora", "reference_energies", "committee", "committee_forces", "model", "long_range"})
 
 
 class ModelSpecError(MLIPError, ValueError):
@@ -246,13 +246,15 @@ def split_spec(spec: str) -> tuple:
     return (record, rest) if record is not None else (families()["checkpoint"], spec)
 
 
-def load_model(spec, dtype: str | None = None, *, parts=None, checkpoint_dtype: str | None = None, **options):
+def load_model(spec, dtype: str | None = None, *, parts=None, checkpoint_dtype: str | None = None, long_range=None,
+               **options):
     """The model named by ``spec`` ("name:TEXT" for a family, e.g. "mace:FILE.model", "sevennet:7net-0",
     "fairchem:FILE"; else a potentials checkpoint path or bundled name such as "cu-emt"; for a family whose
     YAML value is not text, e.g. Lennard-Jones's mapping, ``spec`` may be ``(name, value)``), with the family's
     ``options`` (those None are not given). ``dtype``: "float32", "float64" or None (the model's own; for a
     potentials checkpoint ``checkpoint_dtype`` if given: the MD tools run checkpoints in float64). ``parts``:
-    only these pipeline parts of a model that splits into stages.
+    only these pipeline parts of a model that splits into stages. ``long_range``: the Coulomb solver of a model that
+    predicts charges, {method: ewald | pme | p3m, accuracy, ...} (``potentials.coulomb.Coulomb``'s keywords).
 
     Raises ModelSpecError (an option the family does not take, or a value its rule refuses), the family's own
     ``MLIPError`` naming the problem, or ImportError naming what to install."""
@@ -289,7 +291,29 @@ def load_model(spec, dtype: str | None = None, *, parts=None, checkpoint_dtype: 
             raise ModelSpecError(f"{label}: a {record.name} model does not split into pipeline stages")
         given["parts"] = parts
     model = record.load(text, **given)
-    return model if record.takes("dtype") or dtype is None else model.to(dtypes[dtype])
+    model = model if record.takes("dtype") or dtype is None else model.to(dtypes[dtype])
+    return with_long_range(model, long_range, label)
+
+
+def with_long_range(model, long_range, label: str):
+    """``model`` with the Coulomb solver ``long_range`` attached (None: as loaded): ModelSpecError for settings given
+    to a model that predicts no charges, or none for a model whose Coulomb energy is its long-range term."""
+    from ..coulomb import ChargeModel, LongRangeError
+
+    if not isinstance(model, ChargeModel):
+        if long_range is not None:
+            raise ModelSpecError(f"{label}: long_range is given, but a {type(model).__name__} predicts no charges (a "
+                                 "model whose family predicts charges takes it)")
+        return model
+    try:
+        if long_range is not None:
+            model.set_long_range(long_range)
+        if model.needs_long_range and getattr(model, "long_range", None) is None:
+            raise LongRangeError(f"a {type(model).__name__} needs long_range: {{method: ewald | pme | p3m, accuracy: "
+                                 "1.0e-6} beside it (its Coulomb energy is the long-range term)")
+    except LongRangeError as exc:
+        raise ModelSpecError(f"{label}: {exc}") from None
+    return model
 
 
 # ------------------------------------------------------------------------------------------------- files

@@ -1,0 +1,261 @@
+"""The long-range Coulomb energy of per-atom charges, summed over the whole periodic structure by torch-pme's Ewald,
+PME or P3M, exact when the structure is split over ranks (docs/architecture.md §3c).
+
+E = ½ Σ_i Σ_j q_i q_j v(r_ij) over every pair and periodic image, split as Ewald does into a real-space part
+(erfc-screened, over the graph's edges: the pairs within the model's cutoff) and a reciprocal-space part (a sum over
+k-vectors, or a charge mesh and its FFT). Per atom, E_i = q_i V_i with V_i torch-pme's potential (already halved), so
+the owned atoms' energies of every rank add up to E. Under a decomposition each rank spreads only its owned atoms'
+charges; the structure factors (Ewald) or the mesh (PME, P3M) and the total charge are summed over the ranks by
+``graph.rank_sum`` (differentiable: its gradient is summed back), then each rank interpolates its own atoms. One process
+is the same code with ``rank_sum`` the identity.
+
+The splitting (torch-pme's ``smearing``) and the reciprocal resolution (``lr_wavelength`` for Ewald, ``mesh_spacing``
+for the meshes) follow from ``accuracy`` through torch-pme's error bounds, deterministically (torch-pme's own tuners
+also time candidates, which ranks would not agree on): the smearing that makes the real-space error accuracy/4 at the
+cutoff, then the coarsest reciprocal grid whose total error bound is within ``accuracy``. ``accuracy`` is in the units
+of the force between two unit charges 1 Å apart (LAMMPS's kspace accuracy). A net charge is neutralised by a uniform
+background (torch-pme's and LAMMPS's convention). Periodic cells only: a slab or a cluster is refused by name.
+"""
+from __future__ import annotations
+
+import math
+from numbers import Real
+
+import torch
+
+from .errors import MLIPError
+
+METHODS = ("ewald", "pme", "p3m")
+COULOMB_EV_A = 14.399645478425667  # e²/(4πε0) in eV·Å (torchpme.prefactors.eV_A)
+MAX_EWALD_N = 64  # the finest Ewald grid tried: lr_wavelength = the cell's shortest vector / n
+MAX_MESH_EXPONENT = 9  # the finest mesh tried: 2**9 points along a vector
+
+
+class LongRangeError(MLIPError, ValueError):
+    """A long-range setting that cannot work: an unknown method, a bad accuracy, a model without charges, a cell
+    that is not periodic in three directions, an accuracy the cutoff cannot reach."""
+
+
+def _whole(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class Coulomb(torch.nn.Module):
+    """Per-atom Coulomb energies of charges on a graph: ``forward(charges, graph, cutoff)``.
+
+    ``method``: "ewald", "pme" or "p3m"; ``accuracy``: the error bound (force between unit charges at 1 Å);
+    ``smearing`` (Å) and ``resolution`` (Å: Ewald's ``lr_wavelength``, the meshes' ``mesh_spacing``) fix the split
+    instead of deriving it from the accuracy (both or neither); ``interpolation_nodes`` of the meshes (3–7)."""
+
+    def __init__(self, method: str = "ewald", accuracy: float = 1e-5, smearing: float | None = None,
+                 resolution: float | None = None, interpolation_nodes: int = 4):
+        super().__init__()
+        if method not in METHODS:
+            raise LongRangeError(f"long_range.method {method!r}: one of {', '.join(METHODS)}")
+        if isinstance(accuracy, bool) or not isinstance(accuracy, Real) or not 0 < accuracy < 1:
+            raise LongRangeError(f"long_range.accuracy {accuracy!r}: a number in (0, 1), e.g. 1e-5 (the force error "
+                                 "between two unit charges 1 Å apart)")
+        if (smearing is None) != (resolution is None):
+            raise LongRangeError("long_range: give smearing and resolution together (or neither: both from accuracy)")
+        for name, value in (("smearing", smearing), ("resolution", resolution)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, Real)
+                                      or not 0 < value < math.inf):
+                raise LongRangeError(f"long_range.{name} {value!r}: a length > 0 (Å)")
+        if isinstance(interpolation_nodes, bool) or interpolation_nodes not in range(3, 8):
+            raise LongRangeError(f"long_range.interpolation_nodes {interpolation_nodes!r}: 3 to 7")
+        self.method, self.accuracy = method, float(accuracy)
+        self.smearing = None if smearing is None else float(smearing)
+        self.resolution = None if resolution is None else float(resolution)
+        self.interpolation_nodes = int(interpolation_nodes)
+        self._calculators: dict = {}  # (smearing, resolution, device) → a torch-pme calculator
+        self._splits: dict = {}  # (cutoff, cell, atoms, Σq²) → (smearing, resolution) of the latest structure
+
+    @property
+    def settings(self) -> dict:
+        """The constructor's keyword arguments (JSON-able): a checkpoint's ``long_range``."""
+        return {"method": self.method, "accuracy": self.accuracy, "smearing": self.smearing,
+                "resolution": self.resolution, "interpolation_nodes": self.interpolation_nodes}
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.settings.items() if v is not None)
+
+    # ------------------------------------------------------------------ the split
+    def split(self, cutoff: float, cell: torch.Tensor, n_atoms: int, sum_q2: float) -> tuple:
+        """(smearing, resolution) in Å for a structure of ``n_atoms`` atoms with Σq² = ``sum_q2`` in ``cell``
+        [3, 3] and a real-space ``cutoff`` (Å): the given ones, else from the accuracy (the module docstring)."""
+        if self.smearing is not None:
+            return self.smearing, self.resolution
+        cell = cell.detach().to("cpu", torch.float64)
+        key = (float(cutoff), tuple(cell.flatten().tolist()), int(n_atoms), round(float(sum_q2), 12))
+        if key not in self._splits:  # the latest structure's only (a barostat's cell changes at every step)
+            self._splits = {key: split_parameters(self.method, self.accuracy, cutoff, cell, n_atoms, sum_q2,
+                                                  self.interpolation_nodes)}
+        return self._splits[key]
+
+    def calculator(self, smearing: float, resolution: float, device):
+        """torch-pme's calculator of this method (float64, eV and Å, a full neighbour list), kept per split."""
+        import torchpme
+
+        key = (smearing, resolution, str(device))
+        if key not in self._calculators:
+            potential = torchpme.CoulombPotential(smearing=smearing, prefactor=COULOMB_EV_A)
+            if self.method == "ewald":
+                made = torchpme.EwaldCalculator(potential, lr_wavelength=resolution, full_neighbor_list=True)
+            else:
+                kind = torchpme.PMECalculator if self.method == "pme" else torchpme.P3MCalculator
+                made = kind(potential, mesh_spacing=resolution, interpolation_nodes=self.interpolation_nodes,
+                            full_neighbor_list=True)
+            self._calculators = {key: made.to(device=device, dtype=torch.float64)}  # the latest split only
+        return self._calculators[key]
+
+    # ------------------------------------------------------------------ the energy
+    def forward(self, charges: torch.Tensor, graph, cutoff: float) -> torch.Tensor:
+        """Per-atom energies [n_local] float64 (eV) of ``charges`` [n_nodes] (e; the ghost rows' too) on ``graph``,
+        whose edges (all pairs within ``cutoff`` Å) carry the real-space part. ``graph.positions`` [≥ n_local, 3],
+        ``graph.cell`` and ``graph.pbc`` give the reciprocal part; a graph of several structures is summed structure
+        by structure."""
+        if graph.positions is None or graph.cell is None:
+            raise LongRangeError("this evaluation gives the model no positions and cell, which the long-range "
+                                 "Coulomb energy needs")
+        q = charges.to(torch.float64).reshape(-1, 1)
+        n = graph.n_local
+        i, j = graph.edge_index[1], graph.edge_index[0]
+        distances = graph.edge_vec.to(torch.float64).norm(dim=1)
+        if graph.structure is None:
+            return self._structure(q, i, j, distances, graph.positions[:n], graph.cell, graph.pbc, graph, n, cutoff)
+        # a batch: rows and edges grouped by structure, in order
+        sizes = torch.bincount(graph.structure[:n], minlength=len(graph.cell)).tolist()
+        edge_structure = graph.structure[i]
+        out, start = [], 0
+        for b, size in enumerate(sizes):
+            mine = torch.nonzero(edge_structure == b).flatten()
+            rows = slice(start, start + size)
+            out.append(self._structure(q[rows], i[mine] - start, j[mine] - start, distances[mine],
+                                       graph.positions[rows], graph.cell[b], graph.pbc[b], None, size, cutoff))
+            start += size
+        return torch.cat(out) if out else q.new_zeros(0)
+
+    def _structure(self, q, i, j, distances, positions, cell, pbc, graph, n_local: int, cutoff: float):
+        """Per-atom energies [n_local] of one structure (``graph``: a decomposed one's sums over ranks; None: whole)."""
+        if pbc is None or not all(bool(p) for p in pbc):
+            raise LongRangeError(f"long_range ({self.method}) needs a cell periodic in all three directions "
+                                 f"(pbc {None if pbc is None else [bool(p) for p in pbc]}): put a slab or a "
+                                 "molecule in a periodic box with vacuum around it")
+        total = graph.total if graph is not None else _whole
+        rank_sum = graph.rank_sum if graph is not None else _whole
+        counts = total(torch.stack([torch.tensor(float(n_local), dtype=torch.float64, device=q.device),
+                                    (q[:n_local].detach() ** 2).sum()]))
+        smearing, resolution = self.split(cutoff, cell, int(round(float(counts[0]))), float(counts[1]))
+        calculator = self.calculator(smearing, resolution, q.device)
+        # real space: V_i = ½ Σ_j q_j erfc-screened 1/r_ij over the edges (a full list: each pair from both ends)
+        screened = calculator.potential.sr_from_dist(distances).unsqueeze(-1) * q[j]
+        real = torch.zeros_like(q).index_add(0, i, screened)[:n_local] / 2
+        reciprocal = self._reciprocal(calculator, q[:n_local], cell, positions, resolution, rank_sum)
+        return (q[:n_local] * (real + reciprocal)).reshape(-1)
+
+    def _reciprocal(self, calculator, q, cell, positions, resolution: float, rank_sum):
+        """torch-pme's ``_compute_kspace`` of the owned atoms (``q`` [n, 1], ``positions`` [n, 3]) with the sums over
+        atoms that every atom's potential reads (the structure factors or the mesh, and the total charge) summed over
+        the ranks by ``rank_sum``: [n, 1]."""
+        from torchpme.lib import get_ns_mesh
+
+        potential = calculator.potential
+        volume = torch.abs(cell.det())
+        if self.method == "ewald":
+            kvectors = ewald_kvectors(cell, resolution)
+            green = potential.lr_from_k_sq(torch.sum(kvectors**2, dim=-1))
+            phase = kvectors @ positions.T  # [k, n]
+            trig = torch.stack([torch.cos(phase), torch.sin(phase)])  # [2, k, n]
+            local = torch.einsum("fki,ic,k->fkc", trig, q, green)
+            summed = rank_sum(torch.cat([local.reshape(-1), q.sum(dim=0)]))
+            factors, charge = summed[:-1].reshape(local.shape), summed[-1:]
+            values = torch.einsum("fkc,fki->ic", factors, trig) / volume
+        else:
+            ns = get_ns_mesh(cell.detach(), resolution)
+            calculator.mesh_interpolator.update(cell, ns)
+            calculator.kspace_filter.update(cell, ns)
+            calculator.mesh_interpolator.compute_weights(positions)
+            local = calculator.mesh_interpolator.points_to_mesh(particle_weights=q)
+            summed = rank_sum(torch.cat([local.reshape(-1), q.sum(dim=0)]))
+            mesh, charge = summed[:-1].reshape(local.shape), summed[-1:]
+            values = calculator.mesh_interpolator.mesh_to_points(calculator.kspace_filter.forward(mesh)) / volume
+        values = values - q * potential.self_contribution() - 2 * potential.background_correction() * charge / volume
+        return values / 2
+
+
+def ewald_kvectors(cell: torch.Tensor, lr_wavelength: float) -> torch.Tensor:
+    """[K, 3] the reciprocal vectors k ≠ 0 with |k| ≤ 2π/``lr_wavelength`` of ``cell`` [3, 3] (differentiable in the
+    cell; which vectors, from its values): the sphere torch-pme's Ewald error bound assumes. (torch-pme's own
+    EwaldCalculator takes ``ceil(|a|/λ)`` points of an FFT frequency grid per axis, |n| < |a|/2λ: half that radius.)"""
+    from torchpme.lib import generate_kvectors_for_ewald
+
+    k_cut = 2 * math.pi / lr_wavelength
+    largest = torch.floor(torch.linalg.norm(cell.detach(), dim=1) / lr_wavelength).long()  # |n_a| ≤ |a_a| k_cut / 2π
+    kvectors = generate_kvectors_for_ewald(ns=2 * largest + 1, cell=cell)
+    k2 = (kvectors.detach() ** 2).sum(dim=1)
+    return kvectors[(k2 > 0) & (k2 <= k_cut**2)]
+
+
+def split_parameters(method: str, accuracy: float, cutoff: float, cell: torch.Tensor, n_atoms: int, sum_q2: float,
+                     interpolation_nodes: int = 4) -> tuple:
+    """(smearing, resolution) Å from torch-pme's error bounds (the module docstring): they read the structure only
+    through its atom count, Σq² and cell, so stand-in charges of equal Σq² serve for a structure spread over ranks.
+    LongRangeError when no grid up to the finest tried reaches ``accuracy`` at this cutoff."""
+    from torchpme.tuning.ewald import EwaldErrorBounds
+    from torchpme.tuning.p3m import P3MErrorBounds
+    from torchpme.tuning.pme import PMEErrorBounds
+
+    n_atoms = max(int(n_atoms), 1)
+    charges = torch.full((n_atoms, 1), math.sqrt(max(sum_q2, 1e-300) / n_atoms), dtype=torch.float64)
+    positions = torch.zeros((n_atoms, 3), dtype=torch.float64)
+    volume = float(torch.abs(cell.det()))
+    # torch-pme's estimate_smearing: the real-space error accuracy/4 at the cutoff (any smearing, if it is met at ∞)
+    prefactor = 2 * max(sum_q2, 1e-300) / math.sqrt(n_atoms)
+    argument = accuracy / 2 / prefactor * math.sqrt(cutoff * volume)
+    smearing = cutoff / math.sqrt(-2 * math.log(argument)) if argument < 1 else cutoff / 3
+    shortest = float(torch.linalg.norm(cell, dim=1).min())
+    if method == "ewald":
+        bounds = EwaldErrorBounds(charges, cell, positions)
+        candidates = [shortest / n for n in range(1, MAX_EWALD_N + 1)]
+        error = lambda r: float(bounds(smearing=smearing, lr_wavelength=r, cutoff=cutoff))  # noqa: E731
+    else:
+        bounds = (PMEErrorBounds if method == "pme" else P3MErrorBounds)(charges, cell, positions)
+        candidates = [2 * shortest / (2**n - 1) for n in range(1, MAX_MESH_EXPONENT + 1)]
+        error = lambda r: float(bounds(smearing=smearing, mesh_spacing=r, cutoff=cutoff,  # noqa: E731
+                                       interpolation_nodes=interpolation_nodes))
+    for resolution in candidates:
+        if error(resolution) <= accuracy:
+            return smearing, resolution
+    raise LongRangeError(f"long_range: {method} cannot reach accuracy {accuracy:g} with a {cutoff:g} Å real-space "
+                         f"cutoff in this cell (the finest grid tried gives {error(candidates[-1]):.2g}); raise the "
+                         "accuracy or the model's cutoff")
+
+
+class ChargeModel:
+    """Mixin of a model that predicts per-atom charges (or has fixed ones): ``charges(graph)`` → [n_nodes] (e; ghost
+    rows included: a predicted charge reaches the ghosts through ``graph.halo``), and ``long_range``, the ``Coulomb``
+    term its ``forward`` adds (None: none). ``set_long_range`` attaches one (``load_model``'s ``long_range``)."""
+
+    needs_long_range = False  # a model whose Coulomb part is its long-range term (born_coulomb): refused without one
+
+    def set_long_range(self, settings) -> None:
+        """Attach ``Coulomb(**settings)`` (a mapping of its keyword arguments, or a ``Coulomb``; None: detach)."""
+        if settings is None or isinstance(settings, Coulomb):
+            coulomb = settings
+        elif isinstance(settings, dict):
+            unknown = sorted(set(settings) - {"method", "accuracy", "smearing", "resolution", "interpolation_nodes"})
+            if unknown:
+                raise LongRangeError(f"long_range: unknown key(s) {unknown}; it takes method, accuracy, smearing, "
+                                     "resolution and interpolation_nodes")
+            coulomb = Coulomb(**settings)
+        else:
+            raise LongRangeError(f"long_range: a mapping such as {{method: ewald, accuracy: 1.0e-6}}, got {settings!r}")
+        self.long_range = coulomb.to(self.device) if coulomb is not None else None
+        self.hyperparameters = {**self.hyperparameters, "long_range": None if coulomb is None else coulomb.settings}
+
+    def coulomb_energies(self, graph) -> torch.Tensor:
+        """The ``long_range`` term's per-atom energies [n_local] of this model's charges on ``graph``."""
+        if getattr(self, "long_range", None) is None:
+            raise LongRangeError(f"{type(self).__name__} needs long_range: {{method: ewald | pme | p3m, accuracy: "
+                                 "1.0e-6} (its Coulomb energy is the long-range term)")
+        return self.long_range(self.charges(graph), graph, self.cutoff)

@@ -1,0 +1,110 @@
+"""The long-range Coulomb term distributed == one process (run under mpiexec -n P, P > 1).
+
+The born_coulomb family (NaCl's Fumi–Tosi parameters) on a sheared, rattled NaCl box of 96 ions, each solver (Ewald,
+PME, P3M): ``mlip_parallel.evaluate`` on P ranks on the automatic grid and on P × 1 × 1 and 1 × 1 × P equals
+``potentials.predict`` in one process (energy, per-atom energies, forces and stress to 1e-11 relative to their
+largest entry); the same with a net charge of +1 e (one Cl removed: the neutralising background's total charge is a
+sum over ranks); 40 NVE steps of mlip-md's engine on P ranks equal the engine on one rank (thermo to 1e-9 relative);
+and with the sums over ranks left as each rank's own part (the structure factors or mesh, the total charge) the
+comparison fails by orders of magnitude. Prints one line per case and "long range P=<ranks>: N failures".
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from ase.build import bulk  # noqa: E402
+from ase.md.velocitydistribution import thermalize_momenta  # noqa: E402
+from ase.parallel import DummyMPI  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import mlip_parallel  # noqa: E402
+import mlip_parallel.comm as comm  # noqa: E402
+import potentials  # noqa: E402
+from comparison import compare  # noqa: E402
+from md.engine import MDSystem, run  # noqa: E402
+from md.integrators import VelocityVerlet  # noqa: E402
+
+torch.set_num_threads(1)
+world = MPI.COMM_WORLD
+FUMI_TOSI = {"Na-Na": [0.2637, 0.317, 2.340, 1.0486, -0.4993], "Na-Cl": [0.2110, 0.317, 2.755, 6.99055, -8.6758],
+             "Cl-Cl": [0.1582, 0.317, 3.170, 72.40215, -145.4284]}
+ACCURACY = {"ewald": 1e-7, "pme": 1e-5, "p3m": 1e-5}
+
+
+def model(method):
+    return potentials.load_model(("born_coulomb", {"charges": {"Na": 1.0, "Cl": -1.0}, "pairs": FUMI_TOSI,
+                                                   "cutoff": 6.0}),
+                                 long_range={"method": method, "accuracy": ACCURACY[method]})
+
+
+def box(charged=False):
+    atoms = bulk("NaCl", "rocksalt", a=5.64, cubic=True).repeat((3, 2, 2))
+    atoms.set_cell(atoms.cell[:] + np.array([[0, 0, 0], [1.3, 0, 0], [0.6, -0.8, 0]]), scale_atoms=True)
+    atoms.positions += np.random.default_rng(11).normal(0.0, 0.15, atoms.positions.shape)
+    if charged:
+        del atoms[int(np.flatnonzero(atoms.numbers == 17)[5])]
+    return atoms
+
+
+def results(result):
+    return {k: result[k] for k in ("energy", "energies", "forces", "stress")}
+
+
+def without_rank_sums(function, *args, **kwargs):
+    """``function(*args, **kwargs)`` with each rank's sums over ranks left as its own part."""
+    summed = comm.RankSum.__call__
+    comm.RankSum.__call__ = lambda self, x: x
+    try:
+        return function(*args, **kwargs)
+    finally:
+        comm.RankSum.__call__ = summed
+
+
+failures = []
+
+
+def check(name, got, want, tolerance):
+    c = compare(got, want, tolerance)
+    if world.rank == 0:
+        print(f"{'OK ' if c.ok else 'FAIL'} {name}: {c.error:.2e} (bound {tolerance:g})", flush=True)
+    if not c.ok:
+        failures.append(c.message(name))
+
+
+size = world.size
+for method in ("ewald", "pme", "p3m"):
+    for charged in (False, True):
+        atoms, m = box(charged), model(method)
+        reference = results(potentials.predict(m, atoms))
+        grids = (None, (size, 1, 1), (1, 1, size)) if not charged else (None,)
+        for grid in grids:
+            got = results(mlip_parallel.evaluate(m, atoms, grid=grid))
+            check(f"{method}{' charged' if charged else ''} grid {grid or 'auto'}", got, reference, 1e-11)
+    faulty = results(without_rank_sums(mlip_parallel.evaluate, m, atoms))
+    c = compare(faulty, reference)
+    if world.rank == 0:
+        print(f"{'OK ' if c.error > 1e-3 else 'FAIL'} {method} without the sums over ranks differs: {c.error:.2e}",
+              flush=True)
+    if not c.error > 1e-3:
+        failures.append(f"{method}: the fault without rank sums went unnoticed ({c.error:.2e})")
+
+# mlip-md's engine, NVE: P ranks == one rank
+COLUMNS = ("temperature_K", "epot_eV", "ekin_eV", "etot_eV", "pressure_GPa")
+start = box()
+thermalize_momenta(start, temperature_K=1200, rng=np.random.default_rng(5), comm=DummyMPI())
+
+
+def simulate(backend):
+    system = MDSystem.from_atoms(model("ewald"), start, skin=1.0, comm=backend)
+    rows = run(system, VelocityVerlet(2.0), 40, thermo_every=10)
+    return np.array([[row[c] for c in COLUMNS] for row in rows])
+
+
+serial = simulate(mlip_parallel.SerialBackend()) if world.rank == 0 else None
+serial = world.bcast(serial)
+check("NVE 40 steps, thermo vs one rank", simulate(None), serial, 1e-9)
+if world.rank == 0:
+    print(f"long range P={size}: {len(failures)} failures {failures}", flush=True)
+sys.exit(1 if failures else 0)
