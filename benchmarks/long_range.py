@@ -26,6 +26,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import launcher_command  # noqa: E402
+
 FUMI_TOSI = {"Na-Na": [0.2637, 0.317, 2.340, 1.0486, -0.4993], "Na-Cl": [0.2110, 0.317, 2.755, 6.99055, -8.6758],
              "Cl-Cl": [0.1582, 0.317, 3.170, 72.40215, -145.4284]}
 SPEC = {"charges": {"Na": 1.0, "Cl": -1.0}, "pairs": FUMI_TOSI, "cutoff": 9.0, "shift": True}
@@ -80,8 +83,8 @@ def worker(args) -> None:
 
 
 def run_job(ranks: int, method: str, atoms: int, calls: int, accuracy: float) -> dict:
-    command = ["mpiexec", "-n", str(ranks), sys.executable, __file__, "--worker", "--method", method, "--atoms",
-               str(atoms), "--calls", str(calls), "--accuracy", str(accuracy)]
+    command = launcher_command(ranks) + [__file__, "--worker", "--method", method, "--atoms", str(atoms), "--calls",
+                                         str(calls), "--accuracy", str(accuracy)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode:
@@ -124,8 +127,8 @@ def nve(args) -> None:
         Path(f"{tmp}/job.yaml").write_text(yaml.safe_dump(config))
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
         begin = time.perf_counter()
-        subprocess.run(["mpiexec", "-n", str(args.nve_ranks), sys.executable, "-m", "md.cli", f"{tmp}/job.yaml",
-                        "--no-progress"], check=True, env=env, capture_output=True)
+        subprocess.run(launcher_command(args.nve_ranks) + ["-m", "md.cli", f"{tmp}/job.yaml", "--no-progress"],
+                       check=True, env=env, capture_output=True)
         wall = time.perf_counter() - begin
         table = np.genfromtxt(f"{tmp}/out/thermo.csv", delimiter=",", names=True)
     etot, n = table["etot_eV"] / len(structure), len(structure)

@@ -136,9 +136,11 @@ def test_forces_and_stress_are_the_energy_derivatives():
         assert abs(numeric - result["stress"][voigt]) < 1e-7 * np.abs(result["stress"]).max(), (voigt, numeric)
 
 
-def test_batch_checkpoint_and_calculator_agree_with_predict(tmp_path):
+def test_batch_checkpoint_calculator_and_committee_agree_with_predict(tmp_path):
     """predict_many over boxes of several shapes and a charged one, a checkpoint written and read back, and the ASE
-    calculator: each equals predict of the structure alone to 1e-12."""
+    calculator: each equals predict of the structure alone to 1e-12; a committee of an Ewald and a PME model gives
+    their mean forces and their deviation."""
+    import mlip_parallel
     from md.calculator import MLIPCalculator
 
     model = born("ewald", 1e-7)
@@ -157,6 +159,11 @@ def test_batch_checkpoint_and_calculator_agree_with_predict(tmp_path):
     atoms.calc = MLIPCalculator(model)
     assert_close(atoms.get_forces(), alone[0]["forces"], 1e-12, label="calculator")
     assert abs(atoms.get_potential_energy() - alone[0]["energy"]) < 1e-12 * abs(alone[0]["energy"])
+    other = born("pme", 1e-4)
+    committee = mlip_parallel.evaluate([model, other], structures[0])
+    theirs = predict(other, structures[0])["forces"]
+    assert_close(committee["forces"], (alone[0]["forces"] + theirs) / 2, 1e-12, label="committee")
+    assert_close(committee["devi_f"], np.linalg.norm(alone[0]["forces"] - theirs, axis=1) / 2, 1e-9, label="σ_F")
 
 
 def test_mlip_md_runs_the_example(tmp_path):
