@@ -78,6 +78,7 @@ class Batch(Labels):
         self.positions = torch.as_tensor(np.concatenate([s.positions for s in structures]), device=device)
         self.cells = torch.as_tensor(np.stack([s.cell for s in structures]), device=device)
         self.volumes = torch.linalg.det(self.cells).abs()
+        self.pbc = np.stack([np.broadcast_to(np.asarray(s.pbc, dtype=bool), (3,)) for s in structures])
         self.sources = [s.source for s in structures]
         self.system = {name: [getattr(s, name) for s in structures] for name in SYSTEM_RANGES}
 
@@ -95,8 +96,11 @@ def batch_geometry(batch: Batch) -> BatchGeometry:
     """Fresh leaves and the graph of ``batch`` (each structure strained by its own ε)."""
     x = strained_coordinates(batch.positions, batch.cells, batch=batch.batch)
     edge_vec = edge_vectors(x.positions, batch.i, batch.j, batch.shifts, x.cell, batch.edge_batch)
+    alone = batch.size == 1
     graph = AtomGraph(species=batch.species, edge_index=torch.stack([batch.j, batch.i]), edge_vec=edge_vec,
-                      n_local=len(x.pos), structure=batch.batch if batch.size > 1 else None, system=batch.system)
+                      n_local=len(x.pos), structure=None if alone else batch.batch, system=batch.system,
+                      positions=x.positions, cell=x.cell[0] if alone else x.cell,
+                      pbc=tuple(bool(p) for p in batch.pbc[0]) if alone else batch.pbc)
     return BatchGeometry(x.pos, x.strain, graph)
 
 
