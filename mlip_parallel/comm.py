@@ -306,3 +306,34 @@ class RankSum:
     @eager_under_compile
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return _SumOverRanks.apply(x, self.backend)
+
+
+class _GatherOverRanks(torch.autograd.Function):
+    """Every rank's ``x`` [n_r, ...] concatenated in rank order; the gradient of this rank's rows is the sum over the
+    ranks of the gradients of those rows (a sum over ranks, then this rank's slice: differentiable again)."""
+
+    @staticmethod
+    def forward(ctx, x, backend):
+        parts = backend.allgather(x.detach().cpu().numpy())
+        sizes = [len(p) for p in parts]
+        ctx.backend, ctx.start, ctx.stop = backend, sum(sizes[:backend.rank]), sum(sizes[:backend.rank + 1])
+        return torch.as_tensor(np.concatenate(parts), device=x.device, dtype=x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _SumOverRanks.apply(grad.contiguous(), ctx.backend)[ctx.start:ctx.stop], None
+
+
+class RankGather:
+    """``AtomGraph.rank_gather`` over a decomposition: (every rank's ``x`` [n_r, ...] in rank order, the first row of
+    this rank's), differentiable (collective: every rank calls it alike)."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    @eager_under_compile
+    def __call__(self, x: torch.Tensor) -> tuple:
+        rows = torch.cat([x.new_full((len(x), 1), float(self.backend.rank)), x.reshape(len(x), -1)], dim=1)
+        gathered = _GatherOverRanks.apply(rows, self.backend)
+        first = int((gathered[:, 0].detach() < self.backend.rank).sum())
+        return gathered[:, 1:].reshape(-1, *x.shape[1:]), first

@@ -40,6 +40,10 @@ def _whole(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _gather_whole(x: torch.Tensor) -> tuple:
+    return x, 0
+
+
 class Coulomb(torch.nn.Module):
     """Per-atom Coulomb energies of charges on a graph: ``forward(charges, graph, cutoff)``.
 
@@ -67,6 +71,7 @@ class Coulomb(torch.nn.Module):
         self.smearing = None if smearing is None else float(smearing)
         self.resolution = None if resolution is None else float(resolution)
         self.interpolation_nodes = int(interpolation_nodes)
+        self.prefactor = COULOMB_EV_A  # e²/(4πε0), eV·Å: a model whose package uses another value of it sets it
         self._calculators: dict = {}  # (smearing, resolution, device) → a torch-pme calculator
         self._splits: dict = {}  # (cutoff, cell, atoms, Σq²) → (smearing, resolution) of the latest structure
 
@@ -96,9 +101,9 @@ class Coulomb(torch.nn.Module):
         """torch-pme's calculator of this method (float64, eV and Å, a full neighbour list), kept per split."""
         import torchpme
 
-        key = (smearing, resolution, str(device))
+        key = (smearing, resolution, str(device), self.prefactor)
         if key not in self._calculators:
-            potential = torchpme.CoulombPotential(smearing=smearing, prefactor=COULOMB_EV_A)
+            potential = torchpme.CoulombPotential(smearing=smearing, prefactor=self.prefactor)
             if self.method == "ewald":
                 made = torchpme.EwaldCalculator(potential, lr_wavelength=resolution, full_neighbor_list=True)
             else:
@@ -137,10 +142,12 @@ class Coulomb(torch.nn.Module):
 
     def _structure(self, q, i, j, distances, positions, cell, pbc, graph, n_local: int, cutoff: float):
         """Per-atom energies [n_local] of one structure (``graph``: a decomposed one's sums over ranks; None: whole)."""
-        if pbc is None or not all(bool(p) for p in pbc):
-            raise LongRangeError(f"long_range ({self.method}) needs a cell periodic in all three directions "
-                                 f"(pbc {None if pbc is None else [bool(p) for p in pbc]}): put a slab or a "
-                                 "molecule in a periodic box with vacuum around it")
+        periodic = [bool(p) for p in pbc] if pbc is not None else None
+        if periodic == [False] * 3:
+            return self._direct(q[:n_local], positions, graph.rank_gather if graph is not None else _gather_whole)
+        if periodic != [True] * 3:
+            raise LongRangeError(f"long_range ({self.method}) needs a cell periodic in all three directions, or none "
+                                 f"(pbc {periodic}): put a slab in a periodic box with vacuum around it")
         total = graph.total if graph is not None else _whole
         rank_sum = graph.rank_sum if graph is not None else _whole
         counts = total(torch.stack([torch.tensor(float(n_local), dtype=torch.float64, device=q.device),
@@ -152,6 +159,19 @@ class Coulomb(torch.nn.Module):
         real = torch.zeros_like(q).index_add(0, i, screened)[:n_local] / 2
         reciprocal = self._reciprocal(calculator, q[:n_local], cell, positions, resolution, rank_sum)
         return (q[:n_local] * (real + reciprocal)).reshape(-1)
+
+    def _direct(self, q, positions, rank_gather):
+        """Per-atom energies [n] of a structure periodic in no direction: ½ q_i Σ_{j≠i} q_j / r_ij over every atom j
+        (all ranks' atoms, gathered), exactly; ``q`` [n, 1], ``positions`` [n, 3] this rank's."""
+        every, first = rank_gather(torch.cat([positions.to(torch.float64), q], dim=1))
+        n = len(q)
+        delta = positions.to(torch.float64)[:, None, :] - every[None, :, :3]  # [n, N, 3]
+        own = torch.arange(n, device=q.device)
+        itself = torch.zeros(delta.shape[:2], dtype=torch.bool, device=q.device)
+        itself[own, own + first] = True  # an atom and itself: excluded (a unit vector keeps the gradient finite)
+        delta = torch.where(itself[..., None], torch.ones_like(delta), delta)
+        inverse = torch.where(itself, 0.0, 1.0 / delta.norm(dim=2))
+        return 0.5 * self.prefactor * q.reshape(-1) * (inverse @ every[:, 3])
 
     def _reciprocal(self, calculator, q, cell, positions, resolution: float, rank_sum):
         """torch-pme's ``_compute_kspace`` of the owned atoms (``q`` [n, 1], ``positions`` [n, 3]) with the sums over

@@ -33,6 +33,11 @@ def _whole(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _gather_whole(x: torch.Tensor) -> tuple:
+    """``AtomGraph.rank_gather`` of a graph holding the whole structure: its own rows, from row 0."""
+    return x, 0
+
+
 @dataclass
 class AtomGraph:
     """Input of every model.
@@ -66,6 +71,8 @@ class AtomGraph:
     rank_sum:   ``rank_sum(x)``: ``x`` summed over every rank holding a part of the structure, differentiable (its
                 gradient is summed back the same way; collective, in lock-step like ``halo``). The identity for a
                 graph that holds all.
+    rank_gather: ``rank_gather(x)`` → (every rank's ``x`` [n_r, ...] concatenated in rank order, the first row of
+                this rank's), differentiable, collective; (x, 0) for a graph that holds all.
     system:     per-structure inputs beside the geometry, {name: [B] an int or None per structure (None: the
                 model's own default)}, B the structures of the graph (1, or those of ``structure``): ``charge``
                 (e) and ``spin`` (multiplicity) as the data give them. None: every structure at the model's
@@ -86,6 +93,7 @@ class AtomGraph:
     cell: torch.Tensor | None = None
     pbc: tuple | None = None
     rank_sum: Callable[[torch.Tensor], torch.Tensor] = field(default_factory=lambda: _whole, repr=False, compare=False)
+    rank_gather: Callable = field(default_factory=lambda: _gather_whole, repr=False, compare=False)
     # per-edge features computed once on all edges and shared by the blocks (messages.edge_sum, plain path)
     edge_features_cache: dict = field(default_factory=dict, repr=False, compare=False)
 

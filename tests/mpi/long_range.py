@@ -4,9 +4,11 @@ The born_coulomb family (NaCl's Fumi–Tosi parameters) on a sheared, rattled Na
 PME, P3M): ``mlip_parallel.evaluate`` on P ranks on the automatic grid and on P × 1 × 1 and 1 × 1 × P equals
 ``potentials.predict`` in one process (energy, per-atom energies, forces and stress to 1e-11 relative to their
 largest entry); the same with a net charge of +1 e (one Cl removed: the neutralising background's total charge is a
-sum over ranks); 40 NVE steps of mlip-md's engine on P ranks equal the engine on one rank (thermo to 1e-9 relative);
-and with the sums over ranks left as each rank's own part (the structure factors or mesh, the total charge) the
-comparison fails by orders of magnitude. Prints one line per case and "long range P=<ranks>: N failures".
+sum over ranks), and for that box as a cluster (periodic in no direction: every pair summed, the atoms gathered from
+every rank); 40 NVE steps of mlip-md's engine on P ranks equal the engine on one rank (thermo to 1e-9 relative);
+and with the sums over ranks left as each rank's own part (the structure factors or mesh, the total charge; the
+cluster's gathered atoms) the comparison fails by orders of magnitude. Prints one line per case and "long range
+P=<ranks>: N failures".
 """
 import os
 import sys
@@ -39,12 +41,13 @@ def model(method):
                                  long_range={"method": method, "accuracy": ACCURACY[method]})
 
 
-def box(charged=False):
+def box(charged=False, cluster=False):
     atoms = bulk("NaCl", "rocksalt", a=5.64, cubic=True).repeat((3, 2, 2))
     atoms.set_cell(atoms.cell[:] + np.array([[0, 0, 0], [1.3, 0, 0], [0.6, -0.8, 0]]), scale_atoms=True)
     atoms.positions += np.random.default_rng(11).normal(0.0, 0.15, atoms.positions.shape)
     if charged:
         del atoms[int(np.flatnonzero(atoms.numbers == 17)[5])]
+    atoms.pbc = not cluster
     return atoms
 
 
@@ -53,13 +56,14 @@ def results(result):
 
 
 def without_rank_sums(function, *args, **kwargs):
-    """``function(*args, **kwargs)`` with each rank's sums over ranks left as its own part."""
-    summed = comm.RankSum.__call__
-    comm.RankSum.__call__ = lambda self, x: x
+    """``function(*args, **kwargs)`` with each rank's sums over ranks left as its own part, and its gathers of every
+    rank's atoms as its own atoms."""
+    summed, gathered = comm.RankSum.__call__, comm.RankGather.__call__
+    comm.RankSum.__call__, comm.RankGather.__call__ = (lambda self, x: x), (lambda self, x: (x, 0))
     try:
         return function(*args, **kwargs)
     finally:
-        comm.RankSum.__call__ = summed
+        comm.RankSum.__call__, comm.RankGather.__call__ = summed, gathered
 
 
 failures = []
@@ -75,20 +79,23 @@ def check(name, got, want, tolerance):
 
 size = world.size
 for method in ("ewald", "pme", "p3m"):
-    for charged in (False, True):
-        atoms, m = box(charged), model(method)
+    for charged, cluster in ((False, False), (True, False)) + (((True, True),) if method == "ewald" else ()):
+        atoms, m = box(charged, cluster), model(method)
         reference = results(potentials.predict(m, atoms))
         grids = (None, (size, 1, 1), (1, 1, size)) if not charged else (None,)
         for grid in grids:
             got = results(mlip_parallel.evaluate(m, atoms, grid=grid))
-            check(f"{method}{' charged' if charged else ''} grid {grid or 'auto'}", got, reference, 1e-11)
-    faulty = results(without_rank_sums(mlip_parallel.evaluate, m, atoms))
-    c = compare(faulty, reference)
-    if world.rank == 0:
-        print(f"{'OK ' if c.error > 1e-3 else 'FAIL'} {method} without the sums over ranks differs: {c.error:.2e}",
-              flush=True)
-    if not c.error > 1e-3:
-        failures.append(f"{method}: the fault without rank sums went unnoticed ({c.error:.2e})")
+            what = " charged cluster" if cluster else " charged" if charged else ""
+            check(f"{method}{what} grid {grid or 'auto'}", got, reference, 1e-11)
+        if charged and not cluster:
+            continue
+        faulty = results(without_rank_sums(mlip_parallel.evaluate, m, atoms))
+        c = compare(faulty, reference)
+        name = f"{method}{' cluster' if cluster else ''} without the sums over ranks"
+        if world.rank == 0:
+            print(f"{'OK ' if c.error > 1e-3 else 'FAIL'} {name} differs: {c.error:.2e}", flush=True)
+        if not c.error > 1e-3:
+            failures.append(f"{name}: the fault went unnoticed ({c.error:.2e})")
 
 # mlip-md's engine, NVE: P ranks == one rank
 COLUMNS = ("temperature_K", "epot_eV", "ekin_eV", "etot_eV", "pressure_GPa")

@@ -1,0 +1,93 @@
+"""AIMNet2 (potentials.adapters.aimnet, random weights from aimnet's own config, float64) distributed == one process
+(run under mpiexec -n P, P > 1).
+
+A periodic box of 8 water molecules (sheared cell) with Ewald and P3M, and a molecule pair (benzene and ethanol, no
+cell: every Coulomb pair), each neutral and with a total charge of +1 e: ``mlip_parallel.evaluate`` on P ranks (the
+automatic grid and P × 1 × 1) equals ``potentials.predict`` in one process (energy, per-atom energies, forces and
+stress to 1e-11 of their largest entry). The halo's faults (tests/faults.py: stale or zeroed ghost features and
+charges, ghost gradients not sent home) and the charge equilibration's and Coulomb's sums left as each rank's own part
+must each fail that comparison by orders of magnitude. Prints one line per case and "aimnet P=<ranks>: N failures".
+"""
+import os
+import sys
+
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.join(os.path.dirname(__file__), "..")]
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from ase import Atoms  # noqa: E402
+from ase.build import molecule  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import mlip_parallel  # noqa: E402
+import mlip_parallel.comm as comm  # noqa: E402
+import potentials  # noqa: E402
+from comparison import compare  # noqa: E402
+from faults import caught, tally  # noqa: E402
+
+torch.set_num_threads(1)
+world = MPI.COMM_WORLD
+
+
+def water_box():
+    rng = np.random.default_rng(2)
+    box = Atoms(cell=np.diag([9.0, 9.5, 10.0]) + np.array([[0, 0, 0], [0.8, 0, 0], [0.3, -0.5, 0]]), pbc=True)
+    for _ in range(8):
+        water = molecule("H2O")
+        water.rotate(rng.uniform(0, 360), rng.normal(size=3))
+        water.translate(box.cell.cartesian_positions(rng.uniform(0, 1, 3)))
+        box += water
+    return box
+
+
+def molecules():
+    pair = molecule("C6H6")
+    ethanol = molecule("CH3CH2OH")
+    ethanol.positions += [0.3, -0.2, 3.6]
+    return pair + ethanol
+
+
+class WithoutRankSums:
+    """Each rank's sums and gathers over ranks left as its own part (the NSE's totals, the Coulomb's sums)."""
+
+    def __enter__(self):
+        self.saved = comm.RankSum.__call__, comm.RankGather.__call__
+        comm.RankSum.__call__, comm.RankGather.__call__ = (lambda self, x: x), (lambda self, x: (x, 0))
+
+    def __exit__(self, *exc):
+        comm.RankSum.__call__, comm.RankGather.__call__ = self.saved
+
+
+KEYS = ("energy", "energies", "forces", "stress")
+failures = []
+for name, atoms, method in (("water box", water_box(), "ewald"), ("water box", water_box(), "p3m"),
+                            ("molecules", molecules(), "ewald")):
+    model = potentials.load_model("aimnet:aimnet2", dtype="float64", seed=3,
+                                  long_range={"method": method, "accuracy": 1e-6})
+    for charge in (0, 1):
+        atoms.info["charge"] = charge
+        reference = potentials.predict(model, atoms)
+        reference = {k: reference[k] for k in KEYS if k in reference}
+        label = f"{name}, {method if atoms.pbc.any() else 'every pair'}, charge {charge}"
+        for grid in (None, (world.size, 1, 1)):
+            got = mlip_parallel.evaluate(model, atoms, grid=grid)
+            c = compare({k: got[k] for k in reference}, reference, 1e-11)
+            if world.rank == 0:
+                print(f"{'OK ' if c.ok else 'FAIL'} {label}, grid {grid or 'auto'}: {c.error:.2e}", flush=True)
+            if not c.ok:
+                failures.append(c.message(f"{label} grid {grid}"))
+        if charge == 1 and method != "p3m":
+            def run():
+                return mlip_parallel.evaluate(model, atoms)
+            failures += caught(world, label, run, reference, 1e-11)
+            with WithoutRankSums():
+                faulty = run()
+            c = compare({k: faulty[k] for k in reference}, reference)
+            ok = c.beyond(1e-8)
+            if world.rank == 0:
+                print(f"fault {'caught' if ok else 'MISSED'}: {label}, sums over ranks left out: {c.error:.1e}",
+                      flush=True)
+            if not ok:
+                failures.append(f"{label}: the sums over ranks left out went unnoticed")
+if world.rank == 0:
+    print(f"aimnet P={world.size}: {len(failures)} failures {failures}; {tally()}", flush=True)
+sys.exit(1 if failures else 0)

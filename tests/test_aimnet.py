@@ -1,0 +1,165 @@
+"""AIMNet2 (potentials.adapters.aimnet: aimnet's own modules on our graph, its Coulomb energy our long_range term)
+against aimnet's own forward and calculator; distributed == one process (tests/mpi/aimnet_models.py). Models are
+built from the config shipped with aimnet with seeded random weights (its released weights download from the
+internet)."""
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+from ase import Atoms
+from ase.build import molecule
+
+import potentials
+from comparison import assert_close
+from conftest import MPI_DIR, needs
+from potentials.families import ModelSpecError
+from potentials.predict import predict
+
+pytestmark = needs("aimnet")  # pip install -e .[aimnet]
+
+
+def model(method="ewald", accuracy=1e-8):
+    return potentials.load_model("aimnet:aimnet2", dtype="float64", seed=3,
+                                 long_range={"method": method, "accuracy": accuracy})
+
+
+def molecules():
+    pair = molecule("C6H6")
+    ethanol = molecule("CH3CH2OH")
+    ethanol.positions += [0.3, -0.2, 3.6]
+    return pair + ethanol
+
+
+def water_box():
+    rng = np.random.default_rng(2)
+    box = Atoms(cell=np.diag([9.0, 9.5, 10.0]) + np.array([[0, 0, 0], [0.8, 0, 0], [0.3, -0.5, 0]]), pbc=True)
+    for _ in range(8):
+        water = molecule("H2O")
+        water.rotate(rng.uniform(0, 360), rng.normal(size=3))
+        water.translate(box.cell.cartesian_positions(rng.uniform(0, 1, 3)))
+        box += water
+    return box
+
+
+@contextlib.contextmanager
+def aimnet_in_float64():
+    """aimnet's own forward in float64: it casts its inputs to the default dtype torch had when aimnet was imported
+    (float32 in this process), its one setting of it."""
+    from aimnet.models.base import AIMNet2Base
+
+    saved = AIMNet2Base._required_keys_dtype, AIMNet2Base._optional_keys_dtype
+    wide = [[torch.float64 if d.is_floating_point else d for d in dtypes] for dtypes in saved]
+    AIMNet2Base._required_keys_dtype, AIMNet2Base._optional_keys_dtype = wide
+    try:
+        yield
+    finally:
+        AIMNet2Base._required_keys_dtype, AIMNet2Base._optional_keys_dtype = saved
+
+
+def flat_neighbours(atoms, cutoff):
+    """aimnet's flat neighbour matrix [n + 1, M] (padding n) and integer image shifts of ``atoms`` within ``cutoff``."""
+    from vesin import NeighborList
+
+    n = len(atoms)
+    i, j, s = NeighborList(cutoff=cutoff, full_list=True).compute(points=atoms.positions, box=atoms.cell[:],
+                                                                  periodic=True, quantities="ijS")
+    order = np.argsort(i, kind="stable")
+    i, j, s = i[order], j[order], s[order]
+    counts = np.bincount(i, minlength=n)
+    slot = np.arange(len(i)) - (np.cumsum(counts) - counts)[i]
+    nbmat = torch.full((n + 1, counts.max()), n, dtype=torch.int32)
+    nbmat[i, slot] = torch.tensor(j, dtype=torch.int32)
+    shifts = torch.zeros((n + 1, counts.max(), 3), dtype=torch.float64)
+    shifts[i, slot] = torch.tensor(s, dtype=torch.float64)
+    return nbmat, shifts
+
+
+def own_forward(net, atoms, charge):
+    """Energy and forces of aimnet's own model ``net`` on ``atoms`` (float64): every pair of a molecule (its dense
+    input), or for a periodic cell its flat input with a 5 Å and a 12 Å neighbour list."""
+    n = len(atoms)
+    if not atoms.pbc.any():
+        coord = torch.tensor(atoms.positions).unsqueeze(0).requires_grad_(True)
+        data = {"coord": coord, "numbers": torch.tensor(atoms.numbers).unsqueeze(0),
+                "charge": torch.tensor([float(charge)], dtype=torch.float64)}
+    else:
+        (nbmat, shifts), (nbmat_lr, shifts_lr) = flat_neighbours(atoms, 5.0), flat_neighbours(atoms, 12.0)
+        coord = torch.cat([torch.tensor(atoms.positions), torch.zeros((1, 3), dtype=torch.float64)])
+        coord.requires_grad_(True)
+        data = {"coord": coord, "numbers": torch.cat([torch.tensor(atoms.numbers), torch.zeros(1, dtype=torch.long)]),
+                "charge": torch.tensor([float(charge)], dtype=torch.float64),
+                "mol_idx": torch.zeros(n + 1, dtype=torch.long), "nbmat": nbmat, "shifts": shifts,
+                "nbmat_lr": nbmat_lr, "shifts_lr": shifts_lr, "cell": torch.tensor(atoms.cell[:]),
+                "pbc": torch.tensor([True, True, True])}
+    with aimnet_in_float64():
+        out = net(data)
+    forces = -torch.autograd.grad(out["energy"].sum(), coord)[0].reshape(-1, 3)[:n]
+    return out["energy"].item(), forces.numpy(), out["charges"].detach().reshape(-1)[:n].numpy()
+
+
+@pytest.mark.parametrize("charge", [0, 1, -1])
+def test_molecules_equal_aimnet_own_forward(charge):
+    """Benzene and ethanol, no cell (the Coulomb energy of every pair): energy and forces equal aimnet's own forward
+    of the same weights to 1e-12 and 1e-11 (float64)."""
+    ours_model, atoms = model(), molecules()
+    atoms.info["charge"] = charge
+    ours = predict(ours_model, atoms)
+    energy, forces, _ = own_forward(ours_model.aimnet, atoms, charge)
+    assert abs(ours["energy"] - energy) < 1e-12 * abs(energy), (ours["energy"], energy)
+    assert_close(ours["forces"], forces, 1e-11)
+
+
+@pytest.mark.parametrize("charge", [0, 1])
+def test_periodic_box_equals_aimnet_own_ewald(charge):
+    """8 waters in a sheared cell: ours (torch-pme's Ewald) against aimnet's own forward with its own Ewald
+    (nvalchemiops), both at accuracy 1e-8: energy within 2e-6 eV, forces within 2e-6 eV/Å (measured 3e-7)."""
+    ours_model, atoms = model(), water_box()
+    atoms.info["charge"] = charge
+    ours = predict(ours_model, atoms)
+    net = ours_model.aimnet
+    net.outputs.lrcoulomb.method, net.outputs.lrcoulomb.ewald_accuracy = "ewald", 1e-8
+    try:
+        energy, forces, _ = own_forward(net, atoms, charge)
+    finally:
+        net.outputs.lrcoulomb.method = "simple"
+    assert abs(ours["energy"] - energy) < 2e-6, (ours["energy"], energy)
+    assert np.abs(ours["forces"] - forces).max() < 2e-6
+
+
+def test_molecule_against_aimnet_calculator():
+    """AIMNet2Calculator (aimnet's own, float32 coordinates) on the same model: energy within 1e-5 relative, forces
+    within 1e-4 eV/Å."""
+    from aimnet.calculators import AIMNet2Calculator
+
+    ours_model, atoms = model(), molecules()
+    atoms.info["charge"] = 1
+    ours = predict(ours_model, atoms)
+    theirs = AIMNet2Calculator(ours_model.aimnet, device="cpu").eval(
+        {"coord": atoms.positions, "numbers": atoms.numbers, "charge": 1.0}, forces=True)
+    energy = float(theirs["energy"].detach())
+    assert abs(ours["energy"] - energy) < 1e-5 * abs(energy), (ours["energy"], energy)
+    assert np.abs(ours["forces"] - theirs["forces"].detach().numpy().reshape(-1, 3)).max() < 1e-4
+
+
+def test_bad_input_is_named(tmp_path):
+    cases = [(lambda: potentials.load_model("aimnet:aimnet3"), "aimnet3: no such file, nor an AIMNet2 config"),
+             (lambda: potentials.load_model("aimnet:aimnet2"), "needs long_range"),
+             (lambda: potentials.load_model("aimnet:aimnet2_dftd3_wb97m", long_range={}),
+              "are not supported yet (a DFTD3 dispersion term")]
+    (tmp_path / "junk.pt").write_bytes(b"not a model")
+    cases.append((lambda: potentials.load_model(f"aimnet:{tmp_path / 'junk.pt'}", long_range={}),
+                  "not an AIMNet2 v2 model file"))
+    for make, message in cases:
+        with pytest.raises((ModelSpecError, potentials.MLIPError)) as caught:
+            make()
+        assert message in str(caught.value) and "\n" not in str(caught.value), (message, str(caught.value))
+    import mlip_parallel
+
+    with pytest.raises(potentials.MLIPError, match="AIMNet2 runs in layerwise mode only"):
+        mlip_parallel.evaluate(model(), water_box(), mode="wide", decompose=True)
+
+
+def test_distributed_equals_one_process(mpirun):
+    rc, out, _ = mpirun(3, MPI_DIR / "aimnet_models.py")
+    assert rc == 0 and "aimnet P=3: 0 failures" in out and "faults caught 6 of 6" in out, out
