@@ -20,7 +20,7 @@ pytestmark = needs("aimnet")  # pip install -e .[aimnet]
 
 
 def model(method="ewald", accuracy=1e-8):
-    return potentials.load_model("aimnet:aimnet2", dtype="float64", seed=3,
+    return potentials.load_model("aimnet:aimnet2", dtype="float64", weights_seed=3,
                                  long_range={"method": method, "accuracy": accuracy})
 
 

@@ -38,7 +38,8 @@ def test_builtin_families_and_their_options():
     assert family("lj") is families()["lennard_jones"] and family("nothing") is None
     table = option_table()
     assert {k: owners for k, (_, owners) in table.items()} == {"head": ["mace"], "task": ["fairchem"],
-                                                               "charge": ["fairchem"], "spin": ["fairchem"]}
+                                                               "charge": ["fairchem"], "spin": ["fairchem"],
+                                                               "weights_seed": ["aimnet"]}
     assert table["charge"][0].rule == "[-100, 100]" and table["spin"][0].rule == "[0, 100]"
     for path, expected in ((MACE_DIR / "mace-zbl-f64.model", ("a MACE model file", "mace")),
                            (NEQUIP_DIR / "nequip-zbl.ckpt", ("a nequip-framework checkpoint", "nequip")),

@@ -61,7 +61,7 @@ KEYS = ("energy", "energies", "forces", "stress")
 failures = []
 for name, atoms, method in (("water box", water_box(), "ewald"), ("water box", water_box(), "p3m"),
                             ("molecules", molecules(), "ewald")):
-    model = potentials.load_model("aimnet:aimnet2", dtype="float64", seed=3,
+    model = potentials.load_model("aimnet:aimnet2", dtype="float64", weights_seed=3,
                                   long_range={"method": method, "accuracy": 1e-6})
     for charge in (0, 1):
         atoms.info["charge"] = charge
