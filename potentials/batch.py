@@ -31,7 +31,8 @@ class StructureBatch:
     """Structures prepared for one graph (numpy): ``numbers`` [N], ``positions`` [N, 3] Å, ``cells`` [B, 3, 3]
     (complete: non-periodic directions filled in), ``volumes`` [B] Å³ (None where the structure's own cell has no
     volume: no stress), ``sizes`` [B] atoms per structure; the pairs within the model's cutoff ``i``, ``j`` [E],
-    ``shifts`` [E, 3] image counts and ``edge_batch`` [E] each edge's structure; ``system`` {charge, spin: [B]}; ``pbc`` [B, 3] bool."""
+    ``shifts`` [E, 3] image counts and ``edge_batch`` [E] each edge's structure; ``system`` {charge, spin: [B]};
+    ``pbc`` [B, 3] bool."""
 
     numbers: np.ndarray
     positions: np.ndarray

@@ -160,6 +160,63 @@ def test_bad_input_is_named(tmp_path):
         mlip_parallel.evaluate(model(), water_box(), mode="wide", decompose=True)
 
 
+def tip3p_clusters(count: int, seed: int = 0) -> list:
+    """``count`` clusters of 2–4 rattled waters labelled by ASE's TIP3P (energy and forces)."""
+    from ase.calculators.singlepoint import SinglePointCalculator
+    from ase.calculators.tip3p import TIP3P
+
+    rng, frames = np.random.default_rng(seed), []
+    for k in range(count):
+        atoms = molecule("H2O")
+        for m in range(1, 2 + k % 3):
+            water = molecule("H2O")
+            water.rotate(rng.uniform(0, 360), rng.normal(size=3))
+            water.translate(rng.normal(0.0, 1.0, 3) + [2.9 * m, 0.0, 0.0])
+            atoms += water
+        atoms.positions += rng.normal(0.0, 0.03, atoms.positions.shape)
+        atoms.calc = TIP3P(rc=20.0)
+        energy, forces = atoms.get_potential_energy(), atoms.get_forces()
+        atoms.calc = SinglePointCalculator(atoms, energy=energy, forces=forces)
+        frames.append(atoms)
+    return frames
+
+
+def test_fine_tuned_and_written_back_in_aimnets_format(tmp_path):
+    """mlip-train fine-tunes it (float64) on water clusters labelled by ASE's TIP3P: the training loss falls; the
+    written best_aimnet.pt (aimnet's exporter: float32 weights, as its files hold them) loads in aimnet's own
+    load_model and AIMNet2Calculator, which give best.pt's energy within 1e-6 relative and forces within 1e-5 eV/Å, and
+    as aimnet:FILE here."""
+    import yaml
+    from aimnet.calculators import AIMNet2Calculator
+    from aimnet.models.base import load_model as aimnets_load_model
+    from ase.io import write
+
+    from mlip_parallel.train.cli import main
+
+    write(tmp_path / "water.extxyz", tip3p_clusters(9))
+    config = {"data": {"train": str(tmp_path / "water.extxyz"), "validation_fraction": 0.34},
+              "model": {"aimnet": "aimnet2", "weights_seed": 3, "dtype": "float64", "reference_energies": "fit",
+                        "long_range": {"method": "ewald", "accuracy": 1e-6}},
+              "loss": {"energy_weight": 1.0, "forces_weight": 10.0}, "optimizer": {"lr": 0.0005},
+              "schedule": {"name": "none"}, "epochs": 3, "batch_size": 3,
+              "output": {"directory": str(tmp_path / "out")}}
+    (tmp_path / "ft.yaml").write_text(yaml.safe_dump(config))
+    assert main([str(tmp_path / "ft.yaml"), "--no-progress"]) == 0
+    losses = np.genfromtxt(tmp_path / "out" / "metrics.csv", delimiter=",", names=True)["train_loss"]
+    assert losses[-1] < 0.9 * losses[0], losses
+    atoms = molecules()
+    ours = predict(potentials.load(tmp_path / "out" / "best.pt"), atoms)
+    net, metadata = aimnets_load_model(str(tmp_path / "out" / "best_aimnet.pt"))
+    assert metadata["needs_coulomb"] and metadata["coulomb_mode"] == "sr_embedded", metadata
+    theirs = AIMNet2Calculator(net, device="cpu").eval({"coord": atoms.positions, "numbers": atoms.numbers,
+                                                         "charge": 0.0}, forces=True)
+    assert abs(ours["energy"] - float(theirs["energy"].detach())) < 1e-6 * abs(ours["energy"])
+    assert np.abs(ours["forces"] - theirs["forces"].detach().numpy().reshape(-1, 3)).max() < 1e-5
+    again = predict(potentials.load_model(f"aimnet:{tmp_path / 'out' / 'best_aimnet.pt'}", dtype="float64",
+                                          long_range={"method": "ewald"}), atoms)
+    assert abs(ours["energy"] - again["energy"]) < 1e-6 * abs(ours["energy"])
+
+
 def test_distributed_equals_one_process(mpirun):
     rc, out, _ = mpirun(3, MPI_DIR / "aimnet_models.py")
     assert rc == 0 and "aimnet P=3: 0 failures" in out and "faults caught 6 of 6" in out, out

@@ -77,7 +77,7 @@ def read_architecture(spec: str) -> tuple:
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
         config = yaml.safe_load(data["model_yaml"]) if isinstance(data.get("model_yaml"), str) else data["model_yaml"]
-        species = (data.get("metadata") or {}).get("implemented_species")
+        species = data.get("implemented_species")
         return config, data["state_dict"], species
     except Exception as exc:  # noqa: BLE001 - torch.load and a missing key raise many kinds
         raise AIMNetModelError(f"{spec}: not an AIMNet2 v2 model file ({type(exc).__name__}: "
@@ -127,6 +127,8 @@ class AIMNet(ChargeModel, PackageModel, Potential):
         super().__init__(species=species and [chemical_symbols[z] for z in species] or
                          list(chemical_symbols[1:net.afv.num_embeddings]))
         self.aimnet = net
+        # what aimnet itself trains: not the geometry basis's constants, which it keeps fixed (requires_grad False)
+        self.fixed_weights = frozenset(n for n, p in net.named_parameters() if not p.requires_grad)
         self.cutoff, self.layers = float(net.aev.rc_s), len(net.mlps)
         self.coulomb_outputs = [n for n, k in kinds.items() if k in COULOMB]
         self.needs_long_range = bool(self.coulomb_outputs)
@@ -145,6 +147,49 @@ class AIMNet(ChargeModel, PackageModel, Potential):
     @property
     def package_module(self) -> torch.nn.Module:
         return self.aimnet
+
+    # ------------------------------------------------------------------ training contract
+    def named_weights(self) -> list:
+        return [(n, p) for n, p in self.aimnet.named_parameters() if n not in self.fixed_weights]
+
+    def _shifts(self) -> torch.Tensor:
+        """aimnet's per-element energy shifts of this model's species [len(species), 1] (a view)."""
+        return self.aimnet.outputs.atomic_shift.shifts.weight[self.numbers]
+
+    def reference_energies(self):
+        return self._shifts().detach().cpu().double().numpy().reshape(-1).copy()
+
+    def set_reference_energies(self, energies) -> None:
+        weight = self.aimnet.outputs.atomic_shift.shifts.weight
+        with torch.no_grad():
+            weight[self.numbers] = torch.as_tensor(energies, dtype=weight.dtype, device=weight.device).reshape(-1, 1)
+
+    def save_native(self, path, data=None) -> None:
+        """``path``: aimnet's own v2 model file, written by aimnet's exporter (``aimnet export``: the long-range
+        modules taken out of the config and the short-range Coulomb kept, the energy shifts in float64, the metadata
+        its calculator reads): ``aimnet.models.base.load_model`` and ``AIMNet2Calculator`` load it, and so does
+        ``aimnet:PATH`` here (with ``long_range`` beside it)."""
+        import contextlib
+        import io
+        import tempfile
+
+        import yaml
+        from aimnet.train.export_model import export_model
+
+        from ..files import atomic_write
+
+        with tempfile.TemporaryDirectory() as tmp:
+            files = {name: os.path.join(tmp, name) for name in ("weights.pt", "model.yaml", "model.sae", "out.pt")}
+            torch.save({k: v.detach().cpu() for k, v in self.aimnet.state_dict().items()}, files["weights.pt"])
+            with open(files["model.yaml"], "w", encoding="utf-8") as f:
+                yaml.safe_dump(self.hyperparameters["architecture"], f, sort_keys=False)  # (outputs run in order)
+            with open(files["model.sae"], "w", encoding="utf-8") as f:  # the shifts are in the weights already
+                yaml.safe_dump({int(z): 0.0 for z in self.numbers.tolist()}, f)
+            export = getattr(export_model, "callback", export_model)  # (a click command: its function)
+            with contextlib.redirect_stdout(io.StringIO()):
+                export(files["weights.pt"], files["out.pt"], files["model.yaml"], files["model.sae"], None, None)
+            with open(files["out.pt"], "rb") as source, atomic_write(path) as f:
+                f.write(source.read())
 
     # ------------------------------------------------------------------ the input aimnet reads
     def _inputs(self, graph: AtomGraph) -> dict:

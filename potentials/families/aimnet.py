@@ -17,5 +17,5 @@ FAMILY = Family(
     options={"weights_seed": Option(int, 0, "the untrained weights of a config: their random stream's seed", ">= 0")},
     help="an AIMNet2 model: a config shipped with aimnet (aimnet2), a YAML config (untrained weights) or a released "
          "v2 .pt file (needs the aimnet extra); its Coulomb energy is the model's long_range term",
-    trainable=False, model_classes={"AIMNet": "potentials.adapters.aimnet:AIMNet"},
+    native_file="{stem}_aimnet.pt", model_classes={"AIMNet": "potentials.adapters.aimnet:AIMNet"},
 )
