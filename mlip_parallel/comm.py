@@ -333,7 +333,7 @@ class RankGather:
 
     @eager_under_compile
     def __call__(self, x: torch.Tensor) -> tuple:
-        rows = torch.cat([x.new_full((len(x), 1), float(self.backend.rank)), x.reshape(len(x), -1)], dim=1)
+        rows = torch.cat([x.new_full((len(x), 1), float(self.backend.rank)), x.flatten(1)], dim=1)
         gathered = _GatherOverRanks.apply(rows, self.backend)
         first = int((gathered[:, 0].detach() < self.backend.rank).sum())
         return gathered[:, 1:].reshape(-1, *x.shape[1:]), first

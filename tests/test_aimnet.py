@@ -171,7 +171,7 @@ def tip3p_clusters(count: int, seed: int = 0) -> list:
         for m in range(1, 2 + k % 3):
             water = molecule("H2O")
             water.rotate(rng.uniform(0, 360), rng.normal(size=3))
-            water.translate(rng.normal(0.0, 1.0, 3) + [2.9 * m, 0.0, 0.0])
+            water.translate(rng.normal(0.0, 0.3, 3) + [3.0 * m, 0.0, 0.0])
             atoms += water
         atoms.positions += rng.normal(0.0, 0.03, atoms.positions.shape)
         atoms.calc = TIP3P(rc=20.0)
@@ -181,42 +181,113 @@ def tip3p_clusters(count: int, seed: int = 0) -> list:
     return frames
 
 
-def test_fine_tuned_and_written_back_in_aimnets_format(tmp_path):
-    """mlip-train fine-tunes it (float64) on water clusters labelled by ASE's TIP3P: the training loss falls; the
-    written best_aimnet.pt (aimnet's exporter: float32 weights, as its files hold them) loads in aimnet's own
-    load_model and AIMNet2Calculator, which give best.pt's energy within 1e-6 relative and forces within 1e-5 eV/Å, and
-    as aimnet:FILE here."""
+LR = 3e-4  # (test_finetune's 3e-3 sends this random model's energies off to 1e11 eV in its first epoch)
+
+
+@pytest.fixture(scope="module")
+def fine_tuned(tmp_path_factory, mpirun):
+    """mlip-train's fine-tuning of the model (float64, Ewald 1e-6) on 9 water clusters labelled by ASE's TIP3P, with
+    test_finetune's settings (2 epochs of batches of 3, AdamW, gradient clipping, EMA; the learning rate ``LR``): in
+    this process, and data and graph parallel on 3 ranks, in tests/mpi/aimnet_models.py's launch after its distributed
+    evaluations. Returns {"root", "rows", "rc", "out"} (the launch's status and output)."""
+    import json
+
     import yaml
-    from aimnet.calculators import AIMNet2Calculator
-    from aimnet.models.base import load_model as aimnets_load_model
     from ase.io import write
 
-    from mlip_parallel.train.cli import main
+    import test_finetune as ft
+    from mlip_parallel.train.cli import RULES, SCHEMA, train, validate
 
-    write(tmp_path / "water.extxyz", tip3p_clusters(9))
-    config = {"data": {"train": str(tmp_path / "water.extxyz"), "validation_fraction": 0.34},
-              "model": {"aimnet": "aimnet2", "weights_seed": 3, "dtype": "float64", "reference_energies": "fit",
-                        "long_range": {"method": "ewald", "accuracy": 1e-6}},
-              "loss": {"energy_weight": 1.0, "forces_weight": 10.0}, "optimizer": {"lr": 0.0005},
-              "schedule": {"name": "none"}, "epochs": 3, "batch_size": 3,
-              "output": {"directory": str(tmp_path / "out")}}
-    (tmp_path / "ft.yaml").write_text(yaml.safe_dump(config))
-    assert main([str(tmp_path / "ft.yaml"), "--no-progress"]) == 0
-    losses = np.genfromtxt(tmp_path / "out" / "metrics.csv", delimiter=",", names=True)["train_loss"]
-    assert losses[-1] < 0.9 * losses[0], losses
-    atoms = molecules()
-    ours = predict(potentials.load(tmp_path / "out" / "best.pt"), atoms)
-    net, metadata = aimnets_load_model(str(tmp_path / "out" / "best_aimnet.pt"))
+    root = tmp_path_factory.mktemp("aimnet-finetune")
+    write(root / "train.extxyz", tip3p_clusters(9))
+    write(root / "validation.extxyz", tip3p_clusters(3, seed=1))
+
+    def job(directory, **changes):
+        return {"data": {"train": str(root / "train.extxyz"), "validation": str(root / "validation.extxyz")},
+                "model": {"aimnet": "aimnet2", "weights_seed": 3, "dtype": "float64",
+                          "long_range": {"method": "ewald", "accuracy": 1e-6}},
+                "loss": {f"{q}_weight": w for q, w in ft.WEIGHTS.items()},
+                "optimizer": {"lr": LR, "gradient_clip": ft.CLIP}, "schedule": {"name": "none"},
+                "ema_decay": 0.9, "epochs": ft.EPOCHS, "batch_size": ft.BATCH, "seed": ft.SEED,
+                "output": {"directory": str(root / directory)}, **changes}
+
+    rows = train(validate(job("one"), SCHEMA, RULES))
+    configs = []
+    for parallel in ("data", "graph"):
+        (root / f"{parallel}.yaml").write_text(yaml.safe_dump(job(parallel, parallel=parallel)))
+        configs.append(str(root / f"{parallel}.yaml"))
+    (root / "jobs.json").write_text(json.dumps(configs))
+    rc, out, _ = mpirun(3, MPI_DIR / "aimnet_models.py", root / "jobs.json")  # (with the distributed evaluations)
+    return {"root": root, "rows": rows, "rc": rc, "out": out}
+
+
+def aimnet_own(net):
+    """(aimnet's model, its forward on each structure of a batch of molecules: energies [B], forces [N, 3], zero
+    stress), in float64 and training mode, for test_finetune's own_training_losses."""
+    net.train()
+
+    def predict(frames):
+        energies, forces = [], []
+        for atoms in frames:
+            coord = torch.tensor(atoms.positions).unsqueeze(0).requires_grad_(True)
+            with aimnet_in_float64():
+                out = net({"coord": coord, "numbers": torch.tensor(atoms.numbers).unsqueeze(0),
+                           "charge": torch.tensor([0.0], dtype=torch.float64)})
+            energy = out["energy"].reshape(())
+            forces.append(-torch.autograd.grad(energy, coord, create_graph=True)[0][0])
+            energies.append(energy)
+        return torch.stack(energies), torch.cat(forces), torch.zeros((len(frames), 3, 3), dtype=torch.float64)
+
+    return net, predict
+
+
+def test_fine_tuning_equals_aimnets_own_training(fine_tuned, monkeypatch):
+    """train_loss of both epochs == aimnet's own forward (every pair of each molecule, its own Coulomb) + the
+    loss + AdamW over the same batches (test_finetune's oracle), float64, 1e-8 relative; the loss falls."""
+    import test_finetune as ft
+
+    model = potentials.load_model("aimnet:aimnet2", dtype="float64", weights_seed=3, long_range={"method": "ewald"})
+    monkeypatch.setitem(ft.OWN, "aimnet", lambda path: aimnet_own(model.aimnet))
+    monkeypatch.setattr(ft, "LR", LR)
+    ours = [row["train_loss"] for row in fine_tuned["rows"]]
+    theirs = ft.own_training_losses("aimnet", None, fine_tuned["root"] / "train.extxyz")
+    assert len(ours) == ft.EPOCHS and ours[-1] < ours[0], ours
+    assert_close(ours, theirs, 1e-8, scale="each", label="train_loss vs aimnet's own")
+
+
+def test_data_and_graph_parallel_fine_tuning_equal_one_process(fine_tuned):
+    """The trained weights data and graph parallel on 3 ranks (graph: the molecules split over the ranks, the charge
+    equilibration's and the Coulomb's sums over ranks differentiated twice) equal one process's to 1e-10."""
+    from test_finetune import assert_same_weights
+    from test_training import trained_parameters
+
+    assert fine_tuned["rc"] == 0 and "aimnet training runs done 2" in fine_tuned["out"], fine_tuned["out"]
+    reference = trained_parameters(fine_tuned["root"] / "one")
+    for parallel in ("data", "graph"):
+        assert_same_weights(trained_parameters(fine_tuned["root"] / parallel), reference, 1e-10, parallel)
+
+
+def test_fine_tuned_model_is_written_back_in_aimnets_format(fine_tuned):
+    """best_aimnet.pt (aimnet's exporter: float32 weights, as its files hold them) loads in aimnet's own load_model
+    and AIMNet2Calculator, which give best.pt's energy within 1e-6 relative and forces within 1e-5 eV/Å; and as
+    aimnet:FILE here."""
+    from aimnet.calculators import AIMNet2Calculator
+    from aimnet.models.base import load_model as aimnets_load_model
+
+    out, atoms = fine_tuned["root"] / "one", molecules()
+    ours = predict(potentials.load(out / "best.pt"), atoms)
+    net, metadata = aimnets_load_model(str(out / "best_aimnet.pt"))
     assert metadata["needs_coulomb"] and metadata["coulomb_mode"] == "sr_embedded", metadata
     theirs = AIMNet2Calculator(net, device="cpu").eval({"coord": atoms.positions, "numbers": atoms.numbers,
                                                          "charge": 0.0}, forces=True)
     assert abs(ours["energy"] - float(theirs["energy"].detach())) < 1e-6 * abs(ours["energy"])
     assert np.abs(ours["forces"] - theirs["forces"].detach().numpy().reshape(-1, 3)).max() < 1e-5
-    again = predict(potentials.load_model(f"aimnet:{tmp_path / 'out' / 'best_aimnet.pt'}", dtype="float64",
+    again = predict(potentials.load_model(f"aimnet:{out / 'best_aimnet.pt'}", dtype="float64",
                                           long_range={"method": "ewald"}), atoms)
     assert abs(ours["energy"] - again["energy"]) < 1e-6 * abs(ours["energy"])
 
 
-def test_distributed_equals_one_process(mpirun):
-    rc, out, _ = mpirun(3, MPI_DIR / "aimnet_models.py")
+def test_distributed_equals_one_process(fine_tuned):
+    """tests/mpi/aimnet_models.py on 3 ranks (the launch the fine-tuning fixture makes)."""
+    rc, out = fine_tuned["rc"], fine_tuned["out"]
     assert rc == 0 and "aimnet P=3: 0 failures" in out and "faults caught 6 of 6" in out, out

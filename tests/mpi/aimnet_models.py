@@ -7,6 +7,8 @@ automatic grid and P × 1 × 1) equals ``potentials.predict`` in one process (en
 stress to 1e-11 of their largest entry). The halo's faults (tests/faults.py: stale or zeroed ghost features and
 charges, ghost gradients not sent home) and the charge equilibration's and Coulomb's sums left as each rank's own part
 must each fail that comparison by orders of magnitude. Prints one line per case and "aimnet P=<ranks>: N failures".
+
+    aimnet_models.py [JOBS.json]      JOBS.json: mlip-train configs to run after (one launch pays aimnet's import once)
 """
 import os
 import sys
@@ -90,4 +92,16 @@ for name, atoms, method in (("water box", water_box(), "ewald"), ("water box", w
                 failures.append(f"{label}: the sums over ranks left out went unnoticed")
 if world.rank == 0:
     print(f"aimnet P={world.size}: {len(failures)} failures {failures}; {tally()}", flush=True)
+if len(sys.argv) > 1:  # mlip-train configs to run in this launch too (tests/test_aimnet.py: data and graph parallel)
+    import json
+
+    from mlip_parallel.config import read_config
+    from mlip_parallel.train.cli import RULES, SCHEMA, train, validate
+
+    with open(sys.argv[1]) as f:
+        configs = json.load(f)
+    for path in configs:
+        train(validate(read_config(path), SCHEMA, RULES))
+    if world.rank == 0:
+        print(f"aimnet training runs done {len(configs)}", flush=True)
 sys.exit(1 if failures else 0)
