@@ -252,10 +252,12 @@ def split_parameters(method: str, accuracy: float, cutoff: float, cell: torch.Te
 
 
 class ChargeModel:
-    """Mixin of a model that predicts per-atom charges (or has fixed ones): ``charges(graph)`` → [n_nodes] (e; ghost
-    rows included: a predicted charge reaches the ghosts through ``graph.halo``), and ``long_range``, the ``Coulomb``
-    term its ``forward`` adds (None: none). ``set_long_range`` attaches one (``load_model``'s ``long_range``)."""
+    """Mixin of a model that predicts per-atom charges (or has fixed ones), and ``long_range``, the ``Coulomb`` term its
+    ``forward`` adds (None: none) to the charges of every row (e; ghost rows included: a predicted charge reaches the
+    ghosts through ``graph.halo``): fixed charges through ``charges(graph)`` and ``coulomb_energies``, predicted ones
+    by calling ``long_range`` itself. ``set_long_range`` attaches one (``load_model``'s ``long_range``)."""
 
+    predicts_charges = True  # False: a model of a class that may have charges, built without (PaiNN without its head)
     needs_long_range = False  # a model whose Coulomb part is its long-range term (born_coulomb): refused without one
 
     def set_long_range(self, settings) -> None:

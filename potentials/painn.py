@@ -7,6 +7,7 @@ from typing import Sequence
 import torch
 
 from .base import BlockPotential, ScaleShiftReferences, SpeciesScaleShift
+from .coulomb import ChargeModel, LongRangeError
 from .graph import AtomGraph
 from .messages import edge_sum
 from .radial import SincBasis, cosine_cutoff
@@ -44,25 +45,32 @@ class PaiNNLayer(torch.nn.Module):
         return s + a_ss + a_sv * (uv * vv).sum(dim=1), v + a_vv[:, None, :] * uv
 
 
-class PaiNN(ScaleShiftReferences, BlockPotential):
+class PaiNN(ChargeModel, ScaleShiftReferences, BlockPotential):
     """Polarizable atom interaction neural network.
 
     s0 = embedding(species), v0 = 0; each layer: [l > 0: (s, v) = halo(s, v)]; message; update.
     e_i = scale[z_i] * MLP(s_i) + shift[z_i] (eV, ``scale_shift``). The halo carries s and v in one
     exchange ([n, 4F] rows).
+
+    ``charges``: a charge head as well (latent charges, the idea of LES: learned from energies and forces alone),
+    q_i = MLP_q(s_i) shifted equally within each structure so that Σ q_i is its total charge (``AtomGraph.system``; 0
+    where not given: the sums over the structure taken over the owned rows, then the ranks), whose Coulomb energy over
+    the whole structure ``long_range`` adds (``potentials.coulomb``: needed with it).
     """
 
-    PART_MODULES = {"embed": ("embedding",), "block": ("blocks.{k}",), "readout": ("readout", "scale_shift")}
+    PART_MODULES = {"embed": ("embedding",), "block": ("blocks.{k}",),
+                    "readout": ("readout", "scale_shift", "charge_head")}
 
     def __init__(self, species: Sequence[str], cutoff: float, features: int = 64, layers: int = 3, rbf: int = 20,
-                 *, parts=None, seed: int | None = None):
+                 charges: bool = False, long_range=None, *, parts=None, seed: int | None = None):
         super().__init__(species)
         if not species or not 0 < cutoff < math.inf or features < 1 or layers < 1 or rbf < 1:
             raise ValueError(f"invalid PaiNN hyper-parameters: species={species}, cutoff={cutoff}, "
                              f"features={features}, layers={layers}, rbf={rbf}")
         self.cutoff, self.features, self.layers = float(cutoff), int(features), int(layers)
         self.hyperparameters = dict(species=self.species, cutoff=self.cutoff, features=self.features,
-                                    layers=self.layers, rbf=int(rbf))
+                                    layers=self.layers, rbf=int(rbf), **({"charges": True} if charges else {}))
+        self.predicts_charges = self.needs_long_range = bool(charges)
         self._init_parts(parts, seed)  # ``parts``: the parts to build (a pipeline stage's); see BlockPotential
         self.radial = SincBasis(self.cutoff, rbf)
         self.embedding = self._build("embed", lambda: torch.nn.Embedding(len(self.species), features))
@@ -70,6 +78,13 @@ class PaiNN(ScaleShiftReferences, BlockPotential):
         self.readout, self.scale_shift = self._build("readout", lambda: (torch.nn.Sequential(
             torch.nn.Linear(features, features // 2 or 1), torch.nn.SiLU(), torch.nn.Linear(features // 2 or 1, 1)),
             SpeciesScaleShift(len(self.species)))) or (None, None)
+        self.charge_head = self._build("readout", lambda: torch.nn.Sequential(
+            torch.nn.Linear(features, features // 2 or 1), torch.nn.SiLU(),
+            torch.nn.Linear(features // 2 or 1, 1))) if charges else None
+        if charges:
+            self.set_long_range(long_range)
+        elif long_range is not None:
+            raise ValueError("long_range is given to a PaiNN without charges (charges: true gives it a charge head)")
 
     def feature_width(self, k: int) -> int:
         return 4 * self.features
@@ -102,4 +117,27 @@ class PaiNN(ScaleShiftReferences, BlockPotential):
 
     def readout_energies(self, h: torch.Tensor, graph: AtomGraph, ctx) -> torch.Tensor:
         out = self.readout(h[: graph.n_local, : self.features]).squeeze(-1)
-        return self.scale_shift(out, graph.species[: graph.n_local])
+        energies = self.scale_shift(out, graph.species[: graph.n_local])
+        if self.charge_head is None:
+            return energies
+        if getattr(self, "long_range", None) is None:
+            raise LongRangeError("a PaiNN with charges needs long_range: {method: ewald | pme | p3m, accuracy: 1.0e-6}")
+        return energies + self.long_range(self.predicted_charges(h, graph), graph, self.cutoff)
+
+    def predicted_charges(self, h: torch.Tensor, graph: AtomGraph) -> torch.Tensor:
+        """[n_nodes] the charges (e) of the charge head on the final scalars of the owned rows, each structure's
+        shifted equally to its total charge, the ghost rows refreshed by the halo."""
+        if graph.n_receivers is None and graph.n_nodes > graph.n_local:
+            raise LongRangeError("a PaiNN with charges runs in layerwise mode only: its charges are summed over the "
+                                 "structure, which wide mode's redundant ghost rows would count twice")
+        n = graph.n_local
+        raw = self.charge_head(h[:n, : self.features]).squeeze(-1)
+        structure = graph.structure[:n] if graph.structure is not None else torch.zeros(n, dtype=torch.long,
+                                                                                          device=raw.device)
+        totals = [c or 0 for c in (graph.system or {}).get("charge") or [0]]
+        sums = torch.zeros((len(totals), 2), dtype=raw.dtype, device=raw.device).index_add(
+            0, structure, torch.stack([raw, torch.ones_like(raw)], dim=1))
+        sums = graph.rank_sum(sums)
+        target = torch.tensor(totals, dtype=raw.dtype, device=raw.device)
+        q = raw - ((sums[:, 0] - target) / sums[:, 1].clamp(min=1))[structure]
+        return graph.halo(q[:, None])[:, 0]

@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from potentials.families import new_model_class as registry_new_model_class
+from potentials.families import new_model_class as registry_new_model_class, with_long_range
 from potentials.weights import weight_groups
 
 from ..config import ConfigError
@@ -60,6 +60,7 @@ def build_model(section, species, seed, parts=None):
     cutoff = 5.0 if section["cutoff"] is None else section["cutoff"]
     try:
         model = cls(species=species, cutoff=cutoff, **(section["hyperparameters"] or {}), parts=parts, seed=seed)
+        model = with_long_range(model, section.get("long_range"), cls.__name__)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"model: cannot build {cls.__name__}: {exc}") from None
     dtype = {"float32": torch.float32, "float64": torch.float64, None: torch.float32}[section["dtype"]]

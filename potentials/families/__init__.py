@@ -300,7 +300,7 @@ def with_long_range(model, long_range, label: str):
     to a model that predicts no charges, or none for a model whose Coulomb energy is its long-range term."""
     from ..coulomb import ChargeModel, LongRangeError
 
-    if not isinstance(model, ChargeModel):
+    if not isinstance(model, ChargeModel) or not model.predicts_charges:
         if long_range is not None:
             raise ModelSpecError(f"{label}: long_range is given, but a {type(model).__name__} predicts no charges (a "
                                  "model whose family predicts charges takes it)")

@@ -5,7 +5,8 @@ PME, P3M): ``mlip_parallel.evaluate`` on P ranks on the automatic grid and on P 
 ``potentials.predict`` in one process (energy, per-atom energies, forces and stress to 1e-11 relative to their
 largest entry); the same with a net charge of +1 e (one Cl removed: the neutralising background's total charge is a
 sum over ranks), and for that box as a cluster (periodic in no direction: every pair summed, the atoms gathered from
-every rank); 40 NVE steps of mlip-md's engine on P ranks equal the engine on one rank (thermo to 1e-9 relative);
+every rank); a PaiNN with a charge head (P3M) on the charged box and cluster (its charges shifted to the total over
+the ranks); 40 NVE steps of mlip-md's engine on P ranks equal the engine on one rank (thermo to 1e-9 relative);
 and with the sums over ranks left as each rank's own part (the structure factors or mesh, the total charge; the
 cluster's gathered atoms) the comparison fails by orders of magnitude. Prints one line per case and "long range
 P=<ranks>: N failures".
@@ -96,6 +97,22 @@ for method in ("ewald", "pme", "p3m"):
             print(f"{'OK ' if c.error > 1e-3 else 'FAIL'} {name} differs: {c.error:.2e}", flush=True)
         if not c.error > 1e-3:
             failures.append(f"{name}: the fault went unnoticed ({c.error:.2e})")
+
+# a PaiNN with a charge head (its charges shifted to each structure's total: a sum over ranks), charged box and cluster
+for cluster in (False, True):
+    atoms = box(charged=True, cluster=cluster)
+    atoms.info["charge"] = 1
+    painn = potentials.PaiNN(["Na", "Cl"], cutoff=5.0, features=16, layers=2, charges=True, seed=0,
+                             long_range={"method": "p3m", "accuracy": 1e-5}).double()
+    reference = results(potentials.predict(painn, atoms))
+    label = f"PaiNN with charges{' cluster' if cluster else ''}"
+    check(f"{label} grid auto", results(mlip_parallel.evaluate(painn, atoms)), reference, 1e-11)
+    c = compare(results(without_rank_sums(mlip_parallel.evaluate, painn, atoms)), reference)
+    if world.rank == 0:
+        print(f"{'OK ' if c.error > 1e-3 else 'FAIL'} {label} without the sums over ranks differs: {c.error:.2e}",
+              flush=True)
+    if not c.error > 1e-3:
+        failures.append(f"{label}: the fault went unnoticed ({c.error:.2e})")
 
 # mlip-md's engine, NVE: P ranks == one rank
 COLUMNS = ("temperature_K", "epot_eV", "ekin_eV", "etot_eV", "pressure_GPa")
