@@ -29,6 +29,7 @@ METHODS = ("ewald", "pme", "p3m")
 COULOMB_EV_A = 14.399645478425667  # e²/(4πε0) in eV·Å (torchpme.prefactors.eV_A)
 MAX_EWALD_N = 64  # the finest Ewald grid tried: lr_wavelength = the cell's shortest vector / n
 MAX_MESH_EXPONENT = 9  # the finest mesh tried: 2**9 points along a vector
+DIRECT_BLOCK = 2048  # atoms per block of a structure periodic in no direction (every pair summed)
 
 
 class LongRangeError(MLIPError, ValueError):
@@ -162,16 +163,17 @@ class Coulomb(torch.nn.Module):
 
     def _direct(self, q, positions, rank_gather):
         """Per-atom energies [n] of a structure periodic in no direction: ½ q_i Σ_{j≠i} q_j / r_ij over every atom j
-        (all ranks' atoms, gathered), exactly; ``q`` [n, 1], ``positions`` [n, 3] this rank's."""
+        (all ranks' atoms, gathered), exactly; ``q`` [n, 1], ``positions`` [n, 3] this rank's. The atoms j go in
+        blocks of ``DIRECT_BLOCK``, each recomputed in the backward pass (memory O(n × block), not O(n × N))."""
+        from torch.utils.checkpoint import checkpoint
+
         every, first = rank_gather(torch.cat([positions.to(torch.float64), q], dim=1))
-        n = len(q)
-        delta = positions.to(torch.float64)[:, None, :] - every[None, :, :3]  # [n, N, 3]
-        own = torch.arange(n, device=q.device)
-        itself = torch.zeros(delta.shape[:2], dtype=torch.bool, device=q.device)
-        itself[own, own + first] = True  # an atom and itself: excluded (a unit vector keeps the gradient finite)
-        delta = torch.where(itself[..., None], torch.ones_like(delta), delta)
-        inverse = torch.where(itself, 0.0, 1.0 / delta.norm(dim=2))
-        return 0.5 * self.prefactor * q.reshape(-1) * (inverse @ every[:, 3])
+        mine = positions.to(torch.float64)
+        potential = q.new_zeros(len(q))
+        for start in range(0, len(every), DIRECT_BLOCK):
+            block = every[start:start + DIRECT_BLOCK]
+            potential = potential + checkpoint(_direct_block, mine, block, first - start, use_reentrant=False)
+        return 0.5 * self.prefactor * q.reshape(-1) * potential
 
     def _reciprocal(self, calculator, q, cell, positions, resolution: float, rank_sum):
         """torch-pme's ``_compute_kspace`` of the owned atoms (``q`` [n, 1], ``positions`` [n, 3]) with the sums over
@@ -201,6 +203,19 @@ class Coulomb(torch.nn.Module):
             values = calculator.mesh_interpolator.mesh_to_points(calculator.kspace_filter.forward(mesh)) / volume
         values = values - q * potential.self_contribution() - 2 * potential.background_correction() * charge / volume
         return values / 2
+
+
+def _direct_block(mine: torch.Tensor, block: torch.Tensor, offset: int) -> torch.Tensor:
+    """[n] Σ_j q_j / |r_i − r_j| over the atoms j of ``block`` [b, 4] (positions, charge) for the rows i of ``mine``
+    [n, 3], whose own rows in ``block`` are i + ``offset`` (excluded; a unit vector keeps the gradient finite)."""
+    delta = mine[:, None, :] - block[None, :, :3]  # [n, b, 3]
+    own = torch.arange(len(mine), device=mine.device)
+    inside = (own + offset >= 0) & (own + offset < len(block))
+    itself = torch.zeros(delta.shape[:2], dtype=torch.bool, device=mine.device)
+    itself[own[inside], own[inside] + offset] = True
+    delta = torch.where(itself[..., None], torch.ones_like(delta), delta)
+    inverse = torch.where(itself, 0.0, 1.0 / delta.norm(dim=2))
+    return inverse @ block[:, 3]
 
 
 def ewald_kvectors(cell: torch.Tensor, lr_wavelength: float) -> torch.Tensor:
