@@ -658,3 +658,27 @@ def copper_vacancy_hop() -> tuple:
     final = atoms.copy()
     final.positions[neighbour - 1] = site
     return atoms, final
+
+
+# ------------------------------------------------------------------ molecules and water (AIMNet2's tests)
+def water_box():
+    """8 randomly placed and turned waters in a sheared periodic cell (24 atoms)."""
+    from ase.build import molecule
+
+    rng = np.random.default_rng(2)
+    box = Atoms(cell=np.diag([9.0, 9.5, 10.0]) + np.array([[0, 0, 0], [0.8, 0, 0], [0.3, -0.5, 0]]), pbc=True)
+    for _ in range(8):
+        water = molecule("H2O")
+        water.rotate(rng.uniform(0, 360), rng.normal(size=3))
+        water.translate(box.cell.cartesian_positions(rng.uniform(0, 1, 3)))
+        box += water
+    return box
+
+
+def benzene_and_ethanol():
+    """A benzene and an ethanol 3.6 Å above it, no cell (21 atoms)."""
+    from ase.build import molecule
+
+    ethanol = molecule("CH3CH2OH")
+    ethanol.positions += [0.3, -0.2, 3.6]
+    return molecule("C6H6") + ethanol

@@ -7,12 +7,12 @@ import contextlib
 import numpy as np
 import pytest
 import torch
-from ase import Atoms
 from ase.build import molecule
 
 import potentials
 from comparison import assert_close
 from conftest import MPI_DIR, needs
+from systems import benzene_and_ethanol as molecules, water_box
 from potentials.families import ModelSpecError
 from potentials.predict import predict
 
@@ -22,24 +22,6 @@ pytestmark = needs("aimnet")  # pip install -e .[aimnet]
 def model(method="ewald", accuracy=1e-8):
     return potentials.load_model("aimnet:aimnet2", dtype="float64", weights_seed=3,
                                  long_range={"method": method, "accuracy": accuracy})
-
-
-def molecules():
-    pair = molecule("C6H6")
-    ethanol = molecule("CH3CH2OH")
-    ethanol.positions += [0.3, -0.2, 3.6]
-    return pair + ethanol
-
-
-def water_box():
-    rng = np.random.default_rng(2)
-    box = Atoms(cell=np.diag([9.0, 9.5, 10.0]) + np.array([[0, 0, 0], [0.8, 0, 0], [0.3, -0.5, 0]]), pbc=True)
-    for _ in range(8):
-        water = molecule("H2O")
-        water.rotate(rng.uniform(0, 360), rng.normal(size=3))
-        water.translate(box.cell.cartesian_positions(rng.uniform(0, 1, 3)))
-        box += water
-    return box
 
 
 @contextlib.contextmanager

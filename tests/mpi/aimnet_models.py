@@ -14,10 +14,7 @@ import os
 import sys
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.join(os.path.dirname(__file__), "..")]
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from ase import Atoms  # noqa: E402
-from ase.build import molecule  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import mlip_parallel  # noqa: E402
@@ -25,27 +22,10 @@ import mlip_parallel.comm as comm  # noqa: E402
 import potentials  # noqa: E402
 from comparison import compare  # noqa: E402
 from faults import caught, tally  # noqa: E402
+from systems import benzene_and_ethanol as molecules, water_box  # noqa: E402
 
 torch.set_num_threads(1)
 world = MPI.COMM_WORLD
-
-
-def water_box():
-    rng = np.random.default_rng(2)
-    box = Atoms(cell=np.diag([9.0, 9.5, 10.0]) + np.array([[0, 0, 0], [0.8, 0, 0], [0.3, -0.5, 0]]), pbc=True)
-    for _ in range(8):
-        water = molecule("H2O")
-        water.rotate(rng.uniform(0, 360), rng.normal(size=3))
-        water.translate(box.cell.cartesian_positions(rng.uniform(0, 1, 3)))
-        box += water
-    return box
-
-
-def molecules():
-    pair = molecule("C6H6")
-    ethanol = molecule("CH3CH2OH")
-    ethanol.positions += [0.3, -0.2, 3.6]
-    return pair + ethanol
 
 
 class WithoutRankSums:
