@@ -106,6 +106,15 @@ class AtomGraph:
         """Number of leading rows whose features a layer must update."""
         return self.n_nodes if self.n_receivers is None else self.n_receivers
 
+    def structure_sums(self, values: torch.Tensor) -> torch.Tensor:
+        """[B, k]: ``values`` [n_local, k] of the owned rows summed per structure (B = 1, or the structures of
+        ``structure``), then over the ranks holding the structure (``rank_sum``: differentiable; collective)."""
+        n = self.n_local
+        if self.structure is None:
+            return self.rank_sum(values[:n].sum(dim=0, keepdim=True))
+        count = len(next(iter(self.system.values()))) if self.system else int(self.structure.max()) + 1
+        return self.rank_sum(values.new_zeros((count, values.shape[1])).index_add(0, self.structure[:n], values[:n]))
+
 
 # AtomGraph.system's inputs and their ranges: total charge (e), spin multiplicity
 SYSTEM_RANGES = {"charge": (-100, 100), "spin": (0, 100)}

@@ -132,12 +132,9 @@ class PaiNN(ChargeModel, ScaleShiftReferences, BlockPotential):
                                  "structure, which wide mode's redundant ghost rows would count twice")
         n = graph.n_local
         raw = self.charge_head(h[:n, : self.features]).squeeze(-1)
-        structure = graph.structure[:n] if graph.structure is not None else torch.zeros(n, dtype=torch.long,
-                                                                                          device=raw.device)
-        totals = [c or 0 for c in (graph.system or {}).get("charge") or [0]]
-        sums = torch.zeros((len(totals), 2), dtype=raw.dtype, device=raw.device).index_add(
-            0, structure, torch.stack([raw, torch.ones_like(raw)], dim=1))
-        sums = graph.rank_sum(sums)
-        target = torch.tensor(totals, dtype=raw.dtype, device=raw.device)
-        q = raw - ((sums[:, 0] - target) / sums[:, 1].clamp(min=1))[structure]
+        sums = graph.structure_sums(torch.stack([raw, torch.ones_like(raw)], dim=1))
+        target = torch.tensor([c or 0 for c in (graph.system or {}).get("charge") or [0] * len(sums)],
+                              dtype=raw.dtype, device=raw.device)
+        shift = (sums[:, 0] - target) / sums[:, 1].clamp(min=1)
+        q = raw - (shift[graph.structure[:n]] if graph.structure is not None else shift)
         return graph.halo(q[:, None])[:, 0]

@@ -223,16 +223,13 @@ class AIMNet(ChargeModel, PackageModel, Potential):
         return torch.cat([graph.halo(x[: graph.n_nodes]), x[graph.n_nodes:]])
 
     def _update_charges(self, data: dict, out: torch.Tensor, graph: AtomGraph, delta_q: bool) -> None:
-        """aimnet's ``AIMNet2._update_q`` with its NSE's sums over the structure taken over the receiving rows and
-        the ranks: q ← q_u + f_u / (Σ f_u + ε) (Q − Σ q_u), f_u the squared weights."""
+        """aimnet's ``AIMNet2._update_q`` with its NSE's sums over the structure taken over the owned rows and the
+        ranks (``AtomGraph.structure_sums``): q ← q_u + f_u / (Σ f_u + ε) (Q − Σ q_u), f_u the squared weights."""
         q_u, weight, delta_a = out.split([1, 1, out.shape[-1] - 2], dim=-1)
         q_u = data["charges"] + q_u if delta_q else q_u
         f = weight.pow(2)
         molecule = data["mol_idx"].to(torch.long)
-        mine = molecule[: graph.receivers]
-        sums = torch.zeros((len(data["charge"]), 2), dtype=f.dtype, device=f.device).index_add(
-            0, mine, torch.cat([f, q_u], dim=1)[: graph.receivers])
-        sums = graph.rank_sum(sums)
+        sums = graph.structure_sums(torch.cat([f, q_u], dim=1))
         total_f, total_q = sums[:, :1] + NSE_EPSILON, sums[:, 1:]
         data["charges"] = q_u + f / total_f[molecule] * (data["charge"] - total_q)[molecule]
         data["a"] = data["a"] + delta_a.view_as(data["a"])
