@@ -153,7 +153,7 @@ class AIMNet(ChargeModel, PackageModel, Potential):
         return [(n, p) for n, p in self.aimnet.named_parameters() if n not in self.fixed_weights]
 
     def _shifts(self) -> torch.Tensor:
-        """aimnet's per-element energy shifts of this model's species [len(species), 1] (a view)."""
+        """aimnet's per-element energy shifts of this model's species [len(species), 1] (a copy)."""
         return self.aimnet.outputs.atomic_shift.shifts.weight[self.numbers]
 
     def reference_energies(self):
