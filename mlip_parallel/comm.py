@@ -313,15 +313,16 @@ class _GatherOverRanks(torch.autograd.Function):
     ranks of the gradients of those rows (a sum over ranks, then this rank's slice: differentiable again)."""
 
     @staticmethod
-    def forward(ctx, x, backend):
+    def forward(ctx, x, backend, where: dict):
         parts = backend.allgather(x.detach().cpu().numpy())
         sizes = [len(p) for p in parts]
         ctx.backend, ctx.start, ctx.stop = backend, sum(sizes[:backend.rank]), sum(sizes[:backend.rank + 1])
+        where["first"] = ctx.start
         return torch.as_tensor(np.concatenate(parts), device=x.device, dtype=x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        return _SumOverRanks.apply(grad.contiguous(), ctx.backend)[ctx.start:ctx.stop], None
+        return _SumOverRanks.apply(grad.contiguous(), ctx.backend)[ctx.start:ctx.stop], None, None
 
 
 class RankGather:
@@ -333,7 +334,6 @@ class RankGather:
 
     @eager_under_compile
     def __call__(self, x: torch.Tensor) -> tuple:
-        rows = torch.cat([x.new_full((len(x), 1), float(self.backend.rank)), x.flatten(1)], dim=1)
-        gathered = _GatherOverRanks.apply(rows, self.backend)
-        first = int((gathered[:, 0].detach() < self.backend.rank).sum())
-        return gathered[:, 1:].reshape(-1, *x.shape[1:]), first
+        where: dict = {}
+        gathered = _GatherOverRanks.apply(x, self.backend, where)
+        return gathered, where["first"]

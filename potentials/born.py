@@ -40,9 +40,12 @@ class BornCoulomb(ChargeModel, Potential):
             raise LongRangeError(f"cutoff: a length > 0 (Å), got {cutoff!r}")
         if not isinstance(shift, bool):
             raise LongRangeError(f"shift: true or false, got {shift!r}")
-        self.cutoff, self.shift = float(cutoff), shift
+        self.cutoff = float(cutoff)
         table = self._pair_table(pairs)
         self.register_buffer("pair_table", table)
+        # each species pair's energy at the cutoff (what ``shift`` takes off; zeros without it)
+        self.register_buffer("pair_shift", self._pair(torch.tensor(self.cutoff, dtype=torch.float64), *table.unbind(
+            dim=2)) if shift else torch.zeros(table.shape[:2], dtype=torch.float64), persistent=False)
         self.register_buffer("charge_table", torch.tensor([float(charges[s]) for s in self.species],
                                                           dtype=torch.float64))
         self.hyperparameters = dict(charges={k: float(v) for k, v in charges.items()},
@@ -81,10 +84,9 @@ class BornCoulomb(ChargeModel, Potential):
     def forward(self, graph: AtomGraph) -> torch.Tensor:
         senders, receivers = graph.edge_index
         r = graph.edge_vec.to(torch.float64).norm(dim=1)
-        a, rho, sigma, c, d = self.pair_table[graph.species[receivers], graph.species[senders]].unbind(dim=1)
-        pair = self._pair(r, a, rho, sigma, c, d)
-        if self.shift:
-            pair = pair - self._pair(torch.full_like(r, self.cutoff), a, rho, sigma, c, d)
+        species_i, species_j = graph.species[receivers], graph.species[senders]
+        pair = self._pair(r, *self.pair_table[species_i, species_j].unbind(dim=1))
+        pair = pair - self.pair_shift[species_i, species_j]
         energies = torch.zeros(graph.n_nodes, dtype=torch.float64, device=r.device).index_add(0, receivers, 0.5 * pair)
         return energies[: graph.n_local] + self.coulomb_energies(graph)
 

@@ -24,6 +24,7 @@ from numbers import Real
 import torch
 
 from .errors import MLIPError
+from .graph import _gather_whole, _whole
 
 METHODS = ("ewald", "pme", "p3m")
 COULOMB_EV_A = 14.399645478425667  # e²/(4πε0) in eV·Å (torchpme.prefactors.eV_A)
@@ -37,12 +38,6 @@ class LongRangeError(MLIPError, ValueError):
     that is not periodic in three directions, an accuracy the cutoff cannot reach."""
 
 
-def _whole(x: torch.Tensor) -> torch.Tensor:
-    return x
-
-
-def _gather_whole(x: torch.Tensor) -> tuple:
-    return x, 0
 
 
 class Coulomb(torch.nn.Module):
@@ -90,13 +85,15 @@ class Coulomb(torch.nn.Module):
     def split(self, cutoff: float, cell: torch.Tensor, n_atoms: int, sum_q2: float) -> tuple:
         """(smearing, resolution) in Å for a structure of ``n_atoms`` atoms with Σq² = ``sum_q2`` in ``cell``
         [3, 3] and a real-space ``cutoff`` (Å): the given ones, else from the accuracy (the module docstring)."""
+        return self._split(self._split_key(cutoff, cell, n_atoms, sum_q2), cutoff, cell, n_atoms, sum_q2)
+
+    def _split(self, key: tuple, cutoff: float, cell: torch.Tensor, n_atoms: int, sum_q2: float) -> tuple:
+        """``split`` of the structure whose ``_split_key`` is ``key``."""
         if self.smearing is not None:
             return self.smearing, self.resolution
-        key = self._split_key(cutoff, cell, n_atoms, sum_q2)
-        cell = cell.detach().to("cpu", torch.float64)
         if key not in self._splits:  # the latest structure's only (a barostat's cell changes at every step)
-            self._splits = {key: split_parameters(self.method, self.accuracy, cutoff, cell, n_atoms, sum_q2,
-                                                  self.interpolation_nodes)}
+            self._splits = {key: split_parameters(self.method, self.accuracy, cutoff, cell.detach().to(
+                "cpu", torch.float64), n_atoms, sum_q2, self.interpolation_nodes)}
         return self._splits[key]
 
     @staticmethod
@@ -113,7 +110,7 @@ class Coulomb(torch.nn.Module):
 
         cell = cell.detach().cpu().double()
         if self.method == "ewald":
-            k_vectors = 4 / 3 * math.pi * (2 * math.pi / resolution) ** 3 * float(abs(torch.det(cell))) / (2 * math.pi) ** 3
+            k_vectors = 4 / 3 * math.pi * float(abs(torch.det(cell))) / resolution**3  # |k| ≤ 2π/λ, (2π)³/V each
             return 64.0 * k_vectors * max(n_local, 1)
         return 256.0 * float(torch.prod(get_ns_mesh(cell, resolution))) + 3_000.0 * n_local
 
@@ -188,8 +185,8 @@ class Coulomb(torch.nn.Module):
         counts = total(torch.stack([torch.tensor(float(n_local), dtype=torch.float64, device=q.device),
                                     (q[:n_local].detach() ** 2).sum()]))
         n_atoms = int(round(float(counts[0])))
-        smearing, resolution = self.split(cutoff, cell, n_atoms, float(counts[1]))
         key = self._split_key(cutoff, cell, n_atoms, float(counts[1]))
+        smearing, resolution = self._split(key, cutoff, cell, n_atoms, float(counts[1]))
         if key != self._checked:  # a new structure (on every rank alike): will its reciprocal part fit in memory?
             self._check_memory(cell, resolution, n_local, n_atoms, q.device, total)
             self._checked = key

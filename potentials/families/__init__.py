@@ -32,7 +32,8 @@ from ..errors import MLIPError
 from ..rules import value_problem
 
 ENTRY_POINT_GROUP = "mlip_parallel.families"
-BUILTIN = ("checkpoint", "lennard_jones", "born_coulomb", "sevennet", "mace", "nequip", "fairchem", "aimnet")  # potentials.families.NAME
+# potentials.families.NAME
+BUILTIN = ("checkpoint", "lennard_jones", "born_coulomb", "sevennet", "mace", "nequip", "fairchem", "aimnet")
 OPTION_TYPES = (str, int, float, bool)
 # names no option may take: the model section's own keys in the tools and the keywords load_model keeps for itself
 # (a tool's command-line flags are the tool's: ``model_section.add_option_arguments`` refuses an option that is one)
