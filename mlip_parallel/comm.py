@@ -337,3 +337,45 @@ class RankGather:
         where: dict = {}
         gathered = _GatherOverRanks.apply(x, self.backend, where)
         return gathered, where["first"]
+
+
+class _AlltoallOverRanks(torch.autograd.Function):
+    """``pieces[r]`` (1-D) sent to rank r, for every r; returns the P pieces received, in rank order. Its adjoint is
+    the same exchange backwards (each received piece's gradient returned to its sender), differentiable again."""
+
+    @staticmethod
+    def forward(ctx, backend, *pieces):
+        ctx.backend = backend
+        return tuple(_alltoall(backend, [p.detach().contiguous() for p in pieces]))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None,) + tuple(_AlltoallOverRanks.apply(ctx.backend, *[g.contiguous() for g in grads]))
+
+
+def _alltoall(backend, pieces: list) -> list:
+    """One message to each rank, P pairwise swaps (step s: to rank + s, from rank − s); received pieces in rank
+    order. Complex tensors travel as their real pairs."""
+    rank, size = backend.rank, backend.size
+    received = [None] * size
+    for step in range(size):
+        dest, source = (rank + step) % size, (rank - step) % size
+        piece = pieces[dest]
+        out = backend.sendrecv(torch.view_as_real(piece) if piece.is_complex() else piece, dest, source)
+        received[source] = torch.view_as_complex(out.contiguous()) if piece.is_complex() else out
+    return received
+
+
+class RankAlltoall:
+    """``AtomGraph.rank_alltoall`` over a decomposition: ``pieces`` (one 1-D tensor per rank, of one dtype) sent to
+    their ranks, the pieces every rank sent here returned in rank order, differentiable (collective). ``rank`` and
+    ``size`` say which of how many ranks this is (a mesh split over the ranks reads them)."""
+
+    def __init__(self, backend):
+        self.backend, self.rank, self.size = backend, backend.rank, backend.size
+
+    @eager_under_compile
+    def __call__(self, pieces: list) -> list:
+        if len(pieces) != self.size:
+            raise ValueError(f"rank_alltoall: {len(pieces)} pieces for {self.size} ranks")
+        return list(_AlltoallOverRanks.apply(self.backend, *pieces))

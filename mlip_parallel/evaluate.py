@@ -18,7 +18,7 @@ from potentials.messages import memory_budget_bytes
 from potentials.predict import periodic_graph, voigt_stress
 
 from .backend import get_backend, rank_device
-from .comm import FeatureHalo, RankGather, RankSum
+from .comm import FeatureHalo, RankAlltoall, RankGather, RankSum
 from .domain import Domain
 from .errors import LostAtomsError, RanksDisagreeError, SimulationError
 from .grid import Grid
@@ -177,6 +177,7 @@ def decomposed_graph(model, sub: Subdomain, mode: str = "layerwise", create_grap
         pbc=tuple(bool(p) for p in sub.domain.pbc),
         rank_sum=RankSum(halo.backend),
         rank_gather=RankGather(halo.backend),
+        rank_alltoall=RankAlltoall(halo.backend),
     )
     return x, graph
 

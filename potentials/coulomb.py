@@ -24,9 +24,12 @@ from numbers import Real
 import torch
 
 from .errors import MLIPError
-from .graph import _gather_whole, _whole
+from .graph import WholeAlltoall, _gather_whole, _whole
+from .slab_mesh import mesh_potential
 
 METHODS = ("ewald", "pme", "p3m")
+MESHES = ("auto", "replicated", "distributed")
+DISTRIBUTED_MESH_FROM = 32**3  # mesh points from which "auto" splits the mesh over the ranks (benchmarks/long_range.py)
 COULOMB_EV_A = 14.399645478425667  # e²/(4πε0) in eV·Å (torchpme.prefactors.eV_A)
 MAX_EWALD_N = 64  # the finest Ewald grid tried: lr_wavelength = the cell's shortest vector / n
 MAX_MESH_EXPONENT = 9  # the finest mesh tried: 2**9 points along a vector
@@ -45,10 +48,13 @@ class Coulomb(torch.nn.Module):
 
     ``method``: "ewald", "pme" or "p3m"; ``accuracy``: the error bound (force between unit charges at 1 Å);
     ``smearing`` (Å) and ``resolution`` (Å: Ewald's ``lr_wavelength``, the meshes' ``mesh_spacing``) fix the split
-    instead of deriving it from the accuracy (both or neither); ``interpolation_nodes`` of the meshes (3–7)."""
+    instead of deriving it from the accuracy (both or neither); ``interpolation_nodes`` of the meshes (3–7);
+    ``mesh`` (PME, P3M), how a structure split over ranks holds the mesh: "replicated" (every rank the whole mesh,
+    summed over the ranks), "distributed" (each rank a slab: ``potentials.slab_mesh``), "auto" (distributed from
+    ``DISTRIBUTED_MESH_FROM`` mesh points on more than one rank)."""
 
     def __init__(self, method: str = "ewald", accuracy: float = 1e-5, smearing: float | None = None,
-                 resolution: float | None = None, interpolation_nodes: int = 4):
+                 resolution: float | None = None, interpolation_nodes: int = 4, mesh: str = "auto"):
         super().__init__()
         if method not in METHODS:
             raise LongRangeError(f"long_range.method {method!r}: one of {', '.join(METHODS)}")
@@ -63,10 +69,15 @@ class Coulomb(torch.nn.Module):
                 raise LongRangeError(f"long_range.{name} {value!r}: a length > 0 (Å)")
         if isinstance(interpolation_nodes, bool) or interpolation_nodes not in range(3, 8):
             raise LongRangeError(f"long_range.interpolation_nodes {interpolation_nodes!r}: 3 to 7")
+        if mesh not in MESHES:
+            raise LongRangeError(f"long_range.mesh {mesh!r}: one of {', '.join(MESHES)}")
+        if method == "ewald" and mesh != "auto":
+            raise LongRangeError(f"long_range.mesh {mesh!r} is for pme and p3m: ewald has no mesh (its structure "
+                                 "factors are summed over the ranks)")
         self.method, self.accuracy = method, float(accuracy)
         self.smearing = None if smearing is None else float(smearing)
         self.resolution = None if resolution is None else float(resolution)
-        self.interpolation_nodes = int(interpolation_nodes)
+        self.interpolation_nodes, self.mesh = int(interpolation_nodes), mesh
         self.prefactor = COULOMB_EV_A  # e²/(4πε0), eV·Å: a model whose package uses another value of it sets it
         self._calculators: dict = {}  # (smearing, resolution, device) → a torch-pme calculator
         self._splits: dict = {}  # (cutoff, cell, atoms, Σq²) → (smearing, resolution) of the latest structure
@@ -76,10 +87,10 @@ class Coulomb(torch.nn.Module):
     def settings(self) -> dict:
         """The constructor's keyword arguments (JSON-able): a checkpoint's ``long_range``."""
         return {"method": self.method, "accuracy": self.accuracy, "smearing": self.smearing,
-                "resolution": self.resolution, "interpolation_nodes": self.interpolation_nodes}
+                "resolution": self.resolution, "interpolation_nodes": self.interpolation_nodes, "mesh": self.mesh}
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.settings.items() if v is not None)
+        return ", ".join(f"{k}={v}" for k, v in self.settings.items() if v is not None and (k, v) != ("mesh", "auto"))
 
     # ------------------------------------------------------------------ the split
     def split(self, cutoff: float, cell: torch.Tensor, n_atoms: int, sum_q2: float) -> tuple:
@@ -101,25 +112,38 @@ class Coulomb(torch.nn.Module):
         return (float(cutoff), tuple(cell.detach().cpu().double().flatten().tolist()), int(n_atoms),
                 round(float(sum_q2), 12))
 
-    def reciprocal_bytes(self, cell: torch.Tensor, resolution: float, n_local: int) -> float:
+    def reciprocal_bytes(self, cell: torch.Tensor, resolution: float, n_local: int, ranks: int = 1) -> float:
         """Estimated peak bytes of one evaluation's reciprocal part on a rank holding ``n_local`` atoms (forward and
         backward): Ewald ~64 B per k-vector and atom (measured 9.6 GB at 8,000 NaCl ions and 20,500 k-vectors), a mesh
-        ~256 B per mesh point (the replicated mesh, its transforms and their gradients) + 3 KB per atom (its
-        interpolation stencils)."""
+        ~256 B per mesh point it holds (the mesh, its transforms and their gradients: all of a replicated mesh, its
+        share of a mesh split over ``ranks``, and as much again for its brick) + 3 KB per atom (its interpolation
+        stencils)."""
         from torchpme.lib import get_ns_mesh
 
         cell = cell.detach().cpu().double()
         if self.method == "ewald":
             k_vectors = 4 / 3 * math.pi * float(abs(torch.det(cell))) / resolution**3  # |k| ≤ 2π/λ, (2π)³/V each
             return 64.0 * k_vectors * max(n_local, 1)
-        return 256.0 * float(torch.prod(get_ns_mesh(cell, resolution))) + 3_000.0 * n_local
+        points = float(torch.prod(get_ns_mesh(cell, resolution)))
+        return 256.0 * (points if ranks == 1 else 2 * points / ranks) + 3_000.0 * n_local
 
-    def _check_memory(self, cell, resolution: float, n_local: int, n_atoms: int, device, total) -> None:
+    def distributes(self, cell: torch.Tensor, resolution: float, ranks: int) -> bool:
+        """Whether a structure in ``cell`` [3, 3] split over ``ranks`` has its mesh split too (``mesh``; the same on
+        every rank)."""
+        from torchpme.lib import get_ns_mesh
+
+        if self.method == "ewald" or self.mesh == "replicated":
+            return False
+        points = int(torch.prod(get_ns_mesh(cell.detach(), resolution)))
+        return self.mesh == "distributed" or (ranks > 1 and points >= DISTRIBUTED_MESH_FROM)
+
+    def _check_memory(self, cell, resolution: float, n_local: int, n_atoms: int, device, total,
+                      ranks: int = 1) -> None:
         """LongRangeError on every rank alike (``total``: a sum over the ranks) when a rank's reciprocal part would
         need more than its device's free memory."""
         from .messages import available_bytes
 
-        need = self.reciprocal_bytes(cell, resolution, n_local)
+        need = self.reciprocal_bytes(cell, resolution, n_local, ranks)
         short = float(total(torch.tensor([float(need > available_bytes(device))], dtype=torch.float64,
                                          device=device))[0])
         if short:
@@ -182,19 +206,22 @@ class Coulomb(torch.nn.Module):
                                  f"(pbc {periodic}): put a slab in a periodic box with vacuum around it")
         total = graph.total if graph is not None else _whole
         rank_sum = graph.rank_sum if graph is not None else _whole
+        alltoall = graph.rank_alltoall if graph is not None else WholeAlltoall()
         counts = total(torch.stack([torch.tensor(float(n_local), dtype=torch.float64, device=q.device),
                                     (q[:n_local].detach() ** 2).sum()]))
         n_atoms = int(round(float(counts[0])))
         key = self._split_key(cutoff, cell, n_atoms, float(counts[1]))
         smearing, resolution = self._split(key, cutoff, cell, n_atoms, float(counts[1]))
-        if key != self._checked:  # a new structure (on every rank alike): will its reciprocal part fit in memory?
-            self._check_memory(cell, resolution, n_local, n_atoms, q.device, total)
-            self._checked = key
+        split_mesh = alltoall if self.distributes(cell, resolution, alltoall.size) else None
+        if (key, alltoall.size) != self._checked:  # a new structure, or ranks (every rank alike): will it fit?
+            self._check_memory(cell, resolution, n_local, n_atoms, q.device, total,
+                               alltoall.size if split_mesh is not None else 1)
+            self._checked = (key, alltoall.size)
         calculator = self.calculator(smearing, resolution, q.device)
         # real space: V_i = ½ Σ_j q_j erfc-screened 1/r_ij over the edges (a full list: each pair from both ends)
         screened = calculator.potential.sr_from_dist(distances).unsqueeze(-1) * q[j]
         real = torch.zeros_like(q).index_add(0, i, screened)[:n_local] / 2
-        reciprocal = self._reciprocal(calculator, q[:n_local], cell, positions, resolution, rank_sum)
+        reciprocal = self._reciprocal(calculator, q[:n_local], cell, positions, resolution, rank_sum, split_mesh)
         return (q[:n_local] * (real + reciprocal)).reshape(-1)
 
     def _direct(self, q, positions, rank_gather):
@@ -211,10 +238,11 @@ class Coulomb(torch.nn.Module):
             potential = potential + checkpoint(_direct_block, mine, block, first - start, use_reentrant=False)
         return 0.5 * self.prefactor * q.reshape(-1) * potential
 
-    def _reciprocal(self, calculator, q, cell, positions, resolution: float, rank_sum):
+    def _reciprocal(self, calculator, q, cell, positions, resolution: float, rank_sum, split_mesh=None):
         """torch-pme's ``_compute_kspace`` of the owned atoms (``q`` [n, 1], ``positions`` [n, 3]) with the sums over
         atoms that every atom's potential reads (the structure factors or the mesh, and the total charge) summed over
-        the ranks by ``rank_sum``: [n, 1]."""
+        the ranks by ``rank_sum``: [n, 1]. ``split_mesh``: a ``rank_alltoall`` over which the mesh is split in slabs
+        instead (``potentials.slab_mesh``)."""
         from torchpme.lib import get_ns_mesh
 
         potential = calculator.potential
@@ -228,6 +256,10 @@ class Coulomb(torch.nn.Module):
             summed = rank_sum(torch.cat([local.reshape(-1), q.sum(dim=0)]))
             factors, charge = summed[:-1].reshape(local.shape), summed[-1:]
             values = torch.einsum("fkc,fki->ic", factors, trig) / volume
+        elif split_mesh is not None:
+            ns = get_ns_mesh(cell.detach(), resolution)
+            values = mesh_potential(calculator, q, positions, cell, ns, split_mesh) / volume
+            charge = rank_sum(q.sum(dim=0))
         else:
             ns = get_ns_mesh(cell.detach(), resolution)
             calculator.mesh_interpolator.update(cell, ns)
@@ -316,10 +348,11 @@ class ChargeModel:
         if settings is None or isinstance(settings, Coulomb):
             coulomb = settings
         elif isinstance(settings, dict):
-            unknown = sorted(set(settings) - {"method", "accuracy", "smearing", "resolution", "interpolation_nodes"})
+            unknown = sorted(set(settings) - {"method", "accuracy", "smearing", "resolution", "interpolation_nodes",
+                                              "mesh"})
             if unknown:
                 raise LongRangeError(f"long_range: unknown key(s) {unknown}; it takes method, accuracy, smearing, "
-                                     "resolution and interpolation_nodes")
+                                     "resolution, interpolation_nodes and mesh")
             coulomb = Coulomb(**settings)
         else:
             raise LongRangeError(f"long_range: a mapping such as {{method: ewald, accuracy: 1.0e-6}}, got {settings!r}")

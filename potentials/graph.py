@@ -38,6 +38,15 @@ def _gather_whole(x: torch.Tensor) -> tuple:
     return x, 0
 
 
+class WholeAlltoall:
+    """``AtomGraph.rank_alltoall`` of a graph holding the whole structure: one rank, its pieces its own."""
+
+    rank, size = 0, 1
+
+    def __call__(self, pieces: list) -> list:
+        return list(pieces)
+
+
 @dataclass
 class AtomGraph:
     """Input of every model.
@@ -73,6 +82,9 @@ class AtomGraph:
                 graph that holds all.
     rank_gather: ``rank_gather(x)`` → (every rank's ``x`` [n_r, ...] concatenated in rank order, the first row of
                 this rank's), differentiable, collective; (x, 0) for a graph that holds all.
+    rank_alltoall: ``rank_alltoall(pieces)``, ``pieces`` one 1-D tensor per rank → the pieces every rank sent this
+                one, in rank order, differentiable, collective; its ``rank`` and ``size`` say which of how many
+                ranks hold the structure (a mesh split over them: ``potentials.coulomb``). One rank for a whole graph.
     system:     per-structure inputs beside the geometry, {name: [B] an int or None per structure (None: the
                 model's own default)}, B the structures of the graph (1, or those of ``structure``): ``charge``
                 (e) and ``spin`` (multiplicity) as the data give them. None: every structure at the model's
@@ -94,6 +106,7 @@ class AtomGraph:
     pbc: tuple | None = None
     rank_sum: Callable[[torch.Tensor], torch.Tensor] = field(default_factory=lambda: _whole, repr=False, compare=False)
     rank_gather: Callable = field(default_factory=lambda: _gather_whole, repr=False, compare=False)
+    rank_alltoall: Callable = field(default_factory=WholeAlltoall, repr=False, compare=False)
     # per-edge features computed once on all edges and shared by the blocks (messages.edge_sum, plain path)
     edge_features_cache: dict = field(default_factory=dict, repr=False, compare=False)
 

@@ -61,6 +61,40 @@ def planted(fault: str, calls: list | None = None):
         FeatureHalo.__call__, Comm._reverse = refresh, reverse
 
 
+MESH_FAULTS = ("mesh's ghost planes not summed", "mesh's ghost planes not refreshed")
+
+
+@contextlib.contextmanager
+def mesh_fault(fault: str):
+    """Within it, ``fault`` (one of ``MESH_FAULTS``) in the halo of a mesh split over ranks (potentials.slab_mesh): a
+    brick's planes that other ranks own are not added into their slabs, or the potential's planes come back from
+    other ranks as zeros. The exchanges still run (lock-step)."""
+    from potentials.slab_mesh import _BrickRemap
+
+    if fault not in MESH_FAULTS:
+        raise ValueError(f"unknown mesh fault {fault!r}; one of {MESH_FAULTS}")
+    saved = _BrickRemap.to_slab if fault == MESH_FAULTS[0] else _BrickRemap.to_brick
+
+    def only_own(self, values):
+        exchange, rank = self.alltoall, self.alltoall.rank
+        if fault == MESH_FAULTS[0]:  # the pieces for other ranks sent as zeros
+            self.alltoall = lambda pieces: exchange([p if r == rank else torch.zeros_like(p)
+                                                     for r, p in enumerate(pieces)])
+        else:  # the pieces from other ranks received as zeros
+            self.alltoall = lambda pieces: [p if r == rank else torch.zeros_like(p)
+                                            for r, p in enumerate(exchange(pieces))]
+        try:
+            return saved(self, values)
+        finally:
+            self.alltoall = exchange
+
+    setattr(_BrickRemap, saved.__name__, only_own)
+    try:
+        yield
+    finally:
+        setattr(_BrickRemap, saved.__name__, saved)
+
+
 TALLY = {"planted": 0, "caught": 0}  # this process's fault checks, for a script's summary line
 
 

@@ -28,6 +28,11 @@ def born(method="ewald", accuracy=1e-8, pairs=FUMI_TOSI, cutoff=6.0):
                                  long_range={"method": method, "accuracy": accuracy})
 
 
+def born_with(**long_range):
+    return potentials.load_model(("born_coulomb", {"charges": {"Na": 1.0, "Cl": -1.0}, "pairs": FUMI_TOSI,
+                                                   "cutoff": 6.0}), long_range=long_range)
+
+
 def nacl_box(repeat=(2, 2, 2), shear=True, seed=3):
     atoms = bulk("NaCl", "rocksalt", a=5.64, cubic=True).repeat(repeat)
     if shear:
@@ -65,11 +70,13 @@ class GivenCharges(ChargeModel, Potential):
         return self.coulomb_energies(graph)
 
 
-@pytest.mark.parametrize("method", ["ewald", "pme", "p3m"])
+@pytest.mark.parametrize("method, mesh", [("ewald", "auto"), ("pme", "replicated"), ("pme", "distributed"),
+                                          ("p3m", "replicated"), ("p3m", "distributed")])
 @pytest.mark.parametrize("net_charge", [0.0, 1.5])
-def test_equals_torch_pme_own_calculator(method, net_charge):
+def test_equals_torch_pme_own_calculator(method, mesh, net_charge):
     """Uneven charges (as a model predicts them, net charge 0 or 1.5 e) on a sheared box: per-atom energies, forces
-    and dE/dε equal torch-pme's own calculator with the same split (its Ewald given our k-vectors) to 1e-12."""
+    and dE/dε equal torch-pme's own calculator with the same split (its Ewald given our k-vectors) to 1e-12, the mesh
+    held whole or as the one slab of potentials.slab_mesh (its bricks, transposes and k-space filter on one rank)."""
     import torchpme
     from vesin import NeighborList
 
@@ -77,7 +84,7 @@ def test_equals_torch_pme_own_calculator(method, net_charge):
     charges = np.random.default_rng(1).normal(0.0, 0.7, len(atoms))
     charges += (net_charge - charges.sum()) / len(atoms)
     cutoff = 6.0
-    model = GivenCharges(charges, cutoff, {"method": method, "accuracy": 1e-6})
+    model = GivenCharges(charges, cutoff, {"method": method, "accuracy": 1e-6, "mesh": mesh})
     x, graph = periodic_graph(model, atoms)
     ours = model(graph)
     dE_dpos, dE_dstrain = torch.autograd.grad(ours.sum(), [x.pos, x.strain])
@@ -266,8 +273,10 @@ def test_bad_input_is_named():
         (lambda: born("fmm"), "long_range.method 'fmm': one of ewald, pme, p3m"),
         (lambda: born("ewald", 0.0), "long_range.accuracy 0.0: a number in (0, 1)"),
         (lambda: potentials.load_model(("born_coulomb", {"charges": {"Na": 1.0, "Cl": -1.0}, "pairs": FUMI_TOSI,
-                                                         "cutoff": 6.0}), long_range={"method": "ewald", "mesh": 1}),
-         "long_range: unknown key(s) ['mesh']"),
+                                                         "cutoff": 6.0}), long_range={"method": "ewald", "grid": 1}),
+         "long_range: unknown key(s) ['grid']"),
+        (lambda: born_with(method="pme", mesh=1), "long_range.mesh 1: one of auto, replicated, distributed"),
+        (lambda: born_with(method="ewald", mesh="distributed"), "long_range.mesh 'distributed' is for pme and p3m"),
         (lambda: potentials.load_model(("born_coulomb", {"charges": {"Na": 1.0, "Cl": -1.0},
                                                          "pairs": {"Na-Cl": FUMI_TOSI["Na-Cl"]}, "cutoff": 6.0}),
                                        long_range={}), "pairs: no parameters for Na-Na, Cl-Cl"),
@@ -299,10 +308,10 @@ def test_a_reciprocal_part_that_does_not_fit_is_named(monkeypatch):
     assert np.isfinite(predict(born("p3m", 1e-4, pairs=ZERO_PAIRS), atoms)["energy"])
 
 
-@pytest.mark.parametrize("ranks", [3])
-def test_distributed_equals_one_process(mpirun, ranks):
-    rc, out, _ = mpirun(ranks, MPI_DIR / "long_range.py")
-    assert rc == 0 and f"long range P={ranks}: 0 failures" in out, out
+@pytest.mark.parametrize("ranks, only", [(3, ""), (4, "meshes")])  # "meshes": on 2 and 4 ranks, both meshes
+def test_distributed_equals_one_process(mpirun, ranks, only):
+    rc, out, _ = mpirun(ranks, MPI_DIR / "long_range.py", *([only] if only else []))
+    assert rc == 0 and f"long range P={ranks}{' ' + only if only else ''}: 0 failures" in out, out
 
 
 @needs("lammps")

@@ -1,12 +1,13 @@
 """AIMNet2 (potentials.adapters.aimnet, random weights from aimnet's own config, float64) distributed == one process
 (run under mpiexec -n P, P > 1).
 
-A periodic box of 8 water molecules (sheared cell) with Ewald and P3M, and a molecule pair (benzene and ethanol, no
-cell: every Coulomb pair), each neutral and with a total charge of +1 e: ``mlip_parallel.evaluate`` on P ranks (the
-automatic grid and P × 1 × 1) equals ``potentials.predict`` in one process (energy, per-atom energies, forces and
-stress to 1e-11 of their largest entry). The halo's faults (tests/faults.py: stale or zeroed ghost features and
-charges, ghost gradients not sent home) and the charge equilibration's and Coulomb's sums left as each rank's own part
-must each fail that comparison by orders of magnitude. Prints one line per case and "aimnet P=<ranks>: N failures".
+A periodic box of 8 water molecules (sheared cell) with Ewald and P3M (its mesh split over the ranks), and a molecule
+pair (benzene and ethanol, no cell: every Coulomb pair), each neutral and with a total charge of +1 e:
+``mlip_parallel.evaluate`` on P ranks (the automatic grid and P × 1 × 1), and on ranks 0 and 1 alone (2 ranks),
+equals ``potentials.predict`` in one process (energy, per-atom energies, forces and stress to 1e-11 of their largest
+entry). The halo's faults (tests/faults.py: stale or zeroed ghost features and charges, ghost gradients not sent
+home), the charge equilibration's and Coulomb's sums left as each rank's own part, and the mesh's halo broken must
+each fail that comparison by orders of magnitude. Prints one line per case and "aimnet P=<ranks>: N failures".
 
     aimnet_models.py [JOBS.json]      JOBS.json: mlip-train configs to run after (one launch pays aimnet's import once)
 """
@@ -21,7 +22,7 @@ import mlip_parallel  # noqa: E402
 import mlip_parallel.comm as comm  # noqa: E402
 import potentials  # noqa: E402
 from comparison import compare  # noqa: E402
-from faults import caught, tally  # noqa: E402
+from faults import MESH_FAULTS, caught, mesh_fault, tally  # noqa: E402
 from systems import benzene_and_ethanol as molecules, water_box  # noqa: E402
 
 torch.set_num_threads(1)
@@ -40,23 +41,27 @@ class WithoutRankSums:
 
 
 KEYS = ("energy", "energies", "forces", "stress")
+pairs = world.Split(world.rank // 2)  # ranks 0 and 1 together (P = 2), the others in pairs or alone
 failures = []
 for name, atoms, method in (("water box", water_box(), "ewald"), ("water box", water_box(), "p3m"),
                             ("molecules", molecules(), "ewald")):
+    mesh = "distributed" if method == "p3m" else "auto"  # (the replicated mesh: tests/mpi/long_range.py)
     model = potentials.load_model("aimnet:aimnet2", dtype="float64", weights_seed=3,
-                                  long_range={"method": method, "accuracy": 1e-6})
+                                  long_range={"method": method, "accuracy": 1e-6, "mesh": mesh})
     for charge in (0, 1):
         atoms.info["charge"] = charge
         reference = potentials.predict(model, atoms)
         reference = {k: reference[k] for k in KEYS if k in reference}
         label = f"{name}, {method if atoms.pbc.any() else 'every pair'}, charge {charge}"
-        for grid in (None, (world.size, 1, 1)):
-            got = mlip_parallel.evaluate(model, atoms, grid=grid)
+        for ranks, group, grid in ((world.size, world, None), (world.size, world, (world.size, 1, 1)),
+                                   (min(world.size, 2), pairs, None)):
+            got = mlip_parallel.evaluate(model, atoms, grid=grid, comm=group)
             c = compare({k: got[k] for k in reference}, reference, 1e-11)
             if world.rank == 0:
-                print(f"{'OK ' if c.ok else 'FAIL'} {label}, grid {grid or 'auto'}: {c.error:.2e}", flush=True)
+                print(f"{'OK ' if c.ok else 'FAIL'} {label}, {ranks} ranks, grid {grid or 'auto'}: {c.error:.2e}",
+                      flush=True)
             if not c.ok:
-                failures.append(c.message(f"{label} grid {grid}"))
+                failures.append(c.message(f"{label} {ranks} ranks grid {grid}"))
         if charge == 1 and method != "p3m":
             def run():
                 return mlip_parallel.evaluate(model, atoms)
@@ -70,6 +75,16 @@ for name, atoms, method in (("water box", water_box(), "ewald"), ("water box", w
                       flush=True)
             if not ok:
                 failures.append(f"{label}: the sums over ranks left out went unnoticed")
+        if charge == 1 and method == "p3m":  # the mesh split over the ranks, its halo broken
+            for fault in MESH_FAULTS:
+                with mesh_fault(fault):
+                    faulty = mlip_parallel.evaluate(model, atoms)
+                c = compare({k: faulty[k] for k in reference}, reference)
+                ok = c.beyond(1e-8)
+                if world.rank == 0:
+                    print(f"fault {'caught' if ok else 'MISSED'}: {label}, the {fault}: {c.error:.1e}", flush=True)
+                if not ok:
+                    failures.append(f"{label}: the {fault} went unnoticed")
 if world.rank == 0:
     print(f"aimnet P={world.size}: {len(failures)} failures {failures}; {tally()}", flush=True)
 if len(sys.argv) > 1:  # mlip-train configs to run in this launch too (tests/test_aimnet.py: data and graph parallel)

@@ -11,6 +11,7 @@ and with the sums over ranks left as each rank's own part (the structure factors
 cluster's gathered atoms) the comparison fails by orders of magnitude. Prints one line per case and "long range
 P=<ranks>: N failures".
 """
+import functools
 import os
 import sys
 
@@ -24,8 +25,12 @@ from mpi4py import MPI  # noqa: E402
 
 import mlip_parallel  # noqa: E402
 import mlip_parallel.comm as comm  # noqa: E402
+from mlip_parallel.evaluate import Decomposition, forward_decomposed, ghost_reach  # noqa: E402
+from potentials.graph import system_of  # noqa: E402
 import potentials  # noqa: E402
+import faults  # noqa: E402
 from comparison import compare  # noqa: E402
+from faults import MESH_FAULTS  # noqa: E402
 from md.engine import MDSystem, run  # noqa: E402
 from md.integrators import VelocityVerlet  # noqa: E402
 
@@ -36,10 +41,10 @@ FUMI_TOSI = {"Na-Na": [0.2637, 0.317, 2.340, 1.0486, -0.4993], "Na-Cl": [0.2110,
 ACCURACY = {"ewald": 1e-7, "pme": 1e-5, "p3m": 1e-5}
 
 
-def model(method):
+def model(method, mesh="auto"):
     return potentials.load_model(("born_coulomb", {"charges": {"Na": 1.0, "Cl": -1.0}, "pairs": FUMI_TOSI,
                                                    "cutoff": 6.0}),
-                                 long_range={"method": method, "accuracy": ACCURACY[method]})
+                                 long_range={"method": method, "accuracy": ACCURACY[method], "mesh": mesh})
 
 
 def box(charged=False, cluster=False):
@@ -67,6 +72,12 @@ def without_rank_sums(function, *args, **kwargs):
         comm.RankSum.__call__, comm.RankGather.__call__ = summed, gathered
 
 
+def mesh_fault(fault, function, *args, **kwargs):
+    """``function(*args, **kwargs)`` with ``fault`` (one of ``MESH_FAULTS``) in the distributed mesh's halo."""
+    with faults.mesh_fault(fault):
+        return function(*args, **kwargs)
+
+
 failures = []
 
 
@@ -78,57 +89,89 @@ def check(name, got, want, tolerance):
         failures.append(c.message(name))
 
 
-size = world.size
-for method in ("ewald", "pme", "p3m"):
-    for charged, cluster in ((False, False), (True, False)) + (((True, True),) if method == "ewald" else ()):
-        atoms, m = box(charged, cluster), model(method)
-        reference = results(potentials.predict(m, atoms))
-        grids = (None, (size, 1, 1), (1, 1, size)) if not charged else (None,)
-        for grid in grids:
-            got = results(mlip_parallel.evaluate(m, atoms, grid=grid))
-            what = " charged cluster" if cluster else " charged" if charged else ""
-            check(f"{method}{what} grid {grid or 'auto'}", got, reference, 1e-11)
-        if charged and not cluster:
-            continue
-        faulty = results(without_rank_sums(mlip_parallel.evaluate, m, atoms))
-        c = compare(faulty, reference)
-        name = f"{method}{' cluster' if cluster else ''} without the sums over ranks"
-        if world.rank == 0:
-            print(f"{'OK ' if c.error > 1e-3 else 'FAIL'} {name} differs: {c.error:.2e}", flush=True)
-        if not c.error > 1e-3:
-            failures.append(f"{name}: the fault went unnoticed ({c.error:.2e})")
+def fault_caught(name, result, reference):
+    c = compare(result, reference)
+    if world.rank == 0:
+        print(f"{'OK ' if c.error > 1e-3 else 'FAIL'} {name} differs: {c.error:.2e}", flush=True)
+    if not c.error > 1e-3:
+        failures.append(f"{name}: the fault went unnoticed ({c.error:.2e})")
 
-# a PaiNN with a charge head (its charges shifted to each structure's total: a sum over ranks), charged box and cluster
-for cluster in (False, True):
+
+size = world.size
+MESHES_ONLY = sys.argv[1:] == ["meshes"]
+# (ranks, communicator) the evaluations run on: all ranks; with "meshes" also pairs of ranks (2 and P in one launch)
+GROUPS = ((size, world),) + (((2, world.Split(world.rank // 2)),) if MESHES_ONLY and size % 2 == 0 else ())
+for method in ("ewald", "pme", "p3m") if not MESHES_ONLY else ("pme", "p3m"):
+    for charged, cluster in ((False, False), (True, False)) + (((True, True),) if method == "ewald" else ()):
+        if MESHES_ONLY and charged:
+            continue
+        atoms = box(charged, cluster)
+        for mesh in ("replicated", "distributed") if method != "ewald" else ("auto",):
+            m = model(method, mesh)
+            reference = results(potentials.predict(m, atoms))
+            what = (" charged cluster" if cluster else " charged" if charged else "") + \
+                (f" {mesh} mesh" if mesh != "auto" else "")
+            for ranks, group in GROUPS:
+                for grid in (None, (ranks, 1, 1), (1, 1, ranks)) if not charged else (None,):
+                    got = results(mlip_parallel.evaluate(m, atoms, grid=grid, comm=group))
+                    check(f"{method}{what} {ranks} ranks grid {grid or 'auto'}", got, reference, 1e-11)
+            if (charged and not cluster) or MESHES_ONLY:
+                continue
+            planted_faults = (("without the sums over ranks", without_rank_sums),) if mesh != "distributed" else \
+                tuple((f"with the {fault}", functools.partial(mesh_fault, fault)) for fault in MESH_FAULTS)
+            for fault, planted in planted_faults:
+                fault_caught(f"{method}{what} {fault}", results(planted(mlip_parallel.evaluate, m, atoms)), reference)
+
+# a PaiNN with a charge head (its charges shifted to each structure's total: a sum over ranks), charged box (both
+# meshes) and cluster; and the parameter gradient of a force loss through the distributed mesh (training's second
+# derivative: the slab FFT's transposes and the mesh halo differentiated twice) against one process
+def painn(mesh="auto"):
+    return potentials.PaiNN(["Na", "Cl"], cutoff=5.0, features=16, layers=2, charges=True, seed=0,
+                            long_range={"method": "p3m", "accuracy": 1e-5, "mesh": mesh}).double()
+
+
+def force_loss_gradient(model, atoms, backend):
+    """d(Σ F² + E)/dθ of ``model``'s parameters, the structure decomposed over ``backend``'s ranks (summed over them)."""
+    part = Decomposition(atoms, ghost_reach(model, "layerwise"), backend)
+    energies, forces, _ = forward_decomposed(model, part, "layerwise", create_graph=True, system=system_of(atoms.info))
+    grads = torch.autograd.grad((forces**2).sum() + energies.sum(), list(model.parameters()), allow_unused=True)
+    flat = torch.cat([g.reshape(-1) if g is not None else p.new_zeros(p.numel())
+                      for g, p in zip(grads, model.parameters())])
+    return backend.allreduce(flat.detach().numpy())
+
+
+for cluster, mesh in ((False, "replicated"), (False, "distributed"), (True, "auto")) if not MESHES_ONLY else ():
     atoms = box(charged=True, cluster=cluster)
     atoms.info["charge"] = 1
-    painn = potentials.PaiNN(["Na", "Cl"], cutoff=5.0, features=16, layers=2, charges=True, seed=0,
-                             long_range={"method": "p3m", "accuracy": 1e-5}).double()
-    reference = results(potentials.predict(painn, atoms))
-    label = f"PaiNN with charges{' cluster' if cluster else ''}"
-    check(f"{label} grid auto", results(mlip_parallel.evaluate(painn, atoms)), reference, 1e-11)
-    c = compare(results(without_rank_sums(mlip_parallel.evaluate, painn, atoms)), reference)
-    if world.rank == 0:
-        print(f"{'OK ' if c.error > 1e-3 else 'FAIL'} {label} without the sums over ranks differs: {c.error:.2e}",
-              flush=True)
-    if not c.error > 1e-3:
-        failures.append(f"{label}: the fault went unnoticed ({c.error:.2e})")
+    charged_painn = painn(mesh)
+    reference = results(potentials.predict(charged_painn, atoms))
+    label = f"PaiNN with charges{' cluster' if cluster else f' {mesh} mesh'}"
+    check(f"{label} grid auto", results(mlip_parallel.evaluate(charged_painn, atoms)), reference, 1e-11)
+    fault_caught(f"{label} without the sums over ranks",
+                 results(without_rank_sums(mlip_parallel.evaluate, charged_painn, atoms)), reference)
+    if mesh == "distributed":
+        serial = world.bcast(force_loss_gradient(charged_painn, atoms, mlip_parallel.SerialBackend())
+                             if world.rank == 0 else None)
+        backend = mlip_parallel.get_backend("mpi")
+        check(f"{label}: d(force loss)/dθ", force_loss_gradient(charged_painn, atoms, backend), serial, 1e-10)
+        fault_caught(f"{label}: d(force loss)/dθ with the {MESH_FAULTS[0]}",
+                     mesh_fault(MESH_FAULTS[0], force_loss_gradient, charged_painn, atoms, backend), serial)
 
 # mlip-md's engine, NVE: P ranks == one rank
 COLUMNS = ("temperature_K", "epot_eV", "ekin_eV", "etot_eV", "pressure_GPa")
-start = box()
-thermalize_momenta(start, temperature_K=1200, rng=np.random.default_rng(5), comm=DummyMPI())
 
 
-def simulate(backend):
+def simulate(start, backend):
     system = MDSystem.from_atoms(model("ewald"), start, skin=1.0, comm=backend)
     rows = run(system, VelocityVerlet(2.0), 40, thermo_every=10)
     return np.array([[row[c] for c in COLUMNS] for row in rows])
 
 
-serial = simulate(mlip_parallel.SerialBackend()) if world.rank == 0 else None
-serial = world.bcast(serial)
-check("NVE 40 steps, thermo vs one rank", simulate(None), serial, 1e-9)
+if not MESHES_ONLY:
+    start = box()
+    thermalize_momenta(start, temperature_K=1200, rng=np.random.default_rng(5), comm=DummyMPI())
+    serial = world.bcast(simulate(start, mlip_parallel.SerialBackend()) if world.rank == 0 else None)
+    check("NVE 40 steps, thermo vs one rank", simulate(start, None), serial, 1e-9)
 if world.rank == 0:
-    print(f"long range P={size}: {len(failures)} failures {failures}", flush=True)
+    print(f"long range P={size}{' meshes' if MESHES_ONLY else ''}: {len(failures)} failures {failures}", flush=True)
 sys.exit(1 if failures else 0)
