@@ -3,10 +3,13 @@ energy conservation in mlip-md.
 
 The born_coulomb family (NaCl's Fumi–Tosi parameters, cutoff 9 Å, pairs shifted to zero at the cutoff) on rattled
 rocksalt NaCl boxes, energy + forces + stress through ``mlip_parallel.evaluate``, one thread per rank. Per size and
-solver: seconds per call on 1 and 2 ranks (each a fresh ``mpiexec`` job), the long-range share (1 − the call's time
+solver: seconds per call on 1 and 2 ranks (each a fresh ``mpiexec`` job, glibc's malloc keeping freed memory as the
+tools set it), the long-range share (1 − the call's time
 with the Coulomb term replaced by zeros / the full call's, measured side by side in the same job), and the peak
-resident memory per atom above the job's start. The replicated mesh (every rank transforms the whole mesh) is the
-form measured; Ewald is run only up to ``--ewald-max`` atoms (its cost grows as N^1.5 and more).
+resident memory per atom above the job's start. The meshes (PME, P3M) on more than one rank run both ways, side by side:
+replicated (every rank sums and transforms the whole mesh) and distributed (each rank a slab: potentials.slab_mesh),
+which is the crossover ``long_range.mesh: auto`` picks by. Ewald is run only up to ``--ewald-max`` atoms (its cost
+grows as N^1.5 and more).
 
 ``--errors`` prints the force error each method reaches against the accuracy asked for (64 ions, against Ewald at
 1e-12). ``--nve`` runs mlip-md: a molten NaCl box (216 ions, velocities of 2,800 K: about 1,400 K once shared with
@@ -14,6 +17,7 @@ the potential energy) for 1,000 NVE steps of 1 fs with Ewald at accuracy 1e-6, a
 and fluctuation.
 
     python benchmarks/long_range.py [--atoms 1000,8000,27000,64000] [--methods ewald,pme,p3m] [--ranks 1,2]
+                                    [--meshes replicated,distributed]
     python benchmarks/long_range.py --nve
     python benchmarks/long_range.py --errors
 """
@@ -55,13 +59,16 @@ def worker(args) -> None:
 
     import mlip_parallel
     import potentials
+    from mlip_parallel.allocator import keep_freed_memory
     from mlip_parallel.backend import get_backend
     from potentials.coulomb import Coulomb
 
     torch.set_num_threads(1)
+    keep_freed_memory()  # as mlip-md, mlip-lammps and the calculator do (mlip_parallel.allocator)
     backend = get_backend()
     start_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    model = potentials.load_model(("born_coulomb", SPEC), long_range={"method": args.method, "accuracy": args.accuracy})
+    model = potentials.load_model(("born_coulomb", SPEC), long_range={"method": args.method, "accuracy": args.accuracy,
+                                                                     "mesh": args.mesh})
     atoms = box(args.atoms)
     mlip_parallel.evaluate(model, atoms)  # warm-up (and the split, kept)
     real_forward, times = Coulomb.forward, {"full": [], "short": []}
@@ -79,14 +86,17 @@ def worker(args) -> None:
     peaks = backend.allgather((peak - start_rss) * 1024)
     smearing, resolution = next(iter(model.long_range._splits.values()))
     if backend.rank == 0:
+        from torchpme.lib import get_ns_mesh
+
         full, short = min(times["full"]), min(times["short"])
+        mesh = [int(n) for n in get_ns_mesh(torch.tensor(atoms.cell[:]), resolution)] if args.method != "ewald" else []
         print(json.dumps({"full": full, "short": short, "share": 1 - short / full, "peak_bytes": max(peaks),
-                          "smearing": smearing, "resolution": resolution}))
+                          "smearing": smearing, "resolution": resolution, "mesh": mesh}))
 
 
-def run_job(ranks: int, method: str, atoms: int, calls: int, accuracy: float) -> dict:
+def run_job(ranks: int, method: str, atoms: int, calls: int, accuracy: float, mesh: str = "auto") -> dict:
     command = launcher_command(ranks) + [__file__, "--worker", "--method", method, "--atoms", str(atoms), "--calls",
-                                         str(calls), "--accuracy", str(accuracy)]
+                                         str(calls), "--accuracy", str(accuracy), "--mesh", mesh]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode:
@@ -95,22 +105,25 @@ def run_job(ranks: int, method: str, atoms: int, calls: int, accuracy: float) ->
 
 
 def scaling(args) -> None:
-    print(f"{'method':6s} {'atoms':>7s} {'ranks':>5s} {'s/call':>8s} {'LR share':>8s} {'speed-up':>8s} "
-          f"{'KB/atom':>8s}  split (smearing Å, resolution Å)", flush=True)
+    print(f"{'method':6s} {'atoms':>7s} {'ranks':>5s} {'mesh':>11s} {'s/call':>8s} {'LR share':>8s} {'speed-up':>8s} "
+          f"{'KB/atom':>8s}  split (smearing Å, resolution Å), mesh points", flush=True)
     for method in args.methods.split(","):
         for atoms in (int(a) for a in args.atoms.split(",")):
             if method == "ewald" and atoms > args.ewald_max:
                 continue
             one = None
             for ranks in (int(r) for r in args.ranks.split(",")):
-                got = run_job(ranks, method, atoms, args.calls, args.accuracy)
-                if "error" in got:
-                    print(f"{method:6s} {atoms:7d} {ranks:5d} error: {got['error']}", flush=True)
-                    continue
-                one = got["full"] if one is None else one
-                print(f"{method:6s} {atoms:7d} {ranks:5d} {got['full']:8.3f} {got['share']:8.2f} "
-                      f"{one / got['full']:8.2f} {got['peak_bytes'] / atoms / 1e3:8.2f}  "
-                      f"({got['smearing']:.3f}, {got['resolution']:.3f})", flush=True)
+                meshes = args.meshes.split(",") if method != "ewald" and ranks > 1 else ["auto"]
+                for mesh in meshes:
+                    got = run_job(ranks, method, atoms, args.calls, args.accuracy, mesh)
+                    if "error" in got:
+                        print(f"{method:6s} {atoms:7d} {ranks:5d} {mesh:>11s} error: {got['error']}", flush=True)
+                        continue
+                    one = got["full"] if one is None else one
+                    print(f"{method:6s} {atoms:7d} {ranks:5d} {mesh:>11s} {got['full']:8.3f} {got['share']:8.2f} "
+                          f"{one / got['full']:8.2f} {got['peak_bytes'] / atoms / 1e3:8.2f}  "
+                          f"({got['smearing']:.3f}, {got['resolution']:.3f}) {'x'.join(map(str, got['mesh']))}",
+                          flush=True)
 
 
 def nve(args) -> None:
@@ -175,6 +188,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2)
     parser.add_argument("--accuracy", type=float, default=1e-5)
     parser.add_argument("--ewald-max", type=int, default=8000)
+    parser.add_argument("--meshes", default="replicated,distributed")
+    parser.add_argument("--mesh", default="auto", help=argparse.SUPPRESS)
     parser.add_argument("--nve", action="store_true")
     parser.add_argument("--errors", action="store_true")
     parser.add_argument("--steps", type=int, default=1000)

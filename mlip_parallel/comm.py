@@ -362,14 +362,19 @@ def _alltoall(backend, pieces: list) -> list:
         dest, source = (rank + step) % size, (rank - step) % size
         piece = pieces[dest]
         out = backend.sendrecv(torch.view_as_real(piece) if piece.is_complex() else piece, dest, source)
-        received[source] = torch.view_as_complex(out.contiguous()) if piece.is_complex() else out
+        if piece.is_complex():  # (an empty piece has no stride-1 pair to view)
+            out = torch.view_as_complex(out.contiguous()) if len(out) else out.new_zeros(0, dtype=piece.dtype)
+        received[source] = out
     return received
 
 
 class RankAlltoall:
     """``AtomGraph.rank_alltoall`` over a decomposition: ``pieces`` (one 1-D tensor per rank, of one dtype) sent to
     their ranks, the pieces every rank sent here returned in rank order, differentiable (collective). ``rank`` and
-    ``size`` say which of how many ranks this is (a mesh split over the ranks reads them)."""
+    ``size`` say which of how many ranks this is (a mesh split over the ranks reads them). Its backward is
+    collective too, and autograd runs it only where the pieces lie on a path from the inputs differentiated to the
+    result: a caller derives every piece from its data (an empty one as a slice of it) and uses every returned
+    piece in the next step (an empty one times 0), on every rank alike, whatever a rank's share."""
 
     def __init__(self, backend):
         self.backend, self.rank, self.size = backend, backend.rank, backend.size

@@ -21,7 +21,8 @@ DTYPE_HELP = ("float32 or float64 (default: the model's own, as its file or pack
 
 LONG_RANGE_HELP = ("the Coulomb energy of a model's charges summed over the whole periodic structure: {method: ewald | "
                    "pme | p3m, accuracy: 1.0e-6} (the force error between two unit charges 1 Å apart; smearing and "
-                   "resolution in Å fix the split instead); for a model that predicts charges, e.g. born_coulomb")
+                   "resolution in Å fix the split instead; mesh: auto | replicated | distributed, how ranks hold "
+                   "a PME/P3M mesh); for a model that predicts charges, e.g. born_coulomb")
 
 
 def model_families(trainable: bool = False) -> list:

@@ -6,8 +6,9 @@ E = ½ Σ_i Σ_j q_i q_j v(r_ij) over every pair and periodic image, split as Ew
 k-vectors, or a charge mesh and its FFT). Per atom, E_i = q_i V_i with V_i torch-pme's potential (already halved), so
 the owned atoms' energies of every rank add up to E. Under a decomposition each rank spreads only its owned atoms'
 charges; the structure factors (Ewald) or the mesh (PME, P3M) and the total charge are summed over the ranks by
-``graph.rank_sum`` (differentiable: its gradient is summed back), then each rank interpolates its own atoms. One process
-is the same code with ``rank_sum`` the identity.
+``graph.rank_sum`` (differentiable: its gradient is summed back), then each rank interpolates its own atoms; or the
+mesh is split over the ranks in slabs (``mesh``; ``potentials.slab_mesh``). One process is the same code with
+``rank_sum`` the identity.
 
 The splitting (torch-pme's ``smearing``) and the reciprocal resolution (``lr_wavelength`` for Ewald, ``mesh_spacing``
 for the meshes) follow from ``accuracy`` through torch-pme's error bounds, deterministically (torch-pme's own tuners
@@ -29,7 +30,7 @@ from .slab_mesh import mesh_potential
 
 METHODS = ("ewald", "pme", "p3m")
 MESHES = ("auto", "replicated", "distributed")
-DISTRIBUTED_MESH_FROM = 32**3  # mesh points from which "auto" splits the mesh over the ranks (benchmarks/long_range.py)
+DISTRIBUTED_MESH_FROM = 128**3  # mesh points from which "auto" splits the mesh over the ranks (benchmarks/long_range.py)
 COULOMB_EV_A = 14.399645478425667  # e²/(4πε0) in eV·Å (torchpme.prefactors.eV_A)
 MAX_EWALD_N = 64  # the finest Ewald grid tried: lr_wavelength = the cell's shortest vector / n
 MAX_MESH_EXPONENT = 9  # the finest mesh tried: 2**9 points along a vector
@@ -221,6 +222,8 @@ class Coulomb(torch.nn.Module):
         # real space: V_i = ½ Σ_j q_j erfc-screened 1/r_ij over the edges (a full list: each pair from both ends)
         screened = calculator.potential.sr_from_dist(distances).unsqueeze(-1) * q[j]
         real = torch.zeros_like(q).index_add(0, i, screened)[:n_local] / 2
+        if split_mesh is not None:  # the mesh's exchanges before the halo's in the backward pass, on every rank
+            positions = positions + 0 * distances[:1].sum()  # (the edges come through the halo: tied, in one order)
         reciprocal = self._reciprocal(calculator, q[:n_local], cell, positions, resolution, rank_sum, split_mesh)
         return (q[:n_local] * (real + reciprocal)).reshape(-1)
 

@@ -20,7 +20,6 @@ k-vectors and weights read the strained cell) and training's second derivatives 
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import torch
@@ -52,6 +51,13 @@ def mesh_potential(calculator, q: torch.Tensor, positions: torch.Tensor, cell: t
     return values.reshape(-1, 1)
 
 
+def _tied(tensor: torch.Tensor, received: list) -> torch.Tensor:
+    """``tensor`` + 0 × the ``received`` pieces (or a step's data): every exchange takes its pieces from the step before
+    and feeds the step after on every rank, whatever its share (no atoms, no planes, empty pieces), so that autograd
+    runs the exchanges' backwards (collective) on every rank, in one chain, in the same order."""
+    return tensor + 0 * sum((p[:1].real if p.is_complex() else p[:1]).sum() for p in received)
+
+
 def _arc(indices: torch.Tensor, n: int) -> tuple:
     """(start, extent): the shortest periodic run of the mesh indices 0..n−1 that holds every one of ``indices``
     (extent n when no index is left out; 0 when there are none)."""
@@ -65,44 +71,80 @@ def _arc(indices: torch.Tensor, n: int) -> tuple:
     return int(occupied[(k + 1) % len(occupied)]), n - int(gaps[k])
 
 
+def _runs(first: int, count: int, n: int) -> list:
+    """The periodic run of mesh indices first, first + 1, … (``count`` of them, ≤ ``n``) mod ``n`` as at most two plain
+    runs: [(offset in the run, first index, length)]."""
+    start = first % n
+    head = min(count, n - start)
+    return [(0, start, head)] + ([(head, 0, count - head)] if count > head else [])
+
+
+def _blocks(header: list, ny: int, nz: int) -> tuple:
+    """(the piece's shape [k, ey, ez], [(piece slices, slab slices)]) of the planes a brick sent: ``header`` is ey, ez,
+    sy, sz, then (first slab plane, count) per run of planes; the slab is [lx, ny, nz]."""
+    ey, ez, sy, sz, *x_runs = header
+    blocks, row = [], 0
+    for first, count in zip(x_runs[::2], x_runs[1::2]):
+        for y_off, y, y_len in _runs(sy, ey, ny):
+            for z_off, z, z_len in _runs(sz, ez, nz):
+                blocks.append(((slice(row, row + count), slice(y_off, y_off + y_len), slice(z_off, z_off + z_len)),
+                               (slice(first, first + count), slice(y, y + y_len), slice(z, z + z_len))))
+        row += count
+    return (row, ey, ez), blocks
+
+
 class _BrickRemap:
     """This rank's brick (``arcs``: (start, extent) along x, y, z of the mesh ``shape``) to and from the ranks' slabs
-    of x planes: which brick planes go to which rank, and where the planes each rank sent land in this slab."""
+    of x planes: which runs of brick planes go to which rank, and where the planes each rank sent lie in this slab
+    (slices, no index arrays)."""
 
     def __init__(self, arcs, shape, alltoall):
         (sx, ex), (sy, ey), (sz, ez) = arcs
         nx, ny, nz = shape
-        self.alltoall, self.size, self.extent = alltoall, alltoall.size, (ex, ey, ez)
-        self.first, stop = slab(nx, self.size, alltoall.rank)
-        planes = (sx + torch.arange(ex)) % nx  # the brick's planes, as mesh planes
-        bounds = torch.tensor([slab(nx, self.size, r)[0] for r in range(self.size)] + [nx])
-        owner = torch.searchsorted(bounds, planes, right=True) - 1
-        self.sent = [torch.nonzero(owner == r).flatten() for r in range(self.size)]  # brick planes for rank r
-        headers = [torch.cat([torch.tensor([ey, ez, sy, sz]), planes[rows] - slab(nx, self.size, r)[0]])
-                   for r, rows in enumerate(self.sent)]
-        self.landing = []  # per rank: the flat slab indices [k·ey'·ez'] its planes add into
-        for header in alltoall(headers):
-            ey_s, ez_s, sy_s, sz_s = header[:4].tolist()
-            y = (sy_s + torch.arange(ey_s)) % ny
-            z = (sz_s + torch.arange(ez_s)) % nz
-            self.landing.append(((header[4:, None, None] * ny + y[None, :, None]) * nz + z[None, None, :]).flatten())
-        self.slab_shape = (stop - self.first, ny, nz)
+        self.alltoall, self.extent = alltoall, (ex, ey, ez)
+        first, stop = slab(nx, alltoall.size, alltoall.rank)
+        self.slab_shape = (stop - first, ny, nz)
+        self.sent, headers = [], []  # per rank: the runs of brick planes it gets [(row, count)], and their header
+        for r in range(alltoall.size):
+            x0, x1 = slab(nx, alltoall.size, r)
+            rows, header = [], [ey, ez, sy, sz]
+            for offset, plane, count in _runs(sx, ex, nx) if ex else ():
+                lo, hi = max(plane, x0), min(plane + count, x1)
+                if lo < hi:
+                    rows.append((offset + lo - plane, hi - lo))
+                    header += [lo - x0, hi - lo]
+            self.sent.append(rows)
+            headers.append(torch.tensor(header))
+        self.received = [_blocks(h.tolist(), ny, nz) for h in alltoall(headers)]
 
     def to_slab(self, brick: torch.Tensor) -> torch.Tensor:
         """The slab [lx, ny, nz]: every rank's brick planes that fall in it, summed."""
-        device = brick.device
-        received = self.alltoall([brick[rows.to(device)].reshape(-1) for rows in self.sent])
-        index = torch.cat(self.landing).to(device)
-        flat = brick.new_zeros(math.prod(self.slab_shape)).index_add(0, index, torch.cat(received))
-        return flat.reshape(self.slab_shape)
+        pieces = [torch.cat([brick[row:row + count] for row, count in rows]).reshape(-1) if rows
+                  else brick.reshape(-1)[:0] for rows in self.sent]
+        received = self.alltoall(pieces)
+        out = _tied(brick.new_zeros(self.slab_shape), received)
+        for (shape, blocks), piece in zip(self.received, received):
+            piece = piece.reshape(shape)
+            for inside, there in blocks:
+                out[there] += piece[inside]
+        return out
 
     def to_brick(self, values: torch.Tensor) -> torch.Tensor:
         """This rank's brick of ``values`` [lx, ny, nz] (a slab on every rank): the adjoint of ``to_slab``."""
-        device, flat = values.device, values.reshape(-1)
-        returned = self.alltoall([flat[index.to(device)] for index in self.landing])
-        rows = torch.cat(self.sent).to(device)
-        ex, ey, ez = self.extent
-        return values.new_zeros(self.extent).index_copy(0, rows, torch.cat(returned).reshape(-1, ey, ez))
+        pieces = []
+        for shape, blocks in self.received:
+            piece = _tied(values.new_zeros(shape), [values.reshape(-1)])
+            for inside, there in blocks:
+                piece[inside] = values[there]
+            pieces.append(piece.reshape(-1))
+        returned = self.alltoall(pieces)
+        brick, ey, ez = _tied(values.new_zeros(self.extent), returned), self.extent[1], self.extent[2]
+        for rows, piece in zip(self.sent, returned):
+            piece, start = piece.reshape(sum(count for _, count in rows), ey, ez), 0
+            for row, count in rows:
+                brick[row:row + count] = piece[start:start + count]
+                start += count
+        return brick
 
 
 def _convolve(mesh: torch.Tensor, calculator, cell: torch.Tensor, shape, alltoall) -> torch.Tensor:
@@ -114,14 +156,18 @@ def _convolve(mesh: torch.Tensor, calculator, cell: torch.Tensor, shape, alltoal
     y_slabs = [slab(ny, size, r) for r in range(size)]
     half = nz // 2 + 1
     lx, (y0, y1) = mesh.shape[0], y_slabs[rank]
-    transformed = torch.fft.fft(torch.fft.rfft(mesh, dim=2, norm="backward"), dim=1, norm="backward")
+    # (an FFT library may refuse an empty transform: a rank that owns no planes has none to do)
+    transformed = torch.fft.rfft2(mesh, dim=(1, 2), norm="backward") if mesh.numel() else _tied(
+        mesh.new_zeros((lx, ny, half), dtype=torch.complex128 if mesh.dtype == torch.float64 else torch.complex64),
+        [mesh.reshape(-1)])
     parts = alltoall([transformed[:, a:b].reshape(-1) for a, b in y_slabs])
     columns = torch.cat([p.reshape(b - a, y1 - y0, half) for p, (a, b) in zip(parts, x_slabs)], dim=0)
     filtered = torch.fft.ifft(torch.fft.fft(columns, dim=0, norm="backward") * _filter(calculator, cell, shape, y0, y1),
-                              dim=0, norm="forward")
+                              dim=0, norm="forward") if columns.numel() else columns
     parts = alltoall([filtered[a:b].reshape(-1) for a, b in x_slabs])
     rows = torch.cat([p.reshape(lx, b - a, half) for p, (a, b) in zip(parts, y_slabs)], dim=1)
-    return torch.fft.irfft(torch.fft.ifft(rows, dim=1, norm="forward"), n=nz, dim=2, norm="forward")
+    return torch.fft.irfft2(rows, s=(ny, nz), dim=(1, 2), norm="forward") if rows.numel() else \
+        _tied(mesh.new_zeros((lx, ny, nz)), [rows.reshape(-1)])
 
 
 def _filter(calculator, cell: torch.Tensor, shape, y0: int, y1: int) -> torch.Tensor:

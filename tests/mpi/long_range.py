@@ -1,15 +1,17 @@
 """The long-range Coulomb term distributed == one process (run under mpiexec -n P, P > 1).
 
 The born_coulomb family (NaCl's Fumi–Tosi parameters) on a sheared, rattled NaCl box of 96 ions, each solver (Ewald,
-PME, P3M): ``mlip_parallel.evaluate`` on P ranks on the automatic grid and on P × 1 × 1 and 1 × 1 × P equals
-``potentials.predict`` in one process (energy, per-atom energies, forces and stress to 1e-11 relative to their
-largest entry); the same with a net charge of +1 e (one Cl removed: the neutralising background's total charge is a
-sum over ranks), and for that box as a cluster (periodic in no direction: every pair summed, the atoms gathered from
-every rank); a PaiNN with a charge head (P3M) on the charged box and cluster (its charges shifted to the total over
-the ranks); 40 NVE steps of mlip-md's engine on P ranks equal the engine on one rank (thermo to 1e-9 relative);
-and with the sums over ranks left as each rank's own part (the structure factors or mesh, the total charge; the
-cluster's gathered atoms) the comparison fails by orders of magnitude. Prints one line per case and "long range
-P=<ranks>: N failures".
+PME and P3M, each mesh replicated and distributed): ``mlip_parallel.evaluate`` on the automatic grid, P × 1 × 1 and
+1 × 1 × P equals ``potentials.predict`` in one process (energy, per-atom energies, forces and stress to 1e-11
+relative to their largest entry), on P ranks and, for the meshes, on every rank count from P − 1 down to 2 in the same
+launch (sub-communicators); the same with a net charge of +1 e (one Cl removed: the neutralising background's total
+charge is a sum over ranks), and for that box as a cluster (periodic in no direction: every pair summed, the atoms
+gathered from every rank); a PaiNN with a charge head (P3M) on the charged box (both meshes) and cluster (its charges
+shifted to the total over the ranks), and the parameter gradient of a force loss through the distributed mesh against
+one process (a second derivative); 40 NVE steps of mlip-md's engine on P ranks equal the engine on one rank (thermo
+to 1e-9 relative). With the sums over ranks left as each rank's own part (the structure factors or replicated mesh,
+the total charge; the cluster's gathered atoms), or the distributed mesh's halo broken (tests/faults.py), the
+comparison fails by orders of magnitude. Prints one line per case and "long range P=<ranks>: N failures".
 """
 import functools
 import os
@@ -98,29 +100,45 @@ def fault_caught(name, result, reference):
 
 
 size = world.size
-MESHES_ONLY = sys.argv[1:] == ["meshes"]
-# (ranks, communicator) the evaluations run on: all ranks; with "meshes" also pairs of ranks (2 and P in one launch)
-GROUPS = ((size, world),) + (((2, world.Split(world.rank // 2)),) if MESHES_ONLY and size % 2 == 0 else ())
-for method in ("ewald", "pme", "p3m") if not MESHES_ONLY else ("pme", "p3m"):
+# (ranks in this rank's group, the group): every rank count k from P down to 2 in this one launch, ranks 0..k−1
+# together (the others in a group of their own, evaluating alike; rank 0 reports k)
+GROUPS = [(group.Get_size(), group) for group in (world.Split(0 if world.rank < k else 1) for k in range(size, 1, -1))]
+for method in ("ewald", "pme", "p3m"):
     for charged, cluster in ((False, False), (True, False)) + (((True, True),) if method == "ewald" else ()):
-        if MESHES_ONLY and charged:
-            continue
         atoms = box(charged, cluster)
         for mesh in ("replicated", "distributed") if method != "ewald" else ("auto",):
             m = model(method, mesh)
             reference = results(potentials.predict(m, atoms))
             what = (" charged cluster" if cluster else " charged" if charged else "") + \
                 (f" {mesh} mesh" if mesh != "auto" else "")
-            for ranks, group in GROUPS:
+            for ranks, group in GROUPS if method != "ewald" and not charged else GROUPS[:1]:
                 for grid in (None, (ranks, 1, 1), (1, 1, ranks)) if not charged else (None,):
                     got = results(mlip_parallel.evaluate(m, atoms, grid=grid, comm=group))
                     check(f"{method}{what} {ranks} ranks grid {grid or 'auto'}", got, reference, 1e-11)
-            if (charged and not cluster) or MESHES_ONLY:
+            if charged and not cluster:
                 continue
             planted_faults = (("without the sums over ranks", without_rank_sums),) if mesh != "distributed" else \
                 tuple((f"with the {fault}", functools.partial(mesh_fault, fault)) for fault in MESH_FAULTS)
             for fault, planted in planted_faults:
                 fault_caught(f"{method}{what} {fault}", results(planted(mlip_parallel.evaluate, m, atoms)), reference)
+
+# a mesh with fewer planes than ranks (a split given: 4 × 2 × 2 points), split over the ranks: some own no planes
+coarse = potentials.load_model(("born_coulomb", {"charges": {"Na": 1.0, "Cl": -1.0}, "pairs": FUMI_TOSI,
+                                                 "cutoff": 6.0}),
+                               long_range={"method": "pme", "smearing": 2.0, "resolution": 30.0, "mesh": "distributed"})
+reference = results(potentials.predict(coarse, box()))
+for ranks, group in GROUPS:
+    check(f"pme distributed 4 x 2 x 2 mesh {ranks} ranks", results(mlip_parallel.evaluate(coarse, box(), comm=group)),
+          reference, 1e-11)
+# the box's ions in half a cell twice as long: on a P × 1 × 1 grid the upper ranks own no atoms and their slabs no
+# brick (the exchanges' backward must still run on every rank)
+sparse = box()
+sparse.set_cell(sparse.cell[:] * np.array([[2.0], [1.0], [1.0]]), scale_atoms=False)
+reference = results(potentials.predict(model("p3m", "distributed"), sparse))
+for ranks, group in GROUPS:
+    check(f"p3m distributed, ions in half the cell, grid ({ranks}, 1, 1)",
+          results(mlip_parallel.evaluate(model("p3m", "distributed"), sparse, grid=(ranks, 1, 1), comm=group)),
+          reference, 1e-11)
 
 # a PaiNN with a charge head (its charges shifted to each structure's total: a sum over ranks), charged box (both
 # meshes) and cluster; and the parameter gradient of a force loss through the distributed mesh (training's second
@@ -140,7 +158,7 @@ def force_loss_gradient(model, atoms, backend):
     return backend.allreduce(flat.detach().numpy())
 
 
-for cluster, mesh in ((False, "replicated"), (False, "distributed"), (True, "auto")) if not MESHES_ONLY else ():
+for cluster, mesh in ((False, "replicated"), (False, "distributed"), (True, "auto")):
     atoms = box(charged=True, cluster=cluster)
     atoms.info["charge"] = 1
     charged_painn = painn(mesh)
@@ -167,11 +185,10 @@ def simulate(start, backend):
     return np.array([[row[c] for c in COLUMNS] for row in rows])
 
 
-if not MESHES_ONLY:
-    start = box()
-    thermalize_momenta(start, temperature_K=1200, rng=np.random.default_rng(5), comm=DummyMPI())
-    serial = world.bcast(simulate(start, mlip_parallel.SerialBackend()) if world.rank == 0 else None)
-    check("NVE 40 steps, thermo vs one rank", simulate(start, None), serial, 1e-9)
+start = box()
+thermalize_momenta(start, temperature_K=1200, rng=np.random.default_rng(5), comm=DummyMPI())
+serial = world.bcast(simulate(start, mlip_parallel.SerialBackend()) if world.rank == 0 else None)
+check("NVE 40 steps, thermo vs one rank", simulate(start, None), serial, 1e-9)
 if world.rank == 0:
-    print(f"long range P={size}{' meshes' if MESHES_ONLY else ''}: {len(failures)} failures {failures}", flush=True)
+    print(f"long range P={size}: {len(failures)} failures {failures}", flush=True)
 sys.exit(1 if failures else 0)
