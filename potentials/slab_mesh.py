@@ -16,10 +16,10 @@ of its transform [nx, ny, nz // 2 + 1] (a slab FFT, as LAMMPS's PPPM remaps bric
 
 The FFTs' normalisations are torch-pme's (none forward, none inverse, the volume divided outside). Every step is a
 torch op or ``rank_alltoall`` (differentiable; its adjoint is the same exchange backwards), so forces, stress (the
-k-vectors and weights read the strained cell) and training's second derivatives go through it.
+k-vectors and weights read the strained cell) and training's second derivatives go through it. The exchanges'
+backwards are collective: every rank runs the same chain of them (``_tied``), whatever its share.
 """
 from __future__ import annotations
-
 
 import numpy as np
 import torch
