@@ -30,6 +30,7 @@ from .slab_mesh import mesh_potential
 
 METHODS = ("ewald", "pme", "p3m")
 MESHES = ("auto", "replicated", "distributed")
+SETTINGS = ("method", "accuracy", "smearing", "resolution", "interpolation_nodes", "mesh")  # Coulomb's keywords
 DISTRIBUTED_MESH_FROM = 128**3  # mesh points from which "auto" splits the mesh over the ranks (benchmarks/long_range.py)
 COULOMB_EV_A = 14.399645478425667  # e²/(4πε0) in eV·Å (torchpme.prefactors.eV_A)
 MAX_EWALD_N = 64  # the finest Ewald grid tried: lr_wavelength = the cell's shortest vector / n
@@ -87,8 +88,7 @@ class Coulomb(torch.nn.Module):
     @property
     def settings(self) -> dict:
         """The constructor's keyword arguments (JSON-able): a checkpoint's ``long_range``."""
-        return {"method": self.method, "accuracy": self.accuracy, "smearing": self.smearing,
-                "resolution": self.resolution, "interpolation_nodes": self.interpolation_nodes, "mesh": self.mesh}
+        return {name: getattr(self, name) for name in SETTINGS}
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.settings.items() if v is not None and (k, v) != ("mesh", "auto"))
@@ -250,6 +250,7 @@ class Coulomb(torch.nn.Module):
 
         potential = calculator.potential
         volume = torch.abs(cell.det())
+        ns = get_ns_mesh(cell.detach(), resolution) if self.method != "ewald" else None  # the mesh's points per axis
         if self.method == "ewald":
             kvectors = ewald_kvectors(cell, resolution)
             green = potential.lr_from_k_sq(torch.sum(kvectors**2, dim=-1))
@@ -260,11 +261,9 @@ class Coulomb(torch.nn.Module):
             factors, charge = summed[:-1].reshape(local.shape), summed[-1:]
             values = torch.einsum("fkc,fki->ic", factors, trig) / volume
         elif split_mesh is not None:
-            ns = get_ns_mesh(cell.detach(), resolution)
             values = mesh_potential(calculator, q, positions, cell, ns, split_mesh) / volume
             charge = rank_sum(q.sum(dim=0))
         else:
-            ns = get_ns_mesh(cell.detach(), resolution)
             calculator.mesh_interpolator.update(cell, ns)
             calculator.kspace_filter.update(cell, ns)
             calculator.mesh_interpolator.compute_weights(positions)
@@ -351,11 +350,10 @@ class ChargeModel:
         if settings is None or isinstance(settings, Coulomb):
             coulomb = settings
         elif isinstance(settings, dict):
-            unknown = sorted(set(settings) - {"method", "accuracy", "smearing", "resolution", "interpolation_nodes",
-                                              "mesh"})
+            unknown = sorted(set(settings) - set(SETTINGS))
             if unknown:
-                raise LongRangeError(f"long_range: unknown key(s) {unknown}; it takes method, accuracy, smearing, "
-                                     "resolution, interpolation_nodes and mesh")
+                raise LongRangeError(f"long_range: unknown key(s) {unknown}; it takes {', '.join(SETTINGS[:-1])} and "
+                                     f"{SETTINGS[-1]}")
             coulomb = Coulomb(**settings)
         else:
             raise LongRangeError(f"long_range: a mapping such as {{method: ewald, accuracy: 1.0e-6}}, got {settings!r}")
