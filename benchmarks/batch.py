@@ -99,10 +99,11 @@ def family_calculator(args):
         from sevenn.calculator import SevenNetCalculator
 
         return SevenNetCalculator("7net-0")
-    if args.model == "cu-emt":
+    if args.model == "cu-emt":  # (as ours loads it, float32: the spec string would load it in float64)
+        import potentials
         from md.calculator import MLIPCalculator
 
-        return MLIPCalculator("cu-emt")
+        return MLIPCalculator(potentials.load_model("cu-emt"))
     from mace.calculators import MACECalculator
 
     return MACECalculator(model_paths=args.file, device="cpu", default_dtype="float32")

@@ -163,12 +163,15 @@ class BatchSizer:
     CPU it grows with the graph once the model's temporaries leave the cache (SevenNet-0 on one thread: 7 ms per atom
     at 8 atoms, 12 at 288), while a small graph pays the per-call overhead; which wins depends on the model.
     Candidates from one structure per graph up (``CANDIDATES``; on a CPU up to ``CPU_MAX_ATOMS``; the memory model
-    bounds every graph, ``leading_group``) are timed in turn while each is faster than all before it; the fastest is
-    kept. A candidate's trial is at least ``rounds`` evaluations after a warm-up call and ``trial_atoms`` atoms, its
-    cost their seconds per atom together (structures of different sizes weigh as they cost). ``record`` takes each evaluation's atoms and seconds."""
+    bounds every graph, ``leading_group``) are timed in turn until one costs more than ``TOLERANCE`` times the best
+    before it (a near tie, timing noise or two candidates that form the same graphs, goes on); the fastest is kept.
+    A candidate's trial is at least ``rounds`` evaluations after a warm-up call and ``trial_atoms`` atoms, its cost
+    their seconds per atom together (structures of different sizes weigh as they cost). ``record`` takes each
+    evaluation's atoms and seconds."""
 
     CANDIDATES = (1, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)  # 1: a structure alone
     CPU_MAX_ATOMS = 2048
+    TOLERANCE = 1.1  # the search ends at a candidate more than 10 % slower per atom than the best so far
 
     def __init__(self, model, max_atoms: float | None = None, rounds: int = 3, trial_atoms: int = 256):
         self.rounds, self.trial_atoms, self.trials, self.warm = rounds, trial_atoms, {}, False
@@ -200,7 +203,7 @@ class BatchSizer:
         if trial[0] < self.rounds or trial[1] < self.trial_atoms:
             return
         best = min(self.trials, key=self.cost)
-        if best != self.max_atoms or self.k == len(self.candidates) - 1:
+        if self.cost(self.max_atoms) > self.TOLERANCE * self.cost(best) or self.k == len(self.candidates) - 1:
             self.chosen = best
         else:
             self.k += 1

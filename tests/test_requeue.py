@@ -80,20 +80,23 @@ def follow(proc, lines, begun, started) -> None:
         begun.set()
 
 
-def requeue(cmd, cwd, env, started: str, delays, outputs=None) -> list:
+def requeue(cmd, cwd, env, started: str, delays, outputs=None, progress=None) -> list:
     """Run ``cmd`` in ``cwd`` as a batch scheduler requeues a job: the k-th launch is killed (SIGKILL to
-    its process group) ``delays[k]`` seconds after it prints a line holding ``started``, unless it
-    ended before; then once more to its end. Every launch must end killed or with status 0; the first
-    that exits 0 ends the job. Returns the launches' outcomes ("killed" or "done"); ``outputs`` (a list) gets each
-    launch's output."""
+    its process group) ``delays[k]`` seconds after it prints a line holding ``started`` (``progress``, a function
+    counting the work recorded so far: after the count first grows in this launch), unless it ended before; then
+    once more to its end. Every launch must end killed or with status 0; the first that exits 0 ends the job.
+    Returns the launches' outcomes ("killed" or "done"); ``outputs`` (a list) gets each launch's output."""
     outputs = [] if outputs is None else outputs
     outcomes = []
     for delay in delays:
+        recorded = progress() if progress else None
         proc = launch(cmd, cwd, env)
         lines, begun = [], threading.Event()
         reader = threading.Thread(target=follow, args=(proc, lines, begun, started))
         reader.start()
         begun.wait(HANG_GUARD)
+        while progress and progress() == recorded and proc.poll() is None:
+            time.sleep(0.02)
         try:
             proc.wait(timeout=delay)
         except subprocess.TimeoutExpired:
@@ -212,7 +215,8 @@ def test_mlip_md_killed_at_random_moments_and_requeued_equals_an_uninterrupted_r
 
 def test_mlip_batch_killed_at_random_moments_and_resumed_equals_an_uninterrupted_run(tmp_path):
     """mlip-batch relaxations (cu-emt, cell filter) of 12 structures on 2 ranks, killed at 3 seeded random moments
-    of the run and started again with resume: true (the last launch finds some done and does the rest): every
+    of the run (each after the launch recorded a structure: a batch's structures finish together, late in a launch)
+    and started again with resume: true (the last launch finds some done and does the rest): every
     structure is recorded exactly once over the ranks' parts,
     results.extxyz holds each once in input order, with the steps and convergence of the uninterrupted run and its
     positions, cells, energies and forces within 1e-9 (the structures met other batch partners: summation order)."""
@@ -229,13 +233,13 @@ def test_mlip_batch_killed_at_random_moments_and_resumed_equals_an_uninterrupted
     cmd = command(2, "-m", "md.batch_cli", "job.yaml")
     rc, out, seconds = finish(cmd, tmp_path / "straight", env, "mlip-batch: 12 structures")
     assert rc == 0, out
-    delays = np.random.default_rng(37).uniform(0.0, 0.3, size=KILLS) * seconds
-    outputs = []
-    outcomes = requeue(cmd, tmp_path / "requeued", env, "mlip-batch: 12 structures", delays, outputs)
+    delays = np.random.default_rng(37).uniform(0.0, 0.1, size=KILLS) * seconds
+    outputs, parts = [], tmp_path / "requeued" / "out" / "parts"
+    done = lambda: sum(len(f.read_bytes().splitlines()) for f in parts.glob("rank*.done"))  # noqa: E731
+    outcomes = requeue(cmd, tmp_path / "requeued", env, "mlip-batch: 12 structures", delays, outputs, done)
     assert outcomes == ["killed"] * KILLS + ["done"], outcomes
     before = [int(m) for m in re.findall(r"\((\d+) done before\)", "".join(outputs))]
     assert len(before) == KILLS + 1 and before[0] == 0 and 0 < before[-1] < 12, before  # (kills cut the run)
-    parts = tmp_path / "requeued" / "out" / "parts"
     recorded = [int(line.split()[0]) for f in sorted(parts.glob("rank*.done")) for line in f.read_text().splitlines()]
     assert sorted(recorded) == list(range(12)), recorded
     straight = read(tmp_path / "straight" / "out" / "results.extxyz", ":")
