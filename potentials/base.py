@@ -11,6 +11,7 @@ from .errors import MLIPError, UnknownSpeciesError
 from .families import native_file
 from .graph import AtomGraph
 from .lora import add_lora
+from .messages import LiveBytes
 from .weights import weight_groups
 
 
@@ -70,6 +71,11 @@ class Potential(torch.nn.Module):
     def forward(self, graph: AtomGraph) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def held_forward(self, graph: AtomGraph) -> torch.Tensor:
+        """What this model computes on ``graph`` with the parts it holds: its forward (a pipeline stage of a
+        ``BlockPotential``: its own parts)."""
+        return self(graph)
+
     # ------------------------------------------------------------------ memory estimate
     # What one evaluation (energy, forces, stress) keeps beyond one chunk of the memory budget, per row (an
     # owned or ghost atom) and per edge: the memory pre-flight (mlip_parallel.preflight) stops inputs that
@@ -77,14 +83,72 @@ class Potential(torch.nn.Module):
     # edge steps in chunks and keep 14-16 KB per atom in all (benchmarks/memory_per_atom.py).
     EVALUATION_BYTES_PER_ROW = 16_000
     EVALUATION_BYTES_PER_EDGE = 0
-    # What running every edge of a block at once adds per edge (memory_budget_gb=inf): its per-edge temporaries.
-    PLAIN_BYTES_PER_EDGE = 4_000
+    # Every edge at once (no chunks) adds what the model itself holds at its peak, measured on it (one_pass_costs)
+    # times this: a process's resident peak was 1.1-1.7 times the probe's tensors (allocator, fragmentation;
+    # benchmarks/preflight.py, every family)
+    ONE_PASS_MARGIN = 2.0
+    # the probe: the centre and its 12 neighbours, at PROBE_SPACING cutoffs (all within the cutoff of the centre, a
+    # neighbour of some others), then with PROBE_LONE atoms out of reach of every other
+    PROBE_SPACING, PROBE_LONE = 0.45, 8
 
     def evaluation_bytes(self, rows: float, edges: float, chunked: bool = True) -> float:
         """Estimated bytes of one evaluation over ``rows`` atoms (owned + ghost) and ``edges`` edges, its edge
-        steps in chunks (``chunked``) or every edge at once."""
-        per_edge = self.EVALUATION_BYTES_PER_EDGE + (0 if chunked else self.PLAIN_BYTES_PER_EDGE)
-        return self.EVALUATION_BYTES_PER_ROW * rows + per_edge * edges
+        steps in chunks (``chunked``) or every edge at once (adding ``one_pass_bytes``)."""
+        held = self.EVALUATION_BYTES_PER_ROW * rows + self.EVALUATION_BYTES_PER_EDGE * edges
+        return held if chunked else held + self.one_pass_bytes(rows, edges)
+
+    def one_pass_bytes(self, rows: float, edges: float) -> float:
+        """What an evaluation with every edge at once adds over ``rows`` atoms and ``edges`` edges: the model's own
+        measured costs (``one_pass_costs``) times ONE_PASS_MARGIN."""
+        fixed, per_row, per_edge = self.one_pass_costs()
+        return self.ONE_PASS_MARGIN * (fixed + per_row * rows + per_edge * edges)
+
+    def one_pass_costs(self) -> tuple:
+        """(bytes, bytes per row, bytes per edge): an upper bound of what the model's tensors take at their peak in
+        an evaluation with every edge at once (the energies, then their gradient with respect to the positions),
+        measured on the model itself (a pipeline stage: on its parts, ``held_forward``) in its dtype and on its
+        device (``messages.LiveBytes``), once per dtype and device. Three probes: a 13-atom cluster with only the centre's pairs, with all its pairs within the cutoff,
+        and with PROBE_LONE atoms without neighbours added. After each operation, the bytes held by the second
+        beyond the first, per added edge, and by the third beyond the first, per added row: their largest over the
+        operations are the costs (a stage's edge tensors and another's row tensors each counted at their own
+        peak), and the first probe's peak the fixed part (where the probes' operations differ: differences of
+        peaks)."""
+        key = (self.dtype, self.device)
+        costs = self.__dict__.setdefault("_one_pass_costs", {})
+        if key not in costs:
+            shell = torch.tensor([[a, b, 0.0] for a in (1, -1) for b in (1, -1)], dtype=torch.float64)
+            cluster = torch.cat([torch.zeros(1, 3, dtype=torch.float64), shell, shell[:, [2, 0, 1]],
+                                 shell[:, [1, 2, 0]]]) * self.PROBE_SPACING * self.cutoff
+            lone = torch.zeros(self.PROBE_LONE, 3, dtype=torch.float64)
+            lone[:, 0] = 3 * self.cutoff * torch.arange(1, self.PROBE_LONE + 1)
+            receiver, sender = torch.nonzero(torch.cdist(cluster, cluster) < self.cutoff).T
+            pairs = torch.stack([sender, receiver])[:, receiver != sender]
+            centre = pairs[:, (pairs[0] == 0) | (pairs[1] == 0)]
+
+            def trace(points, index) -> list:
+                with torch.inference_mode(False), torch.enable_grad(), LiveBytes() as live:
+                    positions = points.to(self.device, self.dtype, copy=True).requires_grad_()
+                    index = index.to(self.device)
+                    graph = AtomGraph(species=torch.zeros(len(points), dtype=torch.long, device=self.device),
+                                      edge_index=index, edge_vec=positions[index[0]] - positions[index[1]],
+                                      n_local=len(points), positions=positions, pbc=(False, False, False),
+                                      cell=torch.eye(3, dtype=self.dtype, device=self.device) * float(points.max() + 1))
+                    out = self.held_forward(graph)
+                    if out.requires_grad:
+                        torch.autograd.grad(out.sum(), positions, allow_unused=True)
+                return live.trace
+
+            trace(cluster, centre)  # (first: what a package builds at its first call)
+            few, whole, more = trace(cluster, centre), trace(cluster, pairs), trace(torch.cat([cluster, lone]), centre)
+
+            def largest_excess(trace) -> float:
+                if len(trace) != len(few):
+                    return max(trace) - max(few)
+                return max(b - a for a, b in zip(few, trace))
+
+            costs[key] = (max(few), max(largest_excess(more), 0) / self.PROBE_LONE,
+                          max(largest_excess(whole), 0) / (pairs.shape[1] - centre.shape[1]))
+        return costs[key]
 
     # Training runs every edge at once and keeps the tensors of both backward passes (SchNet F=64, 3 layers:
     # ~450 float32 values per edge and layer in the forward alone).
@@ -377,6 +441,20 @@ class BlockPotential(Potential):
         for k in range(self.n_blocks):
             h = self.block(k, h, graph, ctx)
         return self.readout_energies(h, graph, ctx)
+
+    def held_forward(self, graph: AtomGraph) -> torch.Tensor:
+        """The whole model's forward, or a pipeline stage's parts on ``graph`` (its first block fed zeros): its
+        features after its last block, or the energies where it holds the readout."""
+        if self.complete:
+            return self(graph)
+        ctx = self.context(graph)
+        blocks = held_blocks(self.parts)
+        rows = self.state_rows(graph.n_nodes, graph.edge_index.shape[1])
+        h = self.embed(graph, ctx) if EMBED in self.parts else \
+            torch.zeros(rows, self.feature_width(blocks[0]), dtype=self.dtype, device=self.device)
+        for k in blocks:
+            h = self.block(k, h, graph, ctx)
+        return self.readout_energies(h, graph, ctx) if READOUT in self.parts else h
 
     def part_prefixes(self, part: str) -> list:
         """Attribute paths of ``part``'s modules, e.g. ["interactions.3"] for "block.3"."""

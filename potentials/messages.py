@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from typing import Callable, Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 PROBE_EDGES = 1024     # edges whose saved tensors are counted to size the chunks (≤ MIN_CHUNK_EDGES)
 # Chunks hold at least this many edges, whatever the budget: below it the per-chunk cost of launching a
@@ -63,6 +66,43 @@ class SavedBytes:
 
     def __exit__(self, *exc) -> None:
         self._within.close()
+
+
+class LiveBytes(TorchDispatchMode):
+    """``with LiveBytes() as live:`` ``live.trace`` the bytes held by the tensors created inside after each operation,
+    ``live.peak`` their most, each storage counted from the operation that makes it until it is freed (the
+    backward's gradients and temporaries included): the probe by which ``Potential.one_pass_costs`` measures a
+    model's evaluation with every edge at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.trace = 0, []
+        self._held: set = set()
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # (nothing here is compiled: torch's default wraps the mode in dynamo's disable, importing it)
+
+    @property
+    def peak(self) -> int:
+        return max(self.trace, default=0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                key, size = storage.data_ptr(), storage.nbytes()
+                if size and key not in self._held:  # (a view or an in-place result: its storage counted once)
+                    self._held.add(key)
+                    self.live += size
+                    weakref.finalize(storage, self._freed, key, size)
+        self.trace.append(self.live)
+        return out
+
+    def _freed(self, key: int, size: int) -> None:
+        self._held.discard(key)
+        self.live -= size
 
 
 def available_bytes(device: torch.device) -> int:

@@ -1,5 +1,7 @@
 """Single-process contracts: geometry and grid, models against independent oracles (ASE, finite
 differences), the serial halo (self-images) and its autograd, bad input."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,10 @@ from mlip_parallel import Decomposition, Domain, Grid, SerialBackend, Subdomain,
 from mlip_parallel.evaluate import ghost_reach
 from potentials.predict import voigt_stress
 from comparison import assert_close
+from conftest import needs
 from systems import GEOMETRIES, SPECIES, ase_lj_results, lennard_jones, schnet
+
+DATA = Path(__file__).parent / "data"
 
 torch.set_num_threads(1)
 
@@ -240,6 +245,34 @@ def test_molecule_without_cell_has_no_stress_like_ase():
     assert "stress" not in result and "stress" not in ase_lj_results(atoms)
 
 
+@pytest.mark.parametrize("family", ["schnet", "cu-emt", pytest.param("mace", marks=needs("mace")),
+                                    pytest.param("allegro", marks=needs("nequip", "allegro"))])
+def test_one_pass_costs_bound_the_peak_of_a_crystal(family):
+    """Potential.one_pass_costs, measured on a 13-atom probe, bounds what the model's tensors hold at their peak in
+    an evaluation of a 108-atom crystal with every edge at once (LiveBytes over the model and its gradient on the
+    periodic graph), within 3x: MACE's products (per row) and its interactions (per edge) peak at different moments,
+    each counted at its own (the difference of the probes' peaks alone fell below MACE's and Allegro's peaks)."""
+    from potentials.messages import LiveBytes
+    from potentials.predict import periodic_graph
+
+    model = {"schnet": lambda: potentials.SchNet(["Cu"], cutoff=5.0, features=32, layers=2, seed=0),
+             "cu-emt": lambda: potentials.load_model("cu-emt"),
+             "mace": lambda: potentials.MACE(DATA / "mace" / "mace-small-f32.model"),
+             "allegro": lambda: potentials.load_model(f"nequip:{DATA / 'nequip' / 'allegro.nequip.zip'}")}
+    model = model[family]()
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(3)
+    atoms.rattle(0.05, seed=1)
+    potentials.predict(model, atoms, memory_budget_gb=float("inf"))  # (first calls)
+    x, graph = periodic_graph(model, atoms, memory_budget_gb=float("inf"))
+    with LiveBytes() as live:
+        torch.autograd.grad(model(graph).sum(), [x.pos, x.strain])
+    fixed, per_row, per_edge = model.one_pass_costs()
+    edges = graph.edge_index.shape[1]
+    bound = fixed + per_row * len(atoms) + per_edge * edges
+    assert live.peak <= bound <= 3 * live.peak, (live.peak, bound)
+    assert model.evaluation_bytes(len(atoms), edges, chunked=False) >= model.ONE_PASS_MARGIN * bound
+
+
 def test_memory_budget_knob():
     """The automatic chunk budget is a share of the free memory within its bounds; inf is the plain path; by default
     an evaluation runs every edge at once where its predicted peak fits half the free memory and in the automatic
@@ -254,7 +287,8 @@ def test_memory_budget_knob():
     assert memory_budget_bytes(0.25, "cpu") == 250_000_000 and memory_budget_bytes(float("inf"), "cpu") is None
     atoms = bulk("Cu", "fcc", a=3.61, cubic=True)
     model = potentials.SchNet(["Cu"], cutoff=4.0, features=8, layers=2, seed=0)
-    fits = int(0.4 * available_bytes("cpu") / model.PLAIN_BYTES_PER_EDGE)  # edges whose one pass takes 0.4 of it
+    per_edge = model.evaluation_bytes(0, 1, chunked=False) - model.evaluation_bytes(0, 0, chunked=False)
+    fits = int(0.4 * available_bytes("cpu") / per_edge)  # edges whose one pass takes 0.4 of it
     assert evaluation_budget(model, None, 100, 1000, "cpu") is None
     assert evaluation_budget(model, None, 0, fits, "cpu") is None
     assert evaluation_budget(model, None, 0, 2 * fits, "cpu") == auto  # 0.8 of the free memory: in chunks

@@ -346,14 +346,15 @@ class FAIRChem(PackageModel, BlockPotential):
     # per row: node features [(lmax+1)^2, C] kept for the backward, FEATURE_COPIES per block (its input, norms,
     # residual, halo, atom-wise step) and a few more (11.5 copies measured for 3 blocks); per edge in chunks its
     # vector and indices; every edge at once adds its Wigner matrices and both SO(2) convolutions' tensors
+    # (``one_pass_costs``)
     FEATURE_COPIES_PER_BLOCK, FEATURE_COPIES = 4, 4
-    EVALUATION_BYTES_PER_EDGE, PLAIN_BYTES_PER_EDGE = 200, 60_000
+    EVALUATION_BYTES_PER_EDGE = 200
 
     def evaluation_bytes(self, rows: float, edges: float, chunked: bool = True) -> float:
         features = self.feature_width(0) * self.dtype.itemsize
         per_row = features * (self.FEATURE_COPIES_PER_BLOCK * self.n_blocks + self.FEATURE_COPIES)
-        per_edge = self.EVALUATION_BYTES_PER_EDGE + (0 if chunked else self.PLAIN_BYTES_PER_EDGE)
-        return per_row * rows + per_edge * edges
+        held = per_row * rows + self.EVALUATION_BYTES_PER_EDGE * edges
+        return held if chunked else held + self.one_pass_bytes(rows, edges)
 
     # a training step keeps both backward passes' per-edge tensors of every block: 48 edge feature sets
     # [(lmax+1)^2, C] per block and edge (a 64-channel, 4-block UMA-S shape, float32: 8.8 GB above start-up for 256 Cu

@@ -57,12 +57,11 @@ class MACE(PackageModel, BlockPotential):
     EVALUATION_BYTES_PER_ROW = 10_000
 
     def evaluation_bytes(self, rows: float, edges: float, chunked: bool = True) -> float:
-        """Per row, each product's contraction of channels × sh × sh values (kept whole when not ``chunked``) and
-        the node features; per edge, the radial and angular features, and, for an interaction that runs over
-        all edges at once (not ``chunked``, or a block that does not run chunked), its tensor product's weights
-        and output about twice over (a MACE-MP-0-medium shape: ~75 KB per edge, ~6 MB per atom). The chunked share
-        of a product's contraction, 0.5, keeps the estimate above the measured peak (benchmarks/preflight.py:
-        MP-0-small-sized, 500 and 1,372 atoms, 1 and 2 ranks; 0.2 gave 0.90 and 0.75 of it on 1 rank)."""
+        """In chunks: per row, each product's contraction's share (0.5 of channels × sh × sh values) and the node
+        features; per edge, the radial and angular features, and, for an interaction that does not run chunked, its
+        tensor product's weights and output about twice over. The share 0.5 keeps the estimate above the measured
+        peak (benchmarks/preflight.py: MP-0-small-sized, 500 and 1,372 atoms, 1 and 2 ranks; 0.2 gave 0.90 and 0.75
+        of it on 1 rank). Every edge at once adds the model's measured costs (``one_pass_bytes``)."""
         from e3nn import o3
 
         itemsize = torch.finfo(self.dtype).bits // 8
@@ -72,11 +71,12 @@ class MACE(PackageModel, BlockPotential):
                 continue
             sh, features = block.edge_attrs_irreps.dim, block.edge_feats_irreps.dim
             channels = o3.Irreps(str(block.hidden_irreps))[0].mul
-            per_row += (0.5 if chunked else 1.2) * channels * sh * sh * itemsize
+            per_row += 0.5 * channels * sh * sh * itemsize
             per_edge += 4 * (sh + features + 1) * itemsize
-            if not chunked or not runs_chunked(block):
+            if not runs_chunked(block):
                 per_edge += 2 * (block.conv_tp.weight_numel + block.conv_tp.irreps_out.dim) * itemsize
-        return per_row * rows + per_edge * edges
+        held = per_row * rows + per_edge * edges
+        return held if chunked else held + self.one_pass_bytes(rows, edges)
 
     def __init__(self, path=None, head: str | None = None, dtype: torch.dtype | None = None,
                  architecture: dict | None = None, parts=None, seed: int = 0):

@@ -23,11 +23,10 @@ import numpy as np
 import torch
 from ase.data import atomic_numbers
 
-from ..base import EMBED, READOUT, BlockPotential, PackageModel, all_parts, held_blocks
+from ..base import EMBED, READOUT, BlockPotential, PackageModel, all_parts
 from ..exchange import GhostExchange, default_dtype
 from ..files import atomic_write
 from ..graph import AtomGraph
-from ..messages import SavedBytes
 from .allegro_layers import AllegroLayers
 from .nequip_layers import NequIPLayers, run_modules
 from .nequip_loading import (NequIPFrameworkError, build_framework_model, framework_architecture,  # noqa: F401
@@ -76,36 +75,8 @@ class NequIPFramework(PackageModel, BlockPotential):
 
     # ------------------------------------------------------------------ memory model
     # In chunks (NequIP's convolutions, Allegro's groups of atoms) the edge embedding and attributes are kept for all
-    # edges (~800 B per edge measured); every edge at once adds its tensor products' tensors, ``plain_bytes_per_edge``.
+    # edges (~800 B per edge measured); every edge at once adds its tensor products' tensors (``one_pass_costs``).
     EVALUATION_BYTES_PER_EDGE = 1_000
-
-    def evaluation_bytes(self, rows: float, edges: float, chunked: bool = True) -> float:
-        per_edge = self.EVALUATION_BYTES_PER_EDGE + (0 if chunked else self.plain_bytes_per_edge())
-        return self.EVALUATION_BYTES_PER_ROW * rows + per_edge * edges
-
-    def plain_bytes_per_edge(self) -> float:
-        """Bytes the framework's forward keeps per edge under autograd with every edge at once (saved tensors,
-        doubled for their gradients), measured once on 13 atoms of fcc: the difference between all pairs within
-        r_max and only the centre's pairs, so that weights and per-atom tensors cancel."""
-        if getattr(self, "_plain_bytes_per_edge", None) is None:
-            shell = torch.tensor([[a, b, 0.0] for a in (1, -1) for b in (1, -1)], dtype=torch.float64)
-            points = torch.cat([torch.zeros(1, 3, dtype=torch.float64), shell, shell[:, [2, 0, 1]], shell[:, [1, 2, 0]]])
-            points = points * 0.45 * self.cutoff
-            receiver, sender = torch.nonzero(torch.cdist(points, points) < self.cutoff).T
-            pairs = torch.stack([sender, receiver])[:, receiver != sender]
-            centre = pairs[:, (pairs[0] == 0) | (pairs[1] == 0)]
-
-            def saved_bytes(index) -> int:
-                graph = AtomGraph(species=torch.zeros(len(points), dtype=torch.long, device=self.device),
-                                  edge_index=index.to(self.device), n_local=len(points),
-                                  edge_vec=(points[index[0]] - points[index[1]]).to(self.device).requires_grad_())
-                with SavedBytes() as saved:
-                    self._held_parts(graph)
-                return saved.bytes
-
-            extra = saved_bytes(pairs) - saved_bytes(centre)
-            self._plain_bytes_per_edge = 2 * max(extra, 0) / (pairs.shape[1] - centre.shape[1])
-        return self._plain_bytes_per_edge
 
     def __init__(self, path=None, model_key: str = "sole_model", architecture: dict | None = None, parts=None,
                  seed: int = 0):
@@ -193,19 +164,6 @@ class NequIPFramework(PackageModel, BlockPotential):
     def network(self):
         """The framework's sequential network (its modules in order), inside the force output it may wrap."""
         return getattr(self.framework.model, "func", self.framework.model)
-
-    def _held_parts(self, graph: AtomGraph):
-        """The whole model's forward, or a pipeline stage's parts on ``graph`` (its first block fed zeros)."""
-        if self.complete:
-            return self(graph)
-        ctx = self.context(graph)
-        blocks = held_blocks(self.parts)
-        rows = self.state_rows(graph.n_nodes, graph.edge_index.shape[1])
-        h = self.embed(graph, ctx) if EMBED in self.parts else \
-            torch.zeros(rows, self.feature_width(blocks[0]), dtype=torch.float64, device=self.device)
-        for k in blocks:
-            h = self.block(k, h, graph, ctx)
-        return self.readout_energies(h, graph, ctx) if READOUT in self.parts else h
 
     def part_prefixes(self, part: str) -> list:
         if self.part_modules is None:  # (a network that does not split: every model whole)

@@ -17,7 +17,7 @@ import os
 import torch
 from ase.data import chemical_symbols
 
-from ..base import EMBED, READOUT, BlockPotential, PackageModel, Potential, all_parts, block_part
+from ..base import EMBED, READOUT, BlockPotential, PackageModel, all_parts, block_part
 from ..errors import MLIPError
 from ..files import atomic_write
 from ..graph import AtomGraph
@@ -62,15 +62,11 @@ class SevenNet(PackageModel, BlockPotential):
         return self.sevenn
 
     # ------------------------------------------------------------------ memory model
-    # Its edge embedding is kept for all edges; every edge at once adds its convolutions' tensors (SevenNet-0: ~50 KB).
-    # A training step of SevenNet-0 (energy + force + stress loss, float32) held 280-415 KB per edge at its peak above
-    # a 4-atom step (108 and 256 rattled Cu atoms), far more than twice an evaluation's.
+    # Its edge embedding is kept for all edges; every edge at once adds its convolutions' tensors (``one_pass_costs``;
+    # SevenNet-0: ~110 KB per edge). A training step of SevenNet-0 (energy + force + stress loss, float32) held 280-415
+    # KB per edge at its peak above a 4-atom step (108 and 256 rattled Cu atoms), more than twice an evaluation's.
     EVALUATION_BYTES_PER_EDGE = 2_000
-    PLAIN_BYTES_PER_EDGE = 50_000
     TRAINING_BYTES_PER_EDGE = 420_000
-
-    def evaluation_bytes(self, rows: float, edges: float, chunked: bool = True) -> float:
-        return Potential.evaluation_bytes(self, rows, edges, chunked)
 
     def training_bytes(self, rows: float, edges: float) -> float:
         return 2 * self.evaluation_bytes(rows, edges) + self.TRAINING_BYTES_PER_EDGE * edges
