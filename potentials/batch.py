@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from scipy.optimize import nnls
 
 from .committee import Committee, committee_result
 from .errors import InvalidStructureError, MLIPError
@@ -159,22 +160,32 @@ def evaluate_batch(model, batch: StructureBatch, stress: bool = True, memory_bud
 
 class BatchSizer:
     """How many atoms one graph of a batch holds: ``max_atoms`` when given, else found while running — the size that
-    evaluates the most atoms per second on this device and model. The cost per atom of a graph is not constant: on a
+    evaluates the structures fastest on this device and model. The cost per atom of a graph is not constant: on a
     CPU it grows with the graph once the model's temporaries leave the cache (SevenNet-0 on one thread: 7 ms per atom
     at 8 atoms, 12 at 288), while a small graph pays the per-call overhead; which wins depends on the model.
     Candidates from one structure per graph up (``CANDIDATES``; on a CPU up to ``CPU_MAX_ATOMS``; the memory model
     bounds every graph, ``leading_group``) are timed in turn until one costs more than ``TOLERANCE`` times the best
-    before it (a near tie, timing noise or two candidates that form the same graphs, goes on); the fastest is kept.
-    A candidate's trial is at least ``rounds`` evaluations after a warm-up call and ``trial_atoms`` atoms, its cost
-    their seconds per atom together (structures of different sizes weigh as they cost). ``record`` takes each
-    evaluation's atoms and seconds."""
+    before it (a near tie goes on, and so does a candidate whose graphs held about one structure each, as the
+    first's); the fastest is kept.
+
+    A candidate's cost is its graphs' seconds over the seconds the same structures take alone, as the first trial
+    (one structure per graph) measured them: seconds = a + b · atoms, fitted to its evaluations (non-negative least
+    squares). Candidates see different structures (a relaxation's first ones, then the next), and alone a 4-atom
+    cell costs 2.7 times a 32-atom one per atom (cu-emt: 3 ms a call + 0.25 ms an atom); compared per atom, cu-emt
+    on 8-32-atom cells mostly stayed at one structure per graph (0.74-1.1x the ASE loop; 1.5-2.3x at 256 atoms
+    per graph). A trial is at least ``rounds`` evaluations after a warm-up call, ``trial_atoms`` atoms and
+    ``trial_structures`` different structures (a relaxation evaluates each many times). ``record`` takes each
+    graph's structure sizes, seconds (its preparation included) and structures' identities."""
 
     CANDIDATES = (1, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)  # 1: a structure alone
     CPU_MAX_ATOMS = 2048
-    TOLERANCE = 1.1  # the search ends at a candidate more than 10 % slower per atom than the best so far
+    TOLERANCE = 1.1  # the search ends at a candidate more than 10 % slower than the best so far,
+    ALONE = 1.5  # unless its graphs held fewer structures than this on average (as alone: only noise can tell them)
 
-    def __init__(self, model, max_atoms: float | None = None, rounds: int = 3, trial_atoms: int = 256):
-        self.rounds, self.trial_atoms, self.trials, self.warm = rounds, trial_atoms, {}, False
+    def __init__(self, model, max_atoms: float | None = None, rounds: int = 3, trial_atoms: int = 256,
+                 trial_structures: int = 8):
+        self.rounds, self.trial_atoms, self.trial_structures = rounds, trial_atoms, trial_structures
+        self.trials, self.warm, self.alone = {}, False, None  # trials: {max_atoms: [(sizes, seconds, ids), ...]}
         if max_atoms is not None:
             self.candidates, self.chosen = [max_atoms], max_atoms
             return
@@ -187,23 +198,31 @@ class BatchSizer:
         return self.chosen if self.chosen is not None else self.candidates[self.k]
 
     def cost(self, size) -> float:
-        """Seconds per atom measured at graphs of at most ``size`` atoms (all its evaluations together)."""
-        _, atoms, seconds = self.trials[size]
-        return seconds / max(atoms, 1)
+        """The seconds of the graphs of at most ``size`` atoms over what their structures take alone."""
+        a, b = self.alone
+        alone = sum(a * len(sizes) + b * sum(sizes) for sizes, _, _ in self.trials[size])
+        return sum(seconds for _, seconds, _ in self.trials[size]) / max(alone, 1e-12)
 
-    def record(self, atoms: int, seconds: float) -> None:
-        """One evaluation of ``atoms`` atoms at ``max_atoms`` took ``seconds``."""
+    def record(self, sizes, seconds: float, ids=()) -> None:
+        """One graph of structures of ``sizes`` atoms (``ids``: the structures' identities, e.g. ``id(atoms)``; none:
+        each new), made at ``max_atoms``, took ``seconds``."""
         if self.chosen is not None:
             return
         if not self.warm:  # (the first call pays the model's warm-up)
             self.warm = True
             return
-        evaluations, total, elapsed = self.trials.get(self.max_atoms, (0, 0, 0.0))
-        self.trials[self.max_atoms] = trial = (evaluations + 1, total + atoms, elapsed + seconds)
-        if trial[0] < self.rounds or trial[1] < self.trial_atoms:
+        trial = self.trials.setdefault(self.max_atoms, [])
+        trial.append((list(map(int, sizes)), seconds, list(ids) or [object() for _ in sizes]))
+        if len(trial) < self.rounds or sum(sum(n) for n, _, _ in trial) < self.trial_atoms or \
+                len({i for _, _, ids in trial for i in ids}) < self.trial_structures:
             return
+        if self.alone is None:  # the first trial (a structure alone): seconds = a + b * atoms
+            rows = np.array([(1.0, float(sum(n))) for n, _, _ in trial])
+            self.alone = tuple(nnls(rows, np.array([t for _, t, _ in trial]))[0])
         best = min(self.trials, key=self.cost)
-        if self.cost(self.max_atoms) > self.TOLERANCE * self.cost(best) or self.k == len(self.candidates) - 1:
+        alone = len(trial) >= sum(len(n) for n, _, _ in trial) / self.ALONE  # (graphs as one structure each makes)
+        if (self.cost(self.max_atoms) > self.TOLERANCE * self.cost(best) and not alone) or \
+                self.k == len(self.candidates) - 1:
             self.chosen = best
         else:
             self.k += 1
@@ -234,6 +253,8 @@ def predict_many(model, structures, stress: bool = True, memory_budget_gb: float
     (``committee_result``). ``memory_budget_gb`` bounds one chunk of a block's edge temporaries as in ``predict``;
     ``min_distance``: atoms closer are a BatchError naming the structure (``names[k]``, default k) and the pair (0:
     unchecked). ``strain_derivative``: each result also holds "dE_dstrain" [3, 3] (``evaluate_batch``)."""
+    start = time.perf_counter()  # (the sizer counts the preparation with the first graph)
+    structures = list(structures)
     batch = prepare_batch(model, structures, min_distance, names)
     sizer = sizer if sizer is not None else BatchSizer(model, max_atoms)
     edges = np.bincount(batch.edge_batch, minlength=batch.size)
@@ -241,11 +262,10 @@ def predict_many(model, structures, stress: bool = True, memory_budget_gb: float
     results, first = [], 0
     while first < batch.size:
         last = first + leading_group(model, batch.sizes[first:], edges[first:], sizer.max_atoms, free)
-        start = time.perf_counter()
         results += evaluate_batch(model, select(batch, range(first, last)), stress, memory_budget_gb, free,
                                   strain_derivative)
-        sizer.record(int(batch.sizes[first:last].sum()), time.perf_counter() - start)
-        first = last
+        sizer.record(batch.sizes[first:last], time.perf_counter() - start, map(id, structures[first:last]))
+        first, start = last, time.perf_counter()
     return results
 
 

@@ -150,25 +150,28 @@ def test_the_comparison_catches_edges_that_cross_structures_and_a_shared_strain(
 
 
 def test_the_sizer_keeps_the_fastest_graph_size_and_memory_bounds_every_graph():
-    """BatchSizer: candidates tried in turn until one is more than 10 % slower per atom than the best before it,
-    the fastest kept (here 64 atoms of a cost curve with its minimum there; a near tie, as noise or two sizes that
-    form the same graphs give, does not end the search), the warm-up call not counted; a given max_atoms is kept.
-    leading_group: consecutive structures within max_atoms and the memory model's one-pass share of the free
-    memory, never fewer than one."""
+    """BatchSizer: candidates tried in turn until one is more than 10 % slower than the best before it, each costed
+    as its graphs' seconds over what their structures take alone (a + b * atoms, fitted to the first trial's), the
+    fastest kept (here 64 atoms, whose graphs of small structures cost more per atom than the first trial's larger
+    ones alone: per atom the search would have kept one structure per graph); candidate 32, whose graphs hold one
+    structure each as the first's, does not end the search; the warm-up call not counted; a given max_atoms is
+    kept. leading_group: consecutive structures within max_atoms and the memory model's
+    one-pass share of the free memory, never fewer than one."""
     model = potentials.SchNet(["Cu"], cutoff=4.0, seed=0)
-    cost = {1: 3.0, 32: 2.0, 64: 1.0, 128: 1.5}  # seconds per atom at each graph size
-    sizer = BatchSizer(model, rounds=2, trial_atoms=10)
-    sizer.record(100, 1e6)  # warm-up: ignored
+    a, b = 2e-3, 1e-4  # seconds per call and per atom of a structure alone
+    graphs = {1: [[32], [24]], 32: [[8]], 64: [[8, 8, 8, 8], [8, 16]], 128: [[32, 32, 8, 16, 24]]}
+    speed = {1: 1.0, 32: 1.3, 64: 0.6, 128: 0.8}  # a graph's seconds over its structures' alone
+    sizer = BatchSizer(model, rounds=2, trial_atoms=10, trial_structures=2)
+    sizer.record([100], 1e6)  # warm-up: ignored
+    k = 0
     while sizer.chosen is None:
-        sizer.record(20, 20 * cost[sizer.max_atoms])
-    assert sizer.chosen == 64 and set(sizer.trials) == {1, 32, 64, 128}
-    cost = {1: 1.0, 32: 1.05, 64: 0.8, 128: 0.85, 256: 0.9}  # 32 within noise of 1: the search goes on
-    sizer = BatchSizer(model, rounds=2, trial_atoms=10)
-    while sizer.chosen is None:
-        sizer.record(20, 20 * cost[sizer.max_atoms])
-    assert sizer.chosen == 64 and set(sizer.trials) == {1, 32, 64, 128, 256}, sizer.trials
+        sizes = graphs[sizer.max_atoms][k % len(graphs[sizer.max_atoms])]
+        sizer.record(sizes, speed[sizer.max_atoms] * sum(a + b * n for n in sizes))
+        k += 1
+    assert sizer.chosen == 64 and set(sizer.trials) == {1, 32, 64, 128}, sizer.trials
+    assert np.allclose(sizer.alone, (a, b)) and abs(sizer.cost(64) - 0.6) < 1e-9
     fixed = BatchSizer(model, max_atoms=300)
-    fixed.record(10, 1.0)
+    fixed.record([10], 1.0)
     assert fixed.max_atoms == 300 and fixed.chosen == 300
     sizes, edges = np.array([10, 20, 30, 40]), np.array([100, 200, 300, 400])
     assert leading_group(model, sizes, edges, 35, float("inf")) == 2
