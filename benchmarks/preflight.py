@@ -98,7 +98,8 @@ def worker(args):
     dims = Grid.for_ranks(backend.size, domain).dims
     reach = ghost_reach(model, "layerwise") if backend.size > 1 else 0.0  # (one process: no ghosts, as evaluate)
     budget = check_rank_memory(backend, model, len(atoms), domain, dims, reach)  # (GB; inf: every edge at once)
-    load = rank_load(model, len(atoms), domain, dims, reach, 0.0, True, None if budget == float("inf") else budget * 1e9)
+    chunk = None if budget == float("inf") else budget * 1e9
+    load = rank_load(model, len(atoms), domain, dims, reach, 0.0, True, chunk)
     base = trimmed_rss()
     reset_hwm()
     mlip_parallel.evaluate(model, atoms)

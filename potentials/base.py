@@ -84,8 +84,8 @@ class Potential(torch.nn.Module):
     EVALUATION_BYTES_PER_ROW = 16_000
     EVALUATION_BYTES_PER_EDGE = 0
     # Every edge at once (no chunks) adds what the model itself holds at its peak, measured on it (one_pass_costs)
-    # times this: a process's resident peak was 1.1-1.7 times the probe's tensors (allocator, fragmentation;
-    # benchmarks/preflight.py, every family)
+    # times this: a process's resident peak was 1.2-1.4 times the tensors LiveBytes counts (allocator, fragmentation;
+    # SevenNet-0, MACE, PaiNN), and the estimate 1.2-2.6 times the peak (benchmarks/preflight.py, every family)
     ONE_PASS_MARGIN = 2.0
     # the probe: the centre and its 12 neighbours, at PROBE_SPACING cutoffs (all within the cutoff of the centre, a
     # neighbour of some others), then with PROBE_LONE atoms out of reach of every other
@@ -107,8 +107,9 @@ class Potential(torch.nn.Module):
         """(bytes, bytes per row, bytes per edge): an upper bound of what the model's tensors take at their peak in
         an evaluation with every edge at once (the energies, then their gradient with respect to the positions),
         measured on the model itself (a pipeline stage: on its parts, ``held_forward``) in its dtype and on its
-        device (``messages.LiveBytes``), once per dtype and device. Three probes: a 13-atom cluster with only the centre's pairs, with all its pairs within the cutoff,
-        and with PROBE_LONE atoms without neighbours added. After each operation, the bytes held by the second
+        device (``messages.LiveBytes``), once per dtype and device. Three probes: a 13-atom cluster with only the
+        centre's pairs, with all its pairs within the cutoff, and with PROBE_LONE atoms without neighbours added.
+        After each operation, the bytes held by the second
         beyond the first, per added edge, and by the third beyond the first, per added row: their largest over the
         operations are the costs (a stage's edge tensors and another's row tensors each counted at their own
         peak), and the first probe's peak the fixed part (where the probes' operations differ: differences of

@@ -155,8 +155,8 @@ def test_the_sizer_keeps_the_fastest_graph_size_and_memory_bounds_every_graph():
     fastest kept (here 64 atoms, whose graphs of small structures cost more per atom than the first trial's larger
     ones alone: per atom the search would have kept one structure per graph); candidate 32, whose graphs hold one
     structure each as the first's, does not end the search; the warm-up call not counted; a given max_atoms is
-    kept. leading_group: consecutive structures within max_atoms and the memory model's
-    one-pass share of the free memory, never fewer than one."""
+    kept. leading_group: consecutive structures within max_atoms and the memory model's one-pass share of the free
+    memory, never fewer than one."""
     model = potentials.SchNet(["Cu"], cutoff=4.0, seed=0)
     a, b = 2e-3, 1e-4  # seconds per call and per atom of a structure alone
     graphs = {1: [[32], [24]], 32: [[8]], 64: [[8, 8, 8, 8], [8, 16]], 128: [[32, 32, 8, 16, 24]]}
