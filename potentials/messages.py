@@ -21,6 +21,7 @@ edge steps), ``chunked_rows`` (a per-atom function in checkpointed row chunks, M
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import weakref
 from typing import Callable, Sequence
@@ -78,6 +79,16 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self.live, self.trace = 0, []
         self._held: set = set()
+
+    def __enter__(self) -> "LiveBytes":
+        self._collecting = gc.isenabled()
+        gc.disable()  # (tensors freed by their counts alone: the same trace on every rank and every run)
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        if self._collecting:
+            gc.enable()
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
