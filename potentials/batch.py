@@ -175,7 +175,7 @@ class BatchSizer:
     on 8-32-atom cells mostly stayed at one structure per graph (0.74-1.1x the ASE loop; 1.5-2.3x at 256 atoms
     per graph). A trial is at least ``rounds`` evaluations after a warm-up call, ``trial_atoms`` atoms and
     ``trial_structures`` different structures (a relaxation evaluates each many times). ``record`` takes each
-    graph's structure sizes, seconds (its preparation included) and structures' identities."""
+    graph's structure sizes, seconds (its preparation included) and structures' names."""
 
     CANDIDATES = (1, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)  # 1: a structure alone
     CPU_MAX_ATOMS = 2048
@@ -204,8 +204,8 @@ class BatchSizer:
         return sum(seconds for _, seconds, _ in self.trials[size]) / max(alone, 1e-12)
 
     def record(self, sizes, seconds: float, ids=()) -> None:
-        """One graph of structures of ``sizes`` atoms (``ids``: the structures' identities, e.g. ``id(atoms)``; none:
-        each new), made at ``max_atoms``, took ``seconds``."""
+        """One graph of structures of ``sizes`` atoms (``ids``: the structures' names, as a task's index; none: each
+        new), made at ``max_atoms``, took ``seconds``."""
         if self.chosen is not None:
             return
         if not self.warm:  # (the first call pays the model's warm-up)
@@ -254,7 +254,6 @@ def predict_many(model, structures, stress: bool = True, memory_budget_gb: float
     ``min_distance``: atoms closer are a BatchError naming the structure (``names[k]``, default k) and the pair (0:
     unchecked). ``strain_derivative``: each result also holds "dE_dstrain" [3, 3] (``evaluate_batch``)."""
     start = time.perf_counter()  # (the sizer counts the preparation with the first graph)
-    structures = list(structures)
     batch = prepare_batch(model, structures, min_distance, names)
     sizer = sizer if sizer is not None else BatchSizer(model, max_atoms)
     edges = np.bincount(batch.edge_batch, minlength=batch.size)
@@ -264,7 +263,7 @@ def predict_many(model, structures, stress: bool = True, memory_budget_gb: float
         last = first + leading_group(model, batch.sizes[first:], edges[first:], sizer.max_atoms, free)
         results += evaluate_batch(model, select(batch, range(first, last)), stress, memory_budget_gb, free,
                                   strain_derivative)
-        sizer.record(batch.sizes[first:last], time.perf_counter() - start, map(id, structures[first:last]))
+        sizer.record(batch.sizes[first:last], time.perf_counter() - start, () if names is None else names[first:last])
         first, start = last, time.perf_counter()
     return results
 
