@@ -12,8 +12,8 @@ import torch
 
 from potentials.batch import graph_results
 from potentials.committee import Committee, committee_result, deviations
-from potentials.graph import (MIN_DISTANCE, AtomGraph, NoHalo, check_positions, check_structure, edge_vectors,
-                              neighbour_pairs, strained_coordinates, system_of)
+from potentials.graph import (MIN_DISTANCE, AtomGraph, NoHalo, check_min_distance, check_positions, complete_cell,
+                              edge_vectors, neighbour_pairs, strained_coordinates, system_of)
 from potentials.messages import memory_budget_bytes
 from potentials.predict import periodic_graph, voigt_stress
 
@@ -291,7 +291,8 @@ def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, str
         raise ValueError(f"min_distance must be a finite number >= 0 (Å), got {min_distance}")
     decomposed = bool(decompose or (decompose is None and (backend.size > 1 or grid is not None)))
     # one process: the binning here, the closest pair from the periodic graph's own neighbour list
-    check_structure(atoms.positions, atoms.cell, atoms.pbc, min_distance, search=decomposed)
+    checked = check_positions(atoms.positions), complete_cell(atoms.cell, atoms.pbc)  # (check_structure's parts)
+    check_min_distance(*checked, atoms.pbc, min_distance, search=decomposed)
     system = system_of(atoms.info)
     if decompose is False and backend.size > 1:
         raise ValueError(f"decompose=False evaluates the whole structure in one process, but the communicator has "
@@ -303,10 +304,11 @@ def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, str
         x, graph = decomposed_graph(model, part, mode, False, part.memory_budget_gb, system)
         energies, forces, virials = gathered(backend, part.owned, *graph_results(model, x, graph), n)
     else:  # one process, the whole structure: the pre-flight of one rank without ghosts, then the periodic graph
-        budget_gb = one_process_budget(backend, model, atoms, memory_budget_gb)
-        x, graph = periodic_graph(model, atoms, False, budget_gb, min_distance)
+        budget_gb = one_process_budget(backend, model, atoms, memory_budget_gb, checked)
+        x, graph = periodic_graph(model, atoms, False, budget_gb, min_distance, checked)
         energies, forces, virials = (value.cpu().numpy() for value in graph_results(model, x, graph))
-    volume = atoms.cell.volume if atoms.cell.rank == 3 else None  # (the cell of a structure checked above)
+    # the cell's volume where it has three vectors (ASE's cell.rank == 3; then the complete cell is the cell)
+    volume = abs(float(np.linalg.det(checked[1]))) if atoms.cell.array.any(axis=1).all() else None
     if isinstance(model, Committee):
         return committee_result(model, energies, forces, virials if stress and volume else None, volume)
     result = {"energy": float(energies[0].sum()), "energies": energies[0], "forces": forces[0]}
@@ -318,17 +320,22 @@ def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, str
 _last_budget: dict = {}  # one_process_budget's last (key, when, GB)
 
 
-def one_process_budget(backend, model, atoms, memory_budget_gb: float | None) -> float:
+def one_process_budget(backend, model, atoms, memory_budget_gb: float | None, checked: tuple | None = None) -> float:
     """``check_rank_memory`` of one process that holds the whole structure ``atoms`` (no ghosts): the chunk budget
     (GB; inf: one pass) or MemoryLimitError. Its estimate reads only the atom count and the region, so within the
     host memory's refresh time (``preflight.HOST_MEMORY_REFRESH_S``) the last answer stands for the same model, count,
-    region and ``memory_budget_gb`` (an optimizer's or integrator's steps in a fixed periodic cell)."""
-    domain = Domain.from_positions(atoms.positions, atoms.cell, atoms.pbc)
+    region and ``memory_budget_gb`` (an optimizer's or integrator's steps in a fixed periodic cell: there the region
+    is the cell, and the positions are not read). ``checked``: (positions, complete cell) as ``periodic_graph``'s."""
+    positions, cell = checked or (atoms.positions, atoms.cell.array)
+    pbc = np.broadcast_to(np.asarray(atoms.pbc, dtype=bool), (3,))
+    domain = None if pbc.all() else Domain.from_positions(positions, cell, pbc)
+    region = (cell, pbc) if domain is None else (domain.cell, domain.pbc, domain.lo, domain.hi)
     key = (weakref.ref(model), str(model.device), model.dtype, len(atoms), memory_budget_gb,
-           *(array.tobytes() for array in (domain.cell, domain.pbc, domain.lo, domain.hi)))
+           *(np.asarray(array).tobytes() for array in region))
     last = _last_budget.get("key")
     if last == key and time.monotonic() - _last_budget["when"] <= HOST_MEMORY_REFRESH_S:
         return _last_budget["budget_gb"]
+    domain = domain or Domain.from_positions(positions, cell, pbc)
     budget_gb = check_rank_memory(backend, model, len(atoms), domain, (1, 1, 1), 0.0, 0.0, True, memory_budget_gb)
     _last_budget.update(key=key, when=time.monotonic(), budget_gb=budget_gb)
     return budget_gb

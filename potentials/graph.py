@@ -192,6 +192,7 @@ def check_positions(positions) -> np.ndarray:
 
 
 MIN_DISTANCE = 0.5  # Å: closer atoms are a mistake in the structure (the shortest bond, H2's, is 0.74 Å)
+UNBINNED_ATOMS = 64  # up to this many atoms N² pairs per image are no more than a dense structure's list: no binning
 
 
 def check_structure(positions, cell, pbc, min_distance: float = MIN_DISTANCE, search: bool = True) -> None:
@@ -203,14 +204,15 @@ def check_structure(positions, cell, pbc, min_distance: float = MIN_DISTANCE, se
     cubes of side min_distance/√3, where two atoms in one cube are already too close; only when every
     cube holds at most one atom (so each atom has a bounded number of neighbours within min_distance)
     does a neighbour list look for the closest pair. ``search`` False: the binning only, for a caller that
-    then passes its own neighbour list (of at least ``min_distance``) to ``check_pair_distances``."""
+    then passes its own neighbour list (of at least ``min_distance``) to ``check_pair_distances``; none up to
+    ``UNBINNED_ATOMS`` atoms, whose list holds at most N² pairs per periodic image wherever they sit."""
     check_min_distance(check_positions(positions), complete_cell(cell, pbc), pbc, min_distance, search)
 
 
 def check_min_distance(positions: np.ndarray, full_cell: np.ndarray, pbc, min_distance: float,
                        search: bool = True) -> None:
     """The distance part of ``check_structure``: ``positions`` [N, 3] finite, ``full_cell`` complete."""
-    if not min_distance > 0 or len(positions) < 2:
+    if not min_distance > 0 or len(positions) < 2 or (not search and len(positions) <= UNBINNED_ATOMS):
         return
     full = full_cell
     pbc = np.broadcast_to(np.asarray(pbc, dtype=bool), (3,))

@@ -11,10 +11,12 @@ from .graph import (AtomGraph, check_min_distance, check_pair_distances, check_p
 
 
 def voigt_stress(dE_dstrain: np.ndarray, volume: float) -> np.ndarray:
-    """(1/V) dE/dε as 6 Voigt components (xx, yy, zz, yz, xz, xy), eV/Å³ — ASE's order and sign."""
-    from ase.stress import full_3x3_to_voigt_6_stress
+    """(1/V) dE/dε as 6 Voigt components (xx, yy, zz, yz, xz, xy), eV/Å³ — ASE's order and sign (its
+    ``full_3x3_to_voigt_6_stress`` of the symmetric part, whose off-diagonal means are the elements themselves)."""
+    return (0.5 * (dE_dstrain + dE_dstrain.T) / volume)[VOIGT]
 
-    return full_3x3_to_voigt_6_stress(0.5 * (dE_dstrain + dE_dstrain.T) / volume)
+
+VOIGT = ([0, 1, 2, 1, 0, 0], [0, 1, 2, 2, 2, 1])  # (rows, columns) of xx, yy, zz, yz, xz, xy
 
 
 def model_pairs(model, positions: np.ndarray, cell: np.ndarray, pbc, min_distance: float = 0.0) -> tuple:
@@ -31,14 +33,14 @@ def model_pairs(model, positions: np.ndarray, cell: np.ndarray, pbc, min_distanc
 
 
 def periodic_graph(model: Potential, atoms, create_graph: bool = False, memory_budget_gb: float | None = None,
-                   min_distance: float = 0.0) -> tuple:
+                   min_distance: float = 0.0, checked: tuple | None = None) -> tuple:
     """(the strained coordinates, the AtomGraph) of the whole structure ``atoms`` for ``model``: its atoms are the
     nodes and periodic images enter as edge shifts (no ghost atoms; what the packages' own calculators build).
     ``memory_budget_gb`` as in ``energy_forces``. ``min_distance`` (Å; 0: unchecked): atoms closer are an
     InvalidStructureError, found in the model's own neighbour list when its cutoff reaches that far; the caller
-    first runs ``check_structure(..., search=False)``, whose binning bounds that list's memory."""
-    positions = check_positions(atoms.positions)
-    cell = complete_cell(atoms.cell, atoms.pbc)
+    first runs ``check_structure(..., search=False)``, whose binning bounds that list's memory. ``checked``: the
+    caller's (``check_positions``, ``complete_cell``) of ``atoms``, not computed again."""
+    positions, cell = checked or (check_positions(atoms.positions), complete_cell(atoms.cell, atoms.pbc))
     device = model.device
     species = torch.as_tensor(model.species_index(atoms.numbers), device=device)
     i, j, shifts = model_pairs(model, positions, cell, atoms.pbc, min_distance)
