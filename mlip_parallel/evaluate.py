@@ -12,8 +12,8 @@ import torch
 
 from potentials.batch import graph_results
 from potentials.committee import Committee, committee_result, deviations
-from potentials.graph import (MIN_DISTANCE, AtomGraph, NoHalo, check_min_distance, check_positions, complete_cell,
-                              edge_vectors, neighbour_pairs, strained_coordinates, system_of)
+from potentials.graph import (MIN_DISTANCE, AtomGraph, NoHalo, check_positions, check_structure, edge_vectors,
+                              neighbour_pairs, strained_coordinates, system_of)
 from potentials.messages import memory_budget_bytes
 from potentials.predict import periodic_graph, voigt_stress
 
@@ -252,9 +252,10 @@ def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, str
 
     Every rank calls this with the same ``atoms`` (checked on every call: RanksDisagreeError otherwise). ``mode``:
     "layerwise" (ghost shell = cutoff, ghost node features refreshed between layers) or "wide" (ghost shell =
-    layers × cutoff, no communication inside the model). ``grid``: (px, py, pz) or None for the minimum-surface grid. ``comm``: an mpi4py
-    communicator, a backend, or None (MPI.COMM_WORLD under mpiexec, serial otherwise). ``device``: None
-    puts each rank's model on ``cuda:<local rank>`` where CUDA exists, else CPU (the model is moved).
+    layers × cutoff, no communication inside the model). ``grid``: (px, py, pz) or None for the minimum-surface
+    grid. ``comm``: an mpi4py communicator, a backend, or None (MPI.COMM_WORLD under mpiexec, serial otherwise).
+    ``device``: None puts each rank's model on ``cuda:<local rank>`` where CUDA exists, else CPU (the model is
+    moved).
     ``memory_budget_gb``: the most one chunk of a block's per-edge temporaries may take on a rank
     (None: every edge at once where the memory pre-flight predicts that fits, else a share of the device's free
     memory); it bounds memory and leaves the results unchanged. ``decompose``: split the structure into
@@ -273,9 +274,9 @@ def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, str
 
     A committee (``potentials.Committee``, or a list of models: one with ``forces="mean"``) runs its members on one
     decomposition; its energy, forces and stress are their mean (or its first member's), and the result also holds
-    the model deviation (``potentials.committee.committee_result``): "devi_f" (N,) σ_F per atom, "devi_energies" (N,) the per-atom energy
-    deviation, "max_devi_f", "min_devi_f", "avg_devi_f" (eV/Å), "devi_e" (the members' standard deviation of the
-    energy per atom, eV) and "member_energies" (K,).
+    the model deviation (``potentials.committee.committee_result``): "devi_f" (N,) σ_F per atom, "devi_energies"
+    (N,) the per-atom energy deviation, "max_devi_f", "min_devi_f", "avg_devi_f" (eV/Å), "devi_e" (the members'
+    standard deviation of the energy per atom, eV) and "member_energies" (K,).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -291,8 +292,7 @@ def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, str
         raise ValueError(f"min_distance must be a finite number >= 0 (Å), got {min_distance}")
     decomposed = bool(decompose or (decompose is None and (backend.size > 1 or grid is not None)))
     # one process: the binning here, the closest pair from the periodic graph's own neighbour list
-    checked = check_positions(atoms.positions), complete_cell(atoms.cell, atoms.pbc)  # (check_structure's parts)
-    check_min_distance(*checked, atoms.pbc, min_distance, search=decomposed)
+    checked = check_structure(atoms.positions, atoms.cell, atoms.pbc, min_distance, search=decomposed)
     system = system_of(atoms.info)
     if decompose is False and backend.size > 1:
         raise ValueError(f"decompose=False evaluates the whole structure in one process, but the communicator has "
@@ -320,13 +320,13 @@ def evaluate(model, atoms, *, mode: str = "layerwise", grid=None, comm=None, str
 _last_budget: dict = {}  # one_process_budget's last (key, when, GB)
 
 
-def one_process_budget(backend, model, atoms, memory_budget_gb: float | None, checked: tuple | None = None) -> float:
+def one_process_budget(backend, model, atoms, memory_budget_gb: float | None, checked: tuple) -> float:
     """``check_rank_memory`` of one process that holds the whole structure ``atoms`` (no ghosts): the chunk budget
     (GB; inf: one pass) or MemoryLimitError. Its estimate reads only the atom count and the region, so within the
     host memory's refresh time (``preflight.HOST_MEMORY_REFRESH_S``) the last answer stands for the same model, count,
     region and ``memory_budget_gb`` (an optimizer's or integrator's steps in a fixed periodic cell: there the region
-    is the cell, and the positions are not read). ``checked``: (positions, complete cell) as ``periodic_graph``'s."""
-    positions, cell = checked or (atoms.positions, atoms.cell.array)
+    is the cell, and the positions are not read). ``checked``: ``check_structure``'s (positions, complete cell)."""
+    positions, cell = checked
     pbc = np.broadcast_to(np.asarray(atoms.pbc, dtype=bool), (3,))
     domain = None if pbc.all() else Domain.from_positions(positions, cell, pbc)
     region = (cell, pbc) if domain is None else (domain.cell, domain.pbc, domain.lo, domain.hi)

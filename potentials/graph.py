@@ -195,10 +195,11 @@ MIN_DISTANCE = 0.5  # Å: closer atoms are a mistake in the structure (the short
 UNBINNED_ATOMS = 64  # up to this many atoms N² pairs per image are no more than a dense structure's list: no binning
 
 
-def check_structure(positions, cell, pbc, min_distance: float = MIN_DISTANCE, search: bool = True) -> None:
-    """InvalidStructureError unless ``positions`` [N, 3] (Å) are finite, the ``cell`` [3, 3] has a real
-    vector along every periodic direction and a volume (``complete_cell``), and no two atoms (periodic
-    images included) are closer than ``min_distance`` Å (0: not checked); the error names the pair.
+def check_structure(positions, cell, pbc, min_distance: float = MIN_DISTANCE, search: bool = True) -> tuple:
+    """(positions float64 [N, 3], the complete cell [3, 3]), checked: InvalidStructureError unless ``positions``
+    [N, 3] (Å) are finite, the ``cell`` [3, 3] has a real vector along every periodic direction and a volume
+    (``complete_cell``), and no two atoms (periodic images included) are closer than ``min_distance`` Å (0: not
+    checked); the error names the pair.
 
     Memory stays O(N) whatever the input (all atoms on one point included): atoms are first binned in
     cubes of side min_distance/√3, where two atoms in one cube are already too close; only when every
@@ -206,7 +207,9 @@ def check_structure(positions, cell, pbc, min_distance: float = MIN_DISTANCE, se
     does a neighbour list look for the closest pair. ``search`` False: the binning only, for a caller that
     then passes its own neighbour list (of at least ``min_distance``) to ``check_pair_distances``; none up to
     ``UNBINNED_ATOMS`` atoms, whose list holds at most N² pairs per periodic image wherever they sit."""
-    check_min_distance(check_positions(positions), complete_cell(cell, pbc), pbc, min_distance, search)
+    checked = check_positions(positions), complete_cell(cell, pbc)
+    check_min_distance(*checked, pbc, min_distance, search)
+    return checked
 
 
 def check_min_distance(positions: np.ndarray, full_cell: np.ndarray, pbc, min_distance: float,

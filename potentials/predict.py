@@ -38,8 +38,8 @@ def periodic_graph(model: Potential, atoms, create_graph: bool = False, memory_b
     nodes and periodic images enter as edge shifts (no ghost atoms; what the packages' own calculators build).
     ``memory_budget_gb`` as in ``energy_forces``. ``min_distance`` (Å; 0: unchecked): atoms closer are an
     InvalidStructureError, found in the model's own neighbour list when its cutoff reaches that far; the caller
-    first runs ``check_structure(..., search=False)``, whose binning bounds that list's memory. ``checked``: the
-    caller's (``check_positions``, ``complete_cell``) of ``atoms``, not computed again."""
+    first runs ``check_structure(..., search=False)``, whose binning bounds that list's memory. ``checked``: its
+    return value (the positions and the complete cell), not computed again."""
     positions, cell = checked or (check_positions(atoms.positions), complete_cell(atoms.cell, atoms.pbc))
     device = model.device
     species = torch.as_tensor(model.species_index(atoms.numbers), device=device)
