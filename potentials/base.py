@@ -109,11 +109,10 @@ class Potential(torch.nn.Module):
         measured on the model itself (a pipeline stage: on its parts, ``held_forward``) in its dtype and on its
         device (``messages.LiveBytes``), once per dtype and device. Three probes: a 13-atom cluster with only the
         centre's pairs, with all its pairs within the cutoff, and with PROBE_LONE atoms without neighbours added.
-        After each operation, the bytes held by the second
-        beyond the first, per added edge, and by the third beyond the first, per added row: their largest over the
-        operations are the costs (a stage's edge tensors and another's row tensors each counted at their own
-        peak), and the first probe's peak the fixed part (where the probes' operations differ: differences of
-        peaks)."""
+        After each operation, the bytes held by the second beyond the first, per added edge, and by the third beyond
+        the first, per added row: their largest over the operations are the costs (a stage's edge tensors and
+        another's row tensors each counted at their own peak), and the first probe's peak the fixed part (where the
+        probes' operations differ: differences of peaks)."""
         key = (self.dtype, self.device)
         costs = self.__dict__.setdefault("_one_pass_costs", {})
         if key not in costs:
