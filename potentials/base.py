@@ -388,8 +388,9 @@ class BlockPotential(Potential):
     travels between stages. Its rows are the graph's nodes, or its edges (in the graph's order) where
     ``state_per_edge`` (Allegro: the state between its layers is per edge); ``state_rows`` counts them.
     ``n_blocks`` is ``layers`` (the message-passing steps), except for a strictly local model whose layers
-    pass nothing between atoms (Allegro: one layer for the halo, each of its own layers a block). ``PART_MODULES`` maps "embed" / "block" / "readout" to the attribute paths
-    of each part's modules ("{k}" stands for the block index). ``forward`` chains all parts.
+    pass nothing between atoms (Allegro: one layer for the halo, each of its own layers a block).
+    ``PART_MODULES`` maps "embed" / "block" / "readout" to the attribute paths of each part's modules ("{k}"
+    stands for the block index). ``forward`` chains all parts.
     """
 
     PART_MODULES: dict
