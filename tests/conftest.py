@@ -2,6 +2,7 @@
 (``needs``, ``require``: skipped without them, failed instead under ``MLIP_PARALLEL_TEST_EXTRAS=required``)."""
 import importlib.util
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -79,6 +80,26 @@ def mpiexec_path() -> str:
     return str(local) if local.exists() else shutil.which("mpiexec")
 
 
+LAUNCH_LOG = "MLIP_PARALLEL_TEST_LAUNCH_LOG"  # a file: each launch appends "wall_s cpu_s ranks script test" to it
+
+
+def children_cpu_seconds() -> float:
+    """User + system CPU seconds of this process's finished children (every rank of a finished launch)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def log_launch(seconds: float, cpu: float, ranks: int, args) -> None:
+    """Where ``LAUNCH_LOG`` names a file, append one launch's wall and CPU seconds, ranks, script and test to it
+    (where the suite's time goes: docs/benchmarks.md)."""
+    path = os.environ.get(LAUNCH_LOG)
+    if path:
+        script = next((Path(a).name for a in args if a.endswith(".py")), " ".join(args[:2]))
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+        with open(path, "a") as log:
+            log.write(f"{seconds:.1f} {cpu:.1f} {ranks} {script} {test}\n")
+
+
 def _launcher(prefix):
     """run(n, script_or_module_args..., timeout=HANG_GUARD, backend=None, pythonpath=()) → (returncode, output,
     seconds).
@@ -95,13 +116,14 @@ def _launcher(prefix):
             env["MLIP_PARALLEL_BACKEND"] = backend
         args = [str(a) for a in args]
         cmd = prefix(n) + args
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), children_cpu_seconds()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
         except subprocess.TimeoutExpired as exc:
             pytest.fail(f"{' '.join(cmd)} did not finish within {timeout} s (hang?)\n{exc.stdout}\n{exc.stderr}")
-        output = proc.stdout + proc.stderr
-        return proc.returncode, output, time.perf_counter() - start
+        output, seconds = proc.stdout + proc.stderr, time.perf_counter() - start
+        log_launch(seconds, children_cpu_seconds() - cpu, n, args)
+        return proc.returncode, output, seconds
 
     return run
 

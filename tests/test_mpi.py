@@ -14,6 +14,43 @@ import torch
 
 from conftest import MPI_DIR, ROOT, assert_job_aborted, missing, mpiexec_path, require
 
+sys.path.insert(0, str(MPI_DIR))
+from several import sections  # noqa: E402
+
+# The scripts that run on the same number of ranks with the same backend share one launch (tests/mpi/several.py): each
+# rank imports torch and the package once for all of them. {ranks: [(section name, script and its arguments)]};
+# chunked.py last (it shrinks the chunks for the rest of its process).
+SHARED = {2: [("equivalence", ["equivalence.py"]), ("double_backward", ["double_backward.py"]),
+              ("comm_contracts", ["comm_contracts.py"]), ("bad_input", ["bad_input.py", "caught"]),
+              ("check", ["-m", "mlip_parallel.check", "--repeat", "3"]),
+              ("check-painn", ["-m", "mlip_parallel.check", "--repeat", "3", "--models", "PaiNN"]),
+              ("ase_dynamics", ["ase_dynamics.py"]),
+              ("md_engine", ["md_engine.py", "--restarts", "1", "--gas-steps", "0"])],
+          3: [("equivalence", ["equivalence.py"]), ("double_backward", ["double_backward.py"]),
+              ("comm_contracts", ["comm_contracts.py"]), ("pipeline", ["pipeline.py"]), ("chunked", ["chunked.py"])],
+          4: [("equivalence", ["equivalence.py"]), ("comm_contracts", ["comm_contracts.py"]),
+              ("ase_dynamics", ["ase_dynamics.py"]),
+              ("md_engine", ["md_engine.py", "--restarts", "0", "--gas-steps", "750", "--ensembles", "short"]),
+              ("pipeline", ["pipeline.py"])]}
+
+
+@pytest.fixture(scope="module")
+def shared(mpirun):
+    """``shared(ranks, name)`` → (exit status, output) of section ``name`` of the launch of ``SHARED[ranks]`` (run at
+    the first request for ``ranks``); where the section failed or never ended, the output is the whole launch's."""
+    launches = {}
+
+    def section(ranks, name):
+        if ranks not in launches:
+            args = [a for label, script in SHARED[ranks] for a in ("--", label, *script)][1:]
+            rc, out, _ = mpirun(ranks, MPI_DIR / "several.py", *args)
+            launches[ranks] = out, sections(out)
+        out, found = launches[ranks]
+        status, text = found.get(name, (None, ""))
+        return (status, text) if status == 0 else (1 if status is None else status, out)
+
+    return section
+
 
 def assert_faults_caught(out: str, ranks: int, planted: int) -> None:
     """On 2 ranks and on 3 (an odd grid), the launch planted ``planted`` halo faults (tests/faults.py) and its
@@ -23,9 +60,9 @@ def assert_faults_caught(out: str, ranks: int, planted: int) -> None:
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 4])
-def test_distributed_equals_reference(mpirun, ranks):
+def test_distributed_equals_reference(shared, ranks):
     """Every geometry × grid × {LJ vs ASE, SchNet float64/float32 × layerwise/wide vs predict}."""
-    rc, out, _ = mpirun(ranks, MPI_DIR / "equivalence.py")
+    rc, out = shared(ranks, "equivalence")
     assert rc == 0, out
     assert f"P={ranks}:" in out and " 0 failures" in out, out
     assert_faults_caught(out, ranks, 10)  # SchNet, PaiNN, NequIP: 3 faults each; Lennard-Jones: its ghost gradients
@@ -34,11 +71,11 @@ def test_distributed_equals_reference(mpirun, ranks):
 
 
 @pytest.mark.parametrize("ranks", [1, 3])
-def test_chunked_evaluation_equals_plain(mpirun, ranks):
+def test_chunked_evaluation_equals_plain(mpirun, shared, ranks):
     """Memory-bounded edge sums (many chunks per block) == one pass over all edges: SchNet float64/32,
     PaiNN, NequIP, every geometry (a cell smaller than two cutoffs, an empty rank on 3), both modes,
     and predict on one rank; float64 to 1e-12."""
-    rc, out, _ = mpirun(ranks, MPI_DIR / "chunked.py")
+    rc, out = shared(ranks, "chunked") if ranks in SHARED else mpirun(ranks, MPI_DIR / "chunked.py")[:2]
     assert rc == 0, out
     assert f"P={ranks}:" in out and " 0 failures" in out and " 0 chunked edge sums" not in out, out
     if ranks == 3:
@@ -65,15 +102,15 @@ def test_double_backward_through_halo_torch_backend(mpirun, torchrun, launcher, 
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_double_backward_through_halo(mpirun, ranks):
-    rc, out, _ = mpirun(ranks, MPI_DIR / "double_backward.py")
+def test_double_backward_through_halo(shared, ranks):
+    rc, out = shared(ranks, "double_backward")
     assert rc == 0, out
     assert "0 parameter-gradient mismatches" in out, out
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 4])
-def test_comm_verbs(mpirun, ranks):
-    rc, out, _ = mpirun(ranks, MPI_DIR / "comm_contracts.py")
+def test_comm_verbs(shared, ranks):
+    rc, out = shared(ranks, "comm_contracts")
     assert rc == 0, out
     assert "comm contracts, 0 failures" in out, out
 
@@ -98,8 +135,8 @@ def test_oversubscribed_ranks_sleep_while_waiting():
             proc.stdout + proc.stderr
 
 
-def test_bad_input_raises_on_every_rank(mpirun):
-    rc, out, _ = mpirun(2, MPI_DIR / "bad_input.py", "caught")
+def test_bad_input_raises_on_every_rank(shared):
+    rc, out = shared(2, "bad_input")
     assert rc == 0, out
     assert out.count("OK ") == 5, out
 
@@ -117,10 +154,10 @@ def test_exception_on_one_rank_aborts_all(mpirun, torchrun, launcher, process_gr
     assert_job_aborted(rc, out, seconds, "rank 1: RuntimeError: deliberate failure on rank 1")
 
 
-def test_self_check_entry_point(mpirun):
+def test_self_check_entry_point(shared):
     """The self-check checks what README says: Lennard-Jones, SchNet, PaiNN and NequIP in both halo modes
     (``--models`` chooses); the device-direct line only where a rank has a GPU."""
-    rc, out, _ = mpirun(2, "-m", "mlip_parallel.check", "--repeat", "3")
+    rc, out = shared(2, "check")
     assert rc == 0, out
     for text in ("2 rank(s)", "communication: MPICH", "rank 1: host", "largest force difference", "OK"):
         assert text in out, out
@@ -128,7 +165,7 @@ def test_self_check_entry_point(mpirun):
         for mode in ("layerwise", "wide"):
             assert re.search(rf"{name} +{mode} *: max \|F_distributed - F_serial\| = ", out), (name, mode, out)
     assert ("device-direct" in out) == torch.cuda.is_available(), out
-    rc, out, _ = mpirun(2, "-m", "mlip_parallel.check", "--repeat", "3", "--models", "PaiNN")
+    rc, out = shared(2, "check-painn")
     assert rc == 0 and "PaiNN" in out and "SchNet" not in out, out
 
 
@@ -140,14 +177,14 @@ def test_self_check_under_torchrun_without_mpi(torchrun):
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_ase_dynamics_with_distributed_calculator_equal_serial(mpirun, ranks):
+def test_ase_dynamics_with_distributed_calculator_equal_serial(shared, ranks):
     """ASE's integrators, BFGS, FIRE and FIRE on FrechetCellFilter, and phonopy's frequencies with the distributed
     calculator == one process; ASE's NEB(parallel=True), 2 images
     each on its own communicator of P / 2 ranks (examples/neb_parallel.py) == the band in one process; ranks that pass
     different structures (the band's calculators on the whole world; velocities drawn on each rank) end in one
     RanksDisagreeError naming the way out (tests/mpi/ase_dynamics.py)."""
     require("phonopy")
-    rc, out, _ = mpirun(ranks, "-W", "ignore", MPI_DIR / "ase_dynamics.py")
+    rc, out = shared(ranks, "ase_dynamics")
     assert rc == 0, out
     assert "ASE dynamics 0 failures" in out, out
     assert f"NEB, 2 images x {ranks // 2} rank(s)" in out and "phonopy: highest frequency" in out, out
@@ -156,12 +193,10 @@ def test_ase_dynamics_with_distributed_calculator_equal_serial(mpirun, ranks):
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_md_engine_rank_independent_and_conserves_atoms(mpirun, ranks):
+def test_md_engine_rank_independent_and_conserves_atoms(shared, ranks):
     """Every ensemble and the balanced droplet on 2 ranks, NVE/Langevin/anisotropic NPT and the droplet
-    on 4; restarts on 2; the hot gas on 4."""
-    options = ["--restarts", "1", "--gas-steps", "0"] if ranks == 2 else \
-        ["--restarts", "0", "--gas-steps", "750", "--ensembles", "short"]
-    rc, out, _ = mpirun(ranks, MPI_DIR / "md_engine.py", *options)
+    on 4; restarts on 2; the hot gas on 4 (``SHARED``'s options)."""
+    rc, out = shared(ranks, "md_engine")
     assert rc == 0, out
     assert "MD engine 0 failures" in out, out
     assert ("NPT restart" in out) if ranks == 2 else ("gas: 750 steps" in out and "ids conserved: True" in out), out
@@ -170,13 +205,13 @@ def test_md_engine_rank_independent_and_conserves_atoms(mpirun, ranks):
 
 
 @pytest.mark.parametrize("ranks", [3, 4])
-def test_pipeline_parallel_equals_single_process(mpirun, ranks):
+def test_pipeline_parallel_equals_single_process(shared, ranks):
     """Stage-local models (each rank exactly its parts) equal one process: S = 3 stages on 3 ranks (GPipe,
     1F1B, recomputation, energy-only; SchNet, PaiNN, NequIP), 2 replicas × 2 stages on 4 ranks (DP × PP);
     ragged batches, AdamW steps, pipelined evaluation, 2BW, the merged checkpoint; one case with the stages (and
     replicas) talking through the MPI backend instead of torch.distributed (tests/mpi/pipeline.py;
     S = 2 runs through mlip-train in tests/test_training.py)."""
-    rc, out, _ = mpirun(ranks, MPI_DIR / "pipeline.py")
+    rc, out = shared(ranks, "pipeline")
     assert rc == 0, out
     assert "pipeline 0 failures" in out and out.count("max rel err") == (16 if ranks == 3 else 13), out
     assert "merged checkpoint vs whole model" in out and "SchNet 1f1b forces, 7 structures, M=4: gradients (MPI " \

@@ -14,7 +14,9 @@ Run under mpiexec -n P, P even.
 """
 import os
 import sys
+import warnings
 
+warnings.filterwarnings("ignore")  # (ASE's and phonopy's deprecation notices: not this script's to read)
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
