@@ -17,6 +17,14 @@ from conftest import MPI_DIR, ROOT, assert_job_aborted, missing, mpiexec_path, r
 sys.path.insert(0, str(MPI_DIR))
 from several import sections  # noqa: E402
 
+# Other packages' models (tests/mpi/families.py): each family in full on 2 ranks; the first model of each on every
+# 3-rank grid (fairchem's under torch.distributed); every family in one lean launch on 4 ranks and one under
+# torch.distributed (torchrun, 3 ranks): what those runs add is the grids or the backend.
+FAMILIES = {"mace": ("MACE", 3), "nequip": ("nequip framework", 4), "fairchem": ("fairchem", 3),
+            "sevennet": ("SevenNet-0", 3)}  # family: (its summary's title, the faults planted on 2 and 3 ranks)
+FAMILY_PACKAGES = {"mace": ("mace",), "nequip": ("nequip", "allegro"), "fairchem": ("fairchem",),
+                   "sevennet": ("sevenn",)}
+
 # The scripts that run on the same number of ranks with the same backend share one launch (tests/mpi/several.py): each
 # rank imports torch and the package once for all of them. {ranks: [(section name, script and its arguments)]};
 # chunked.py last (it shrinks the chunks for the rest of its process).
@@ -25,13 +33,15 @@ SHARED = {2: [("equivalence", ["equivalence.py"]), ("double_backward", ["double_
               ("check", ["-m", "mlip_parallel.check", "--repeat", "3"]),
               ("check-painn", ["-m", "mlip_parallel.check", "--repeat", "3", "--models", "PaiNN"]),
               ("ase_dynamics", ["ase_dynamics.py"]),
-              ("md_engine", ["md_engine.py", "--restarts", "1", "--gas-steps", "0"])],
+              ("md_engine", ["md_engine.py", "--restarts", "1", "--gas-steps", "0"]),
+              ("families", ["families.py", *FAMILIES])],
           3: [("equivalence", ["equivalence.py"]), ("double_backward", ["double_backward.py"]),
-              ("comm_contracts", ["comm_contracts.py"]), ("pipeline", ["pipeline.py"]), ("chunked", ["chunked.py"])],
+              ("comm_contracts", ["comm_contracts.py"]), ("pipeline", ["pipeline.py"]),
+              ("families", ["families.py", "--grids", "mace", "nequip", "sevennet"]), ("chunked", ["chunked.py"])],
           4: [("equivalence", ["equivalence.py"]), ("comm_contracts", ["comm_contracts.py"]),
               ("ase_dynamics", ["ase_dynamics.py"]),
               ("md_engine", ["md_engine.py", "--restarts", "0", "--gas-steps", "750", "--ensembles", "short"]),
-              ("pipeline", ["pipeline.py"])]}
+              ("pipeline", ["pipeline.py"]), ("families", ["families.py", "--lean", *FAMILIES])]}
 
 
 @pytest.fixture(scope="module")
@@ -218,13 +228,6 @@ def test_pipeline_parallel_equals_single_process(shared, ranks):
         "backend)" in out, out
 
 
-# Other packages' models (tests/mpi/families.py): each family in full on 2 ranks; the first model of each on every
-# 3-rank grid (one launch; fairchem's under torch.distributed); every family in one lean launch on 4 ranks and one
-# under torch.distributed (torchrun, 3 ranks): what those launches add is the grids or the backend.
-FAMILIES = {"mace": ("MACE", 3), "nequip": ("nequip framework", 4), "fairchem": ("fairchem", 3),
-            "sevennet": ("SevenNet-0", 3)}  # family: (its summary's title, the faults planted on 2 and 3 ranks)
-FAMILY_PACKAGES = {"mace": ("mace",), "nequip": ("nequip", "allegro"), "fairchem": ("fairchem",),
-                   "sevennet": ("sevenn",)}
 
 
 def check_families(out: str, ranks: int, families, backend=None) -> None:
@@ -253,43 +256,38 @@ def check_families(out: str, ranks: int, families, backend=None) -> None:
     require(*absent)
 
 
-@pytest.fixture(scope="module")
-def every_family_on_two_ranks(mpirun):
-    """(exit status, output) of one 2-rank launch (mpiexec) of every family in full."""
-    rc, out, _ = mpirun(2, MPI_DIR / "families.py", *FAMILIES)
-    return rc, out
-
-
 @pytest.mark.parametrize("family", FAMILIES)
-def test_family_distributed_equals_its_packages_calculator(every_family_on_two_ranks, family):
-    """Each family in full on 2 ranks (mpiexec, one launch for all): every model of its fixtures on every geometry
+def test_family_distributed_equals_its_packages_calculator(shared, family):
+    """Each family in full on 2 ranks (mpiexec, one section of the shared launch for all): every model of its fixtures on every geometry
     (fairchem's second and third on four of them; the first on every grid), chunked and one pass, wide mode, the ASE
     calculator, the halo's faults == its package's own calculator (MACECalculator, NequIPCalculator,
     FAIRChemCalculator, SevenNetCalculator); SevenNet's NEB(parallel=True), an image per rank, == the band with
     SevenNetCalculator in one process."""
     require(FAMILY_PACKAGES[family][0])
-    rc, out = every_family_on_two_ranks
+    rc, out = shared(2, "families")
     check_families(out, 2, [family])
     if family == "sevennet":  # ASE's NEB(parallel=True) with ours == the band with SevenNetCalculator
         assert "SevenNet-0 NEB(parallel=True), an image per rank" in out, out
     assert rc == 0 or "FAIL " in out, out  # (a launch that failed without naming a family: every family's test fails)
 
 
-def test_families_on_three_ranks_grids(mpirun):
-    """MACE, nequip and SevenNet in one launch on 3 ranks (mpiexec), each's first model on every geometry and grid
+def test_families_on_three_ranks_grids(shared):
+    """MACE, nequip and SevenNet in one section on 3 ranks (mpiexec), each's first model on every geometry and grid
     (the odd grids' several hops, empty ranks), the halo's faults on a 3-rank grid (fairchem's 3-rank grid runs under
     torch.distributed below)."""
-    rc, out, _ = mpirun(3, MPI_DIR / "families.py", "--grids", "mace", "nequip", "sevennet")
+    rc, out = shared(3, "families")
     assert rc == 0, out
     check_families(out, 3, ["mace", "nequip", "sevennet"])
 
 
 @pytest.mark.parametrize("launcher, ranks", [("mpiexec", 4), ("torchrun", 3)])
-def test_every_family_on_four_ranks_and_under_torch_distributed(mpirun, torchrun, launcher, ranks):
-    """Every family in one launch (each family's first model, every geometry): on 4 ranks on the automatic and the last
+def test_every_family_on_four_ranks_and_under_torch_distributed(shared, torchrun, launcher, ranks):
+    """Every family in one run (each family's first model, every geometry): on 4 ranks on the automatic and the last
     explicit grid (2D grids, empty ranks) and under torch.distributed (torchrun without MPI, gloo) on an odd 3-rank
     grid, the faults planted (the 3-rank MPI launch holds the other grids)."""
-    run = torchrun if launcher == "torchrun" else mpirun
-    rc, out, _ = run(ranks, MPI_DIR / "families.py", "--lean" if launcher == "mpiexec" else "--backend", *FAMILIES)
+    if launcher == "mpiexec":
+        rc, out = shared(ranks, "families")
+    else:
+        rc, out, _ = torchrun(ranks, MPI_DIR / "families.py", "--backend", *FAMILIES)
     assert rc == 0, out
     check_families(out, ranks, FAMILIES, "torch" if launcher == "torchrun" else None)

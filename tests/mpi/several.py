@@ -8,7 +8,8 @@ status is kept and the next one runs. Rank 0 prints "several: begin NAME" before
 status S" after it, once every rank has finished it, so that each section's lines of rank 0 fall between its
 markers (``sections`` splits an output). An exception other than SystemExit is not caught: mlip_parallel's hook ends
 every rank with it, and the sections after it do not run. torch's default dtype and the warning filters are put back
-after each section; a script that changes other state of the process (tests/mpi/chunked.py: small chunks) goes last.
+after each section, and the planted faults' tally (tests/faults.py) starts at zero; a script that changes other state
+of the process (tests/mpi/chunked.py: small chunks) goes last.
 Exits 1 if any section did."""
 import os
 import re
@@ -56,6 +57,8 @@ def run(target, args) -> int:
     import torch
 
     dtype, argv = torch.get_default_dtype(), sys.argv
+    if "faults" in sys.modules:  # (each script counts its own planted faults)
+        sys.modules["faults"].tally(reset=True)
     try:
         with warnings.catch_warnings():
             if isinstance(target, tuple):
