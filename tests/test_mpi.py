@@ -12,10 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import MPI_DIR, ROOT, assert_job_aborted, missing, mpiexec_path, require
-
-sys.path.insert(0, str(MPI_DIR))
-from several import sections  # noqa: E402
+from conftest import MPI_DIR, ROOT, assert_job_aborted, missing, mpiexec_path, require, sections
 
 # Other packages' models (tests/mpi/families.py): each family in full on 2 ranks; the first model of each on every
 # 3-rank grid (fairchem's under torch.distributed); every family in one lean launch on 4 ranks and one under

@@ -5,37 +5,18 @@ for all of them, not once per script (about 2.4 CPU seconds per rank and script)
 
 Each section runs as ``python SCRIPT ARG ...`` would (as ``__main__``, with its own sys.argv), in order; its exit
 status is kept and the next one runs. Rank 0 prints "several: begin NAME" before a section and "several: end NAME
-status S" after it, once every rank has finished it, so that each section's lines of rank 0 fall between its
-markers (``sections`` splits an output). An exception other than SystemExit is not caught: mlip_parallel's hook ends
-every rank with it, and the sections after it do not run. torch's default dtype and the warning filters are put back
-after each section, and the planted faults' tally (tests/faults.py) starts at zero; a script that changes other state
-of the process (tests/mpi/chunked.py: small chunks) goes last.
-Exits 1 if any section did."""
+status S" after it, once every rank has finished it, so that each section's lines of rank 0 fall between its markers
+(tests/conftest.py's ``sections`` splits an output). An exception other than SystemExit is not caught: mlip_parallel's
+hook ends every rank with it, and the sections after it do not run. After each section torch's default dtype, the
+warning filters and the working directory are put back, and the planted faults' tally (tests/faults.py) starts at
+zero; a script that changes other state of the process (tests/mpi/chunked.py: small chunks; tests/mpi/mistakes.py:
+an address-space limit) goes last or shares the launch with its kind alone. Exits 1 if any section did."""
 import os
-import re
 import runpy
 import sys
 import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MARKER = re.compile(r"^several: (begin|end) (\S+)(?: status (\d+))?$", re.MULTILINE)
-
-
-def sections(output: str) -> dict:
-    """{NAME: (exit status, the lines between its markers)} of a launch's ``output``; a section that began and did
-    not end has status None."""
-    found, begun = {}, None
-    for match in MARKER.finditer(output):
-        kind, name, status = match.groups()
-        if kind == "begin":
-            begun = name, match.end()
-            found[name] = None, output[match.end():]
-        elif begun and begun[0] == name:
-            found[name] = int(status), output[begun[1]:match.start()]
-            begun = None
-    return found
-
-
 def parse(argv) -> list:
     """[(name, script or ("-m", module), args)] of the command line."""
     runs, current = [], []
@@ -56,7 +37,7 @@ def run(target, args) -> int:
     """One section: ``target`` (a script path, or ("-m", module)) as __main__ with ``args``; its exit status."""
     import torch
 
-    dtype, argv = torch.get_default_dtype(), sys.argv
+    dtype, argv, cwd = torch.get_default_dtype(), sys.argv, os.getcwd()
     if "faults" in sys.modules:  # (each script counts its own planted faults)
         sys.modules["faults"].tally(reset=True)
     try:
@@ -77,6 +58,7 @@ def run(target, args) -> int:
     finally:
         torch.set_default_dtype(dtype)
         sys.argv = argv
+        os.chdir(cwd)
 
 
 def main(argv) -> int:
