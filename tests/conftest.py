@@ -123,9 +123,10 @@ def _launcher(prefix):
     """run(n, script_or_module_args..., timeout=HANG_GUARD, backend=None, pythonpath=()) → (returncode, output,
     seconds).
 
-    Runs ``prefix(n) + ARGS`` with one thread per rank (``backend``: MLIP_PARALLEL_BACKEND, e.g.
-    "torch"; ``pythonpath``: directories importable beside the repository), and with ``launch.MPICH_YIELD`` where the ranks outnumber the CPUs (the scripts start MPI before
-    they import mlip_parallel, which would set it); a run past ``timeout`` fails the test (it would be a hang)."""
+    Runs ``prefix(n) + ARGS`` with one thread per rank (``backend``: MLIP_PARALLEL_BACKEND, e.g. "torch";
+    ``pythonpath``: directories importable beside the repository), and with ``launch.MPICH_YIELD`` where the ranks
+    outnumber the CPUs (the scripts start MPI before they import mlip_parallel, which would set it); a run past
+    ``timeout`` fails the test (it would be a hang). Where ``LAUNCH_LOG`` names a file, the launch is logged there."""
 
     def run(n, *args, timeout=HANG_GUARD, backend=None, pythonpath=()):
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(map(str, (ROOT, *pythonpath))))

@@ -255,11 +255,11 @@ def check_families(out: str, ranks: int, families, backend=None) -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_distributed_equals_its_packages_calculator(shared, family):
-    """Each family in full on 2 ranks (mpiexec, one section of the shared launch for all): every model of its fixtures on every geometry
-    (fairchem's second and third on four of them; the first on every grid), chunked and one pass, wide mode, the ASE
-    calculator, the halo's faults == its package's own calculator (MACECalculator, NequIPCalculator,
-    FAIRChemCalculator, SevenNetCalculator); SevenNet's NEB(parallel=True), an image per rank, == the band with
-    SevenNetCalculator in one process."""
+    """Each family in full on 2 ranks (mpiexec, one section of the shared launch for all): every model of its
+    fixtures on every geometry (fairchem's second and third on four of them; the first on every grid), chunked and one
+    pass, wide mode, the ASE calculator, the halo's faults == its package's own calculator (MACECalculator,
+    NequIPCalculator, FAIRChemCalculator, SevenNetCalculator); SevenNet's NEB(parallel=True), an image per rank, ==
+    the band with SevenNetCalculator in one process."""
     require(FAMILY_PACKAGES[family][0])
     rc, out = shared(2, "families")
     check_families(out, 2, [family])
