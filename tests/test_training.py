@@ -16,7 +16,7 @@ from ase.io import read, write
 
 import potentials
 from comparison import assert_beyond, assert_close
-from conftest import MPI_DIR, ROOT, assert_log_lines, require
+from conftest import MPI_DIR, ROOT, assert_log_lines, require, sections
 from mlip_parallel.config import ConfigError
 from mlip_parallel.train.cli import RULES, SCHEMA, main, train, validate
 from mlip_parallel.train.structures import DataError
@@ -256,21 +256,15 @@ def test_tensorboard_and_wandb_log_the_metric_rows(quick_data, tmp_path, monkeyp
     assert not (tmp_path / "bad").exists()
 
 
-@pytest.mark.parametrize("parallel, launcher, stream", [("data", "mpiexec", False), ("graph", "mpiexec", False),
-                                                       ("pipeline", "mpiexec", False), ("graph", "torchrun", False),
-                                                       ("data", "mpiexec", 1), ("pipeline", "mpiexec", 0)])
-def test_two_ranks_equal_one_process(mpirun, torchrun, quick_data, replay_data, tmp_path, parallel, launcher, stream):
-    """Same global batch, float64: parameters after 9 optimizer steps (gradient clipping, EMA, AMSGrad, the
-    universal loss with config_type weights, a second stage in epoch 3 with its weight average, and learning-rate
-    factors on: in pipeline, each stage holds some of the groups) equal the
-    single-process run. Pipeline: 2 stage-local models, up to 4 micro-batches (the last batch
-    of each epoch has 2 structures), schedule auto (five timed warm-up steps, then
-    the order predicted fastest under the measured costs), four sweeps, pipelined validation. Graph parallel also under
-    torchrun: the halo over the torch.distributed backend, no MPI. ``stream`` (a number: data.workers): the 2-rank run
-    reads its structures from disk at each use (data.stream; data parallel: each rank only its share, read ahead by a
-    worker process of each rank, in batches of at most 20 atoms, another file sampled at a share of 0.3; with a worker,
-    the first file as an ASE database: under MPI, ASE's databases once handed every rank rank 0's rows), the
-    one-process run holds them."""
+# test_two_ranks_equal_one_process's cases (parallel, launcher, stream), and the LoRA test's parallel modes
+TWO_RANKS = [("data", "mpiexec", False), ("graph", "mpiexec", False), ("pipeline", "mpiexec", False),
+             ("graph", "torchrun", False), ("data", "mpiexec", 1), ("pipeline", "mpiexec", 0)]
+LORA = ("data", "graph")
+
+
+def two_rank_job(tmp_path, quick_data, replay_data, parallel, stream):
+    """test_two_ranks_equal_one_process's case: the one-process run trained here in ``tmp_path``/serial, the 2-rank
+    run's job written to ``tmp_path``/job.yaml (its output: ``tmp_path``/distributed)."""
     serial, distributed = tmp_path / "serial", tmp_path / "distributed"
     config = job(serial, quick_data, epochs=3, parallel="data", batch_atoms=20 if stream else 0,
                  optimizer={"lr": 0.005, "gradient_clip": 1.0, "amsgrad": True,
@@ -295,8 +289,64 @@ def test_two_ranks_equal_one_process(mpirun, torchrun, quick_data, replay_data, 
                 db.write(atoms, config_type=atoms.info["config_type"])
         config["data"]["train"] = [str(tmp_path / "cu_quick.db"), *config["data"]["train"][1:]]
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
-    run = torchrun if launcher == "torchrun" else mpirun
-    rc, out, _ = run(2, "-m", "mlip_parallel.train.cli", tmp_path / "job.yaml")
+
+
+def lora_job(tmp_path, quick_data, parallel):
+    """test_lora_two_ranks_equal_one_process_and_best_pt_holds_the_merged_weights's case, as ``two_rank_job``."""
+    serial, distributed = tmp_path / "serial", tmp_path / "distributed"
+    lora = {"targets": ["interactions.*.lin*.weight"], "rank": 2, "alpha": 2.0}
+    config = job(serial, quick_data, model={"name": "SchNet", "cutoff": 4.0, "dtype": "float64", "lora": lora,
+                                            "hyperparameters": {"features": 8, "layers": 2}})
+    train(validate(config, SCHEMA, RULES))
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(dict(config, parallel=parallel,
+                                                           output={"directory": str(distributed)})))
+
+
+@pytest.fixture(scope="module")
+def on_two_ranks(mpirun, quick_data, replay_data, tmp_path_factory):
+    """``on_two_ranks(name)`` → (case directory, exit status, output) of the mpiexec runs of ``TWO_RANKS`` (name
+    "PARALLEL-STREAM") and ``LORA`` ("lora-PARALLEL"): the one-process runs trained here, the 2-rank runs of
+    mlip-train in one launch (tests/mpi/several.py); where a run failed or never ended, the whole launch's output."""
+    root, args = tmp_path_factory.mktemp("two_ranks"), []
+    for parallel, launcher, stream in TWO_RANKS:
+        if launcher == "mpiexec":
+            (root / f"{parallel}-{stream}").mkdir()
+            two_rank_job(root / f"{parallel}-{stream}", quick_data, replay_data, parallel, stream)
+    for parallel in LORA:
+        (root / f"lora-{parallel}").mkdir()
+        lora_job(root / f"lora-{parallel}", quick_data, parallel)
+    for case in sorted(p.name for p in root.iterdir()):
+        args += ["--", case, "-m", "mlip_parallel.train.cli", root / case / "job.yaml"]
+    rc, out, _ = mpirun(2, MPI_DIR / "several.py", *args[1:])
+    found = sections(out)
+
+    def run(name):
+        status, text = found.get(name, (None, ""))
+        return (root / name, 0, text) if status == 0 else (root / name, 1, out)
+
+    return run
+
+
+@pytest.mark.parametrize("parallel, launcher, stream", TWO_RANKS)
+def test_two_ranks_equal_one_process(on_two_ranks, torchrun, quick_data, replay_data, tmp_path, parallel, launcher,
+                                     stream):
+    """Same global batch, float64: parameters after 9 optimizer steps (gradient clipping, EMA, AMSGrad, the
+    universal loss with config_type weights, a second stage in epoch 3 with its weight average, and learning-rate
+    factors on: in pipeline, each stage holds some of the groups) equal the
+    single-process run. Pipeline: 2 stage-local models, up to 4 micro-batches (the last batch
+    of each epoch has 2 structures), schedule auto (five timed warm-up steps, then
+    the order predicted fastest under the measured costs), four sweeps, pipelined validation. Graph parallel also under
+    torchrun: the halo over the torch.distributed backend, no MPI. ``stream`` (a number: data.workers): the 2-rank run
+    reads its structures from disk at each use (data.stream; data parallel: each rank only its share, read ahead by a
+    worker process of each rank, in batches of at most 20 atoms, another file sampled at a share of 0.3; with a worker,
+    the first file as an ASE database: under MPI, ASE's databases once handed every rank rank 0's rows), the
+    one-process run holds them."""
+    if launcher == "mpiexec":  # (with the others: one launch)
+        tmp_path, rc, out = on_two_ranks(f"{parallel}-{stream}")
+    else:
+        two_rank_job(tmp_path, quick_data, replay_data, parallel, stream)
+        rc, out, _ = torchrun(2, "-m", "mlip_parallel.train.cli", tmp_path / "job.yaml")
+    serial, distributed = tmp_path / "serial", tmp_path / "distributed"
     assert rc == 0, out
     assert f"2 rank(s) x 1 thread(s), {parallel} parallel" in out, out
     assert_log_lines(out, "mlip-train: epoch 3/3 (100 %)", [tmp_path])  # (output to a pipe: plain lines)
@@ -312,19 +362,13 @@ def test_two_ranks_equal_one_process(mpirun, torchrun, quick_data, replay_data, 
         assert metrics(serial)[-1][name] == pytest.approx(metrics(distributed)[-1][name], rel=1e-8), name
 
 
-@pytest.mark.parametrize("parallel", ["data", "graph"])
-def test_lora_two_ranks_equal_one_process_and_best_pt_holds_the_merged_weights(mpirun, quick_data, tmp_path, parallel):
+@pytest.mark.parametrize("parallel", LORA)
+def test_lora_two_ranks_equal_one_process_and_best_pt_holds_the_merged_weights(on_two_ranks, parallel):
     """model.lora (rank 2) on SchNet's interaction matrices, float64, 2 epochs: the low-rank updates trained on 2 ranks
     (data or graph parallel) equal one process's to 1e-8; every other weight stays the seeded start (the same in
     both); best.pt, an ordinary SchNet checkpoint, differs from the start only in the adapted weights."""
-    serial, distributed = tmp_path / "serial", tmp_path / "distributed"
-    lora = {"targets": ["interactions.*.lin*.weight"], "rank": 2, "alpha": 2.0}
-    config = job(serial, quick_data, model={"name": "SchNet", "cutoff": 4.0, "dtype": "float64", "lora": lora,
-                                            "hyperparameters": {"features": 8, "layers": 2}})
-    train(validate(config, SCHEMA, RULES))
-    (tmp_path / "job.yaml").write_text(yaml.safe_dump(dict(config, parallel=parallel,
-                                                           output={"directory": str(distributed)})))
-    rc, out, _ = mpirun(2, "-m", "mlip_parallel.train.cli", tmp_path / "job.yaml")
+    directory, rc, out = on_two_ranks(f"lora-{parallel}")
+    serial, distributed = directory / "serial", directory / "distributed"
     assert rc == 0, out
     assert "parameters of LoRA updates trained (rank 2, alpha 2, on 6 weights)" in out, out
     a, b = trained_parameters(serial), trained_parameters(distributed)

@@ -3,14 +3,15 @@ for all of them, not once per script (about 2.4 CPU seconds per rank and script)
 
     several.py NAME SCRIPT [ARG ...] [-- NAME SCRIPT [ARG ...]] ...     SCRIPT: a file of tests/mpi, or -m MODULE
 
-Each section runs as ``python SCRIPT ARG ...`` would (as ``__main__``, with its own sys.argv), in order; its exit
-status is kept and the next one runs. Rank 0 prints "several: begin NAME" before a section and "several: end NAME
-status S" after it, once every rank has finished it, so that each section's lines of rank 0 fall between its markers
-(tests/conftest.py's ``sections`` splits an output). An exception other than SystemExit is not caught: mlip_parallel's
-hook ends every rank with it, and the sections after it do not run. After each section torch's default dtype, the
-warning filters and the working directory are put back, and the planted faults' tally (tests/faults.py) starts at
-zero; a script that changes other state of the process (tests/mpi/chunked.py: small chunks; tests/mpi/mistakes.py:
-an address-space limit) goes last or shares the launch with its kind alone. Exits 1 if any section did."""
+Each section runs as ``python SCRIPT ARG ...`` would (as ``__main__``, with its own sys.argv), in order; its exit status
+is kept and the next one runs. Rank 0 prints "several: begin NAME" before a section and "several: end NAME status S"
+after it, once every rank has finished it, so that each section's lines of rank 0, stderr's among them (it goes to
+stdout), fall between its markers (tests/conftest.py's ``sections`` splits an output). An exception other than
+SystemExit is not caught: mlip_parallel's hook ends every rank with it, and the sections after it do not run. After each
+section torch's default dtype, the warning filters and the working directory are put back, and the planted faults' tally
+(tests/faults.py) starts at zero; a script that changes other state of the process (tests/mpi/chunked.py: small chunks;
+tests/mpi/mistakes.py: an address-space limit) goes last or shares the launch with its kind alone. Exits 1 if any
+section did."""
 import os
 import runpy
 import sys
@@ -65,6 +66,8 @@ def main(argv) -> int:
     from mpi4py import MPI
 
     world, failed = MPI.COMM_WORLD, 0
+    os.dup2(1, 2)  # one stream, both line-buffered: a section's lines on stderr (progress, errors) in it, in order
+    sys.stdout.reconfigure(line_buffering=True)
     for name, target, args in parse(argv):
         if world.rank == 0:
             print(f"several: begin {name}", flush=True)
