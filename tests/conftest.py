@@ -119,6 +119,22 @@ def sections(output: str) -> dict:
     return found
 
 
+def launch_sections(run, ranks: int, scripts, **options):
+    """Several scripts of tests/mpi in one launch (tests/mpi/several.py) through the launcher ``run`` (``mpirun``) on
+    ``ranks`` ranks: ``scripts`` is [(name, [SCRIPT or "-m", MODULE, ARG ...])]. Returns ``section(name)`` → (exit
+    status, output): the section's own lines where it ended with status 0; otherwise its status (1 where it never
+    ended) and the whole launch's output, which says why."""
+    args = [str(a) for name, script in scripts for a in ("--", name, *script)][1:]
+    _, out, _ = run(ranks, MPI_DIR / "several.py", *args, **options)
+    found = sections(out)
+
+    def section(name):
+        status, text = found.get(name, (None, ""))
+        return (0, text) if status == 0 else (status or 1, out)
+
+    return section
+
+
 def _launcher(prefix):
     """run(n, script_or_module_args..., timeout=HANG_GUARD, backend=None, pythonpath=()) → (returncode, output,
     seconds).

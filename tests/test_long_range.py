@@ -10,7 +10,7 @@ from ase.build import bulk
 
 import potentials
 from comparison import assert_close
-from conftest import MPI_DIR, ROOT, needs
+from conftest import ROOT, importable, launch_sections, needs
 from potentials.base import Potential
 from potentials.coulomb import ChargeModel, ewald_kvectors
 from potentials.families import ModelSpecError
@@ -308,14 +308,23 @@ def test_a_reciprocal_part_that_does_not_fit_is_named(monkeypatch):
     assert np.isfinite(predict(born("p3m", 1e-4, pairs=ZERO_PAIRS), atoms)["energy"])
 
 
+@pytest.fixture(scope="module")
+def on_four_ranks(mpirun):
+    """``on_four_ranks(name)`` → (exit status, output) of tests/mpi/long_range.py ("long_range") and, where LAMMPS is
+    installed, tests/mpi/lammps_born.py ("lammps_born"), in one 4-rank launch (``conftest.launch_sections``)."""
+    scripts = [("long_range", ["long_range.py"])] + ([("lammps_born", ["lammps_born.py"])] if importable("lammps")
+                                                      else [])
+    return launch_sections(mpirun, 4, scripts)
+
+
 @pytest.mark.parametrize("ranks", [4])  # (the meshes on 4, 3 and 2 ranks in this launch)
-def test_distributed_equals_one_process(mpirun, ranks):
-    rc, out, _ = mpirun(ranks, MPI_DIR / "long_range.py")
+def test_distributed_equals_one_process(on_four_ranks, ranks):
+    rc, out = on_four_ranks("long_range")
     assert rc == 0 and f"long range P={ranks}: 0 failures" in out, out
 
 
 @needs("lammps")
 @pytest.mark.parametrize("ranks", [4])  # (one process == 2–4 ranks: test_distributed_equals_one_process)
-def test_equals_lammps_born_coul_long_with_ewald(mpirun, ranks):
-    rc, out, _ = mpirun(ranks, MPI_DIR / "lammps_born.py")
+def test_equals_lammps_born_coul_long_with_ewald(on_four_ranks, ranks):
+    rc, out = on_four_ranks("lammps_born")
     assert rc == 0 and f"lammps born P={ranks}: 0 failures" in out, out

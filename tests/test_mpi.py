@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import MPI_DIR, ROOT, assert_job_aborted, missing, mpiexec_path, require, sections
+from conftest import MPI_DIR, ROOT, assert_job_aborted, launch_sections, missing, mpiexec_path, require
 
 # Other packages' models (tests/mpi/families.py): each family in full on 2 ranks; the first model of each on every
 # 3-rank grid (fairchem's under torch.distributed); every family in one lean launch on 4 ranks and one under
@@ -44,17 +44,13 @@ SHARED = {2: [("equivalence", ["equivalence.py"]), ("double_backward", ["double_
 @pytest.fixture(scope="module")
 def shared(mpirun):
     """``shared(ranks, name)`` → (exit status, output) of section ``name`` of the launch of ``SHARED[ranks]`` (run at
-    the first request for ``ranks``); where the section failed or never ended, the output is the whole launch's."""
+    the first request for ``ranks``; ``conftest.launch_sections``)."""
     launches = {}
 
     def section(ranks, name):
         if ranks not in launches:
-            args = [a for label, script in SHARED[ranks] for a in ("--", label, *script)][1:]
-            rc, out, _ = mpirun(ranks, MPI_DIR / "several.py", *args)
-            launches[ranks] = out, sections(out)
-        out, found = launches[ranks]
-        status, text = found.get(name, (None, ""))
-        return (status, text) if status == 0 else (1 if status is None else status, out)
+            launches[ranks] = launch_sections(mpirun, ranks, SHARED[ranks])
+        return launches[ranks](name)
 
     return section
 

@@ -16,7 +16,7 @@ from ase.io import read, write
 
 import potentials
 from comparison import assert_beyond, assert_close
-from conftest import MPI_DIR, ROOT, assert_log_lines, require, sections
+from conftest import MPI_DIR, ROOT, assert_log_lines, launch_sections, require
 from mlip_parallel.config import ConfigError
 from mlip_parallel.train.cli import RULES, SCHEMA, main, train, validate
 from mlip_parallel.train.structures import DataError
@@ -306,8 +306,8 @@ def lora_job(tmp_path, quick_data, parallel):
 def on_two_ranks(mpirun, quick_data, replay_data, tmp_path_factory):
     """``on_two_ranks(name)`` → (case directory, exit status, output) of the mpiexec runs of ``TWO_RANKS`` (name
     "PARALLEL-STREAM") and ``LORA`` ("lora-PARALLEL"): the one-process runs trained here, the 2-rank runs of
-    mlip-train in one launch (tests/mpi/several.py); where a run failed or never ended, the whole launch's output."""
-    root, args = tmp_path_factory.mktemp("two_ranks"), []
+    mlip-train in one launch (``conftest.launch_sections``)."""
+    root = tmp_path_factory.mktemp("two_ranks")
     for parallel, launcher, stream in TWO_RANKS:
         if launcher == "mpiexec":
             (root / f"{parallel}-{stream}").mkdir()
@@ -315,16 +315,9 @@ def on_two_ranks(mpirun, quick_data, replay_data, tmp_path_factory):
     for parallel in LORA:
         (root / f"lora-{parallel}").mkdir()
         lora_job(root / f"lora-{parallel}", quick_data, parallel)
-    for case in sorted(p.name for p in root.iterdir()):
-        args += ["--", case, "-m", "mlip_parallel.train.cli", root / case / "job.yaml"]
-    rc, out, _ = mpirun(2, MPI_DIR / "several.py", *args[1:])
-    found = sections(out)
-
-    def run(name):
-        status, text = found.get(name, (None, ""))
-        return (root / name, 0, text) if status == 0 else (root / name, 1, out)
-
-    return run
+    section = launch_sections(mpirun, 2, [(case, ["-m", "mlip_parallel.train.cli", root / case / "job.yaml"])
+                                          for case in sorted(p.name for p in root.iterdir())])
+    return lambda name: (root / name, *section(name))
 
 
 @pytest.mark.parametrize("parallel, launcher, stream", TWO_RANKS)
