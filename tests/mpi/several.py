@@ -18,6 +18,8 @@ import sys
 import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
 def parse(argv) -> list:
     """[(name, script or ("-m", module), args)] of the command line."""
     runs, current = [], []
