@@ -221,8 +221,6 @@ def test_pipeline_parallel_equals_single_process(shared, ranks):
         "backend)" in out, out
 
 
-
-
 def check_families(out: str, ranks: int, families, backend=None) -> None:
     """A tests/mpi/families.py launch on ``ranks`` ranks: each installed family's summary names no failure, ranks
     without atoms occurred from 3 ranks on (lean and full alike hold the clusters on an explicit grid), its faults
