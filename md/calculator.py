@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 from ase.calculators.calculator import Calculator, all_changes
 
 import mlip_parallel
@@ -14,8 +15,31 @@ from potentials.graph import MIN_DISTANCE
 from potentials.messages import memory_budget_bytes
 from mlip_parallel import MODES
 
+ARRAY_CHANGES = [name for name in all_changes if name not in ("cell", "pbc")]  # what ASE compares in Atoms.arrays
 
-class MLIPCalculator(Calculator):
+
+def unchanged(before, atoms) -> bool:
+    """Whether ``atoms`` are exactly ``before`` in everything ASE's ``compare_atoms`` compares: cell, pbc, and the
+    arrays of ``all_changes`` (each present in both or in neither)."""
+    return np.array_equal(before.cell.array, atoms.cell.array) and np.array_equal(before.pbc, atoms.pbc) and all(
+        (name in before.arrays) == (name in atoms.arrays)
+        and (name not in atoms.arrays or np.array_equal(before.arrays[name], atoms.arrays[name]))
+        for name in ARRAY_CHANGES)
+
+
+class ExactStateCheck:
+    """An ASE calculator's ``check_state`` (what changed since its results) answered by an exact comparison where
+    nothing changed, ASE's own (``np.allclose`` of each array, within 1e-15) otherwise: the same answer, without ASE's
+    0.1-0.2 ms on each read of a result (an optimizer reads the forces twice a step, a script energy, forces and
+    stress: 6 % of a batched FIRE step of 8-32-atom cells)."""
+
+    def check_state(self, atoms, tol=1e-15):
+        if self.atoms is not None and unchanged(self.atoms, atoms):
+            return []
+        return super().check_state(atoms, tol)
+
+
+class MLIPCalculator(ExactStateCheck, Calculator):
     """Energy, free energy, per-atom energies, forces and stress of a potentials model, in one pass.
 
     Launched with ``mpiexec -n P python script.py``, every rank builds the same Atoms and attaches its
