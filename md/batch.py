@@ -12,8 +12,8 @@ alone with the same seed (``MDRun``). When a structure finishes it leaves the ba
 (``batch_cli``, ``batch_job``) runs them from a config over ranks.
 
 Loop order of ``run_tasks``, once per round:
-    fill the batch from the queue up to its atom limit (the next structure is taken only when it fits)
-    evaluate every structure in the batch (one graph, split only where memory requires)
+    fill the batch from the queue while the sizer has room (BatchSizer.has_room: its graph size, at least 256 atoms)
+    evaluate every structure in the batch (graphs of the sizer's size, split further only where memory requires)
     for each structure: give it its results; it is converged or out of steps -> done (reported, leaves);
                         else it takes one optimizer step
 """
@@ -34,7 +34,7 @@ from potentials.batch import BatchSizer, predict_many
 from potentials.graph import MIN_DISTANCE, system_of
 from potentials.predict import voigt_stress
 
-from .calculator import MLIPCalculator
+from .calculator import ExactStateCheck, MLIPCalculator
 from .engine import MDSystem, checked_new_cell, run
 
 TASKS = ("single_point", "relax", "md")
@@ -42,6 +42,10 @@ DEVIATION_INFO = ("max_devi_f", "min_devi_f", "avg_devi_f", "devi_e")  # a commi
 # what a structure read from a file may carry of an earlier calculation: removed before its new results are attached
 STALE_INFO = ("energy", "free_energy", "stress", "virial", "step", "time_fs", "converged", "steps", *DEVIATION_INFO)
 STALE_ARRAYS = ("forces", "energies", "devi_f")
+
+
+class BatchResults(ExactStateCheck, SinglePointCalculator):
+    """ASE's single-point calculator, its check of the atoms first exact (``ExactStateCheck``)."""
 
 
 def attach_results(atoms, result: dict) -> None:
@@ -54,7 +58,7 @@ def attach_results(atoms, result: dict) -> None:
     for key in STALE_ARRAYS:
         atoms.arrays.pop(key, None)
     keep = {key: result[key] for key in ("energy", "forces", "stress") if key in result}
-    atoms.calc = SinglePointCalculator(atoms, free_energy=result["energy"], **keep)
+    atoms.calc = BatchResults(atoms, free_energy=result["energy"], **keep)
     if "devi_f" in result:
         atoms.info.update({key: result[key] for key in DEVIATION_INFO})
         atoms.arrays["devi_f"] = np.asarray(result["devi_f"])
@@ -171,8 +175,9 @@ class MDRun:
 
 class TaskQueue:
     """Tasks in the order they are to be taken: ``next_size()`` the atoms of the next (None: none left), ``take()``
-    the next (None: none left). ``run_tasks`` reads any object with these two methods (mlip-batch's queue is shared
-    by the ranks, its tasks made as they are taken)."""
+    the next (None: none left), ``plenty(n)`` whether at least ``n`` are left for each taker (here one).
+    ``run_tasks`` reads any object with these three methods (mlip-batch's queue is shared by the ranks, its tasks made
+    as they are taken)."""
 
     def __init__(self, tasks):
         self.tasks, self.k = list(tasks), 0
@@ -186,19 +191,25 @@ class TaskQueue:
         self.k += 1
         return self.tasks[self.k - 1]
 
+    def plenty(self, n: int) -> bool:
+        return len(self.tasks) - self.k >= n
+
 
 def run_tasks(model, queue, done: Callable, max_atoms: float | None = None,
               memory_budget_gb: float | None = None, min_distance: float = MIN_DISTANCE) -> BatchSizer:
     """Run the tasks of ``queue`` (``TaskQueue``'s methods; ``SinglePoint``, ``Relaxation`` or ``MDRun``) to the end
     with ``model``, calling ``done(task)`` for each as it finishes (its ``atoms`` carry the final results). A task is
-    taken only when it fits: at most ``max_atoms`` atoms in flight (None: the graph size found fastest while running,
-    ``BatchSizer``; a structure larger than that runs alone). ``memory_budget_gb`` and ``min_distance`` as in
+    taken while the sizer has room (``BatchSizer.has_room``: at least 256 atoms in flight while the queue has plenty
+    for every rank; near its end, what one graph holds: the ranks end together), and the tasks in flight
+    are evaluated as graphs of at most ``max_atoms`` atoms (None: the size found fastest while running,
+    ``BatchSizer``; a structure larger than that is a graph of its own). ``memory_budget_gb`` and ``min_distance`` as in
     ``predict_many``; a structure that cannot be evaluated is a BatchError naming its ``index``. Returns the sizer
     (its choice)."""
     sizer, flight = BatchSizer(model, max_atoms), []
     while True:
         held = sum(len(task.atoms) for task in flight)
-        while (size := queue.next_size()) is not None and (not flight or held + size <= sizer.max_atoms):
+        while (size := queue.next_size()) is not None and \
+                sizer.has_room(held, len(flight), size, queue.plenty(sizer.trial_structures)):
             task = queue.take()
             if task is None:  # (the queue's last went elsewhere)
                 break

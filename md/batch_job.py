@@ -139,13 +139,14 @@ def md_settings(section: dict, atoms, index: int) -> dict:
 
 
 class SharedQueue:
-    """The structures ``order`` (input indices, the largest first) shared by the ranks through ``counter`` (an atomic
-    fetch-and-add, ``backend.counter()``), as ``md.batch.run_tasks`` reads a queue: ``next_size()`` the atoms of the
-    next not yet taken by any rank, ``take()`` takes the next (``make(index)``: its task) — no larger than the one
-    seen, the order being by size. None where none is left."""
+    """The structures ``order`` (input indices, the largest first) shared by the ``ranks`` ranks through ``counter``
+    (an atomic fetch-and-add, ``backend.counter()``), as ``md.batch.run_tasks`` reads a queue: ``next_size()`` the
+    atoms of the next not yet taken by any rank, ``take()`` takes the next (``make(index)``: its task) — no larger
+    than the one seen, the order being by size. None where none is left. ``plenty(n)``: whether at least ``n``
+    structures are left for each rank."""
 
-    def __init__(self, order, sizes, counter, make):
-        self.order, self.sizes, self.counter, self.make = order, sizes, counter, make
+    def __init__(self, order, sizes, counter, make, ranks: int):
+        self.order, self.sizes, self.counter, self.make, self.ranks = order, sizes, counter, make, ranks
 
     def next_size(self) -> int | None:
         k = self.counter.add(0)
@@ -154,6 +155,9 @@ class SharedQueue:
     def take(self):
         k = self.counter.add(1)
         return self.make(int(self.order[k])) if k < len(self.order) else None
+
+    def plenty(self, n: int) -> bool:
+        return len(self.order) - self.counter.add(0) >= n * self.ranks
 
 
 class BatchJob:
@@ -312,7 +316,7 @@ class BatchJob:
                 if root:
                     finish(task)
                 self.trajectories.pop(index, None)
-            queue = SharedQueue(order, self.sizes, counter, self.task)
+            queue = SharedQueue(order, self.sizes, counter, self.task, self.backend.size)
             run_tasks(self.model, queue, finish, self.config["max_atoms"], self.config["memory_budget_gb"],
                       self.config["min_distance"])
         finally:

@@ -168,14 +168,14 @@ class BatchSizer:
     before it (a near tie goes on, and so does a candidate whose graphs held about one structure each, as the
     first's); the fastest is kept.
 
-    A candidate's cost is its graphs' seconds over the seconds the same structures take alone, as the first trial
-    (one structure per graph) measured them: seconds = a + b · atoms, fitted to its evaluations (non-negative least
-    squares). Candidates see different structures (a relaxation's first ones, then the next), and alone a 4-atom
-    cell costs 2.7 times a 32-atom one per atom (cu-emt: 3 ms a call + 0.25 ms an atom); compared per atom, cu-emt
-    on 8-32-atom cells mostly stayed at one structure per graph (0.74-1.1x the ASE loop; 1.5-2.3x at 256 atoms
-    per graph). A trial is at least ``rounds`` evaluations after a warm-up call, ``trial_atoms`` atoms and
-    ``trial_structures`` different structures (a relaxation evaluates each many times). ``record`` takes each
-    graph's structure sizes, seconds (its preparation included) and structures' names."""
+    A candidate's cost is the median of its graphs' seconds over the seconds the same structures take alone, as
+    the first trial (one structure per graph) measured them: seconds = a + b · atoms, fitted to its evaluations
+    (non-negative least squares). Candidates see different structures (a relaxation's first ones, then the next),
+    and alone a 4-atom cell costs 2.7 times a 32-atom one per atom (cu-emt: 3 ms a call + 0.25 ms an atom), so
+    seconds per atom would favour one structure per graph. A trial is at least ``rounds`` evaluations after a
+    warm-up call, ``trial_atoms`` atoms, ``trial_structures`` different structures (a relaxation evaluates each
+    many times) and ``trial_seconds``. ``record`` takes each graph's structure sizes, seconds (its share of the
+    preparation included) and structures' names; ``has_room`` tells a task runner how many structures to hold."""
 
     CANDIDATES = (1, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)  # 1: a structure alone
     CPU_MAX_ATOMS = 2048
@@ -183,8 +183,9 @@ class BatchSizer:
     ALONE = 1.5  # unless its graphs held fewer structures than this on average (as alone: only noise can tell them)
 
     def __init__(self, model, max_atoms: float | None = None, rounds: int = 3, trial_atoms: int = 256,
-                 trial_structures: int = 8):
+                 trial_structures: int = 8, trial_seconds: float = 0.2):
         self.rounds, self.trial_atoms, self.trial_structures = rounds, trial_atoms, trial_structures
+        self.trial_seconds = trial_seconds
         self.trials, self.warm, self.alone = {}, False, None  # trials: {max_atoms: [(sizes, seconds, ids), ...]}
         if max_atoms is not None:
             self.candidates, self.chosen = [max_atoms], max_atoms
@@ -197,24 +198,42 @@ class BatchSizer:
         """The atoms the next graph may hold (a structure larger than this is a graph of its own)."""
         return self.chosen if self.chosen is not None else self.candidates[self.k]
 
-    def cost(self, size) -> float:
-        """The seconds of the graphs of at most ``size`` atoms over what their structures take alone."""
-        a, b = self.alone
-        alone = sum(a * len(sizes) + b * sum(sizes) for sizes, _, _ in self.trials[size])
-        return sum(seconds for _, seconds, _ in self.trials[size]) / max(alone, 1e-12)
+    def has_room(self, atoms: int, structures: int, size: int, plenty: bool = True) -> bool:
+        """Whether a task runner holding ``structures`` structures of ``atoms`` atoms in all takes one more of
+        ``size`` atoms: when none is held, up to ``max_atoms`` in all, and while its queue has ``plenty`` (enough
+        left for every rank: near the end the ranks share what is left) up to a trial's ``trial_atoms`` in all, while
+        searching also up to ``trial_structures`` structures (its evaluations split into graphs of ``max_atoms``).
+        Each round then evaluates several structures, one graph after another: as a trial needs them (different
+        structures in one round: a relaxation keeps its structures for many rounds), and graphs run back to back,
+        which is faster (cu-emt's 8-32-atom cells alone: 5.9 ms each so, 8 ms each between optimizer steps)."""
+        if not structures or atoms + size <= self.max_atoms:
+            return True
+        return plenty and (atoms + size <= self.trial_atoms or (self.chosen is None and
+                                                                structures < self.trial_structures))
 
-    def record(self, sizes, seconds: float, ids=()) -> None:
+    def cost(self, size) -> float:
+        """The median over the graphs of at most ``size`` atoms of a graph's seconds over what its structures take
+        alone (the median: one graph slowed by this host's noise does not decide)."""
+        a, b = self.alone
+        return float(np.median([seconds / max(a * len(sizes) + b * sum(sizes), 1e-12)
+                                for sizes, seconds, _ in self.trials[size]]))
+
+    def record(self, sizes, seconds: float, ids=(), made_at: float | None = None) -> None:
         """One graph of structures of ``sizes`` atoms (``ids``: the structures' names, as a task's index; none: each
-        new), made at ``max_atoms``, took ``seconds``."""
-        if self.chosen is not None:
+        new), made at ``made_at`` atoms (default: ``max_atoms``), took ``seconds``. Not counted: the first graph (the
+        model's warm-up), and one made at an earlier candidate (the rest of a call the search moved on in). (A
+        candidate's first graph may take up to twice the next, the allocator growing to its temporaries: the median
+        of its cost passes over it.)"""
+        if self.chosen is not None or (made_at is not None and made_at != self.max_atoms):
             return
-        if not self.warm:  # (the first call pays the model's warm-up)
+        if not self.warm:
             self.warm = True
             return
         trial = self.trials.setdefault(self.max_atoms, [])
         trial.append((list(map(int, sizes)), seconds, list(ids) or [object() for _ in sizes]))
         if len(trial) < self.rounds or sum(sum(n) for n, _, _ in trial) < self.trial_atoms or \
-                len({i for _, _, ids in trial for i in ids}) < self.trial_structures:
+                len({i for _, _, ids in trial for i in ids}) < self.trial_structures or \
+                sum(t for _, t, _ in trial) < self.trial_seconds:
             return
         if self.alone is None:  # the first trial (a structure alone): seconds = a + b * atoms
             rows = np.array([(1.0, float(sum(n))) for n, _, _ in trial])
@@ -253,18 +272,22 @@ def predict_many(model, structures, stress: bool = True, memory_budget_gb: float
     (``committee_result``). ``memory_budget_gb`` bounds one chunk of a block's edge temporaries as in ``predict``;
     ``min_distance``: atoms closer are a BatchError naming the structure (``names[k]``, default k) and the pair (0:
     unchecked). ``strain_derivative``: each result also holds "dE_dstrain" [3, 3] (``evaluate_batch``)."""
-    start = time.perf_counter()  # (the sizer counts the preparation with the first graph)
+    start = time.perf_counter()
     batch = prepare_batch(model, structures, min_distance, names)
     sizer = sizer if sizer is not None else BatchSizer(model, max_atoms)
     edges = np.bincount(batch.edge_batch, minlength=batch.size)
     free = available_bytes(model.device)
+    preparation = (time.perf_counter() - start) / batch.offsets[-1]  # seconds per atom, counted with each graph
     results, first = [], 0
     while first < batch.size:
-        last = first + leading_group(model, batch.sizes[first:], edges[first:], sizer.max_atoms, free)
+        start = time.perf_counter()
+        limit = sizer.max_atoms
+        last = first + leading_group(model, batch.sizes[first:], edges[first:], limit, free)
         results += evaluate_batch(model, select(batch, range(first, last)), stress, memory_budget_gb, free,
                                   strain_derivative)
-        sizer.record(batch.sizes[first:last], time.perf_counter() - start, () if names is None else names[first:last])
-        first, start = last, time.perf_counter()
+        seconds = time.perf_counter() - start + preparation * batch.sizes[first:last].sum()
+        sizer.record(batch.sizes[first:last], seconds, () if names is None else names[first:last], limit)
+        first = last
     return results
 
 
