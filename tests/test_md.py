@@ -298,3 +298,38 @@ def test_md_force_call_chunks_where_one_pass_would_not_fit(monkeypatch):
         assert saved <= budget_gb * 1e9 + 25e3 * n, (budget, saved / n, budget_gb)
     assert per_atom[float("inf")][0] > 100e3 * n, per_atom
 
+
+
+def test_the_calculators_check_of_the_atoms_answers_as_ases():
+    """MLIPCalculator and the batch's single-point results (ExactStateCheck) say what changed since their results
+    exactly as ASE's own check does: nothing for a copy of the atoms, nothing for a position one ulp off (within
+    ASE's tolerance: ASE's answer, not the exact comparison's), and each change — positions by 1e-12 Å, cell, pbc,
+    numbers, initial charges and magnetic moments added — as ASE names it; a moved atom is evaluated again."""
+    from ase.calculators.calculator import Calculator
+
+    from md import MLIPCalculator
+    from md.batch import BatchResults
+
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True)
+    atoms.rattle(0.05, seed=2)
+    calc = MLIPCalculator(potentials.LennardJones(0.4, 2.3, 5.0))
+    atoms.calc = calc
+    energy = atoms.get_potential_energy()
+    single = BatchResults(atoms, energy=energy, forces=atoms.get_forces())
+    changes = {"same": lambda a: None, "positions 1e-12": lambda a: a.positions.__iadd__(1e-12),
+               "positions 1e-16": lambda a: a.positions.__setitem__((0, 0), np.nextafter(a.positions[0, 0], 9)),
+               "cell": lambda a: a.set_cell(a.cell[:] * 1.001), "pbc": lambda a: a.set_pbc([True, True, False]),
+               "numbers": lambda a: a.numbers.__setitem__(0, 47),
+               "charges": lambda a: a.set_initial_charges([0.1] * len(a)),
+               "magmoms": lambda a: a.set_initial_magnetic_moments([1.0] * len(a))}
+    for name, change in changes.items():
+        changed = atoms.copy()
+        change(changed)
+        for checker in (calc, single):
+            ases = Calculator.check_state(checker, changed)
+            assert checker.check_state(changed) == ases, (name, type(checker).__name__, ases)
+            assert (ases == []) == (name in ("same", "positions 1e-16")), (name, ases)
+    moved = atoms.copy()
+    moved.positions[0, 0] += 0.01
+    moved.calc = calc
+    assert moved.get_potential_energy() != energy
