@@ -82,6 +82,7 @@ def mpiexec_path() -> str:
 
 
 LAUNCH_LOG = "MLIP_PARALLEL_TEST_LAUNCH_LOG"  # a file: each launch appends "wall_s cpu_s ranks script test" to it
+# (a launch of several.py: then "  wall_s ranks name" for each of its sections)
 
 
 def children_cpu_seconds() -> float:
@@ -101,7 +102,7 @@ def log_launch(seconds: float, cpu: float, ranks: int, args) -> None:
             log.write(f"{seconds:.1f} {cpu:.1f} {ranks} {script} {test}\n")
 
 
-SECTION = re.compile(r"^several: (begin|end) (\S+)(?: status (\d+))?$", re.MULTILINE)  # tests/mpi/several.py's marks
+SECTION = re.compile(r"^several: (begin|end) (\S+)(?: status (\d+) in ([\d.]+) s)?$", re.MULTILINE)  # several.py
 
 
 def sections(output: str) -> dict:
@@ -109,7 +110,7 @@ def sections(output: str) -> dict:
     that began and did not end has status None."""
     found, begun = {}, None
     for match in SECTION.finditer(output):
-        kind, name, status = match.groups()
+        kind, name, status, _ = match.groups()
         if kind == "begin":
             begun = name, match.end()
             found[name] = None, output[match.end():]
@@ -127,6 +128,10 @@ def launch_sections(run, ranks: int, scripts, **options):
     args = [str(a) for name, script in scripts for a in ("--", name, *script)][1:]
     _, out, _ = run(ranks, MPI_DIR / "several.py", *args, **options)
     found = sections(out)
+    path = os.environ.get(LAUNCH_LOG)
+    if path:  # (each section's wall seconds, under its launch's line)
+        with open(path, "a") as log:
+            log.writelines(f"  {m[4]} {ranks} {m[2]}\n" for m in SECTION.finditer(out) if m[1] == "end")
 
     def section(name):
         status, text = found.get(name, (None, ""))

@@ -4,17 +4,18 @@ for all of them, not once per script (about 2.4 CPU seconds per rank and script)
     several.py NAME SCRIPT [ARG ...] [-- NAME SCRIPT [ARG ...]] ...     SCRIPT: a file of tests/mpi, or -m MODULE
 
 Each section runs as ``python SCRIPT ARG ...`` would (as ``__main__``, with its own sys.argv), in order; its exit status
-is kept and the next one runs. Rank 0 prints "several: begin NAME" before a section and "several: end NAME status S"
-after it, once every rank has finished it, so that each section's lines of rank 0, stderr's among them (it goes to
-stdout), fall between its markers (tests/conftest.py's ``sections`` splits an output). An exception other than
-SystemExit is not caught: mlip_parallel's hook ends every rank with it, and the sections after it do not run. After each
-section torch's default dtype, the warning filters and the working directory are put back, and the planted faults' tally
-(tests/faults.py) starts at zero; a script that changes other state of the process (tests/mpi/chunked.py: small chunks;
-tests/mpi/mistakes.py: an address-space limit) goes last or shares the launch with its kind alone. Exits 1 if any
-section did."""
+is kept and the next one runs. Rank 0 prints "several: begin NAME" before a section and
+"several: end NAME status S in T s" after it (T: its wall seconds), once every rank has finished it, so that each
+section's lines of rank 0, stderr's among them (it goes to stdout), fall between its markers (tests/conftest.py's
+``sections`` splits an output). An exception other than SystemExit is not caught: mlip_parallel's hook ends every rank
+with it, and the sections after it do not run. After each section torch's default dtype, the warning filters and the
+working directory are put back, and the planted faults' tally (tests/faults.py) starts at zero; a script that changes
+other state of the process (tests/mpi/chunked.py: small chunks; tests/mpi/mistakes.py: an address-space limit) goes last
+or shares the launch with its kind alone. Exits 1 if any section did."""
 import os
 import runpy
 import sys
+import time
 import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -73,12 +74,13 @@ def main(argv) -> int:
     for name, target, args in parse(argv):
         if world.rank == 0:
             print(f"several: begin {name}", flush=True)
+        start = time.perf_counter()
         status = run(target, args)
         sys.stdout.flush()
         sys.stderr.flush()
         status = world.allreduce(status, op=MPI.MAX)  # (every rank done with it: its lines are out)
         if world.rank == 0:
-            print(f"several: end {name} status {status}", flush=True)
+            print(f"several: end {name} status {status} in {time.perf_counter() - start:.1f} s", flush=True)
         failed |= status != 0
     return 1 if failed else 0
 
