@@ -7,9 +7,11 @@ large temporary costs page faults, system time. Settings (each in a fresh proces
   kept      ``mlip_parallel.allocator.keep_freed_memory``: blocks up to 32 MiB from the heap, trimmed only
             beyond 2 GiB (MLIPCalculator's default)
 Prints per call: wall seconds, user and system CPU seconds, the system share (goal <= 5 %), minor page faults,
-and the peak resident size.
+and the peak resident size. ``--ranks P``: under mpiexec, the structure decomposed over P ranks (CPU seconds and
+faults summed over the ranks, wall and peak the largest rank's); ``--settings kept``: that setting alone.
 
-    python benchmarks/kernel_time.py [--atoms 4000,97556] [--model schnet] [--calls 2]
+    python benchmarks/kernel_time.py [--atoms 4000,97556] [--model schnet|cu-emt|mace-medium] [--calls 2]
+        [--ranks 1] [--settings default,kept]
 """
 import argparse
 import json
@@ -17,6 +19,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,16 +27,19 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import cu_crystal  # noqa: E402
 
-CELLS = {500: 5, 4000: 10, 32000: 20, 97556: 29}
+CELLS = {500: 5, 4000: 10, 32000: 20, 97556: 29, 108000: 30}
 SETTINGS = ("default", "kept")
 
 
-def build(name):
-    """The model: SchNet F=64, 3 layers, cutoff 5 Å (float32), or this package's cu-emt (PaiNN, float64)."""
+def build(name, file=None):
+    """The model: SchNet F=64, 3 layers, cutoff 5 Å (float32), this package's cu-emt (PaiNN, float64), or a random
+    MACE of MACE-MP-0-medium's shape (float32, 6 Å; ``file``: written by ``mace_scaling.make_model``)."""
     import potentials
 
     if name == "cu-emt":
         return potentials.load_model("cu-emt", checkpoint_dtype="float64")
+    if name == "mace-medium":
+        return potentials.MACE(file)
     return potentials.SchNet(["Cu"], cutoff=5.0, features=64, layers=3, seed=0)
 
 
@@ -44,7 +50,7 @@ def worker(args) -> None:
 
     torch.set_num_threads(1)
     atoms = cu_crystal(CELLS[args.atoms])
-    atoms.calc = MLIPCalculator(build(args.model), keep_freed_memory=args.setting == "kept")
+    atoms.calc = MLIPCalculator(build(args.model, args.file), keep_freed_memory=args.setting == "kept")
 
     def call():
         atoms.calc.reset()
@@ -63,28 +69,45 @@ def worker(args) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--atoms", default="4000,97556", help=f"comma-separated, of {list(CELLS)}")
-    parser.add_argument("--model", default="schnet", choices=["schnet", "cu-emt"])
+    parser.add_argument("--model", default="schnet", choices=["schnet", "cu-emt", "mace-medium"])
     parser.add_argument("--calls", type=int, default=2)
+    parser.add_argument("--ranks", type=int, default=1)
+    parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--setting", choices=SETTINGS, help=argparse.SUPPRESS)
+    parser.add_argument("--file", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         args.atoms = int(args.atoms)
         return worker(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model == "mace-medium":
+            from mace_scaling import make_model
+
+            args.file = str(Path(tmp) / "mace-medium.model")
+            make_model(args.file, "float32", hidden="128x0e+128x1o")
+        run(args)
+
+
+def run(args) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     for key in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_MMAP_MAX_"):
         env.pop(key, None)
-    print(f"{args.model}, one thread, energy+forces+stress per call (mean of {args.calls} after a warm-up); system "
-          f"share = system / (user + system) CPU, goal <= 5 %", flush=True)
+    print(f"{args.model}, {args.ranks} rank(s) of one thread, energy+forces+stress per call (mean of {args.calls} "
+          f"after a warm-up); system share = system / (user + system) CPU, goal <= 5 %", flush=True)
+    launch = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(args.ranks)] if args.ranks > 1 else []
     for n in (int(a) for a in args.atoms.split(",")):
-        for setting in SETTINGS:
-            done = subprocess.run([sys.executable, __file__, "--worker", "--atoms", str(n), "--model", args.model,
-                                   "--calls", str(args.calls), "--setting", setting],
+        for setting in args.settings.split(","):
+            done = subprocess.run(launch + [sys.executable, __file__, "--worker", "--atoms", str(n), "--model",
+                                            args.model, "--calls", str(args.calls), "--setting", setting]
+                                  + (["--file", args.file] if args.file else []),
                                   capture_output=True, text=True, env=env)
             if done.returncode:
                 print(f"{n:7d} atoms {setting:8s}: FAILED\n{done.stderr[-2000:]}", flush=True)
                 continue
-            r = json.loads(done.stdout.strip().splitlines()[-1])
+            ranks = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+            r = {key: sum(rank[key] for rank in ranks) for key in ("user", "system", "faults")}
+            r.update(wall=max(rank["wall"] for rank in ranks), peak_gb=max(rank["peak_gb"] for rank in ranks))
             share = r["system"] / (r["user"] + r["system"])
             print(f"{n:7d} atoms {setting:8s}: wall {r['wall']:8.2f} s  user {r['user']:8.2f} s  system "
                   f"{r['system']:7.2f} s  system share {100 * share:5.1f} %  minor faults {r['faults']:10.3g}  "
