@@ -205,7 +205,7 @@ class BatchSizer:
         searching also up to ``trial_structures`` structures (its evaluations split into graphs of ``max_atoms``).
         Each round then evaluates several structures, one graph after another: as a trial needs them (different
         structures in one round: a relaxation keeps its structures for many rounds), and graphs run back to back,
-        which is faster (cu-emt's 8-32-atom cells alone: 5.9 ms each so, 8 ms each between optimizer steps)."""
+        which is faster (cu-emt's 8-32-atom cells alone: 5.9 ms each back to back, 8 ms between optimizer steps)."""
         if not structures or atoms + size <= self.max_atoms:
             return True
         return plenty and (atoms + size <= self.trial_atoms or (self.chosen is None and
