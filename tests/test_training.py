@@ -169,6 +169,36 @@ def test_killed_mid_epoch_and_resumed_equals_a_straight_run(quick_data, replay_d
         assert a["training"]["scheduler"] == b["training"]["scheduler"]
 
 
+def test_killed_after_a_checkpoint_before_the_first_validation_resumes(quick_data, tmp_path, monkeypatch):
+    """last.pt every 3 steps, the first validation at step 5: a run killed at its 4th step attempt has last.pt (step
+    3) and no metrics.csv yet; resumed, it ends with the straight run's metrics and last.pt, bit for bit (before:
+    "resume: cannot read metrics.csv", seen when a requeued job was killed in that window)."""
+    from mlip_parallel.train import strategies
+
+    def config(directory):
+        return validate(job(directory, quick_data, epochs=2, batch_size=3, validate_every=5, resume=True,
+                            output={"directory": str(directory), "checkpoint_every": 3}), SCHEMA, RULES)
+
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    train(config(straight))
+    original, attempts = strategies.DataParallel.step, []
+
+    def step(self, *args):
+        attempts.append(1)
+        if len(attempts) == 4:
+            raise Killed
+        return original(self, *args)
+
+    monkeypatch.setattr(strategies.DataParallel, "step", step)
+    with pytest.raises(Killed):
+        train(config(cut))
+    assert (cut / "last.pt").exists() and not (cut / "metrics.csv").exists()
+    train(config(cut))
+    assert metrics(cut) == metrics(straight)
+    a, b = (torch.load(d / "last.pt", weights_only=True)["training"] for d in (straight, cut))
+    assert a["step"] == b["step"] and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
 def test_max_steps_and_the_warm_up_and_cosine_schedule_of_torch(quick_data, tmp_path):
     """max_steps 9 ends a 100-epoch run at step 9 (a row per step with validate_every 1); each row's learning rate
     (its step's) equals torch's own LinearLR warm-up (3 steps) followed by CosineAnnealingLR to min_lr over the

@@ -102,6 +102,8 @@ class Checkpoints:
         try:
             with open(self.directory / "metrics.csv") as f:
                 rows = [{k: int(v) if k == "step" else float(v) for k, v in r.items()} for r in csv.DictReader(f)]
+        except FileNotFoundError:  # last.pt of a checkpoint_every step before the first validation: no row yet
+            rows = []
         except (OSError, ValueError) as exc:
             raise ConfigError(f"resume: cannot read {self.directory / 'metrics.csv'}: {exc}") from None
         rows = [{**r, "epoch": self.batches.epochs_done(r["step"])} for r in rows if r["step"] <= self.step]
