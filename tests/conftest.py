@@ -91,15 +91,20 @@ def children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def log_launch(seconds: float, cpu: float, ranks: int, args) -> None:
-    """Where ``LAUNCH_LOG`` names a file, append one launch's wall and CPU seconds, ranks, script and test to it
-    (where the suite's time goes: docs/benchmarks.md)."""
+def append_launch_log(lines) -> None:
+    """Where ``LAUNCH_LOG`` names a file, append ``lines`` to it (where the suite's time goes: docs/benchmarks.md)."""
     path = os.environ.get(LAUNCH_LOG)
     if path:
+        with open(path, "a") as log:
+            log.writelines(lines)
+
+
+def log_launch(seconds: float, cpu: float, ranks: int, args) -> None:
+    """One launch's wall and CPU seconds, ranks, script and test to the launch log (``append_launch_log``)."""
+    if os.environ.get(LAUNCH_LOG):
         script = next((Path(a).name for a in args if a.endswith(".py")), " ".join(args[:2]))
         test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
-        with open(path, "a") as log:
-            log.write(f"{seconds:.1f} {cpu:.1f} {ranks} {script} {test}\n")
+        append_launch_log([f"{seconds:.1f} {cpu:.1f} {ranks} {script} {test}\n"])
 
 
 SECTION = re.compile(r"^several: (begin|end) (\S+)(?: status (\d+) in ([\d.]+) s)?$", re.MULTILINE)  # several.py
@@ -128,10 +133,8 @@ def launch_sections(run, ranks: int, scripts, **options):
     args = [str(a) for name, script in scripts for a in ("--", name, *script)][1:]
     _, out, _ = run(ranks, MPI_DIR / "several.py", *args, **options)
     found = sections(out)
-    path = os.environ.get(LAUNCH_LOG)
-    if path:  # (each section's wall seconds, under its launch's line)
-        with open(path, "a") as log:
-            log.writelines(f"  {m[4]} {ranks} {m[2]}\n" for m in SECTION.finditer(out) if m[1] == "end")
+    append_launch_log(f"  {m[4]} {ranks} {m[2]}\n" for m in SECTION.finditer(out) if m[1] == "end")  # (under its
+    # launch's line: each section's wall seconds)
 
     def section(name):
         status, text = found.get(name, (None, ""))
