@@ -5,6 +5,7 @@ Imported by pytest tests and by the MPI scripts in tests/mpi/ (which put this fo
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -124,10 +125,10 @@ def ase_lj_results(atoms):
     return result
 
 
-def in_many_chunks(setattr=setattr) -> dict:
-    """Make every memory-bounded path run in many small chunks (edge counts probed on 64 edges, chunks of 61
-    edges: several per block, the last one short) and count them: the returned {"edge sums": chunked edge sums
-    run (``messages._ChunkedEdgeSum``), "checkpoints": checkpointed chunks (row chunks, groups of atoms)} grows
+def in_many_chunks(setattr=setattr, edges: int = 61) -> dict:
+    """Make every memory-bounded path run in many small chunks (edge counts probed on ``edges`` + 3 edges, chunks of
+    ``edges`` edges: several per block, the last one short) and count them: the returned {"edge sums": chunked edge
+    sums run (``messages._ChunkedEdgeSum``), "checkpoints": checkpointed chunks (row chunks, groups of atoms)} grows
     as they run. ``setattr``: pytest's ``monkeypatch.setattr`` to undo it after a test."""
     import torch.utils.checkpoint
 
@@ -144,8 +145,8 @@ def in_many_chunks(setattr=setattr) -> dict:
         counts["checkpoints"] += 1
         return checkpoint(*args, **kwargs)
 
-    setattr(messages, "PROBE_EDGES", 64)
-    setattr(messages, "MIN_CHUNK_EDGES", 61)
+    setattr(messages, "PROBE_EDGES", edges + 3)
+    setattr(messages, "MIN_CHUNK_EDGES", edges)
     setattr(messages._ChunkedEdgeSum, "forward", staticmethod(counted_edge_sum))
     setattr(torch.utils.checkpoint, "checkpoint", counted_checkpoint)
     return counts
@@ -230,12 +231,20 @@ SEVENNET_STRUCTURES = {"silicon_diamond": silicon_diamond, "oxide_triclinic": ox
                        "silicon_cluster": silicon_cluster}
 
 
-def sevennet_reference(atoms):
-    """sevenn's own SevenNetCalculator('7net-0') on one process: the oracle for the adapter."""
+@functools.lru_cache(maxsize=None)
+def sevenn_calculator():
+    """sevenn's own SevenNetCalculator('7net-0'), built once per process (about a second each build) and shared by the
+    tests that read it: an ASE calculator recomputes whenever the atoms it is given differ from its last ones."""
     from sevenn.calculator import SevenNetCalculator
 
+    return SevenNetCalculator("7net-0")
+
+
+def sevennet_reference(atoms):
+    """sevenn's own SevenNetCalculator('7net-0') on one process: the oracle for the adapter."""
     atoms = atoms.copy()
-    atoms.calc = SevenNetCalculator("7net-0")
+    atoms.calc = sevenn_calculator()
+    atoms.calc.reset()
     result = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces()}
     if atoms.cell.rank == 3:
         result["stress"] = atoms.get_stress()
@@ -281,17 +290,26 @@ NEQUIP_DIR = Path(__file__).parent / "data" / "nequip"
 NEQUIP_FIXTURES = ("nequip-zbl", "allegro")  # each as NAME.ckpt and NAME.nequip.zip (make_fixtures.py)
 
 
+@functools.lru_cache(maxsize=None)
+def _nequip_calculator(path: str, stamp: tuple):
+    """The nequip framework's NequIPCalculator of the file ``path`` as it was at ``stamp`` (its mtime and size: a file
+    written again is loaded again), built once per process (about 0.8 s each build)."""
+    from nequip.integrations.ase import NequIPCalculator
+
+    return NequIPCalculator._from_saved_model(path, device="cpu", chemical_species_to_atom_type_map=True)
+
+
 def nequip_reference(path, atoms) -> dict:
     """The nequip framework's own ASE calculator on ``atoms`` (energy, forces, and stress where the cell has
     a volume), run in the framework's global dtype (float64) and the process's put back after."""
     import logging
 
-    from nequip.integrations.ase import NequIPCalculator
-
     dtype, level = torch.get_default_dtype(), logging.root.manager.disable
     logging.disable(logging.INFO)
     try:
-        calc = NequIPCalculator._from_saved_model(str(path), device="cpu", chemical_species_to_atom_type_map=True)
+        stat = Path(path).stat()
+        calc = _nequip_calculator(str(path), (stat.st_mtime_ns, stat.st_size))
+        calc.reset()
         torch.set_default_dtype(torch.float64)
         atoms = atoms.copy()
         atoms.calc = calc

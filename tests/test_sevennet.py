@@ -10,7 +10,8 @@ from comparison import assert_close
 from conftest import needs, require
 from md import MLIPCalculator
 from potentials.adapters.sevennet import SevenNet
-from systems import copper_vacancy_hop, in_many_chunks, oxide_triclinic, phonon_frequencies, sevennet_reference
+from systems import (copper_vacancy_hop, in_many_chunks, oxide_triclinic, phonon_frequencies, sevenn_calculator,
+                     sevennet_reference)
 
 pytestmark = [needs("sevenn"), pytest.mark.filterwarnings("ignore:::sevenn")]  # (quiet: its own deprecations)
 
@@ -72,10 +73,11 @@ def silicon_rattled():
 
 
 def both_calculators(sevennet) -> tuple:
-    """(name, ASE calculator) of ours at its defaults and of sevenn's own SevenNetCalculator('7net-0')."""
-    from sevenn.calculator import SevenNetCalculator
-
-    return ("ours", MLIPCalculator(sevennet)), ("sevenn", SevenNetCalculator("7net-0"))
+    """(name, ASE calculator) of ours at its defaults and of sevenn's own SevenNetCalculator('7net-0') (built once
+    per process, ``systems.sevenn_calculator``)."""
+    theirs = sevenn_calculator()
+    theirs.reset()
+    return ("ours", MLIPCalculator(sevennet)), ("sevenn", theirs)
 
 
 @pytest.mark.parametrize("how", ["fire", "fire-cell", "bfgs"])
