@@ -28,6 +28,7 @@ def main():
     parser.add_argument("--sizes", default="64,128,256", help="fixed graph sizes (atoms)")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    import numpy as np
     import torch
 
     torch.set_num_threads(1)
@@ -38,7 +39,7 @@ def main():
     from batch import write_structures
     from md.batch import relax_many, single_points
     from md.calculator import MLIPCalculator
-    from potentials.batch import evaluate_batch, prepare_batch
+    from potentials.batch import evaluate_batch, leading_group, prepare_batch, select
 
     low, high = (int(n) for n in args.atoms.split(","))
     sizes = [int(n) for n in args.sizes.split(",")]
@@ -64,15 +65,16 @@ def main():
         else:
             single_points(model, [a.copy() for a in structures], max_atoms=size)
 
-    def graphs(size):  # consecutive structures up to ``size`` atoms each, prepared once
-        groups, group, atoms = [], [], 0
-        for s in structures:
-            if group and atoms + len(s) > size:
-                groups.append(group)
-                group, atoms = [], 0
-            group.append(s)
-            atoms += len(s)
-        return [prepare_batch(model, g) for g in groups + [group]]
+    whole = prepare_batch(model, structures)
+    edges = np.bincount(whole.edge_batch, minlength=whole.size)
+
+    def graphs(size):  # consecutive structures up to ``size`` atoms each, as predict_many groups them, prepared once
+        parts, first = [], 0
+        while first < whole.size:
+            last = first + leading_group(model, whole.sizes[first:], edges[first:], size, float("inf"))
+            parts.append(select(whole, range(first, last)))
+            first = last
+        return parts
 
     prepared = {size: graphs(size) for size in sizes}
     methods = {("single_point", "ASE loop"): lambda: loop("single_point"),
